@@ -1,0 +1,16 @@
+"""Lynn workbench kernels: Triton kernels for LLM inference, each with a torch reference.
+
+``import lynn_kernels`` first sets up the runtime (compiled Triton on a GPU, the interpreter on a CPU), so every
+kernel module below is defined under the right backend.
+"""
+
+from . import runtime  # noqa: I001  (must come first: it chooses the Triton backend)
+from .runtime import backend, device_summary, use_reference
+from .validate import Metrics, compare, render_table
+from . import nvfp4
+from .nvfp4 import NVFP4Tensor, dequantize, quantize
+
+__version__ = "0.1.0"
+
+__all__ = ["runtime", "backend", "device_summary", "use_reference", "Metrics", "compare", "render_table",
+           "nvfp4", "NVFP4Tensor", "quantize", "dequantize"]

@@ -1,0 +1,100 @@
+"""NVFP4 constants and the input checks shared by the reference and the kernels.
+
+The format (docs/nvfp4.md): FP4 E2M1 elements, a block of 16 consecutive elements along K shares one FP8 E4M3
+scale, one FP32 global scale per tensor multiplies everything. Two elements per byte, the even element in the
+low nibble.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 16                     #: elements per block scale
+E2M1_MAX = 6.0                 #: largest E2M1 magnitude
+E4M3_MAX = 448.0               #: largest FP8 E4M3FN magnitude (no inf; 0x7F / 0xFF are NaN)
+GLOBAL_DIVISOR = E2M1_MAX * E4M3_MAX   #: 2688: ``global = amax / 2688`` puts the largest block scale at 448
+
+#: Magnitudes of the 8 positive E2M1 codes; code | 0x8 is the negative.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+#: The two quantiser recipes in the wild. They agree on the format and differ in the last fp32 bit of the scale
+#: arithmetic, which moves about 3% of block scales on bf16 weights (docs/nvfp4.md, "Two recipes").
+RECIPES = ("modelopt", "compressed-tensors")
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def e2m1_table(device=None) -> torch.Tensor:
+    """fp32 ``[16]``: the value of each 4-bit code (0x8 is -0.0)."""
+    pos = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat([pos, -pos])
+
+
+def check_weight(w: torch.Tensor, name: str = "w") -> None:
+    """Raise a clear error unless ``w`` is a non-empty float ``[..., K]`` tensor with ``K % 16 == 0``."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {w.dtype}; NVFP4 quantises bfloat16, float16 or float32 tensors")
+    if w.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension [..., K], got a 0-d tensor")
+    if w.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(w.shape)}); there is nothing to quantise")
+    k = w.shape[-1]
+    if k % BLOCK != 0:
+        raise ValueError(f"{name} has K = {k} (shape {tuple(w.shape)}); NVFP4 needs K to be a multiple of "
+                         f"{BLOCK}, one E4M3 scale per {BLOCK} elements")
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r}: expected one of {RECIPES}")
+
+
+def check_out_dtype(dtype: torch.dtype) -> None:
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"dtype={dtype}: dequantize writes one of {OUT_DTYPES}")
+
+
+def global_scale_tensor(global_scale, lead_shape: tuple, device, name: str = "global_scale") -> torch.Tensor:
+    """Normalise a user global scale (ModelOpt convention: multiply) to an fp32 tensor.
+
+    Accepts a Python number, a 0-d or ``[1]`` tensor (one scale for the tensor) or a tensor whose shape is a prefix
+    of the leading dims ``lead_shape`` (e.g. ``[E]`` for stacked experts). Must be finite and positive.
+    """
+    g = torch.as_tensor(global_scale, device=device)
+    if not g.dtype.is_floating_point:
+        raise TypeError(f"{name} has dtype {g.dtype}; expected a float (fp32) scale")
+    g = g.to(torch.float32)
+    if g.dim() == 1 and g.numel() == 1 and (len(lead_shape) == 0 or lead_shape[0] != 1):
+        g = g.reshape(())
+    if tuple(g.shape) != tuple(lead_shape[: g.dim()]):
+        raise ValueError(f"{name} has shape {tuple(g.shape)}; expected () or a prefix of the leading dims "
+                         f"{tuple(lead_shape)}")
+    g = g.to(device)
+    if not bool(torch.isfinite(g).all()) or not bool((g > 0).all()):
+        raise ValueError(f"{name} must be finite and > 0, got {g.flatten()[:8].tolist()}")
+    return g.contiguous()
+
+
+def default_global_scale(w: torch.Tensor, recipe: str, name: str = "w") -> torch.Tensor:
+    """The global scale each recipe picks from ``amax(|w|)`` (fp32, multiply convention), after a finiteness check.
+
+    * ModelOpt: ``amax.float() / 2688`` in fp32.
+    * compressed-tensors: ``2688 / amax`` computed in ``w``'s own dtype (bf16 for bf16 weights), then the reciprocal
+      is stored; we keep ``1 / that`` so that ``to_compressed_tensors`` writes it back.
+
+    An all-zero tensor gets 1.0 (both recipes then write zero codes).
+    """
+    amax = w.abs().amax()
+    if not bool(torch.isfinite(amax)):
+        raise ValueError(f"{name} contains NaN or Inf; NVFP4 cannot represent them (found amax = {amax.item()})")
+    if amax.item() == 0:
+        return torch.ones((), dtype=torch.float32, device=w.device)
+    if recipe == "modelopt":
+        return amax.float() / GLOBAL_DIVISOR
+    gs_ct = (GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(w.dtype).tiny)).float()
+    if not bool(torch.isfinite(gs_ct)):
+        gs_ct = torch.ones((), dtype=torch.float32, device=w.device)
+    return 1.0 / gs_ct

@@ -1,0 +1,235 @@
+"""Triton kernels for NVFP4 quantise and dequantise, bit-exact with :mod:`.reference`.
+
+Both are streaming kernels: one tile of rows x K columns per program, no reuse, so the goal is bytes per second.
+Scales are read and written as raw E4M3 bits and rounded with integer arithmetic, so the result does not depend on
+how a backend casts to fp8 (the interpreter drops the mantissa carry).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..runtime import cast_output, round_to_bf16
+from .format import (BLOCK, check_out_dtype, check_recipe, check_weight, default_global_scale,
+                     global_scale_tensor)
+from .tensor import NVFP4Tensor
+
+# ---------------------------------------------------------------------------------------------------------------
+# E4M3 helpers (per block, so their cost is spread over 16 elements)
+
+
+@triton.jit
+def _e4m3_round(s):
+    """fp32 ``s`` in [0, 448] -> (nearest E4M3 value as fp32, its 8-bit code), ties to even."""
+    bits = s.to(tl.uint32, bitcast=True)
+    # normal range (s >= 2^-6): keep 3 mantissa bits, round half to even on bit 20
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    code_n = (((rb >> 23).to(tl.int32) - 120) << 3) | ((rb >> 20) & 7).to(tl.int32)
+    # subnormal range: multiples of 2^-9; 8 * 2^-9 is the smallest normal and its code is 0x08, so no special case
+    t = s * 512.0
+    t_floor = t.to(tl.int32)
+    frac = t - t_floor.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((t_floor & 1) == 1))
+    code_s = t_floor + up.to(tl.int32)
+    is_normal = bits >= 0x3C800000                                  # 2^-6
+    value = tl.where(is_normal, rb.to(tl.float32, bitcast=True), code_s.to(tl.float32) * 0.001953125)
+    code = tl.where(is_normal, code_n, code_s)
+    return value, code.to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """8-bit E4M3FN code -> fp32 value (0x7F / 0xFF -> NaN)."""
+    c = code.to(tl.uint32)
+    e = (c >> 3) & 0xF
+    m = c & 7
+    normal = ((e + 120) << 23) | (m << 20)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1_encode(q):
+    """fp32 scaled values -> 4-bit codes (uint8), round to nearest even, saturating; NaN -> 7 as ModelOpt."""
+    a = tl.abs(q)
+    mag = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
+           + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
+           + (a > 5.0).to(tl.uint8))
+    mag = tl.where(a != a, 7, mag).to(tl.uint8)
+    return mag | ((q < 0).to(tl.uint8) << 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantise
+
+
+@runtime.autotune(
+    configs=[
+        triton.Config({"BLOCK_R": 16, "BLOCK_K": 256}, num_warps=4),
+        triton.Config({"BLOCK_R": 8, "BLOCK_K": 512}, num_warps=4),
+        triton.Config({"BLOCK_R": 32, "BLOCK_K": 256}, num_warps=8),
+        triton.Config({"BLOCK_R": 16, "BLOCK_K": 512}, num_warps=8),
+        triton.Config({"BLOCK_R": 4, "BLOCK_K": 1024}, num_warps=4),
+        triton.Config({"BLOCK_R": 64, "BLOCK_K": 128}, num_warps=8),
+    ],
+    key=["R", "K", "RECIPE_CT"],
+    reset_to_zero=["flag_ptr"],
+)
+@triton.jit
+def _nvfp4_quantize_kernel(
+    w_ptr, codes_ptr, scales_ptr, g_ptr, flag_ptr,
+    R, K, stride_wr, ROWS_PER_G,
+    RECIPE_CT: tl.constexpr, IN_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_r = offs_r < R
+    mask = mask_r[:, None] & (offs_k[None, :] < K)
+    w = tl.load(w_ptr + offs_r[:, None].to(tl.int64) * stride_wr + offs_k[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)                                                     # [BLOCK_R, BLOCK_K]
+    g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)       # [BLOCK_R] multiply convention
+
+    blocks = tl.reshape(w, (BLOCK_R, BLOCK_K // 16, 16))
+    bam = tl.max(tl.abs(blocks), axis=2)                                    # [BLOCK_R, BLOCK_K/16]
+    if RECIPE_CT:
+        inv = tl.div_rn(tl.full(g.shape, 1.0, tl.float32), g)[:, None]      # the stored reciprocal
+        bam6 = tl.div_rn(bam, tl.full(bam.shape, 6.0, tl.float32))
+        if IN_DTYPE == tl.bfloat16:                                         # recipe divides in w's dtype
+            bam6 = round_to_bf16(bam6, INTERPRET)
+        elif IN_DTYPE == tl.float16:
+            bam6 = bam6.to(tl.float16).to(tl.float32)
+        s = tl.minimum(inv * bam6, 448.0)
+        s_val, s_code = _e4m3_round(s)
+        s_val = tl.where(s_code == 0, 0.125, s_val)
+        s_code = tl.where(s_code == 0, 0x20, s_code).to(tl.uint8)          # 0x20 is E4M3 0.125
+        divisor = tl.div_rn(s_val, inv)
+    else:
+        s = tl.div_rn(bam, 6.0 * g[:, None])
+        s = tl.where(s == 0, 1.0, tl.minimum(s, 448.0))
+        s_val, s_code = _e4m3_round(s)
+        divisor = s_val * g[:, None]
+    q = tl.div_rn(blocks, tl.broadcast_to(divisor[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)))
+    nib = tl.reshape(_e2m1_encode(q), (BLOCK_R, BLOCK_K // 2, 2))
+    lo, hi = tl.split(nib)
+    packed = lo | (hi << 4)                                                 # [BLOCK_R, BLOCK_K/2]
+
+    offs_c = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    mask_c = mask_r[:, None] & (offs_c[None, :] < K // 2)
+    tl.store(codes_ptr + offs_r[:, None].to(tl.int64) * (K // 2) + offs_c[None, :], packed, mask=mask_c)
+    offs_s = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    mask_s = mask_r[:, None] & (offs_s[None, :] < K // 16)
+    tl.store(scales_ptr + offs_r[:, None].to(tl.int64) * (K // 16) + offs_s[None, :], s_code, mask=mask_s)
+
+    bad = tl.max(tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int32), axis=1), axis=0)
+    tl.atomic_max(flag_ptr, bad)
+
+
+def _as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    rows = x.reshape(-1, k)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def quantize_triton(w: torch.Tensor, global_scale=None, recipe: str = "modelopt") -> NVFP4Tensor:
+    """Host side of :func:`lynn_kernels.nvfp4.quantize`: check, allocate, launch, then check for NaN/Inf."""
+    check_weight(w)
+    check_recipe(recipe)
+    runtime.check_device("w", w)
+    lead, k = tuple(w.shape[:-1]), w.shape[-1]
+    if global_scale is None:
+        g = default_global_scale(w, recipe)
+    else:
+        g = global_scale_tensor(global_scale, lead, w.device)
+    rows = _as_rows(w, k)
+    n_rows = rows.shape[0]
+    codes = torch.empty((*lead, k // 2), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((*lead, k // BLOCK), dtype=torch.float8_e4m3fn, device=w.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=w.device)
+    rows_per_g = n_rows // max(1, g.numel())
+
+    def grid(meta):
+        return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
+
+    _nvfp4_quantize_kernel[grid](
+        rows, codes, scales.view(torch.uint8), g, flag,
+        n_rows, k, rows.stride(0), rows_per_g,
+        RECIPE_CT=recipe == "compressed-tensors", IN_DTYPE=runtime.TORCH_TO_TL[w.dtype],
+        **runtime.kernel_flags(),
+    )
+    if global_scale is not None and flag.item():
+        raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
+    return NVFP4Tensor(codes, scales, g)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dequantise
+
+
+@runtime.autotune(
+    configs=[
+        triton.Config({"BLOCK_R": 16, "BLOCK_K": 256}, num_warps=4),
+        triton.Config({"BLOCK_R": 8, "BLOCK_K": 512}, num_warps=4),
+        triton.Config({"BLOCK_R": 32, "BLOCK_K": 256}, num_warps=8),
+        triton.Config({"BLOCK_R": 16, "BLOCK_K": 512}, num_warps=8),
+        triton.Config({"BLOCK_R": 4, "BLOCK_K": 1024}, num_warps=4),
+        triton.Config({"BLOCK_R": 32, "BLOCK_K": 512}, num_warps=8),
+    ],
+    key=["R", "K", "OUT_DTYPE"],
+)
+@triton.jit
+def _nvfp4_dequantize_kernel(
+    codes_ptr, scales_ptr, g_ptr, out_ptr,
+    R, K, ROWS_PER_G,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_c = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    mask_c = mask_r[:, None] & (offs_c[None, :] < K // 2)
+    c = tl.load(codes_ptr + offs_r[:, None].to(tl.int64) * (K // 2) + offs_c[None, :], mask=mask_c, other=0)
+    offs_s = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    mask_s = mask_r[:, None] & (offs_s[None, :] < K // 16)
+    s = tl.load(scales_ptr + offs_r[:, None].to(tl.int64) * (K // 16) + offs_s[None, :], mask=mask_s, other=0)
+    g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)
+    # E2M1 magnitude bits dropped into an fp16 exponent/mantissa give value * 2^-14 (subnormals included),
+    # so the 2^14 goes into the per-block scale, which is exact.
+    block_scale = (_e4m3_decode(s) * g[:, None]) * 16384.0                  # [BLOCK_R, BLOCK_K/16]
+    nib = tl.interleave(c & 0xF, c >> 4).to(tl.uint16)                      # [BLOCK_R, BLOCK_K]
+    half_bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    v = half_bits.to(tl.float16, bitcast=True).to(tl.float32)
+    v = tl.reshape(v, (BLOCK_R, BLOCK_K // 16, 16)) * block_scale[:, :, None]
+    out = cast_output(tl.reshape(v, (BLOCK_R, BLOCK_K)), OUT_DTYPE, INTERPRET)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = mask_r[:, None] & (offs_k[None, :] < K)
+    tl.store(out_ptr + offs_r[:, None].to(tl.int64) * K + offs_k[None, :], out, mask=mask)
+
+
+def dequantize_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Host side of :func:`lynn_kernels.nvfp4.dequantize`."""
+    if not isinstance(q, NVFP4Tensor):
+        raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
+    check_out_dtype(dtype)
+    runtime.check_device("q.codes", q.codes)
+    shape = q.shape
+    k = shape[-1]
+    n_rows = q.codes.numel() // (k // 2)
+    out = torch.empty(shape, dtype=dtype, device=q.device)
+
+    def grid(meta):
+        return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
+
+    _nvfp4_dequantize_kernel[grid](
+        q.codes, q.scales.view(torch.uint8), q.global_scale, out,
+        n_rows, k, q.rows_per_global(),
+        OUT_DTYPE=runtime.TORCH_TO_TL[dtype], **runtime.kernel_flags(),
+    )
+    return out

@@ -1,0 +1,166 @@
+"""One place that decides how kernels run, and owns every interpreter workaround.
+
+Three backends:
+
+* ``"triton"``      compiled Triton on a CUDA GPU (the default when one is visible);
+* ``"interpreter"`` Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, the default without a GPU);
+* ``"reference"``   the pure-torch reference of each op, on request only:
+  ``LYNN_BACKEND=reference`` in the environment, or ``with use_reference(): ...``.
+
+The interpreter is switched on here, at import, before any ``@triton.jit`` function is defined: ``import
+lynn_kernels`` imports this module first, so a plain import just works on a laptop.
+
+Interpreter workarounds (REFERENCE.md section 3) live here and nowhere else:
+
+* :func:`autotune` keeps one config under the interpreter (more fail without a driver);
+* :data:`DOT_DTYPE` is fp32 under the interpreter (its bf16 arithmetic is wrong), bf16 on the GPU;
+* :func:`kernel_flags` passes ``INTERPRET`` to kernels as a constexpr, so a kernel can take the
+  integer-arithmetic rounding path (:func:`round_to_bf16`) where the interpreter's casts truncate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+
+import torch
+
+BACKENDS = ("triton", "interpreter", "reference")
+
+
+def _cuda_visible() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # a broken driver install must not stop a CPU user
+        return False
+
+
+# Decide before triton is imported by anything else: TRITON_INTERPRET is read when a kernel is decorated.
+if "TRITON_INTERPRET" not in os.environ and not _cuda_visible():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+import triton  # noqa: E402  (must follow the environment decision above)
+import triton.language as tl  # noqa: E402
+
+#: Device every kernel input must live on: the GPU when compiled, the CPU under the interpreter.
+DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
+
+#: Operand dtype for ``tl.dot``: bf16 on the GPU, fp32 under the interpreter (its bf16 dot is garbage).
+DOT_DTYPE = tl.float32 if INTERPRET else tl.bfloat16
+
+_env_backend = os.environ.get("LYNN_BACKEND", "").strip().lower()
+if _env_backend and _env_backend not in BACKENDS:
+    raise ValueError(f"LYNN_BACKEND={_env_backend!r}: expected one of {BACKENDS} or unset")
+if _env_backend == "triton" and INTERPRET:
+    raise RuntimeError("LYNN_BACKEND=triton asks for compiled kernels, but no CUDA GPU is visible "
+                       "(or TRITON_INTERPRET=1 is set)")
+if _env_backend == "interpreter" and not INTERPRET:
+    raise RuntimeError("LYNN_BACKEND=interpreter must be chosen before start-up: set TRITON_INTERPRET=1 "
+                       "in the environment instead")
+
+_force_reference: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lynn_force_reference", default=_env_backend == "reference")
+
+
+def backend() -> str:
+    """The backend the next op call will use: ``"triton"``, ``"interpreter"`` or ``"reference"``."""
+    if _force_reference.get():
+        return "reference"
+    return "interpreter" if INTERPRET else "triton"
+
+
+@contextlib.contextmanager
+def use_reference(enabled: bool = True):
+    """Run every op on its pure-torch reference inside the block (``enabled=False`` undoes an outer one)."""
+    token = _force_reference.set(enabled)
+    try:
+        yield
+    finally:
+        _force_reference.reset(token)
+
+
+def op(reference):
+    """Decorate a host function so that it runs ``reference`` instead when the reference backend is on.
+
+    The host function and the reference take the same arguments and return the same thing (STYLE.md habit 1);
+    the decorator only picks one, it never falls back silently.
+    """
+
+    def wrap(host):
+        @functools.wraps(host)
+        def public(*args, **kwargs):
+            if _force_reference.get():
+                return reference(*args, **kwargs)
+            return host(*args, **kwargs)
+
+        public.reference = reference
+        public.host = host
+        return public
+
+    return wrap
+
+
+def autotune(configs, key, **kwargs):
+    """``triton.autotune`` that keeps only the first config under the interpreter (more fail without a driver)."""
+    return triton.autotune(configs=configs[:1] if INTERPRET else configs, key=key, **kwargs)
+
+
+def kernel_flags() -> dict:
+    """Constexpr flags every kernel launch passes: ``INTERPRET`` selects the interpreter-safe code paths."""
+    return {"INTERPRET": INTERPRET}
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Raise a clear error when ``t`` is not on the device the kernels run on."""
+    if t.device.type != DEVICE.type:
+        where = "a CUDA GPU (compiled Triton)" if DEVICE.type == "cuda" else "the CPU (Triton interpreter)"
+        raise ValueError(f"{name} is on {t.device}, but kernels run on {where}: move it with .to({DEVICE.type!r}) "
+                         f"or use the reference backend (lynn_kernels.use_reference())")
+
+
+def device_summary() -> dict:
+    """What this process runs on, for tables, notebooks and benchmark provenance."""
+    info = {
+        "backend": backend(),
+        "device": "cpu (Triton interpreter)" if INTERPRET else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    if not INTERPRET:
+        props = torch.cuda.get_device_properties(0)
+        info["capability"] = f"sm_{props.major}{props.minor}"
+        info["sms"] = props.multi_processor_count
+        info["memory_gib"] = round(props.total_memory / 2**30, 1)
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rounding helpers shared by kernels. The interpreter truncates fp32 -> bf16 and drops the carry in fp32 -> fp8,
+# so where bits matter the kernels round with integer arithmetic (exact on both backends).
+
+
+@triton.jit
+def round_to_bf16(x, INTERPRET: tl.constexpr):
+    """Round fp32 ``x`` to the nearest bf16 (ties to even), returned as fp32 holding a bf16 value. No NaN input."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def cast_output(x, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> ``OUT_DTYPE`` with round-to-nearest-even on every backend."""
+    if OUT_DTYPE == tl.bfloat16:
+        return round_to_bf16(x, INTERPRET).to(tl.bfloat16)
+    else:
+        return x.to(OUT_DTYPE)
+
+
+TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
