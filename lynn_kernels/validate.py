@@ -103,7 +103,7 @@ def _fmt(v) -> str:
             return "0"
         if abs(v) >= 1e5 or abs(v) < 1e-3:
             return f"{v:.2e}"
-        return f"{v:.4g}" if abs(v) < 1 else f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}"
+        return f"{v:,.1f}" if abs(v) >= 1000 else f"{v:.6g}"
     if isinstance(v, (tuple, list)):
         return "x".join(str(x) for x in v)
     return str(v)

@@ -141,30 +141,36 @@ def quantize_triton(w: torch.Tensor, global_scale=None, recipe: str = "modelopt"
     check_weight(w)
     check_recipe(recipe)
     runtime.check_device("w", w)
-    lead, k = tuple(w.shape[:-1]), w.shape[-1]
+    lead = tuple(w.shape[:-1])
     if global_scale is None:
-        g = default_global_scale(w, recipe)
+        g = default_global_scale(w, recipe)          # raises on NaN/Inf through amax
     else:
         g = global_scale_tensor(global_scale, lead, w.device)
+    q, flag = launch_quantize(w, g, recipe)
+    if global_scale is not None and flag.item():
+        raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
+    return q
+
+
+def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str) -> tuple[NVFP4Tensor, torch.Tensor]:
+    """Allocate and launch only (no checks, no host sync): returns the tensor and the device-side NaN/Inf flag."""
+    lead, k = tuple(w.shape[:-1]), w.shape[-1]
     rows = _as_rows(w, k)
     n_rows = rows.shape[0]
     codes = torch.empty((*lead, k // 2), dtype=torch.uint8, device=w.device)
     scales = torch.empty((*lead, k // BLOCK), dtype=torch.float8_e4m3fn, device=w.device)
     flag = torch.zeros(1, dtype=torch.int32, device=w.device)
-    rows_per_g = n_rows // max(1, g.numel())
 
     def grid(meta):
         return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
 
     _nvfp4_quantize_kernel[grid](
         rows, codes, scales.view(torch.uint8), g, flag,
-        n_rows, k, rows.stride(0), rows_per_g,
+        n_rows, k, rows.stride(0), n_rows // max(1, g.numel()),
         RECIPE_CT=recipe == "compressed-tensors", IN_DTYPE=runtime.TORCH_TO_TL[w.dtype],
         **runtime.kernel_flags(),
     )
-    if global_scale is not None and flag.item():
-        raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
-    return NVFP4Tensor(codes, scales, g)
+    return NVFP4Tensor(codes, scales, g), flag
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""Benchmarks: one registry, one harness, one schema. ``lynn bench [OP]`` runs them on a GPU.
+
+Each registered benchmark takes the measured ceilings and returns :class:`~.harness.Result` rows; it validates every
+provider's output against the reference before timing it, and refuses to time a wrong op.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .harness import Ceilings, Result, load, measure_ceilings, result_table, save
+
+BENCHMARKS: dict[str, Callable[..., list[Result]]] = {}
+
+
+def register(op: str):
+    def deco(fn):
+        BENCHMARKS[op] = fn
+        return fn
+
+    return deco
+
+
+def _load_families() -> None:
+    from . import nvfp4  # noqa: F401  (registers nvfp4.quantize / nvfp4.dequantize)
+
+
+def available() -> list[str]:
+    _load_families()
+    return sorted(BENCHMARKS)
+
+
+def run(ops: list[str] | None = None, quick: bool = False, command: str | None = None, root=None,
+        ceilings: Ceilings | None = None) -> dict[str, str]:
+    """Run benchmarks (all, or those whose name starts with one of ``ops``); returns {op: path written}."""
+    _load_families()
+    chosen = [name for name in sorted(BENCHMARKS) if not ops or any(name.startswith(o) for o in ops)]
+    if not chosen:
+        raise KeyError(f"no benchmark matches {ops}; available: {sorted(BENCHMARKS)}")
+    ceilings = ceilings or measure_ceilings()
+    written = {}
+    for name in chosen:
+        results = BENCHMARKS[name](ceilings, quick=quick)
+        written[name] = str(save(name, results, ceilings, command=command, root=root))
+    return written
+
+
+__all__ = ["BENCHMARKS", "register", "available", "run", "Result", "Ceilings", "measure_ceilings", "save", "load",
+           "result_table"]

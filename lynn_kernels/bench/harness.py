@@ -1,0 +1,229 @@
+"""The benchmark harness: one result schema, measured ceilings, honest timing, JSON under ``data/bench/<gpu>/``.
+
+A result row (``Result``) holds: op, provider, shape label and dims, median / p20 / p80 in ms, the bytes and flops
+the op must move or do, the derived GB/s and TFLOP/s, which ceiling it is held against and the fraction of it, and
+the validation metrics of that provider's output. A results file adds the provenance (date, git sha, GPU, versions,
+command) and the ceilings measured in the same process.
+
+Timing: ``triton.testing.do_bench`` medians (it also flushes L2 before each run), with inputs rotated across enough
+copies to exceed the L2 several times over, and baselines run in the same process on the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .. import runtime
+from ..validate import Metrics
+
+SCHEMA = "lynn-bench/1"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR = REPO_ROOT / "data" / "bench"
+
+
+@dataclass
+class Result:
+    op: str
+    provider: str
+    shape: str                       #: human label, e.g. "8192x8192"
+    dims: dict                       #: named sizes, e.g. {"N": 8192, "K": 8192}
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    bytes: int = 0                   #: the fewest bytes the op must move (each input read once, output written once)
+    flops: int = 0
+    gbps: float | None = None
+    tflops: float | None = None
+    ceiling: str | None = None       #: "copy_gbps", "read_gbps" or "bf16_tflops"
+    frac_of_ceiling: float | None = None
+    validation: dict | None = None   #: Metrics of this provider's output against the reference
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float                 #: device-to-device copy, bytes read + written
+    read_gbps: float                 #: sum of a large bf16 tensor
+    bf16_tflops: float               #: 8192^3 bf16 matmul on random data
+    sizes: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def gpu_slug(name: str | None = None) -> str:
+    """'NVIDIA H200' -> 'h200' (the folder name under data/bench/)."""
+    name = name or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    name = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _git_sha() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else os.environ.get("LYNN_GIT_SHA", "unknown")
+    except Exception:
+        return os.environ.get("LYNN_GIT_SHA", "unknown")
+
+
+def provenance(command: str | None = None) -> dict:
+    import triton
+
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": _git_sha(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": command or " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["sms"] = props.multi_processor_count
+        info["l2_bytes"] = getattr(props, "L2_cache_size", None)
+    return info
+
+
+def l2_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20))
+    return 64 << 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def time_fn(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 200) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms of ``fn`` via ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("timing needs a CUDA GPU; under the interpreter there is nothing meaningful to time")
+    import triton.testing
+
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return float(med), float(p20), float(p80)
+
+
+def rotation(make_inputs: Callable[[], tuple], bytes_per_call: int, max_sets: int = 32,
+             budget_bytes: int = 8 << 30) -> list[tuple]:
+    """Enough input sets that cycling through them touches at least 3x the L2 (capped by ``budget_bytes``)."""
+    want = max(1, math.ceil(3 * l2_bytes() / max(1, bytes_per_call)))
+    n = max(1, min(want, max_sets, budget_bytes // max(1, bytes_per_call)))
+    return [make_inputs() for _ in range(n)]
+
+
+def rotating(fn: Callable, sets: Sequence[tuple]) -> Callable[[], object]:
+    """A zero-argument callable that runs ``fn(*sets[i])`` with ``i`` advancing on every call."""
+    state = {"i": 0}
+
+    def call():
+        args = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        return fn(*args)
+
+    return call
+
+
+def derive(result: Result, ceilings: Ceilings | None) -> Result:
+    """Fill GB/s, TFLOP/s and the fraction of the matching ceiling from bytes, flops and the median."""
+    s = result.median_ms * 1e-3
+    if result.bytes:
+        result.gbps = result.bytes / s / 1e9
+    if result.flops:
+        result.tflops = result.flops / s / 1e12
+    if ceilings is not None and result.ceiling:
+        value = getattr(ceilings, result.ceiling)
+        got = result.tflops if result.ceiling.endswith("tflops") else result.gbps
+        result.frac_of_ceiling = None if got is None else got / value
+    return result
+
+
+def measure_ceilings(size_bytes: int = 1 << 30, mm: int = 8192) -> Ceilings:
+    """Copy and read bandwidth over ``size_bytes`` of bf16 and a ``mm``^3 bf16 matmul, on random data."""
+    n = size_bytes // 2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms, _, _ = time_fn(lambda: dst.copy_(src))
+    read_ms, _, _ = time_fn(lambda: src.sum(dtype=torch.float32))
+    del dst
+    a = torch.randn(mm, mm, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(mm, mm, device="cuda", dtype=torch.bfloat16)
+    mm_ms, _, _ = time_fn(lambda: a @ b)
+    del src, a, b
+    torch.cuda.empty_cache()
+    return Ceilings(copy_gbps=2 * size_bytes / (copy_ms * 1e-3) / 1e9,
+                    read_gbps=size_bytes / (read_ms * 1e-3) / 1e9,
+                    bf16_tflops=2 * mm**3 / (mm_ms * 1e-3) / 1e12,
+                    sizes={"copy_read_bytes": size_bytes, "matmul_n": mm})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# files
+
+
+def results_path(op: str, gpu: str | None = None, root: Path | None = None) -> Path:
+    return (root or DATA_DIR) / gpu_slug(gpu) / f"{op}.json"
+
+
+def save(op: str, results: list[Result], ceilings: Ceilings, command: str | None = None,
+         root: Path | None = None, extra: dict | None = None) -> Path:
+    """Write one op's results with provenance and ceilings to ``data/bench/<gpu>/<op>.json``."""
+    path = results_path(op, root=root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": SCHEMA, "op": op, "provenance": provenance(command), "ceilings": ceilings.as_dict(),
+           "results": [r.as_dict() for r in results]}
+    if extra:
+        doc.update(extra)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def load(op: str, gpu: str = "h200", root: Path | None = None) -> dict:
+    """Read committed results (used by notebooks and docs when no GPU is present)."""
+    path = (root or DATA_DIR) / gpu / f"{op}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no committed benchmark results at {path}; run `lynn bench {op}` on a GPU")
+    doc = json.loads(path.read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path} has schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    return doc
+
+
+def result_table(doc: dict, columns: Sequence[str] | None = None) -> str:
+    """Render a results document as a text table (the same renderer as validation tables)."""
+    from ..validate import render_table
+
+    columns = columns or ["provider", "shape", "median_ms", "gbps", "tflops", "frac_of_ceiling"]
+    rows = [{c: r.get(c) for c in columns} for r in doc["results"]]
+    return render_table(rows, columns)
+
+
+def validated(metrics: Metrics, *, exact: bool = False, min_cosine: float = 0.9999) -> dict:
+    """Turn metrics into the ``validation`` field; raise if the op is wrong (no speed is reported for a wrong op)."""
+    ok = (metrics.mismatches == 0) if exact else (metrics.cosine >= min_cosine)
+    if not ok:
+        raise AssertionError(f"validation failed before timing: {metrics}")
+    d = metrics.as_dict()
+    d["passed"] = True
+    return d

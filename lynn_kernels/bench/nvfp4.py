@@ -1,0 +1,98 @@
+"""NVFP4 quantise / dequantise bandwidth against the copy ceiling, with the eager torch reference alongside."""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import NVFP4Tensor, dequantize, quantize, reference
+from ..nvfp4.triton_quant import launch_quantize, quantize_triton
+from ..validate import compare
+from . import register
+from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
+
+#: (label, shape): plain projections, a square 16k, and a stacked MoE gate_up [E, 2I, H] (Qwen3.5-35B-A3B)
+SHAPES = [
+    ("4096x4096", (4096, 4096)),
+    ("8192x8192", (8192, 8192)),
+    ("16384x16384", (16384, 16384)),
+    ("moe 256x1024x2048", (256, 1024, 2048)),
+]
+QUICK_SHAPES = SHAPES[1:2]
+
+
+def _dims(shape) -> dict:
+    names = ["E", "N", "K"][-len(shape):]
+    return dict(zip(names, shape))
+
+
+def _packed_bytes(numel: int) -> int:
+    return numel // 2 + numel // 16
+
+
+@register("nvfp4.dequantize")
+def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
+    rows = []
+    for label, shape in (QUICK_SHAPES if quick else SHAPES):
+        numel = torch.Size(shape).numel()
+        nbytes = _packed_bytes(numel) + 2 * numel                    # read codes + scales, write bf16
+
+        def make():
+            return (quantize(torch.randn(shape, device="cuda", dtype=torch.bfloat16)),)
+
+        sets = rotation(make, nbytes)
+        q0 = sets[0][0]
+        want = reference.dequantize(q0)
+        for provider, fn in (("lynn", dequantize), ("torch eager (reference)", reference.dequantize)):
+            got = fn(q0)
+            check = validated(compare(got, want, exact=True), exact=True)
+            med, p20, p80 = time_fn(rotating(fn, sets))
+            rows.append(derive(Result("nvfp4.dequantize", provider, label, _dims(shape), med, p20, p80,
+                                      bytes=nbytes, ceiling="copy_gbps", validation=check,
+                                      note=f"{len(sets)} rotating input sets"), ceilings))
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+@register("nvfp4.quantize")
+def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
+    rows = []
+    for label, shape in (QUICK_SHAPES if quick else SHAPES):
+        numel = torch.Size(shape).numel()
+        nbytes = 2 * numel + _packed_bytes(numel)                    # read bf16, write codes + scales
+
+        def make():
+            return (torch.randn(shape, device="cuda", dtype=torch.bfloat16),)
+
+        sets = rotation(make, nbytes)
+        w0 = sets[0][0]
+        g0 = w0.abs().amax().float() / 2688.0
+        want = reference.quantize(w0, g0)
+        providers = (
+            ("lynn kernel (global scale given, no host sync)", lambda w: launch_quantize(w, g0, "modelopt")[0]),
+            ("lynn quantize(w, g) (kernel + NaN check sync)", lambda w: quantize_triton(w, g0)),
+            ("lynn quantize(w) (amax pass + kernel)", quantize),
+            ("torch eager (reference)", lambda w: reference.quantize(w, g0)),
+        )
+        for provider, fn in providers:
+            got = fn(w0)
+            if provider.startswith("lynn quantize(w) "):
+                ref_q = reference.quantize(w0)
+            else:
+                ref_q = want
+            mism = compare(got.codes, ref_q.codes, exact=True).mismatches + \
+                compare(got.scales.view(torch.uint8), ref_q.scales.view(torch.uint8), exact=True).mismatches
+            check = {"code_or_scale_mismatches": mism, "passed": mism == 0}
+            if mism:
+                raise AssertionError(f"{provider}: {mism} codes/scales differ from the reference; not timing it")
+            med, p20, p80 = time_fn(rotating(fn, sets))
+            rows.append(derive(Result("nvfp4.quantize", provider, label, _dims(shape), med, p20, p80,
+                                      bytes=nbytes, ceiling="copy_gbps", validation=check,
+                                      note=f"{len(sets)} rotating input sets; bytes = one read of w + codes + "
+                                           f"scales (the amax pass reads w again, uncounted)"), ceilings))
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+__all__ = ["bench_dequantize", "bench_quantize", "NVFP4Tensor"]

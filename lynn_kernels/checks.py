@@ -1,0 +1,74 @@
+"""``lynn check``: validate every kernel against its reference on the current device, as one table.
+
+Each family registers a function returning rows ``{"op", "case", "backend", <Metrics fields>, "passed"}``. Sizes are
+small enough for the interpreter to finish in seconds; on a GPU the same cases run compiled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from . import runtime
+from .validate import compare, render_table
+
+CHECKS: dict[str, Callable[[], list[dict]]] = {}
+
+
+def register(family: str):
+    def deco(fn):
+        CHECKS[family] = fn
+        return fn
+
+    return deco
+
+
+@register("nvfp4")
+def check_nvfp4() -> list[dict]:
+    from .nvfp4 import dequantize, quantize, reference
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for label, shape, dtype in (("bf16 48x208", (48, 208), torch.bfloat16),
+                                ("fp32 3x5x64", (3, 5, 64), torch.float32)):
+        w = (torch.randn(shape, generator=gen) * 2).to(dtype).to(runtime.DEVICE)
+        for recipe in ("modelopt", "compressed-tensors"):
+            got, want = quantize(w, recipe=recipe), reference.quantize(w, recipe=recipe)
+            m = compare(got.codes, want.codes, exact=True)
+            ms = compare(got.scales.view(torch.uint8), want.scales.view(torch.uint8), exact=True)
+            rows.append({"op": "nvfp4.quantize", "case": f"{label} {recipe}", "metrics": m,
+                         "scale_mismatches": ms.mismatches, "passed": m.mismatches == 0 and ms.mismatches == 0})
+        q = reference.quantize(w)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            m = compare(dequantize(q, out_dtype), reference.dequantize(q, out_dtype), exact=True)
+            rows.append({"op": "nvfp4.dequantize", "case": f"{label} -> {str(out_dtype)[6:]}", "metrics": m,
+                         "passed": m.mismatches == 0})
+        # quantisation error of the round trip, against the fp32 original and a plain bf16 copy
+        w32 = w.float()
+        baseline = w32.to(torch.bfloat16) if w.dtype == torch.float32 else None   # bf16 input: bf16 is exact
+        m = compare(dequantize(q, torch.float32), w32, baseline=baseline)
+        rows.append({"op": "nvfp4 round trip", "case": f"{label} vs fp32", "metrics": m,
+                     "passed": m.cosine > 0.99})
+    return rows
+
+
+def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
+    chosen = [f for f in CHECKS if not families or f in families]
+    unknown = set(families or []) - set(CHECKS)
+    if unknown:
+        raise KeyError(f"unknown kernel family {sorted(unknown)}; available: {sorted(CHECKS)}")
+    t0 = time.perf_counter()
+    rows = []
+    for fam in chosen:
+        for row in CHECKS[fam]():
+            rows.append({"backend": runtime.backend(), **row})
+    return rows, time.perf_counter() - t0
+
+
+COLUMNS = ["op", "case", "backend", "cosine", "max_abs", "rel_l2", "err_ratio", "mismatches", "passed"]
+
+
+def table(rows: list[dict]) -> str:
+    return render_table(rows, COLUMNS)

@@ -1,0 +1,93 @@
+"""``lynn``: the workbench's command line.
+
+* ``lynn check [FAMILY ...]``  validate every kernel against its reference on this device and print the table;
+* ``lynn bench [OP ...]``      run the GPU benchmarks and write JSON under data/bench/<gpu>/;
+* ``lynn lab``                 open JupyterLab on notebooks/;
+* ``lynn info``                what this process runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _cmd_check(args) -> int:
+    from . import checks, device_summary
+
+    info = device_summary()
+    print(f"lynn check on {info['device']} (backend {info['backend']}, torch {info['torch']}, "
+          f"triton {info['triton']})")
+    rows, seconds = checks.run_checks(args.family or None)
+    print(checks.table(rows))
+    failed = [r for r in rows if not r["passed"]]
+    print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed in {seconds:.1f} s")
+    return 1 if failed else 0
+
+
+def _cmd_bench(args) -> int:
+    import torch
+
+    from . import bench
+
+    if args.list:
+        print("\n".join(bench.available()))
+        return 0
+    if not torch.cuda.is_available():
+        print("lynn bench needs a CUDA GPU: timings under the interpreter mean nothing. Committed H200 results "
+              "are in data/bench/h200/ and the notebooks plot them.", file=sys.stderr)
+        return 2
+    root = Path(args.out) if args.out else None
+    command = "lynn bench " + " ".join(sys.argv[2:])
+    written = bench.run(args.op or None, quick=args.quick, command=command, root=root)
+    for op, path in written.items():
+        print(f"\n== {op}  ->  {path}")
+        print(bench.result_table(bench.load(op, root=Path(path).parent.parent, gpu=Path(path).parent.name)))
+    return 0
+
+
+def _cmd_lab(args) -> int:
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+    argv = [sys.executable, "-m", "jupyterlab", f"--notebook-dir={notebooks}", *args.jupyter_args]
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        print("JupyterLab is not installed: pip install jupyterlab", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def _cmd_info(args) -> int:
+    from . import device_summary
+
+    for k, v in device_summary().items():
+        print(f"{k:>10}: {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lynn", description="Lynn workbench: Triton kernels for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("check", help="validate every kernel against its reference on this device")
+    p.add_argument("family", nargs="*", help="kernel families to check (default: all)")
+    p.set_defaults(func=_cmd_check)
+    p = sub.add_parser("bench", help="run GPU benchmarks, write data/bench/<gpu>/<op>.json")
+    p.add_argument("op", nargs="*", help="benchmarks to run, by name prefix (default: all)")
+    p.add_argument("--quick", action="store_true", help="one shape per benchmark")
+    p.add_argument("--out", help="results root (default: data/bench)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("lab", help="open JupyterLab on notebooks/")
+    p.add_argument("jupyter_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_lab)
+    p = sub.add_parser("info", help="show the device and backend")
+    p.set_defaults(func=_cmd_info)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
