@@ -54,13 +54,18 @@ def _e4m3_decode(code):
 
 @triton.jit
 def _e2m1_encode(q):
-    """fp32 scaled values -> 4-bit codes (uint8), round to nearest even, saturating; NaN -> 7 as ModelOpt."""
+    """fp32 scaled values -> 4-bit codes (uint8), round to nearest even, saturating; NaN -> 7 as ModelOpt.
+
+    From 1 up, E2M1 is fp32 with one mantissa bit: round the fp32 bits at bit 22 (ties to even) and read exponent
+    and mantissa off together. Below 1 the codes are 0 / 0.5 / 1.0, two comparisons. Integer ops only.
+    """
     a = tl.abs(q)
-    mag = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
-           + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
-           + (a > 5.0).to(tl.uint8))
-    mag = tl.where(a != a, 7, mag).to(tl.uint8)
-    return mag | ((q < 0).to(tl.uint8) << 3)
+    a = tl.where(a < 6.0, a, 6.0)                                   # saturate; NaN fails the test and becomes 6
+    b = a.to(tl.uint32, bitcast=True)
+    code_n = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252         # (exponent - 126) * 2 + mantissa bit
+    code_s = (a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32)
+    mag = tl.where(a >= 1.0, code_n, code_s)
+    return (mag | tl.where(q < 0, 8, 0).to(tl.uint32)).to(tl.uint8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -97,7 +102,10 @@ def _nvfp4_quantize_kernel(
     g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)       # [BLOCK_R] multiply convention
 
     blocks = tl.reshape(w, (BLOCK_R, BLOCK_K // 16, 16))
-    bam = tl.max(tl.abs(blocks), axis=2)                                    # [BLOCK_R, BLOCK_K/16]
+    # block amax as an integer max of |w|'s bits: same order as the floats, and NaN / Inf sort above every number
+    abs_bits = blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bam_bits = tl.max(abs_bits, axis=2)                                     # [BLOCK_R, BLOCK_K/16]
+    bam = bam_bits.to(tl.float32, bitcast=True)
     if RECIPE_CT:
         inv = tl.div_rn(tl.full(g.shape, 1.0, tl.float32), g)[:, None]      # the stored reciprocal
         bam6 = tl.div_rn(bam, tl.full(bam.shape, 6.0, tl.float32))
@@ -127,8 +135,8 @@ def _nvfp4_quantize_kernel(
     mask_s = mask_r[:, None] & (offs_s[None, :] < K // 16)
     tl.store(scales_ptr + offs_r[:, None].to(tl.int64) * (K // 16) + offs_s[None, :], s_code, mask=mask_s)
 
-    bad = tl.max(tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int32), axis=1), axis=0)
-    tl.atomic_max(flag_ptr, bad)
+    bad = tl.max(tl.max(bam_bits, axis=1), axis=0) >= 0x7F800000           # NaN or Inf somewhere in the tile
+    tl.atomic_max(flag_ptr, bad.to(tl.int32))
 
 
 def _as_rows(x: torch.Tensor, k: int) -> torch.Tensor:

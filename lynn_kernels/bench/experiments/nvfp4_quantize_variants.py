@@ -21,6 +21,17 @@ from lynn_kernels.nvfp4.triton_quant import _e2m1_encode, _e4m3_round
 
 
 @triton.jit
+def _e2m1_encode_thresholds(q):
+    """First version: count the thresholds passed, in uint8 (exact, but about 2x the instructions)."""
+    a = tl.abs(q)
+    mag = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
+           + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
+           + (a > 5.0).to(tl.uint8))
+    mag = tl.where(a != a, 7, mag).to(tl.uint8)
+    return mag | ((q < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
 def _div_markstein(x, d, r):
     """Correctly rounded x / d from r = RN(1/d): q0 = RN(x r), residual exact by FMA, one corrected step."""
     q0 = x * r
@@ -55,8 +66,10 @@ def _variant_kernel(w_ptr, codes_ptr, scales_ptr, g_ptr, R, K, stride_wr,
     else:             # exact: per-block RN reciprocal, then a Markstein correction per element
         r = tl.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)
         q = _div_markstein(blocks, dv, tl.broadcast_to(r[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)))
-    if ENCODE:
+    if ENCODE == 1:
         nib = _e2m1_encode(q)
+    elif ENCODE == 2:
+        nib = _e2m1_encode_thresholds(q)
     else:
         nib = (q > 0).to(tl.uint8)
     nib = tl.reshape(nib, (BLOCK_R, BLOCK_K // 2, 2))
@@ -110,9 +123,10 @@ def main(argv=None) -> int:
     nbytes = 2 * w.numel() + w.numel() // 2 + w.numel() // 16
     rows = []
     for div, enc, name, exact in (
-        (0, 1, "shipped: div_rn per element", True),
-        (2, 1, "RN reciprocal per block + Markstein FMA per element", True),
-        (1, 1, "multiply by reciprocal (inexact)", False),
+        (0, 2, "v1: div_rn + threshold-count encode (uint8)", True),
+        (0, 1, "v2: div_rn + bit-rounding encode", True),
+        (2, 1, "v2 + RN reciprocal per block, Markstein FMA per element", True),
+        (1, 1, "v2 with multiply by reciprocal (inexact)", False),
         (0, 0, "no E2M1 encode (inexact)", False),
         (1, 0, "neither division nor encode (inexact)", False),
     ):
