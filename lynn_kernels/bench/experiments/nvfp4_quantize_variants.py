@@ -147,12 +147,15 @@ def main(argv=None) -> int:
             rows.append({"variant": name, "exact_expected": exact, "mismatches": mism, "block": f"{br}x{bk}",
                          "num_warps": nw, "median_ms": med, "gbps": nbytes / med / 1e6})
     rows += dequant_sweep()
+    rows += layout_sweep(n)
     best = {}
     for r in rows:
         if r["variant"] not in best or r["gbps"] > best[r["variant"]]["gbps"]:
             best[r["variant"]] = r
+    mark = markstein_exhaustive()
+    print("Markstein vs div_rn:", mark)
     doc = {"experiment": "nvfp4.quantize variants", "shape": [n, n], "bytes": nbytes, "provenance": provenance(),
-           "rows": rows, "best": list(best.values())}
+           "rows": rows, "best": list(best.values()), "markstein_vs_div_rn": mark}
     if args.out:
         with open(f"{args.out}/nvfp4_quantize_variants.json", "w") as f:
             json.dump(doc, f, indent=1)
@@ -164,3 +167,87 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@triton.jit
+def _variant3d_kernel(w_ptr, codes_ptr, scales_ptr, g_ptr, R, K, stride_wr,
+                      DIV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile loaded straight as [rows, blocks, 16] so the block reduction and the scale broadcast need no reshape."""
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NB: tl.constexpr = BLOCK_K // 16
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_b = pid_k * NB + tl.arange(0, NB)
+    offs_e = tl.arange(0, 16)
+    mask_r = offs_r < R
+    mask_b = mask_r[:, None] & (offs_b[None, :] < K // 16)                       # [BR, NB]
+    ptrs = (w_ptr + offs_r[:, None, None].to(tl.int64) * stride_wr + offs_b[None, :, None] * 16
+            + offs_e[None, None, :])
+    w = tl.load(ptrs, mask=mask_b[:, :, None], other=0.0).to(tl.float32)        # [BR, NB, 16]
+    g = tl.load(g_ptr)
+    bam_bits = tl.max(w.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    bam = bam_bits.to(tl.float32, bitcast=True)
+    s = tl.div_rn(bam, 6.0 * g)
+    s = tl.where(s == 0, 1.0, tl.minimum(s, 448.0))
+    s_val, s_code = _e4m3_round(s)
+    divisor = (s_val * g)[:, :, None]
+    if DIV == 0:
+        q = tl.div_rn(w, divisor)
+    else:
+        r = tl.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)
+        q = _div_markstein(w, divisor, r)
+    nib = tl.reshape(_e2m1_encode(q), (BLOCK_R, NB, 8, 2))
+    lo, hi = tl.split(nib)
+    packed = lo | (hi << 4)                                                        # [BR, NB, 8]
+    offs_c = offs_b[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    tl.store(codes_ptr + offs_r[:, None, None].to(tl.int64) * (K // 2) + offs_c, packed, mask=mask_b[:, :, None])
+    tl.store(scales_ptr + offs_r[:, None].to(tl.int64) * (K // 16) + offs_b[None, :], s_code, mask=mask_b)
+
+
+def layout_sweep(n: int = 16384) -> list[dict]:
+    w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    g = (w.abs().amax().float() / 2688.0).reshape(1)
+    want = reference.quantize(w, g)
+    nbytes = 2 * w.numel() + w.numel() // 2 + w.numel() // 16
+    rows = []
+    for div, name in ((0, "3-D tile, div_rn"), (1, "3-D tile, Markstein")):
+        for br, bk, nw in ((4, 1024, 4), (8, 512, 4), (16, 256, 4), (8, 1024, 8), (16, 512, 8), (2, 2048, 4),
+                           (32, 256, 8), (4, 512, 2)):
+            codes = torch.empty(n, n // 2, dtype=torch.uint8, device="cuda")
+            scales = torch.empty(n, n // 16, dtype=torch.uint8, device="cuda")
+            grid = (triton.cdiv(n, br), triton.cdiv(n, bk))
+
+            def fn():
+                _variant3d_kernel[grid](w, codes, scales, g, n, n, w.stride(0), DIV=div, BLOCK_R=br, BLOCK_K=bk,
+                                        num_warps=nw)
+
+            fn()
+            mism = int((codes != want.codes).sum().item()) + int((scales != want.scales.view(torch.uint8))
+                                                                   .sum().item())
+            med, _, _ = time_fn(fn)
+            rows.append({"variant": name, "exact_expected": True, "mismatches": mism, "block": f"{br}x{bk}",
+                         "num_warps": nw, "median_ms": med, "gbps": nbytes / med / 1e6})
+    return rows
+
+
+def markstein_exhaustive(count: int = 1 << 26) -> dict:
+    """Markstein against div_rn on random x and divisors, all-ones significands included."""
+    x = torch.randn(count, device="cuda") * 100
+    d = torch.rand(count, device="cuda") * 1000 + 1e-3
+    d[: count // 8] = (torch.full((count // 8,), 0x3FFFFFFF, dtype=torch.int32, device="cuda")
+                       .view(torch.float32) * torch.exp2(torch.randint(-20, 20, (count // 8,), device="cuda")))
+    out_a = torch.empty_like(x)
+    out_b = torch.empty_like(x)
+    _markstein_check_kernel[(triton.cdiv(count, 1024),)](x, d, out_a, out_b, count, BLOCK=1024)
+    return {"pairs": count, "mismatches": int((out_a.view(torch.int32) != out_b.view(torch.int32)).sum().item())}
+
+
+@triton.jit
+def _markstein_check_kernel(x_ptr, d_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=1.0)
+    d = tl.load(d_ptr + offs, mask=m, other=1.0)
+    r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    tl.store(a_ptr + offs, tl.div_rn(x, d), mask=m)
+    tl.store(b_ptr + offs, _div_markstein(x, d, r), mask=m)
