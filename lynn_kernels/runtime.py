@@ -155,6 +155,21 @@ def round_to_bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def div_rn_by(x, d, r, INTERPRET: tl.constexpr):
+    """Correctly rounded ``x / d`` given ``r = RN(1 / d)`` (a per-block reciprocal, computed with ``tl.div_rn``).
+
+    On the GPU: Markstein's correction, ``q0 = x r``, ``e = fma(-q0, d, x)`` (exact), ``q = fma(e, r, q0)``: three
+    instructions instead of a full IEEE division. The interpreter has no fused multiply-add, so it divides (numpy's
+    fp32 division is already correctly rounded).
+    """
+    if INTERPRET:
+        return x / d
+    else:
+        q0 = x * r
+        return tl.fma(tl.fma(-q0, d, x), r, q0)
+
+
+@triton.jit
 def cast_output(x, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> ``OUT_DTYPE`` with round-to-nearest-even on every backend."""
     if OUT_DTYPE == tl.bfloat16:

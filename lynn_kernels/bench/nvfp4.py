@@ -42,6 +42,13 @@ def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         sets = rotation(make, nbytes)
         q0 = sets[0][0]
         want = reference.dequantize(q0)
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        med, p20, p80 = time_fn(lambda: dst.copy_(src))
+        rows.append(derive(Result("nvfp4.dequantize", "torch copy of the same bytes", label, _dims(shape), med, p20,
+                                  p80, bytes=nbytes, ceiling="copy_gbps",
+                                  note="what a plain copy reaches at this size"), ceilings))
+        del src, dst
         for provider, fn in (("lynn", dequantize), ("torch eager (reference)", reference.dequantize)):
             got = fn(q0)
             check = validated(compare(got, want, exact=True), exact=True)

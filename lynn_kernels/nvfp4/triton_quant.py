@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, round_to_bf16
+from ..runtime import cast_output, div_rn_by, round_to_bf16
 from .format import (BLOCK, check_out_dtype, check_recipe, check_weight, default_global_scale,
                      global_scale_tensor)
 from .tensor import NVFP4Tensor
@@ -53,17 +53,21 @@ def _e4m3_decode(code):
 
 
 @triton.jit
-def _e2m1_encode(q):
+def _e2m1_encode(q, INTERPRET: tl.constexpr):
     """fp32 scaled values -> 4-bit codes (uint8), round to nearest even, saturating; NaN -> 7 as ModelOpt.
 
     From 1 up, E2M1 is fp32 with one mantissa bit: round the fp32 bits at bit 22 (ties to even) and read exponent
-    and mantissa off together. Below 1 the codes are 0 / 0.5 / 1.0, two comparisons. Integer ops only.
+    and mantissa off together. Below 1 the codes are 0, 1, 2 = RNE(2a), which one fma against 1.5 * 2^23 rounds.
     """
     a = tl.abs(q)
-    a = tl.where(a < 6.0, a, 6.0)                                   # saturate; NaN fails the test and becomes 6
+    if INTERPRET:
+        a = tl.where(a < 6.0, a, 6.0)                   # saturate; NaN fails the test and becomes 6
+    else:
+        a = tl.minimum(a, 6.0)                          # fminf: also maps NaN to 6, in one instruction
     b = a.to(tl.uint32, bitcast=True)
-    code_n = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252         # (exponent - 126) * 2 + mantissa bit
-    code_s = (a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32)
+    # (b + half-ulp - 1 + odd bit) >> 22 is (exponent << 1 | mantissa); the constant also subtracts 126 << 1
+    code_n = (b + ((b >> 22) & 1) + 0xC11FFFFF) >> 22     # 0xC11FFFFF = 0x1FFFFF - (252 << 22) mod 2^32
+    code_s = tl.fma(a, 2.0, 12582912.0).to(tl.uint32, bitcast=True) - 0x4B400000
     mag = tl.where(a >= 1.0, code_n, code_s)
     return (mag | tl.where(q < 0, 8, 0).to(tl.uint32)).to(tl.uint8)
 
@@ -80,6 +84,8 @@ def _e2m1_encode(q):
         triton.Config({"BLOCK_R": 16, "BLOCK_K": 512}, num_warps=8),
         triton.Config({"BLOCK_R": 4, "BLOCK_K": 1024}, num_warps=4),
         triton.Config({"BLOCK_R": 64, "BLOCK_K": 128}, num_warps=8),
+        triton.Config({"BLOCK_R": 2, "BLOCK_K": 2048}, num_warps=4),
+        triton.Config({"BLOCK_R": 4, "BLOCK_K": 512}, num_warps=2),
     ],
     key=["R", "K", "RECIPE_CT"],
     reset_to_zero=["flag_ptr"],
@@ -123,8 +129,11 @@ def _nvfp4_quantize_kernel(
         s = tl.where(s == 0, 1.0, tl.minimum(s, 448.0))
         s_val, s_code = _e4m3_round(s)
         divisor = s_val * g[:, None]
-    q = tl.div_rn(blocks, tl.broadcast_to(divisor[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)))
-    nib = tl.reshape(_e2m1_encode(q), (BLOCK_R, BLOCK_K // 2, 2))
+    recip = tl.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)     # one IEEE division per block
+    shape3: tl.constexpr = (BLOCK_R, BLOCK_K // 16, 16)
+    q = div_rn_by(blocks, tl.broadcast_to(divisor[:, :, None], shape3), tl.broadcast_to(recip[:, :, None], shape3),
+                  INTERPRET)
+    nib = tl.reshape(_e2m1_encode(q, INTERPRET), (BLOCK_R, BLOCK_K // 2, 2))
     lo, hi = tl.split(nib)
     packed = lo | (hi << 4)                                                 # [BLOCK_R, BLOCK_K/2]
 
@@ -193,6 +202,8 @@ def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str) -> tuple[NVFP
         triton.Config({"BLOCK_R": 16, "BLOCK_K": 512}, num_warps=8),
         triton.Config({"BLOCK_R": 4, "BLOCK_K": 1024}, num_warps=4),
         triton.Config({"BLOCK_R": 32, "BLOCK_K": 512}, num_warps=8),
+        triton.Config({"BLOCK_R": 8, "BLOCK_K": 2048}, num_warps=8),
+        triton.Config({"BLOCK_R": 16, "BLOCK_K": 1024}, num_warps=8),
     ],
     key=["R", "K", "OUT_DTYPE"],
 )
