@@ -8,7 +8,7 @@ from ..nvfp4 import NVFP4Tensor, dequantize, quantize, reference
 from ..nvfp4.triton_quant import launch_quantize, quantize_triton
 from ..validate import compare
 from . import register
-from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
+from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, time_graph, validated
 
 #: (label, shape): plain projections, a square 16k, and a stacked MoE gate_up [E, 2I, H] (Qwen3.5-35B-A3B)
 SHAPES = [
@@ -44,15 +44,21 @@ def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         want = reference.dequantize(q0)
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        med, p20, p80 = time_fn(lambda: dst.copy_(src))
+        med, p20, p80 = time_graph(lambda: dst.copy_(src))
         rows.append(derive(Result("nvfp4.dequantize", "torch copy of the same bytes", label, _dims(shape), med, p20,
                                   p80, bytes=nbytes, ceiling="copy_gbps",
-                                  note="what a plain copy reaches at this size"), ceilings))
+                                  note="what a plain copy reaches at this size (CUDA graph replay)"), ceilings))
         del src, dst
-        for provider, fn in (("lynn", dequantize), ("torch eager (reference)", reference.dequantize)):
+        out_bytes = 2 * numel
+        for provider, fn, graph in (("lynn kernel (CUDA graph replay)", dequantize, True),
+                                    ("lynn dequantize() eager call", dequantize, False),
+                                    ("torch eager (reference)", reference.dequantize, False)):
             got = fn(q0)
             check = validated(compare(got, want, exact=True), exact=True)
-            med, p20, p80 = time_fn(rotating(fn, sets))
+            if graph:
+                med, p20, p80 = time_graph(rotating(fn, sets), max_calls=max(1, (8 << 30) // out_bytes))
+            else:
+                med, p20, p80 = time_fn(rotating(fn, sets))
             rows.append(derive(Result("nvfp4.dequantize", provider, label, _dims(shape), med, p20, p80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets"), ceilings))
@@ -76,14 +82,14 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         g0 = w0.abs().amax().float() / 2688.0
         want = reference.quantize(w0, g0)
         providers = (
-            ("lynn kernel (global scale given, no host sync)", lambda w: launch_quantize(w, g0, "modelopt")[0]),
-            ("lynn quantize(w, g) (kernel + NaN check sync)", lambda w: quantize_triton(w, g0)),
-            ("lynn quantize(w) (amax pass + kernel)", quantize),
-            ("torch eager (reference)", lambda w: reference.quantize(w, g0)),
+            ("lynn kernel (CUDA graph replay)", lambda w: launch_quantize(w, g0, "modelopt")[0], True),
+            ("lynn quantize(w, g) eager (kernel + NaN-check sync)", lambda w: quantize_triton(w, g0), False),
+            ("lynn quantize(w) eager (amax pass + kernel)", quantize, False),
+            ("torch eager (reference)", lambda w: reference.quantize(w, g0), False),
         )
-        for provider, fn in providers:
+        for provider, fn, graph in providers:
             got = fn(w0)
-            if provider.startswith("lynn quantize(w) "):
+            if provider.startswith("lynn quantize(w) eager"):
                 ref_q = reference.quantize(w0)
             else:
                 ref_q = want
@@ -92,7 +98,10 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             check = {"code_or_scale_mismatches": mism, "passed": mism == 0}
             if mism:
                 raise AssertionError(f"{provider}: {mism} codes/scales differ from the reference; not timing it")
-            med, p20, p80 = time_fn(rotating(fn, sets))
+            if graph:
+                med, p20, p80 = time_graph(rotating(fn, sets), max_calls=max(1, (8 << 30) // (numel // 2)))
+            else:
+                med, p20, p80 = time_fn(rotating(fn, sets))
             rows.append(derive(Result("nvfp4.quantize", provider, label, _dims(shape), med, p20, p80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets; bytes = one read of w + codes + "

@@ -1,0 +1,81 @@
+"""Shared test set-up: the backend, the ``gpu`` marker, fixed seeds and poisoned allocations.
+
+``import lynn_kernels`` comes first so that the runtime chooses the backend (and sets ``TRITON_INTERPRET=1`` on a
+CPU) before anything else imports triton.
+"""
+
+from __future__ import annotations
+
+import lynn_kernels  # noqa: F401, I001  (must come first: it chooses the Triton backend)
+from lynn_kernels import runtime
+
+import math
+
+import pytest
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``@pytest.mark.gpu`` tests when no CUDA GPU is visible (compiled Triton only runs there)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (compiled Triton); this machine runs the interpreter")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device kernel inputs must live on: the CPU under the interpreter, the GPU when compiled."""
+    return runtime.DEVICE
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fixed seed (tensors are drawn on the CPU, then moved)."""
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def make_weight(device):
+    """``make_weight(shape, dtype, seed=0, scale=1.0)``: Gaussian weights, drawn from a fixed seed, on ``device``."""
+
+    def make(shape, dtype=torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(tuple(shape), generator=g) * scale).to(dtype).to(device)
+
+    return make
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill a fresh allocation with garbage: NaN for floats of 2+ bytes, 0xFF bytes otherwise (NaN in E4M3FN)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return t
+    if t.dtype == torch.bool:
+        t.fill_(True)
+    elif (t.dtype.is_floating_point or t.dtype.is_complex) and t.element_size() >= 2:
+        t.fill_(math.nan)
+    else:   # uint8 codes, float8 scales, integers: every byte 0xFF (same-size views keep any layout)
+        signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        t.view(signed).fill_(0xFF if signed == torch.uint8 else -1)
+    return t
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Make ``torch.empty`` / ``torch.empty_like`` return garbage-filled tensors, so an output a kernel forgets to
+    write shows up as NaN (floats) or 0xFF bytes (uint8 codes, float8 scales) instead of lucky zeros."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def empty(*args, **kwargs):
+        return _poison(real_empty(*args, **kwargs))
+
+    def empty_like(*args, **kwargs):
+        return _poison(real_empty_like(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    return _poison
