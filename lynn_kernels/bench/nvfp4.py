@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import NVFP4Tensor, dequantize, quantize, reference
-from ..nvfp4.triton_quant import launch_quantize, quantize_triton
+from ..nvfp4.triton_quant import launch_dequantize, launch_quantize, quantize_triton
 from ..validate import compare
 from . import register
 from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, time_graph, validated
@@ -49,20 +49,28 @@ def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                                   p80, bytes=nbytes, ceiling="copy_gbps",
                                   note="what a plain copy reaches at this size (CUDA graph replay)"), ceilings))
         del src, dst
-        out_bytes = 2 * numel
-        for provider, fn, graph in (("lynn kernel (CUDA graph replay)", dequantize, True),
-                                    ("lynn dequantize() eager call", dequantize, False),
-                                    ("torch eager (reference)", reference.dequantize, False)):
-            got = fn(q0)
-            check = validated(compare(got, want, exact=True), exact=True)
+        outs = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in sets]
+        graph_sets = [(q, o) for (q,), o in zip(sets, outs)]
+        providers = (("lynn kernel (CUDA graph replay)", launch_dequantize, True),
+                     ("lynn dequantize() eager call", dequantize, False),
+                     ("torch eager (reference)", reference.dequantize, False))
+        checks = {}
+        for provider, fn, graph in providers:                  # validate every provider before timing any
+            got = fn(*graph_sets[0]) if graph else fn(q0)
+            checks[provider] = validated(compare(got, want, exact=True), exact=True)
+        for provider, fn, graph in providers:
+            check = checks[provider]
             if graph:
-                med, p20, p80 = time_graph(rotating(fn, sets), max_calls=max(1, (8 << 30) // out_bytes))
+                med, p20, p80 = time_graph(rotating(fn, graph_sets))
             else:
                 med, p20, p80 = time_fn(rotating(fn, sets))
             rows.append(derive(Result("nvfp4.dequantize", provider, label, _dims(shape), med, p20, p80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets"), ceilings))
-        del sets
+        post = compare(dequantize(q0), want, exact=True)          # timing must not have disturbed anything
+        if post.mismatches:
+            raise AssertionError(f"dequantize differs from the reference after timing {label}: {post}")
+        del sets, outs, graph_sets
         torch.cuda.empty_cache()
     return rows
 
@@ -81,14 +89,18 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         w0 = sets[0][0]
         g0 = w0.abs().amax().float() / 2688.0
         want = reference.quantize(w0, g0)
+        outs = [reference.quantize(w0, g0) for _ in sets]         # preallocated outputs for the graph
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        graph_sets = [(w, o) for (w,), o in zip(sets, outs)]
         providers = (
-            ("lynn kernel (CUDA graph replay)", lambda w: launch_quantize(w, g0, "modelopt")[0], True),
+            ("lynn kernel (CUDA graph replay)", lambda w, o: launch_quantize(w, g0, "modelopt", o, flag)[0], True),
             ("lynn quantize(w, g) eager (kernel + NaN-check sync)", lambda w: quantize_triton(w, g0), False),
             ("lynn quantize(w) eager (amax pass + kernel)", quantize, False),
             ("torch eager (reference)", lambda w: reference.quantize(w, g0), False),
         )
-        for provider, fn, graph in providers:
-            got = fn(w0)
+        checks = {}
+        for provider, fn, graph in providers:                  # validate every provider before timing any
+            got = fn(*graph_sets[0]) if graph else fn(w0)
             if provider.startswith("lynn quantize(w) eager"):
                 ref_q = reference.quantize(w0)
             else:
@@ -98,15 +110,18 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             check = {"code_or_scale_mismatches": mism, "passed": mism == 0}
             if mism:
                 raise AssertionError(f"{provider}: {mism} codes/scales differ from the reference; not timing it")
+            checks[provider] = check
+        for provider, fn, graph in providers:
+            check = checks[provider]
             if graph:
-                med, p20, p80 = time_graph(rotating(fn, sets), max_calls=max(1, (8 << 30) // (numel // 2)))
+                med, p20, p80 = time_graph(rotating(fn, graph_sets))
             else:
                 med, p20, p80 = time_fn(rotating(fn, sets))
             rows.append(derive(Result("nvfp4.quantize", provider, label, _dims(shape), med, p20, p80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets; bytes = one read of w + codes + "
                                            f"scales (the amax pass reads w again, uncounted)"), ceilings))
-        del sets
+        del sets, outs, graph_sets
         torch.cuda.empty_cache()
     return rows
 

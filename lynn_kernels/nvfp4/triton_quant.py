@@ -169,14 +169,18 @@ def quantize_triton(w: torch.Tensor, global_scale=None, recipe: str = "modelopt"
     return q
 
 
-def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str) -> tuple[NVFP4Tensor, torch.Tensor]:
-    """Allocate and launch only (no checks, no host sync): returns the tensor and the device-side NaN/Inf flag."""
+def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Tensor | None = None,
+                    flag: torch.Tensor | None = None) -> tuple[NVFP4Tensor, torch.Tensor]:
+    """Launch only (no checks, no host sync), into ``out`` if given: returns the tensor and the NaN/Inf flag."""
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
     rows = _as_rows(w, k)
     n_rows = rows.shape[0]
-    codes = torch.empty((*lead, k // 2), dtype=torch.uint8, device=w.device)
-    scales = torch.empty((*lead, k // BLOCK), dtype=torch.float8_e4m3fn, device=w.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=w.device)
+    if out is None:
+        codes = torch.empty((*lead, k // 2), dtype=torch.uint8, device=w.device)
+        scales = torch.empty((*lead, k // BLOCK), dtype=torch.float8_e4m3fn, device=w.device)
+    else:
+        codes, scales = out.codes, out.scales
+    flag = torch.zeros(1, dtype=torch.int32, device=w.device) if flag is None else flag
 
     def grid(meta):
         return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
@@ -244,10 +248,13 @@ def dequantize_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> to
         raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
     check_out_dtype(dtype)
     runtime.check_device("q.codes", q.codes)
-    shape = q.shape
-    k = shape[-1]
+    return launch_dequantize(q, torch.empty(q.shape, dtype=dtype, device=q.device))
+
+
+def launch_dequantize(q: NVFP4Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Launch only, into a contiguous ``out`` of ``q.shape`` (no checks)."""
+    k = q.shape[-1]
     n_rows = q.codes.numel() // (k // 2)
-    out = torch.empty(shape, dtype=dtype, device=q.device)
 
     def grid(meta):
         return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
@@ -255,6 +262,6 @@ def dequantize_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> to
     _nvfp4_dequantize_kernel[grid](
         q.codes, q.scales.view(torch.uint8), q.global_scale, out,
         n_rows, k, q.rows_per_global(),
-        OUT_DTYPE=runtime.TORCH_TO_TL[dtype], **runtime.kernel_flags(),
+        OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **runtime.kernel_flags(),
     )
     return out
