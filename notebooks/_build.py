@@ -586,7 +586,7 @@ NVFP4 = [
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
     width = 0.8 / len(fmts)
     for i, f in enumerate(fmts):
         ys = [next(r["m"].rel_l2 for r in err_rows if r["weights"] == d and r["format"] == f) for d in dists]
@@ -595,7 +595,7 @@ NVFP4 = [
     ax.set_yscale("log")
     ax.set_ylabel("rel_l2 against fp32 (log)")
     ax.set_title("Quantisation error, 128 x 1024 weights", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     plt.show()
     '''),
     code(r'''
@@ -866,9 +866,10 @@ NVFP4 = [
     code(r'''
     # NBVAL_IGNORE_OUTPUT
     GOALS = {"nvfp4.dequantize": 0.85, "nvfp4.quantize": 0.60}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     for ax, (op, doc) in zip(axes, docs.items()):
         plots.plot_bandwidth(doc, ax=ax)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)   # below, off the bars
         ax.axhline(GOALS[op] * doc["ceilings"]["copy_gbps"], ls=":", c="tab:red", lw=1)
         ax.text(-0.45, GOALS[op] * doc["ceilings"]["copy_gbps"], f"goal {GOALS[op]:.0%}", va="bottom",
                 fontsize=8, color="tab:red")
