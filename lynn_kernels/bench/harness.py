@@ -125,47 +125,6 @@ def time_fn(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 200) ->
     return float(med), float(p20), float(p80)
 
 
-def time_graph(fn: Callable[[], object], max_calls: int = 50, replays: int = 20, target_ms: float = 20.0
-               ) -> tuple[float, float, float]:
-    """(median, p20, p80) ms per call of ``fn`` replayed from a CUDA graph: the GPU time without Python launch cost.
-
-    ``fn`` is captured ``n`` times in one graph (``n`` from a quick estimate, at most ``max_calls``: outputs allocated
-    inside the capture stay alive for the whole graph), the graph is replayed ``replays`` times, and each replay's
-    time / ``n`` is one sample. Use next to :func:`time_fn`, which shows what an eager caller pays.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("timing needs a CUDA GPU")
-    if os.environ.get("LYNN_BENCH_NO_GRAPH"):
-        return time_fn(fn)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        n = int(max(1, min(max_calls, target_ms / max(start.elapsed_time(end) / 3, 1e-3))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(n):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / n)
-    del graph
-    q = torch.tensor(samples).quantile(torch.tensor([0.5, 0.2, 0.8])).tolist()
-    return float(q[0]), float(q[1]), float(q[2])
-
-
 def rotation(make_inputs: Callable[[], tuple], bytes_per_call: int, max_sets: int = 32,
              budget_bytes: int = 8 << 30) -> list[tuple]:
     """Enough input sets that cycling through them touches at least 3x the L2 (capped by ``budget_bytes``)."""

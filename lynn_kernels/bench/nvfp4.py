@@ -8,7 +8,7 @@ from ..nvfp4 import NVFP4Tensor, dequantize, quantize, reference
 from ..nvfp4.triton_quant import launch_dequantize, launch_quantize, quantize_triton
 from ..validate import compare
 from . import register
-from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, time_graph, validated
+from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
 
 #: (label, shape): plain projections, a square 16k, and a stacked MoE gate_up [E, 2I, H] (Qwen3.5-35B-A3B)
 SHAPES = [
@@ -44,33 +44,30 @@ def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         want = reference.dequantize(q0)
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        med, p20, p80 = time_graph(lambda: dst.copy_(src))
+        med, p20, p80 = time_fn(lambda: dst.copy_(src))
         rows.append(derive(Result("nvfp4.dequantize", "torch copy of the same bytes", label, _dims(shape), med, p20,
                                   p80, bytes=nbytes, ceiling="copy_gbps",
-                                  note="what a plain copy reaches at this size (CUDA graph replay)"), ceilings))
+                                  note="what a plain copy reaches at this size"), ceilings))
         del src, dst
         outs = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in sets]
-        graph_sets = [(q, o) for (q,), o in zip(sets, outs)]
-        providers = (("lynn kernel (CUDA graph replay)", launch_dequantize, True),
+        prealloc_sets = [(q, o) for (q,), o in zip(sets, outs)]
+        providers = (("lynn kernel launch (preallocated output)", launch_dequantize, True),
                      ("lynn dequantize() eager call", dequantize, False),
                      ("torch eager (reference)", reference.dequantize, False))
         checks = {}
-        for provider, fn, graph in providers:                  # validate every provider before timing any
-            got = fn(*graph_sets[0]) if graph else fn(q0)
+        for provider, fn, prealloc in providers:                  # validate every provider before timing any
+            got = fn(*prealloc_sets[0]) if prealloc else fn(q0)
             checks[provider] = validated(compare(got, want, exact=True), exact=True)
-        for provider, fn, graph in providers:
+        for provider, fn, prealloc in providers:
             check = checks[provider]
-            if graph:
-                med, p20, p80 = time_graph(rotating(fn, graph_sets))
-            else:
-                med, p20, p80 = time_fn(rotating(fn, sets))
+            med, p20, p80 = time_fn(rotating(fn, prealloc_sets if prealloc else sets))
             rows.append(derive(Result("nvfp4.dequantize", provider, label, _dims(shape), med, p20, p80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets"), ceilings))
         post = compare(dequantize(q0), want, exact=True)          # timing must not have disturbed anything
         if post.mismatches:
             raise AssertionError(f"dequantize differs from the reference after timing {label}: {post}")
-        del sets, outs, graph_sets
+        del sets, outs, prealloc_sets
         torch.cuda.empty_cache()
     return rows
 
@@ -89,18 +86,19 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         w0 = sets[0][0]
         g0 = w0.abs().amax().float() / 2688.0
         want = reference.quantize(w0, g0)
-        outs = [reference.quantize(w0, g0) for _ in sets]         # preallocated outputs for the graph
+        outs = [reference.quantize(w0, g0) for _ in sets]         # preallocated outputs for the launch-only provider
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        graph_sets = [(w, o) for (w,), o in zip(sets, outs)]
+        prealloc_sets = [(w, o) for (w,), o in zip(sets, outs)]
         providers = (
-            ("lynn kernel (CUDA graph replay)", lambda w, o: launch_quantize(w, g0, "modelopt", o, flag)[0], True),
+            ("lynn kernel launch (preallocated output, no sync)",
+             lambda w, o: launch_quantize(w, g0, "modelopt", o, flag)[0], True),
             ("lynn quantize(w, g) eager (kernel + NaN-check sync)", lambda w: quantize_triton(w, g0), False),
             ("lynn quantize(w) eager (amax pass + kernel)", quantize, False),
             ("torch eager (reference)", lambda w: reference.quantize(w, g0), False),
         )
         checks = {}
-        for provider, fn, graph in providers:                  # validate every provider before timing any
-            got = fn(*graph_sets[0]) if graph else fn(w0)
+        for provider, fn, prealloc in providers:                  # validate every provider before timing any
+            got = fn(*prealloc_sets[0]) if prealloc else fn(w0)
             if provider.startswith("lynn quantize(w) eager"):
                 ref_q = reference.quantize(w0)
             else:
@@ -111,17 +109,14 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             if mism:
                 raise AssertionError(f"{provider}: {mism} codes/scales differ from the reference; not timing it")
             checks[provider] = check
-        for provider, fn, graph in providers:
+        for provider, fn, prealloc in providers:
             check = checks[provider]
-            if graph:
-                med, p20, p80 = time_graph(rotating(fn, graph_sets))
-            else:
-                med, p20, p80 = time_fn(rotating(fn, sets))
+            med, p20, p80 = time_fn(rotating(fn, prealloc_sets if prealloc else sets))
             rows.append(derive(Result("nvfp4.quantize", provider, label, _dims(shape), med, p20, p80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets; bytes = one read of w + codes + "
                                            f"scales (the amax pass reads w again, uncounted)"), ceilings))
-        del sets, outs, graph_sets
+        del sets, outs, prealloc_sets
         torch.cuda.empty_cache()
     return rows
 
