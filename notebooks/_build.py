@@ -66,9 +66,11 @@ START_HERE = [
     per second**, against the bandwidth the GPU reaches on a plain copy.
     '''),
     code(r'''
+    import dataclasses
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     import torch
 
@@ -76,6 +78,17 @@ START_HERE = [
     from lynn_kernels import checks, compare, render_table
     from lynn_kernels.bench import load, result_table
     from lynn_kernels.runtime import DEVICE
+
+
+    def rounded(rows, digits=4):
+        """Round the metrics of table rows to `digits` significant digits, so that float noise from another CPU or
+        torch build cannot change the committed output (nbval compares it as text)."""
+        def r(v):
+            return v if v is None else float(f"{v:.{digits}g}")
+
+        return [{k: dataclasses.replace(v, cosine=r(v.cosine), max_abs=r(v.max_abs), rel_l2=r(v.rel_l2),
+                                        err_ratio=r(v.err_ratio)) if isinstance(v, lynn_kernels.Metrics) else v
+                 for k, v in row.items()} for row in rows]
     '''),
     md(r'''
     ## 1. What am I running on?
@@ -122,7 +135,9 @@ START_HERE = [
     code(r'''
     probe = "import lynn_kernels; print(lynn_kernels.backend())"
     env = {**os.environ, "LYNN_BACKEND": "reference"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    repo = Path(lynn_kernels.__file__).resolve().parents[1]     # works for an installed or a plain checkout
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=repo, capture_output=True, text=True,
+                         check=True)
     print("LYNN_BACKEND=reference ->", out.stdout.strip())
     '''),
     md(r'''
@@ -141,11 +156,12 @@ START_HERE = [
     | `mismatches` | elements whose **bits** differ (`exact=True`) | 0 for ops that promise bit-exactness, such as quantise and dequantise |
     | `passed` | the family's own gate | `yes` |
 
-    `run_checks(["nvfp4"])` runs the same cases as `lynn check nvfp4`:
+    `run_checks(["nvfp4"])` runs the same cases as `lynn check nvfp4` (figures rounded here to 4 significant
+    digits, as everywhere in these notebooks):
     '''),
     code(r'''
     rows, seconds = checks.run_checks(["nvfp4"])
-    print(checks.table(rows))
+    print(checks.table(rounded(rows)))
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -180,7 +196,7 @@ START_HERE = [
     demo = [{"copy": "bf16", "m": compare(bf16, x, baseline=bf16)},
             {"copy": "fp16", "m": compare(x.half(), x, baseline=bf16)},
             {"copy": "nvfp4 round trip", "m": compare(nvfp4_rt, x, baseline=bf16)}]
-    print(render_table(demo, ["copy", "cosine", "max_abs", "rel_l2", "err_ratio"]))
+    print(render_table(rounded(demo), ["copy", "cosine", "max_abs", "rel_l2", "err_ratio"]))
     '''),
     md(r'''
     ## 3. How to read a benchmark table
@@ -193,9 +209,9 @@ START_HERE = [
     * **ceilings**: bandwidth and matmul rates measured in the same process: `copy_gbps` (device-to-device copy,
       bytes read + written), `read_gbps` (sum of a large tensor), `bf16_tflops` (an 8192^3 matmul);
     * **results**, one row per provider and shape:
-      * `median_ms`, `p20_ms`, `p80_ms`: the median and the 20th / 80th percentiles of `triton.testing.do_bench`
-        (CUDA events, L2 flushed before each run, inputs rotated over several copies so the L2 cannot hold them);
-        a wide p20-p80 band means a noisy measurement;
+      * `median_ms`, `p20_ms`, `p80_ms`: the median and the 20th / 80th percentiles of many timed runs (CUDA
+        events after warm-up, L2 flushed, inputs rotated over several copies so the L2 cannot hold them; each row's
+        `note` says how it was timed); a wide p20-p80 band means a noisy measurement;
       * `bytes`: the fewest bytes the op must move (each input read once, the output written once);
         `gbps = bytes / median`;
       * `frac_of_ceiling`: `gbps` over the matching measured ceiling (the copy ceiling here); where a
@@ -215,6 +231,10 @@ START_HERE = [
     print(f"command: {prov['command']}")
     print("ceilings: " + ", ".join(f"{k} {v:,.0f}" for k, v in doc["ceilings"].items() if k != "sizes") + "\n")
     print(result_table(doc))
+    notes = {}
+    for r in doc["results"]:
+        notes.setdefault(r["provider"], r.get("note") or "-")                   # the first note of each provider
+    print("\nnotes:", *(f"{p}: {n}" for p, n in notes.items()), sep="\n  ")
     '''),
     md(r'''
     The spread and the derivation for one row, recomputed from the raw fields (bytes for dequantise: read the
@@ -225,7 +245,7 @@ START_HERE = [
     cols = ["provider", "shape", "median_ms", "p20_ms", "p80_ms", "gbps", "frac_of_ceiling"]
     print(result_table(doc, cols) + "\n")
 
-    row = next(r for r in doc["results"] if r["provider"] == "lynn")
+    row = next((r for r in doc["results"] if r["provider"].startswith("lynn")), doc["results"][0])
     numel = 1
     for v in row["dims"].values():
         numel *= v
@@ -298,6 +318,7 @@ NVFP4 = [
     '''),
     code(r'''
     %matplotlib inline
+    import dataclasses
     import math
 
     import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
@@ -310,6 +331,19 @@ NVFP4 = [
     from lynn_kernels import checks, compare, nvfp4, render_table
     from lynn_kernels.nvfp4 import reference
     from lynn_kernels.runtime import DEVICE
+
+
+    def r4(v):
+        """4 significant digits: enough to read, and float noise from another CPU or torch build cannot change the
+        committed output (nbval compares it as text)."""
+        return v if v is None else float(f"{v:.4g}")
+
+
+    def rounded(rows):
+        """Table rows with their Metrics rounded by r4."""
+        return [{k: dataclasses.replace(v, cosine=r4(v.cosine), max_abs=r4(v.max_abs), rel_l2=r4(v.rel_l2),
+                                        err_ratio=r4(v.err_ratio)) if isinstance(v, lk.Metrics) else v
+                 for k, v in row.items()} for row in rows]
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -433,9 +467,9 @@ NVFP4 = [
     '''),
     md(r'''
     **Why the scale is E4M3.** A block's 16 values are divided by their scale so that the block's largest
-    magnitude lands near 6, the top of E2M1. With a power-of-two scale (MXFP4's E8M0) it lands anywhere in (3, 6]
-    and part of the 4-bit grid goes unused; E4M3's three mantissa bits put it within about 1/16 of 6. The price is
-    range: E4M3 spans only about 2^-9 .. 448.
+    magnitude lands near 6, the top of E2M1. A power-of-two scale (MXFP4's E8M0) can place it only within a factor
+    of two, so part of the 4-bit grid goes unused (or the top of the block clips); E4M3's three mantissa bits put it
+    within about 1/16 of 6. The price is range: E4M3 spans only about 2^-9 .. 448.
 
     **Why a global fp32 scale.** Real weights are small (a std of about 0.02), so their block scales,
     `block_amax / 6`, would sit in E4M3's subnormals or underflow to 0; large activations would saturate at 448.
@@ -459,7 +493,7 @@ NVFP4 = [
             rows.append({"weights": f"randn x {mult:g}", "global scale": label,
                          "scale min": s.min().item(), "scale max": s.max().item(),
                          "subnormal": f"{(s < 2 ** -6).float().mean().item():.1%}",
-                         "at 448": f"{(s == 448).float().mean().item():.1%}", "rel_l2": round(err.rel_l2, 4)})
+                         "at 448": f"{(s == 448).float().mean().item():.1%}", "rel_l2": r4(err.rel_l2)})
     print(render_table(rows))
     '''),
     md(r'''
@@ -580,7 +614,8 @@ NVFP4 = [
         for fmt, (bpw, out) in candidates.items():
             err_rows.append({"weights": dist, "format": fmt, "bytes/weight": bpw,
                              "m": compare(out, w, baseline=bf16)})
-    print(render_table(err_rows, ["weights", "format", "bytes/weight", "cosine", "max_abs", "rel_l2", "err_ratio"]))
+    print(render_table(rounded(err_rows),
+                       ["weights", "format", "bytes/weight", "cosine", "max_abs", "rel_l2", "err_ratio"]))
     dists = list(dict.fromkeys(r["weights"] for r in err_rows))
     fmts = list(dict.fromkeys(r["format"] for r in err_rows))
     '''),
@@ -837,7 +872,7 @@ NVFP4 = [
 
     base, _ = checks.run_checks(["nvfp4"])
     all_rows = base + [{"backend": lk.backend(), **r} for r in extra]
-    print(checks.table(all_rows))
+    print(checks.table(rounded(all_rows)))
     print(f"\n{sum(r['passed'] for r in all_rows)}/{len(all_rows)} passed")
     '''),
     # ---------------------------------------------------------------------------------------------------------- 7
@@ -848,8 +883,9 @@ NVFP4 = [
     and quantise at **60% or more**. Both are streaming ops, so a copy of the same bytes is the honest ceiling.
 
     On a CPU nothing is timed: the cells below read `data/bench/h200/` (written by `lynn bench nvfp4` on the
-    H200), whatever results are committed there now. Bytes are the fewest the op must move; for quantise the
-    `quantize(w)` provider also reads `w` once more for the amax, which is not counted.
+    H200), whatever results are committed there now. Bytes are the fewest the op must move; a provider that moves
+    more (for example a separate amax pass over `w` before quantising) is still charged only those, and each row's
+    `note` says so.
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -861,6 +897,10 @@ NVFP4 = [
         print(f"== {op}: {p['gpu']}, {p['date']}, git {p['git_sha']}, torch {p['torch']}, triton {p['triton']}; "
               f"copy ceiling {doc['ceilings']['copy_gbps']:,.0f} GB/s")
         print(result_table(doc, ["provider", "shape", "median_ms", "p20_ms", "p80_ms", "gbps", "frac_of_ceiling"]))
+        notes = {}
+        for r in doc["results"]:
+            notes.setdefault(r["provider"], r.get("note") or "-")
+        print("notes:", *(f"{p}: {n}" for p, n in notes.items()), sep="\n  ")
         print()
     '''),
     code(r'''
@@ -915,7 +955,7 @@ NVFP4 = [
         q_big = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         nbytes = n * k // 2 + n * k // 16 + 2 * n * k
         assert compare(nvfp4.dequantize(q_big), reference.dequantize(q_big), exact=True).mismatches == 0
-        src = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)      # read + write = nbytes
         dst = torch.empty_like(src)
         ms_deq = triton.testing.do_bench(lambda: nvfp4.dequantize(q_big), warmup=25, rep=200)
         ms_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
@@ -954,14 +994,14 @@ NVFP4 = [
         step = s * g
         codes = reference.unpack_nibbles(q.codes[0].cpu()).tolist()
         lines = [f"recipe {recipe}: block amax {w.abs().max().item():.6g}, "
-                 f"tensor amax {tensor_amax:.6g}, global scale {g:.6e}",
-                 f"E4M3 block scale 0x{s8.view(torch.uint8).item():02x} = {s:g}  ->  unit s*g = {step:.6e}",
+                 f"tensor amax {tensor_amax:.6g}, global scale {g:.4e}",
+                 f"E4M3 block scale 0x{s8.view(torch.uint8).item():02x} = {s:g}  ->  unit s*g = {step:.4e}",
                  "codes  " + " ".join(f"{c:x}" for c in codes),
                  "bytes  " + " ".join(f"{b:02x}" for b in q.codes[0].tolist()) + "   (even element: low nibble)",
                  ""]
-        elems = [{"k": k, "w": w[k].item(), "w/(s*g)": w[k].item() / step, "code": f"0x{codes[k]:x}",
-                  "e2m1": e2m1_decode(codes[k]), "dequant": deq[k].item(), "error": deq[k].item() - w[k].item()}
-                 for k in range(16)]
+        elems = [{"k": k, "w": r4(w[k].item()), "w/(s*g)": r4(w[k].item() / step), "code": f"0x{codes[k]:x}",
+                  "e2m1": e2m1_decode(codes[k]), "dequant": r4(deq[k].item()),
+                  "error": r4(deq[k].item() - w[k].item())} for k in range(16)]
         return "\n".join(lines) + render_table(elems)
 
 
