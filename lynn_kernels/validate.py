@@ -91,7 +91,7 @@ def bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 # tables
 
 
-def _fmt(v) -> str:
+def _fmt(v, digits: int = 6) -> str:
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -103,14 +103,15 @@ def _fmt(v) -> str:
             return "0"
         if abs(v) >= 1e5 or abs(v) < 1e-3:
             return f"{v:.2e}"
-        return f"{v:,.1f}" if abs(v) >= 1000 else f"{v:.6g}"
+        return f"{v:,.1f}" if abs(v) >= 1000 else f"{v:.{digits}g}"
     if isinstance(v, (tuple, list)):
         return "x".join(str(x) for x in v)
     return str(v)
 
 
-def render_table(rows: Iterable[Mapping], columns: Sequence[str] | None = None, title: str | None = None) -> str:
-    """Render dicts as a fixed-width text table (floats rounded for reading, ``None`` as ``-``).
+def render_table(rows: Iterable[Mapping], columns: Sequence[str] | None = None, title: str | None = None,
+                 digits: int = 6) -> str:
+    """Render dicts as a fixed-width text table (floats to ``digits`` significant digits, ``None`` as ``-``).
 
     ``columns`` picks and orders the keys; by default every key of the first row. A :class:`Metrics` value in a row
     is spread into its fields.
@@ -130,7 +131,7 @@ def render_table(rows: Iterable[Mapping], columns: Sequence[str] | None = None, 
         columns = []
         for d in flat:
             columns += [k for k in d if k not in columns]
-    cells = [[_fmt(d.get(c)) for c in columns] for d in flat]
+    cells = [[_fmt(d.get(c), digits) for c in columns] for d in flat]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = []
     if title:

@@ -36,7 +36,7 @@ def plot_bandwidth(doc: dict, ceiling: str = "copy_gbps", providers: Sequence[st
     ax.set_ylabel("GB/s")
     ax.set_ylim(0, ceil * 1.15)
     ax.set_title(title or f"{doc['op']} on {doc['provenance']['gpu']}", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(3, len(provs)), frameon=False)
     return ax
 
 

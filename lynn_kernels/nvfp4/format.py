@@ -18,7 +18,7 @@ GLOBAL_DIVISOR = E2M1_MAX * E4M3_MAX   #: 2688: ``global = amax / 2688`` puts th
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 #: The two quantiser recipes in the wild. They agree on the format and differ in the last fp32 bit of the scale
-#: arithmetic, which moves about 3% of block scales on bf16 weights (docs/nvfp4.md, "Two recipes").
+#: arithmetic, which moves a few percent of block scales on bf16 weights (docs/nvfp4.md, "Two recipes").
 RECIPES = ("modelopt", "compressed-tensors")
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,8 +93,14 @@ def default_global_scale(w: torch.Tensor, recipe: str, name: str = "w") -> torch
     if amax.item() == 0:
         return torch.ones((), dtype=torch.float32, device=w.device)
     if recipe == "modelopt":
-        return amax.float() / GLOBAL_DIVISOR
-    gs_ct = (GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(w.dtype).tiny)).float()
+        # tensor / tensor: CUDA divides by a Python number through its reciprocal, which is not correctly rounded
+        return amax.float() / torch.tensor(GLOBAL_DIVISOR, dtype=torch.float32, device=w.device)
+    gs_ct = (GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(w.dtype).tiny)).float()   # compressed-tensors' own line
     if not bool(torch.isfinite(gs_ct)):
         gs_ct = torch.ones((), dtype=torch.float32, device=w.device)
-    return 1.0 / gs_ct
+    return reciprocal(gs_ct)
+
+
+def reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 ``1 / x`` on every device (a tensor-by-tensor division)."""
+    return torch.ones_like(x, dtype=torch.float32) / x.float()

@@ -1,7 +1,8 @@
 """The executable spec of NVFP4 in plain torch: quantise and dequantise, both recipes, bit for bit.
 
 Every rounding step below is one IEEE fp32 operation (or a cast) in the order the recipe's own code performs it,
-because that order decides the last bit; docs/nvfp4.md walks through it.
+because that order decides the last bit; docs/nvfp4.md walks through it. Divisions are tensor by tensor: CUDA
+divides by a Python number through its reciprocal, which is not correctly rounded.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .format import (BLOCK, E2M1_MAX, E4M3_MAX, check_out_dtype, check_recipe, check_weight,
-                     default_global_scale, e2m1_table, global_scale_tensor)
+                     default_global_scale, e2m1_table, global_scale_tensor, reciprocal)
 from .tensor import NVFP4Tensor
 
 
@@ -71,8 +72,9 @@ def quantize(w: torch.Tensor, global_scale=None, recipe: str = "modelopt") -> NV
         s8 = s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         divisor = s8.float() * g_b
     else:
-        inv = 1.0 / g_b                                                # the stored weight_global_scale
-        s = inv * _round_to(bam.float() / E2M1_MAX, w.dtype)
+        inv = reciprocal(g_b)                                          # the stored weight_global_scale
+        six = torch.tensor(E2M1_MAX, dtype=torch.float32, device=w.device)
+        s = inv * _round_to(bam.float() / six, w.dtype)
         s8 = s.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         s8 = torch.where(s8.float() == 0, torch.full_like(s8, 0.125), s8)
         divisor = s8.float() / inv

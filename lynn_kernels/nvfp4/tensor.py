@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .format import BLOCK
+from .format import BLOCK, reciprocal
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -125,12 +125,12 @@ class NVFP4Tensor:
                                 weight_global_scale: torch.Tensor) -> "NVFP4Tensor":
         """From compressed-tensors tensors; ``weight_global_scale`` is the reciprocal (``2688 / amax``, divide)."""
         gs = _scalar_global(weight_global_scale, "weight_global_scale", weight_packed)
-        return cls(weight_packed, weight_scale, 1.0 / gs)
+        return cls(weight_packed, weight_scale, reciprocal(gs))
 
     def to_compressed_tensors(self) -> dict:
         """compressed-tensors tensors: ``{"weight_packed", "weight_scale", "weight_global_scale"}`` (reciprocal,
         shape ``[1]`` for one tensor as llm-compressor writes it)."""
-        gs = 1.0 / self.global_scale
+        gs = reciprocal(self.global_scale)
         return {"weight_packed": self.codes, "weight_scale": self.scales,
                 "weight_global_scale": gs.reshape(1) if gs.dim() == 0 else gs}
 

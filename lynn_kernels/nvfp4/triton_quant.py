@@ -49,7 +49,8 @@ def _e4m3_decode(code):
     normal = ((e + 120) << 23) | (m << 20)
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
     mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
-    return tl.where((c & 0x80) != 0, -mag, mag)
+    # sign by bits, not negation: the GPU compiles -x as 0 - x, which turns 0x80 (-0.0) into +0.0
+    return (mag.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
