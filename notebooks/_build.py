@@ -680,8 +680,8 @@ NVFP4 = [
     print(render_table(recipe_rows))
     '''),
     md(r'''
-    A few percent of block scales, depending on where the tensor's amax happens to fall; the error against the
-    original is the same for both. What matters is that a kernel reproducing one checkpoint uses that checkpoint's
+    Up to a few percent of block scales, depending on where the tensor's amax happens to fall; the error against
+    the original is about the same for both. What matters is that a kernel reproducing one checkpoint uses that checkpoint's
     recipe, and that tests compare bits, not tolerances.
     '''),
     # ---------------------------------------------------------------------------------------------------------- 5
@@ -741,6 +741,10 @@ NVFP4 = [
     (`2^(e-1)` as an integer shift, so it is exact). The `BLOCK_K / 16` scales of a row are loaded once and
     broadcast over their 16 elements by viewing the tile as `[BLOCK_R, BLOCK_K/16, 16]`. Masks cover the ragged
     edges, such as K = 208 in a 128-wide tile.
+
+    One trap: the sign. On the GPU Triton compiles `-x` as `0 - x`, which turns code 0x8 (-0.0) into +0.0, while
+    the interpreter keeps the sign. The kernel applies the sign with a multiply by ±1.0 instead, which keeps it on
+    both. `max_abs` cannot see this kind of error (-0.0 equals +0.0); `mismatches` compares bits and does.
     '''),
     code(r'''
     @triton.jit
@@ -758,7 +762,7 @@ NVFP4 = [
         m = (nib & 1).to(tl.float32)
         pow2 = (1 << e).to(tl.float32) * 0.5                                              # 2^(e-1), exact
         mag = tl.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
-        val = tl.where((nib & 8) != 0, -mag, mag)
+        val = mag * tl.where((nib & 8) != 0, -1.0, 1.0)                                  # sign by multiply: keeps -0.0
         offs_s = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
         s = tl.load(scales_ptr + offs_r[:, None] * (K // 16) + offs_s[None, :],
                     mask=mask_r[:, None] & (offs_s[None, :] < K // 16), other=0.0)        # [BLOCK_R, BLOCK_K/16]

@@ -14,8 +14,6 @@ import math
 import pytest
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def pytest_collection_modifyitems(config, items):
     """Skip ``@pytest.mark.gpu`` tests when no CUDA GPU is visible (compiled Triton only runs there)."""
@@ -34,14 +32,9 @@ def device() -> torch.device:
 
 
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A CPU generator with a fixed seed (tensors are drawn on the CPU, then moved)."""
-    return torch.Generator().manual_seed(0)
-
-
-@pytest.fixture
 def make_weight(device):
-    """``make_weight(shape, dtype, seed=0, scale=1.0)``: Gaussian weights, drawn from a fixed seed, on ``device``."""
+    """``make_weight(shape, dtype, seed=0, scale=1.0)``: Gaussian weights on ``device``, drawn on the CPU from a
+    ``torch.Generator`` with a fixed seed (so the same on every backend)."""
 
     def make(shape, dtype=torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)

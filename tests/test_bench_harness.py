@@ -1,0 +1,180 @@
+"""The benchmark harness on the CPU: naming, derived figures, the results file, and the committed H200 results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lynn_kernels import bench
+from lynn_kernels.bench import harness
+from lynn_kernels.bench.harness import Ceilings, Result
+from lynn_kernels.validate import compare
+
+ON_GPU = torch.cuda.is_available()
+PROVENANCE_KEYS = {"date", "git_sha", "gpu", "torch", "triton", "cuda", "python", "command"}
+RESULT_KEYS = {"op", "provider", "shape", "dims", "median_ms", "p20_ms", "p80_ms", "bytes", "flops", "gbps",
+               "tflops", "ceiling", "frac_of_ceiling", "validation", "note"}
+
+
+@pytest.mark.parametrize("name,slug", [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA GeForce RTX 5090", "geforce-rtx-5090"),
+    ("nvidia  H100 80GB HBM3", "h100-80gb-hbm3"),
+    ("AMD Instinct MI300X", "instinct-mi300x"),
+    ("  NVIDIA GB10 ", "gb10"),
+])
+def test_gpu_slug(name, slug):
+    assert harness.gpu_slug(name) == slug
+
+
+@pytest.mark.skipif(ON_GPU, reason="the default name is the GPU's on a GPU")
+def test_gpu_slug_default_on_cpu():
+    assert harness.gpu_slug() == "cpu"
+
+
+CEILINGS = Ceilings(copy_gbps=4000.0, read_gbps=3500.0, bf16_tflops=800.0)
+
+
+def test_derive_bandwidth():
+    r = Result("op", "lynn", "8x8", {"N": 8}, median_ms=2.0, p20_ms=1.9, p80_ms=2.1, bytes=6_000_000_000,
+               ceiling="copy_gbps")
+    out = harness.derive(r, CEILINGS)
+    assert out is r
+    assert r.gbps == pytest.approx(3000.0)             # 6e9 B / 2e-3 s = 3e12 B/s
+    assert r.tflops is None
+    assert r.frac_of_ceiling == pytest.approx(0.75)
+
+
+def test_derive_flops_and_read_ceiling():
+    r = Result("mm", "lynn", "s", {}, median_ms=4.0, p20_ms=4.0, p80_ms=4.0, flops=2_000_000_000_000,
+               bytes=7_000_000_000, ceiling="bf16_tflops")
+    harness.derive(r, CEILINGS)
+    assert r.tflops == pytest.approx(500.0)            # 2e12 / 4e-3 s = 5e14 FLOP/s
+    assert r.gbps == pytest.approx(1750.0)
+    assert r.frac_of_ceiling == pytest.approx(500.0 / 800.0)
+    r2 = harness.derive(Result("sum", "torch", "s", {}, 1.0, 1.0, 1.0, bytes=1_750_000_000, ceiling="read_gbps"),
+                        CEILINGS)
+    assert r2.frac_of_ceiling == pytest.approx(0.5)
+
+
+def test_derive_without_ceiling():
+    r = harness.derive(Result("op", "p", "s", {}, 1.0, 1.0, 1.0, bytes=10**9), None)
+    assert r.gbps == pytest.approx(1000.0) and r.frac_of_ceiling is None
+    r = harness.derive(Result("op", "p", "s", {}, 1.0, 1.0, 1.0, bytes=10**9), CEILINGS)   # no ceiling named
+    assert r.frac_of_ceiling is None
+    r = harness.derive(Result("op", "p", "s", {}, 1.0, 1.0, 1.0, flops=10**12, ceiling="copy_gbps"), CEILINGS)
+    assert r.gbps is None and r.frac_of_ceiling is None  # nothing to hold against a bandwidth ceiling
+
+
+def test_save_then_load_round_trip(tmp_path):
+    results = [harness.derive(Result("toy.op", "lynn", "4x4", {"N": 4, "K": 4}, 0.5, 0.4, 0.6, bytes=10**6,
+                                     ceiling="copy_gbps", validation={"cosine": 1.0, "passed": True},
+                                     note="a note"), CEILINGS)]
+    path = harness.save("toy.op", results, CEILINGS, command="lynn bench toy", root=tmp_path,
+                        extra={"comment": "kept"})
+    assert path == tmp_path / harness.gpu_slug() / "toy.op.json"
+    assert json.loads(path.read_text())["schema"] == harness.SCHEMA
+    doc = harness.load("toy.op", gpu=harness.gpu_slug(), root=tmp_path)
+    assert doc["schema"] == "lynn-bench/1" and doc["op"] == "toy.op" and doc["comment"] == "kept"
+    assert PROVENANCE_KEYS <= set(doc["provenance"])
+    assert doc["provenance"]["command"] == "lynn bench toy"
+    assert doc["provenance"]["torch"] == torch.__version__
+    assert doc["ceilings"] == CEILINGS.as_dict()
+    assert doc["results"] == [r.as_dict() for r in results]
+    assert set(doc["results"][0]) == RESULT_KEYS
+    table = harness.result_table(doc)
+    assert "provider" in table.splitlines()[0] and "lynn" in table
+
+
+def test_load_missing_file_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no committed benchmark results at .*h200.*nvfp4\.nothing\.json; "
+                                                r"run `lynn bench nvfp4\.nothing` on a GPU"):
+        harness.load("nvfp4.nothing", root=tmp_path)
+
+
+def test_load_rejects_another_schema(tmp_path):
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "old.json").write_text(json.dumps({"schema": "lynn-bench/0", "results": []}))
+    with pytest.raises(ValueError, match="has schema 'lynn-bench/0', expected 'lynn-bench/1'"):
+        harness.load("old", root=tmp_path)
+
+
+@pytest.mark.parametrize("op", ["nvfp4.dequantize", "nvfp4.quantize"])
+def test_committed_h200_results(op):
+    doc = bench.load(op)                                    # data/bench/h200/<op>.json
+    assert doc["op"] == op and doc["schema"] == harness.SCHEMA
+    prov = doc["provenance"]
+    for key in ("date", "gpu", "torch", "triton", "command"):
+        assert prov.get(key), f"provenance lacks {key}"
+    assert prov["gpu"] == "NVIDIA H200" and harness.gpu_slug(prov["gpu"]) == "h200"
+    assert prov["command"].startswith("lynn bench")
+    ceil = doc["ceilings"]
+    assert all(ceil[k] > 0 for k in ("copy_gbps", "read_gbps", "bf16_tflops"))
+    assert doc["results"], "no result rows"
+    for row in doc["results"]:
+        assert set(row) == RESULT_KEYS and row["op"] == op
+        if row["provider"].startswith("torch copy"):
+            # the same-size copy baseline computes nothing, so there is nothing to validate
+            assert row["validation"] is None and row["ceiling"] == "copy_gbps"
+        else:
+            assert row["validation"] and row["validation"]["passed"] is True, row["provider"]
+        assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]
+        # the derived figures follow from the raw ones
+        assert row["gbps"] == pytest.approx(row["bytes"] / (row["median_ms"] * 1e-3) / 1e9, rel=1e-9)
+        assert row["frac_of_ceiling"] == pytest.approx(row["gbps"] / ceil[row["ceiling"]], rel=1e-9)
+    # every shape has a validated lynn row
+    shapes = {row["shape"] for row in doc["results"]}
+    lynn_shapes = {row["shape"] for row in doc["results"]
+                   if row["provider"].startswith("lynn") and row["validation"]["passed"] is True}
+    assert lynn_shapes == shapes
+    assert "lynn" in bench.result_table(doc)
+
+
+@pytest.mark.skipif(ON_GPU, reason="time_fn works on a GPU")
+def test_time_fn_needs_cuda():
+    with pytest.raises(RuntimeError, match="timing needs a CUDA GPU"):
+        harness.time_fn(lambda: None)
+
+
+@pytest.mark.parametrize("l2_mib,bytes_per_call,kwargs,expected", [
+    pytest.param(60, 10 << 20, {}, 18, id="3xL2-over-10MiB"),
+    pytest.param(60, 1 << 20, {}, 32, id="capped-by-max_sets"),
+    pytest.param(60, 1 << 20, {"max_sets": 5}, 5, id="max_sets-5"),
+    pytest.param(60, 4 << 30, {}, 1, id="bigger-than-L2"),
+    pytest.param(600, 100 << 20, {"budget_bytes": 500 << 20}, 5, id="capped-by-budget"),
+    pytest.param(600, 1 << 40, {"budget_bytes": 1 << 30}, 1, id="over-budget-still-one"),
+    pytest.param(60, 0, {}, 32, id="zero-bytes"),
+])
+def test_rotation_count(monkeypatch, l2_mib, bytes_per_call, kwargs, expected):
+    monkeypatch.setattr(harness, "l2_bytes", lambda: l2_mib << 20)
+    made = []
+
+    def make():
+        made.append(len(made))
+        return (len(made),)
+
+    sets = harness.rotation(make, bytes_per_call, **kwargs)
+    assert len(sets) == expected == len(made)
+    assert sets == [(i + 1,) for i in range(expected)]       # each set freshly made
+
+
+def test_rotating_cycles_through_the_sets():
+    call = harness.rotating(lambda a, b: a + b, [(1, 2), (10, 20), (100, 200)])
+    assert [call() for _ in range(7)] == [3, 30, 300, 3, 30, 300, 3]
+
+
+def test_validated_refuses_a_wrong_op():
+    ref = torch.tensor([1.0, 2.0, 3.0])
+    good = harness.validated(compare(ref.clone(), ref, exact=True), exact=True)
+    assert good["passed"] is True and good["mismatches"] == 0
+    with pytest.raises(AssertionError, match="validation failed before timing"):
+        harness.validated(compare(torch.tensor([1.0, 2.0, 3.5]), ref, exact=True), exact=True)
+    with pytest.raises(AssertionError, match="validation failed before timing"):
+        harness.validated(compare(-ref, ref))                  # cosine -1 < 0.9999
+    assert harness.validated(compare(ref * 1.000001, ref))["passed"] is True
+
+
+def test_bench_registry_lists_nvfp4():
+    assert bench.available() == ["nvfp4.dequantize", "nvfp4.quantize"]

@@ -1,0 +1,33 @@
+"""The README's set-up commands are the ones CI runs, and the package metadata does not pull a CUDA torch by itself."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return [line.strip() for line in section.splitlines() if line.startswith("    ") and line.strip()]
+
+
+def test_readme_has_exactly_two_setup_commands():
+    cmds = readme_commands()
+    assert len(cmds) == 2, cmds
+    assert cmds[0].endswith("&& lynn check")
+    assert cmds[1].endswith("&& pytest") and '".[test]"' in cmds[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert readme_commands()[1] in [line.strip() for line in ci]
+
+
+def test_dependencies_never_pin_a_cuda_torch():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = meta["dependencies"] + [d for extra in meta["optional-dependencies"].values() for d in extra]
+    torch_reqs = [d for d in deps if re.match(r"torch\b", d)]
+    assert torch_reqs and all(">=" in d and "==" not in d for d in torch_reqs), torch_reqs
+    assert any(d.startswith("triton") and "<" in d for d in deps)
