@@ -169,11 +169,34 @@ def div_rn_by(x, d, r, INTERPRET: tl.constexpr):
         return tl.fma(tl.fma(-q0, d, x), r, q0)
 
 
+def kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """What to pass a kernel for ``t``: bf16 travels as its int16 bits under the interpreter, whose bf16 <-> fp32
+    conversions truncate and mangle subnormals; kernels convert with :func:`to_float32` / :func:`cast_output`."""
+    return t.view(torch.int16) if INTERPRET and t.dtype == torch.bfloat16 else t
+
+
+@triton.jit
+def to_float32(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """A loaded ``DTYPE`` value (raw int16 bits for bf16 under the interpreter, see :func:`kernel_view`) -> fp32."""
+    if INTERPRET:
+        if DTYPE == tl.bfloat16:
+            return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
 @triton.jit
 def cast_output(x, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> ``OUT_DTYPE`` with round-to-nearest-even on every backend."""
+    """fp32 -> ``OUT_DTYPE``, round to nearest even on every backend (bf16 as int16 bits under the interpreter)."""
     if OUT_DTYPE == tl.bfloat16:
-        return round_to_bf16(x, INTERPRET).to(tl.bfloat16)
+        if INTERPRET:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.int16, bitcast=True)
+        else:
+            return x.to(tl.bfloat16)
     else:
         return x.to(OUT_DTYPE)
 

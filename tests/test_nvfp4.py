@@ -148,16 +148,9 @@ def test_quantize_kernel_matches_reference_per_expert_global(shape, g_dims, dtyp
 # 2. oracle: compressed-tensors
 
 
-# The global-scale reciprocal. NVFP4Tensor keeps the ModelOpt (multiply) convention g = 1 / G_ct, and the
-# compressed-tensors recipe and layout recover CT's G as 1 / g. In fp32, 1 / (1 / G) != G for about one value in six
-# (measured on random fp32 values); here G = 2688 / 3 = 896 and 1 / fp32(1 / 896) = 895.99994. Then the stored
-# weight_global_scale is not CT's, and q = w / (s / G) lands 1 ulp off CT's, so an exact E2M1 tie (bf16 weights
-# have many) rounds the other way.
-RECIPROCAL_BUG = ("package bug: NVFP4Tensor stores compressed-tensors' global scale G as its fp32 reciprocal g = 1/G "
-                  "(format.default_global_scale, tensor.from_compressed_tensors) and the CT recipe / layout use "
-                  "1/g again (reference.quantize `inv = 1.0 / g_b`, triton_quant `inv = div_rn(1, g)`, "
-                  "tensor.to_compressed_tensors); 1/(1/G) != G in fp32 for G = 896, so weight_global_scale and "
-                  "tie codes differ from compressed-tensors")
+# The global-scale reciprocal: in fp32, 1 / (1 / G) != G for some G (G = 2688 / 3 = 896 gives 895.99994), so a
+# compressed-tensors G must be kept as is (NVFP4Tensor.recip_global_scale, quantize(..., recip_global_scale=G)):
+# from 1 / g, q = w / (s / G) lands 1 ulp off CT's and an exact E2M1 tie (bf16 weights have many) rounds the other way.
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +210,7 @@ def test_ct_oracle_from_scratch(shape, dtype, impl, ct, make_weight, poison_empt
     pytest.param(FP32, 0.02, id="fp32-std0.02"),
     pytest.param(FP32, 1.0, id="fp32-std1"),
     # this seed's amax is 2.99.., which bf16 rounds to 3.0: CT's G = 896, the value of the reciprocal bug below
-    pytest.param(BF16, 1.0, id="bf16-std1", marks=pytest.mark.xfail(strict=True, reason=RECIPROCAL_BUG)),
+    pytest.param(BF16, 1.0, id="bf16-std1"),
 ])
 def test_ct_oracle_zero_and_tiny_blocks(dtype, std, impl, ct, make_weight, poison_empty):
     """A zero block (CT's scale becomes 0.125) and a tiny block (its E4M3 scale underflows to 0, then 0.125)."""
@@ -227,7 +220,7 @@ def test_ct_oracle_zero_and_tiny_blocks(dtype, std, impl, ct, make_weight, poiso
     w = w.to(dtype)
     gs_ct = ct.generate_gparam(w.amin(), w.amax())
     codes, scales = ct.quant(w, gs_ct)
-    q = impl(w, global_scale=1.0 / gs_ct, recipe="compressed-tensors")
+    q = impl(w, recipe="compressed-tensors", recip_global_scale=gs_ct)
     assert scale_bytes(q)[1, 1].item() == E4M3_EIGHTH and scale_bytes(q)[2, 2].item() == E4M3_EIGHTH
     assert_matches_ct(q, codes, scales)
 
@@ -239,7 +232,6 @@ def _amax3_block(dtype) -> torch.Tensor:
     return w
 
 
-@pytest.mark.xfail(strict=True, reason=RECIPROCAL_BUG)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
 def test_ct_oracle_tie_after_global_scale_reciprocal(dtype, impl, ct, device):
@@ -248,11 +240,12 @@ def test_ct_oracle_tie_after_global_scale_reciprocal(dtype, impl, ct, device):
     assert gs_ct.item() == 896.0
     codes, scales = ct.quant(w, gs_ct)
     assert codes[0, 1].item() == 0xE6          # CT: 1.75 / 0.5 = 3.5, a tie, -> 4.0 (code 6); -1.75 -> 0xE
-    q = impl(w, global_scale=1.0 / gs_ct, recipe="compressed-tensors")
+    q = impl(w, recipe="compressed-tensors", recip_global_scale=gs_ct)   # G as is: 1 / (1 / 896) != 896 in fp32
+    assert_matches_ct(q, codes, scales)
+    q = impl(w, recipe="compressed-tensors")                             # from scratch: the same G
     assert_matches_ct(q, codes, scales)
 
 
-@pytest.mark.xfail(strict=True, reason=RECIPROCAL_BUG)
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
 def test_ct_from_scratch_global_scale_is_cts(dtype, ct, device):
     w = _amax3_block(dtype).to(device)
@@ -261,7 +254,6 @@ def test_ct_from_scratch_global_scale_is_cts(dtype, ct, device):
     assert bit_mismatches(stored, gs_ct) == 0, f"{stored.item()!r} != {gs_ct.item()!r}"
 
 
-@pytest.mark.xfail(strict=True, reason=RECIPROCAL_BUG)
 def test_compressed_tensors_layout_keeps_weight_global_scale(device):
     q = reference.quantize(torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(device))
     sd = {"weight_packed": q.codes, "weight_scale": q.scales,
@@ -316,11 +308,7 @@ def test_modelopt_dequantize_agrees(dtype, NVFP4QTensor, make_weight, poison_emp
         assert bool((ours[differ] == 0).all()) and bool(torch.signbit(ours[differ]).all())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "spec divergence from installed ModelOpt (0.47): its _cast_per_block_scale_to_fp8 clamps block scales to "
-    "[2**-9, 448] before the E4M3 cast; reference.quantize (recipe='modelopt') and the kernel clamp only the top, "
-    "so a block with scale <= 2**-10 (block amax below ~2.2e-6 x the tensor amax) gets scale 0 and codes 0x7/0xF "
-    "where ModelOpt writes scale 2**-9 and small codes"))
+# ModelOpt 0.47 clamps block scales into [2**-9, 448] before the E4M3 cast, so a tiny block keeps scale 2**-9.
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
 def test_modelopt_oracle_tiny_block(dtype, NVFP4QTensor, make_weight):
     w = make_weight((4, 64), FP32, seed=3)
@@ -468,15 +456,10 @@ def test_dequantize_nan_scale_propagates(device, poison_empty):
         assert out[0, :2].tolist() == [0.5, 1.0]
 
 
-# Interpreter only: its bf16 <-> fp32 conversions (triton.runtime.interpreter._convert_float) mangle subnormals,
-# and the kernels still go through them: the quantize kernel's bf16 load `w.to(tl.float32)` and cast_output's final
-# `.to(tl.bfloat16)`. Compiled Triton converts correctly; the fix under the interpreter is a 16-bit shift + bitcast.
-BF16_SUBNORMAL_BUG = ("package bug (interpreter only): bf16 subnormals (|x| < 2**-126) are mis-converted by the "
-                      "interpreter's bf16<->fp32 casts, which the kernels still use (triton_quant: `w.to(tl.float32)` "
-                      "on bf16 input; runtime.cast_output: `.to(tl.bfloat16)` after round_to_bf16)")
+# bf16 subnormals: the interpreter's own bf16 <-> fp32 conversions mangle them, so bf16 travels as int16 bits there
+# (runtime.kernel_view / to_float32 / cast_output); these cases keep that honest.
 
 
-@pytest.mark.xfail(lynn_kernels.runtime.INTERPRET, strict=True, reason=BF16_SUBNORMAL_BUG)
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_quantize_bf16_subnormal_input(recipe, make_weight, poison_empty):
@@ -486,7 +469,6 @@ def test_quantize_bf16_subnormal_input(recipe, make_weight, poison_empty):
     assert_same_nvfp4(quantize(w, recipe=recipe), reference.quantize(w, recipe=recipe))
 
 
-@pytest.mark.xfail(lynn_kernels.runtime.INTERPRET, strict=True, reason=BF16_SUBNORMAL_BUG)
 def test_dequantize_bf16_subnormal_output(device, poison_empty):
     codes = torch.tensor([[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]], dtype=torch.uint8, device=device)
     scales = torch.tensor([[E4M3_ONE]], dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
@@ -683,10 +665,6 @@ class TestQuantizeErrors:
             impl(torch.ones(2, 16, device=device), global_scale=torch.tensor(1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug (minor): format.global_scale_tensor's docstring says it 'Accepts a Python number', but "
-    "quantize(w, global_scale=1) raises TypeError('global_scale has dtype torch.int64; expected a float (fp32) "
-    "scale') because torch.as_tensor(1) is int64"))
 def test_python_int_global_scale_is_a_number(device):
     w = torch.ones(2, 16, device=device)
     assert_same_nvfp4(reference.quantize(w, global_scale=1), reference.quantize(w, global_scale=1.0))
@@ -832,3 +810,14 @@ def test_gpu_4096x4096_kernel_matches_reference(dtype, recipe, device):
     assert_same_nvfp4(q, reference.quantize(w, recipe=recipe))
     for out_dtype in (BF16, FP32):
         assert_bit_equal(dequantize(q, out_dtype), reference.dequantize(q, out_dtype))
+
+
+def test_recip_global_scale_is_exclusive_and_ct_only(device):
+    w = torch.ones(2, 16, device=device)
+    g_ct = torch.tensor([896.0], device=device)
+    with pytest.raises(ValueError, match="not both"):
+        quantize(w, global_scale=1.0, recipe="compressed-tensors", recip_global_scale=g_ct)
+    with pytest.raises(ValueError, match="recip_global_scale is compressed-tensors' convention"):
+        quantize(w, recip_global_scale=g_ct)
+    q = quantize(w, recipe="compressed-tensors", recip_global_scale=g_ct)
+    assert q.to_compressed_tensors()["weight_global_scale"].item() == 896.0

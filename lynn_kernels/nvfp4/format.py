@@ -12,6 +12,7 @@ import torch
 BLOCK = 16                     #: elements per block scale
 E2M1_MAX = 6.0                 #: largest E2M1 magnitude
 E4M3_MAX = 448.0               #: largest FP8 E4M3FN magnitude (no inf; 0x7F / 0xFF are NaN)
+E4M3_MIN = 2.0**-9             #: smallest FP8 E4M3FN magnitude; ModelOpt clamps block scales into [E4M3_MIN, E4M3_MAX]
 GLOBAL_DIVISOR = E2M1_MAX * E4M3_MAX   #: 2688: ``global = amax / 2688`` puts the largest block scale at 448
 
 #: Magnitudes of the 8 positive E2M1 codes; code | 0x8 is the negative.
@@ -63,6 +64,8 @@ def global_scale_tensor(global_scale, lead_shape: tuple, device, name: str = "gl
     Accepts a Python number, a 0-d or ``[1]`` tensor (one scale for the tensor) or a tensor whose shape is a prefix
     of the leading dims ``lead_shape`` (e.g. ``[E]`` for stacked experts). Must be finite and positive.
     """
+    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+        global_scale = float(global_scale)
     g = torch.as_tensor(global_scale, device=device)
     if not g.dtype.is_floating_point:
         raise TypeError(f"{name} has dtype {g.dtype}; expected a float (fp32) scale")
@@ -79,11 +82,11 @@ def global_scale_tensor(global_scale, lead_shape: tuple, device, name: str = "gl
 
 
 def default_global_scale(w: torch.Tensor, recipe: str, name: str = "w") -> torch.Tensor:
-    """The global scale each recipe picks from ``amax(|w|)`` (fp32, multiply convention), after a finiteness check.
+    """The global scale each recipe picks from ``amax(|w|)``, after a finiteness check, in the recipe's convention.
 
-    * ModelOpt: ``amax.float() / 2688`` in fp32.
-    * compressed-tensors: ``2688 / amax`` computed in ``w``'s own dtype (bf16 for bf16 weights), then the reciprocal
-      is stored; we keep ``1 / that`` so that ``to_compressed_tensors`` writes it back.
+    * ModelOpt: ``g = amax.float() / 2688`` in fp32 (multiply).
+    * compressed-tensors: ``G = 2688 / amax`` computed in ``w``'s own dtype (bf16 for bf16 weights), as fp32
+      (divide); the tensor keeps ``G`` itself so that ``to_compressed_tensors`` writes it back unchanged.
 
     An all-zero tensor gets 1.0 (both recipes then write zero codes).
     """
@@ -98,7 +101,30 @@ def default_global_scale(w: torch.Tensor, recipe: str, name: str = "w") -> torch
     gs_ct = (GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(w.dtype).tiny)).float()   # compressed-tensors' own line
     if not bool(torch.isfinite(gs_ct)):
         gs_ct = torch.ones((), dtype=torch.float32, device=w.device)
-    return reciprocal(gs_ct)
+    return gs_ct
+
+
+def recipe_globals(w: torch.Tensor, global_scale, recipe: str, recip_global_scale=None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g, G)``: the multiply-convention global scale every NVFP4Tensor holds, and for compressed-tensors the
+    divide-convention ``G`` its arithmetic uses (``None`` for ModelOpt). ``global_scale`` is the caller's ``g``;
+    ``recip_global_scale`` is a compressed-tensors ``G`` given as is (exclusive with ``global_scale``)."""
+    if recip_global_scale is not None:
+        if global_scale is not None:
+            raise ValueError("pass global_scale (multiply) or recip_global_scale (compressed-tensors' divide), "
+                             "not both")
+        if recipe != "compressed-tensors":
+            raise ValueError("recip_global_scale is compressed-tensors' convention: use recipe='compressed-tensors' "
+                             "or pass global_scale")
+        big_g = global_scale_tensor(recip_global_scale, tuple(w.shape[:-1]), w.device, "recip_global_scale")
+        return reciprocal(big_g), big_g
+    if global_scale is None:
+        chosen = default_global_scale(w, recipe)
+        if recipe == "modelopt":
+            return chosen, None
+        return reciprocal(chosen), chosen
+    g = global_scale_tensor(global_scale, tuple(w.shape[:-1]), w.device)
+    return g, (reciprocal(g) if recipe == "compressed-tensors" else None)
 
 
 def reciprocal(x: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .format import (BLOCK, E2M1_MAX, E4M3_MAX, check_out_dtype, check_recipe, check_weight,
-                     default_global_scale, e2m1_table, global_scale_tensor, reciprocal)
+from .format import (BLOCK, E2M1_MAX, E4M3_MAX, E4M3_MIN, check_out_dtype, check_recipe, check_weight,
+                     e2m1_table, recipe_globals)
 from .tensor import NVFP4Tensor
 
 
@@ -43,44 +43,46 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float32)
 
 
-def quantize(w: torch.Tensor, global_scale=None, recipe: str = "modelopt") -> NVFP4Tensor:
+def quantize(w: torch.Tensor, global_scale=None, recipe: str = "modelopt", *,
+             recip_global_scale=None) -> NVFP4Tensor:
     """Quantise a float ``[..., K]`` tensor (``K % 16 == 0``) to NVFP4.
 
     ``global_scale`` (ModelOpt convention, multiply) defaults to the recipe's choice from ``amax(|w|)``; pass one to
-    share a scale across tensors. ``recipe`` picks whose fp32 arithmetic to reproduce bit for bit:
+    share a scale across tensors, or ``recip_global_scale`` to give compressed-tensors' own ``G`` exactly (``1/(1/G)``
+    is not always ``G`` in fp32). ``recipe`` picks whose fp32 arithmetic to reproduce bit for bit:
 
-    * ``"modelopt"``: ``s = bam / (6 g)``, zero -> 1.0, to E4M3; ``q = w / (s g)``;
-    * ``"compressed-tensors"``: with ``G = 1/g``: ``s = G * (bam/6 in w.dtype)``, to E4M3, zero -> 0.125;
-      ``q = w / (s / G)``.
+    * ``"modelopt"`` (0.47): ``s = bam / (6 g)``, zero -> 1.0, clamped to [2^-9, 448], to E4M3; ``q = w / (s g)``;
+    * ``"compressed-tensors"``: with ``G = 1/g`` (or its own ``2688/amax``): ``s = G * (bam/6 in w.dtype)``, to
+      E4M3, zero -> 0.125; ``q = w / (s / G)``.
     """
     check_weight(w)
     check_recipe(recipe)
     lead = tuple(w.shape[:-1])
-    if global_scale is None:
-        g = default_global_scale(w, recipe)
-    else:
-        g = global_scale_tensor(global_scale, lead, w.device)
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
-    g_b = g.reshape(g.shape + (1,) * (len(lead) - g.dim()) + (1,))   # broadcast over [..., K/16]
+    g, big_g = recipe_globals(w, global_scale, recipe, recip_global_scale)
+    if (global_scale is not None or recip_global_scale is not None) and not bool(torch.isfinite(w).all()):
+        raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
+
+    def per_block(t):                                                  # broadcast a global over [..., K/16]
+        return t.reshape(t.shape + (1,) * (len(lead) - t.dim()) + (1,))
 
     blocks = w.unflatten(-1, (-1, BLOCK))                              # [..., K/16, 16] in w.dtype
     bam = blocks.abs().amax(-1)                                        # [..., K/16], exact in w.dtype
     if recipe == "modelopt":
+        g_b = per_block(g)
         s = bam.float() / (6.0 * g_b)
         s = torch.where(s == 0, torch.ones_like(s), s)
-        s8 = s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        s8 = s.clamp(E4M3_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
         divisor = s8.float() * g_b
     else:
-        inv = reciprocal(g_b)                                          # the stored weight_global_scale
+        big_g_b = per_block(big_g)                                     # the stored weight_global_scale
         six = torch.tensor(E2M1_MAX, dtype=torch.float32, device=w.device)
-        s = inv * _round_to(bam.float() / six, w.dtype)
+        s = big_g_b * _round_to(bam.float() / six, w.dtype)
         s8 = s.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         s8 = torch.where(s8.float() == 0, torch.full_like(s8, 0.125), s8)
-        divisor = s8.float() / inv
+        divisor = s8.float() / big_g_b
     q = blocks.float() / divisor.unsqueeze(-1)                         # [..., K/16, 16]
     codes = pack_nibbles(encode_e2m1(q).flatten(-2))
-    return NVFP4Tensor(codes, s8, g)
+    return NVFP4Tensor(codes, s8, g, recip_global_scale=big_g)
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -7,6 +7,10 @@ Layout in memory (the same as on disk for both ModelOpt and compressed-tensors):
 * ``global_scale`` fp32, ModelOpt convention (**multiply**): shape ``()`` for one tensor, or a prefix of the leading
   dims (``[E]`` once experts are stacked);
 * value ``= e2m1(code) * float(scale) * global_scale``.
+
+A tensor quantised with the compressed-tensors recipe, or loaded from that layout, also keeps
+``recip_global_scale``, compressed-tensors' own divide-convention ``G``: ``1 / (1 / G)`` is not always ``G`` in fp32,
+so ``to_compressed_tensors`` writes the kept value back rather than a reciprocal of a reciprocal.
 """
 
 from __future__ import annotations
@@ -33,13 +37,19 @@ class NVFP4Tensor:
         q2 = NVFP4Tensor.from_modelopt(**sd)
     """
 
-    __slots__ = ("codes", "scales", "global_scale")
+    __slots__ = ("codes", "scales", "global_scale", "recip_global_scale")
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                 recip_global_scale: torch.Tensor | None = None):
         _validate(codes, scales, global_scale)
+        if recip_global_scale is not None and (tuple(recip_global_scale.shape) != tuple(global_scale.shape)
+                                               or recip_global_scale.dtype != torch.float32):
+            raise ValueError(f"recip_global_scale must be fp32 of global_scale's shape {tuple(global_scale.shape)}, "
+                             f"got {recip_global_scale.dtype} {tuple(recip_global_scale.shape)}")
         self.codes = codes.contiguous()
         self.scales = scales.contiguous()
-        self.global_scale = global_scale.to(torch.float32).contiguous()
+        self.global_scale = global_scale.contiguous()
+        self.recip_global_scale = None if recip_global_scale is None else recip_global_scale.contiguous()
 
     # -- shape ---------------------------------------------------------------------------------------------------
     @property
@@ -65,7 +75,9 @@ class NVFP4Tensor:
         return f"NVFP4Tensor(shape={tuple(self.shape)}, global_scale={gs}, device={self.device})"
 
     def to(self, device) -> "NVFP4Tensor":
-        return NVFP4Tensor(self.codes.to(device), self.scales.to(device), self.global_scale.to(device))
+        r = self.recip_global_scale
+        return NVFP4Tensor(self.codes.to(device), self.scales.to(device), self.global_scale.to(device),
+                           None if r is None else r.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Same as :func:`lynn_kernels.nvfp4.dequantize` (runs on the current backend)."""
@@ -93,8 +105,11 @@ class NVFP4Tensor:
         g_shapes = {tuple(t.global_scale.shape) for t in tensors}
         if len(g_shapes) != 1:
             raise ValueError(f"NVFP4Tensor.stack needs global scales of one shape, got {sorted(g_shapes)}")
+        recips = None
+        if all(t.recip_global_scale is not None for t in tensors):
+            recips = torch.stack([t.recip_global_scale for t in tensors])
         return cls(torch.stack([t.codes for t in tensors]), torch.stack([t.scales for t in tensors]),
-                   torch.stack([t.global_scale for t in tensors]))
+                   torch.stack([t.global_scale for t in tensors]), recips)
 
     def __getitem__(self, index: int) -> "NVFP4Tensor":
         """Select along the leading dim (e.g. one expert of a stack)."""
@@ -102,8 +117,11 @@ class NVFP4Tensor:
             raise TypeError("NVFP4Tensor supports integer indexing along the leading dim only")
         if self.dim() < 2:
             raise IndexError("cannot index a 1-D NVFP4Tensor: its elements are packed in pairs")
-        g = self.global_scale[index] if self.global_scale.dim() > 0 else self.global_scale
-        return NVFP4Tensor(self.codes[index], self.scales[index], g)
+        def pick(t):
+            return None if t is None else (t[index] if t.dim() > 0 else t)
+
+        return NVFP4Tensor(self.codes[index], self.scales[index], pick(self.global_scale),
+                           pick(self.recip_global_scale))
 
     def __len__(self) -> int:
         return self.codes.shape[0]
@@ -125,12 +143,12 @@ class NVFP4Tensor:
                                 weight_global_scale: torch.Tensor) -> "NVFP4Tensor":
         """From compressed-tensors tensors; ``weight_global_scale`` is the reciprocal (``2688 / amax``, divide)."""
         gs = _scalar_global(weight_global_scale, "weight_global_scale", weight_packed)
-        return cls(weight_packed, weight_scale, reciprocal(gs))
+        return cls(weight_packed, weight_scale, reciprocal(gs), gs)
 
     def to_compressed_tensors(self) -> dict:
         """compressed-tensors tensors: ``{"weight_packed", "weight_scale", "weight_global_scale"}`` (reciprocal,
         shape ``[1]`` for one tensor as llm-compressor writes it)."""
-        gs = reciprocal(self.global_scale)
+        gs = reciprocal(self.global_scale) if self.recip_global_scale is None else self.recip_global_scale.clone()
         return {"weight_packed": self.codes, "weight_scale": self.scales,
                 "weight_global_scale": gs.reshape(1) if gs.dim() == 0 else gs}
 
@@ -161,6 +179,8 @@ def _scalar_global(g: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tens
         raise TypeError(f"{name} has dtype {g.dtype}; expected torch.float32")
     if g.numel() == 1:
         g = g.reshape(())
+    if not bool(torch.isfinite(g).all()) or not bool((g > 0).all()):
+        raise ValueError(f"{name} must be finite and > 0, got {g.flatten()[:8].tolist()}")
     return g.to(like.device)
 
 

@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, div_rn_by, round_to_bf16
-from .format import (BLOCK, check_out_dtype, check_recipe, check_weight, default_global_scale,
-                     global_scale_tensor)
+from ..runtime import cast_output, div_rn_by, kernel_view, round_to_bf16, to_float32
+from .format import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals
 from .tensor import NVFP4Tensor
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -104,9 +103,9 @@ def _nvfp4_quantize_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_r = offs_r < R
     mask = mask_r[:, None] & (offs_k[None, :] < K)
-    w = tl.load(w_ptr + offs_r[:, None].to(tl.int64) * stride_wr + offs_k[None, :], mask=mask, other=0.0)
-    w = w.to(tl.float32)                                                     # [BLOCK_R, BLOCK_K]
-    g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)       # [BLOCK_R] multiply convention
+    w = tl.load(w_ptr + offs_r[:, None].to(tl.int64) * stride_wr + offs_k[None, :], mask=mask, other=0)
+    w = to_float32(w, IN_DTYPE, INTERPRET)                                   # [BLOCK_R, BLOCK_K]
+    g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)       # [BLOCK_R] g (ModelOpt) or G (CT)
 
     blocks = tl.reshape(w, (BLOCK_R, BLOCK_K // 16, 16))
     # block amax as an integer max of |w|'s bits: same order as the floats, and NaN / Inf sort above every number
@@ -114,20 +113,20 @@ def _nvfp4_quantize_kernel(
     bam_bits = tl.max(abs_bits, axis=2)                                     # [BLOCK_R, BLOCK_K/16]
     bam = bam_bits.to(tl.float32, bitcast=True)
     if RECIPE_CT:
-        inv = tl.div_rn(tl.full(g.shape, 1.0, tl.float32), g)[:, None]      # the stored reciprocal
+        big_g = g[:, None]                                                  # compressed-tensors' G (divide)
         bam6 = tl.div_rn(bam, tl.full(bam.shape, 6.0, tl.float32))
         if IN_DTYPE == tl.bfloat16:                                         # recipe divides in w's dtype
             bam6 = round_to_bf16(bam6, INTERPRET)
         elif IN_DTYPE == tl.float16:
             bam6 = bam6.to(tl.float16).to(tl.float32)
-        s = tl.minimum(inv * bam6, 448.0)
+        s = tl.minimum(big_g * bam6, 448.0)
         s_val, s_code = _e4m3_round(s)
         s_val = tl.where(s_code == 0, 0.125, s_val)
         s_code = tl.where(s_code == 0, 0x20, s_code).to(tl.uint8)          # 0x20 is E4M3 0.125
-        divisor = tl.div_rn(s_val, inv)
+        divisor = tl.div_rn(s_val, big_g)
     else:
         s = tl.div_rn(bam, 6.0 * g[:, None])
-        s = tl.where(s == 0, 1.0, tl.minimum(s, 448.0))
+        s = tl.where(s == 0, 1.0, tl.minimum(tl.maximum(s, 0.001953125), 448.0))   # ModelOpt 0.47: [2^-9, 448]
         s_val, s_code = _e4m3_round(s)
         divisor = s_val * g[:, None]
     recip = tl.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)     # one IEEE division per block
@@ -154,25 +153,27 @@ def _as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def quantize_triton(w: torch.Tensor, global_scale=None, recipe: str = "modelopt") -> NVFP4Tensor:
+def quantize_triton(w: torch.Tensor, global_scale=None, recipe: str = "modelopt", *,
+                    recip_global_scale=None) -> NVFP4Tensor:
     """Host side of :func:`lynn_kernels.nvfp4.quantize`: check, allocate, launch, then check for NaN/Inf."""
     check_weight(w)
     check_recipe(recipe)
     runtime.check_device("w", w)
-    lead = tuple(w.shape[:-1])
-    if global_scale is None:
-        g = default_global_scale(w, recipe)          # raises on NaN/Inf through amax
-    else:
-        g = global_scale_tensor(global_scale, lead, w.device)
-    q, flag = launch_quantize(w, g, recipe)
-    if global_scale is not None and flag.item():
+    g, big_g = recipe_globals(w, global_scale, recipe, recip_global_scale)   # no scale given: NaN/Inf via amax
+    q, flag = launch_quantize(w, g, recipe, big_g=big_g)
+    if (global_scale is not None or recip_global_scale is not None) and flag.item():
         raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
     return q
 
 
 def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Tensor | None = None,
-                    flag: torch.Tensor | None = None) -> tuple[NVFP4Tensor, torch.Tensor]:
-    """Launch only (no checks, no host sync), into ``out`` if given: returns the tensor and the NaN/Inf flag."""
+                    flag: torch.Tensor | None = None, big_g: torch.Tensor | None = None
+                    ) -> tuple[NVFP4Tensor, torch.Tensor]:
+    """Launch only (no checks, no host sync), into ``out`` if given: returns the tensor and the NaN/Inf flag.
+
+    ``g`` is the multiply-convention global scale; compressed-tensors' ``G`` is ``big_g`` (``1/g`` if omitted)."""
+    if recipe == "compressed-tensors" and big_g is None:
+        big_g = torch.ones_like(g) / g
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
     rows = _as_rows(w, k)
     n_rows = rows.shape[0]
@@ -187,12 +188,12 @@ def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Ten
         return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
 
     _nvfp4_quantize_kernel[grid](
-        rows, codes, scales.view(torch.uint8), g, flag,
+        kernel_view(rows), codes, scales.view(torch.uint8), g if big_g is None else big_g, flag,
         n_rows, k, rows.stride(0), n_rows // max(1, g.numel()),
         RECIPE_CT=recipe == "compressed-tensors", IN_DTYPE=runtime.TORCH_TO_TL[w.dtype],
         **runtime.kernel_flags(),
     )
-    return NVFP4Tensor(codes, scales, g), flag
+    return NVFP4Tensor(codes, scales, g, big_g), flag
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def launch_dequantize(q: NVFP4Tensor, out: torch.Tensor) -> torch.Tensor:
         return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
 
     _nvfp4_dequantize_kernel[grid](
-        q.codes, q.scales.view(torch.uint8), q.global_scale, out,
+        q.codes, q.scales.view(torch.uint8), q.global_scale, kernel_view(out),
         n_rows, k, q.rows_per_global(),
         OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **runtime.kernel_flags(),
     )
