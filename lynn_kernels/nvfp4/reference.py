@@ -18,8 +18,8 @@ def encode_e2m1(q: torch.Tensor) -> torch.Tensor:
     """fp32 values (already divided by their scale) -> 4-bit codes, round to nearest, ties to even.
 
     Thresholds 0.25 | 0.75 | 1.25 | 1.75 | 2.5 | 3.5 | 5: a tie goes to the code with an even mantissa
-    (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). Beyond 6 saturates to 6; NaN (a zero scale in the
-    ModelOpt recipe) gives 6 as ModelOpt's searchsorted does. The sign bit is ``q < 0``, so -0.1 gives 0x8.
+    (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). Beyond 6 saturates to 6; NaN gives 6 as ModelOpt's
+    searchsorted does. The sign bit is ``q < 0``, so -0.1 gives 0x8 and -0.0 gives 0x0.
     """
     a = q.abs()
     mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)

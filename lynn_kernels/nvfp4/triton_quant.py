@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..runtime import cast_output, div_rn_by, kernel_view, round_to_bf16, to_float32
-from .format import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals
+from .format import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals, reciprocal
 from .tensor import NVFP4Tensor
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Ten
 
     ``g`` is the multiply-convention global scale; compressed-tensors' ``G`` is ``big_g`` (``1/g`` if omitted)."""
     if recipe == "compressed-tensors" and big_g is None:
-        big_g = torch.ones_like(g) / g
+        big_g = reciprocal(g)
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
     rows = _as_rows(w, k)
     n_rows = rows.shape[0]
