@@ -80,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="results root (default: data/bench)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("lab", help="open JupyterLab on notebooks/")
-    p.add_argument("jupyter_args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("lab", help="open JupyterLab on notebooks/ (other options go to jupyter lab)")
     p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("info", help="show the device and backend")
     p.set_defaults(func=_cmd_info)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.jupyter_args = extra
     return args.func(args)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lynn_kernels import checks
+from lynn_kernels import cli
 from lynn_kernels.cli import main
 
 ON_GPU = torch.cuda.is_available()
@@ -72,3 +73,18 @@ def test_no_command_is_a_usage_error(capsys):
         main([])
     assert exc.value.code == 2
     assert "usage: lynn" in capsys.readouterr().err
+
+
+def test_lab_opens_jupyterlab_on_the_notebooks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: calls.append(argv))
+    assert cli.main(["lab", "--no-browser", "--port", "8899"]) == 0
+    (argv,) = calls
+    assert argv[1:3] == ["-m", "jupyterlab"]
+    assert argv[3].startswith("--notebook-dir=") and argv[3].endswith("notebooks")
+    assert argv[4:] == ["--no-browser", "--port", "8899"]
+
+
+def test_unknown_options_are_refused_outside_lab():
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--bogus"])
