@@ -155,6 +155,16 @@ def round_to_bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def min_nan_to_bound(x, bound, INTERPRET: tl.constexpr):
+    """``min(x, bound)`` with NaN mapped to ``bound``: one ``fminf`` on the GPU; the interpreter's numpy minimum
+    propagates NaN, so it compares instead."""
+    if INTERPRET:
+        return tl.where(x < bound, x, bound)
+    else:
+        return tl.minimum(x, bound)
+
+
+@triton.jit
 def div_rn_by(x, d, r, INTERPRET: tl.constexpr):
     """Correctly rounded ``x / d`` given ``r = RN(1 / d)`` (a per-block reciprocal, computed with ``tl.div_rn``).
 

@@ -161,7 +161,7 @@ START_HERE = [
     '''),
     code(r'''
     rows, seconds = checks.run_checks(["nvfp4"])
-    print(checks.table(rounded(rows)))
+    print(checks.table(rounded(rows), columns=checks.PORTABLE_COLUMNS))   # backend: in the cell below
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -876,7 +876,7 @@ NVFP4 = [
 
     base, _ = checks.run_checks(["nvfp4"])
     all_rows = base + [{"backend": lk.backend(), **r} for r in extra]
-    print(checks.table(rounded(all_rows)))
+    print(checks.table(rounded(all_rows), columns=checks.PORTABLE_COLUMNS))
     print(f"\n{sum(r['passed'] for r in all_rows)}/{len(all_rows)} passed")
     '''),
     # ---------------------------------------------------------------------------------------------------------- 7

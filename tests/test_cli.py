@@ -36,7 +36,8 @@ def test_check_rows_all_pass():
     assert all(r["passed"] is True for r in rows), [r["case"] for r in rows if not r["passed"]]
     assert {r["backend"] for r in rows} == {"triton" if ON_GPU else "interpreter"}
     quant = [r for r in rows if r["op"] in ("nvfp4.quantize", "nvfp4.dequantize")]
-    assert quant and all(r["metrics"].mismatches == 0 for r in quant)
+    assert quant and all((r["metrics"].mismatches if "mismatches" not in r else r["mismatches"]) == 0 for r in quant)
+    assert all(r["mismatches"] == 0 for r in rows if r["op"] == "nvfp4.quantize")   # codes + scales + global
 
 
 def test_check_unknown_family():

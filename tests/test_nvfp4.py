@@ -178,19 +178,23 @@ def assert_matches_ct(q: NVFP4Tensor, codes: torch.Tensor, scales: torch.Tensor,
     assert bit_mismatches(scale_bytes(q), scales.view(torch.uint8)) == 0, f"scales differ {what}"
 
 
+CT_DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16"), pytest.param(FP32, id="fp32")]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+@pytest.mark.parametrize("dtype", CT_DTYPES)
 @pytest.mark.parametrize("shape", ORACLE_SHAPES)
 def test_ct_oracle_given_global_scale(shape, dtype, impl, ct, make_weight, poison_empty):
     w = make_weight(shape, dtype, seed=shape[-1], scale=0.02)        # weight-like magnitudes
-    gs_ct = ct.generate_gparam(w.amin(), w.amax())                   # fp32 [1], CT convention: divide
-    codes, scales = ct.quant(w, gs_ct)
-    q = impl(w, global_scale=1.0 / gs_ct, recipe="compressed-tensors")
+    g = 1.0 / ct.generate_gparam(w.amin(), w.amax())                 # our convention: multiply
+    big_g = torch.ones_like(g) / g                                   # what our CT recipe uses, and what CT is given
+    codes, scales = ct.quant(w, big_g)
+    q = impl(w, global_scale=g, recipe="compressed-tensors")
     assert_matches_ct(q, codes, scales)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+@pytest.mark.parametrize("dtype", CT_DTYPES)
 @pytest.mark.parametrize("shape", ORACLE_SHAPES)
 def test_ct_oracle_from_scratch(shape, dtype, impl, ct, make_weight, poison_empty):
     w = make_weight(shape, dtype, seed=shape[-1], scale=0.02)
@@ -701,7 +705,7 @@ class TestLayoutErrors:
         with pytest.raises(ValueError, match=r"scales has shape \(4, 1\); codes \(4, 16\) \(K = 32\) needs "
                                              r"scales of shape \(4, 2\)"):
             NVFP4Tensor(codes, scales[:, :1], g)
-        with pytest.raises(ValueError, match="scales has shape"):
+        with pytest.raises(ValueError, match="weight_scale has shape"):          # named as in the checkpoint
             NVFP4Tensor.from_modelopt(codes, scales.t(), g)
 
     def test_codes_wrong_dtype(self):
@@ -728,7 +732,7 @@ class TestLayoutErrors:
         for bad in (torch.ones(3), torch.ones(4, 16), torch.ones(4, 2)):
             with pytest.raises(ValueError, match=r"global_scale has shape .* expected \(\) or a prefix"):
                 NVFP4Tensor(codes, scales, bad)
-        with pytest.raises(ValueError, match="global_scale has shape"):
+        with pytest.raises(ValueError, match="weight_scale_2 has shape"):
             NVFP4Tensor.from_modelopt(codes, scales, torch.ones(2))
 
     def test_global_wrong_dtype(self):
@@ -821,3 +825,45 @@ def test_recip_global_scale_is_exclusive_and_ct_only(device):
         quantize(w, recip_global_scale=g_ct)
     q = quantize(w, recipe="compressed-tensors", recip_global_scale=g_ct)
     assert q.to_compressed_tensors()["weight_global_scale"].item() == 896.0
+
+
+def test_stack_keeps_compressed_tensors_global_scale(device):
+    w = torch.zeros(2, 16, device=device)
+    w[0, 0], w[0, 2] = 3.0, 1.75                                      # CT's G = 896, which 1 / (1 / G) does not keep
+    ct_part = quantize(w, recipe="compressed-tensors")
+    mo_part = quantize(w)
+    stacked = NVFP4Tensor.stack([ct_part, mo_part])
+    written = stacked.to_compressed_tensors()["weight_global_scale"]
+    assert written[0].item() == 896.0
+    assert bit_mismatches(written[1], torch.ones_like(mo_part.global_scale) / mo_part.global_scale) == 0
+    assert stacked[0].to_compressed_tensors()["weight_global_scale"].item() == 896.0
+
+
+def test_loader_errors_name_the_checkpoint_tensor(device):
+    q = reference.quantize(torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(device))
+    sd = {f"m.{k}": v for k, v in q.to_modelopt().items()}
+    sd["m.weight_scale"] = sd["m.weight_scale"][:, :1]
+    with pytest.raises(ValueError, match=r"m\.weight_scale has shape \(4, 1\); m\.weight \(4, 16\)"):
+        NVFP4Tensor.from_state_dict(sd, "m")
+    sd = {f"m.{k}": v for k, v in q.to_compressed_tensors().items()}
+    sd["m.weight_packed"] = sd["m.weight_packed"].to(torch.int16)
+    with pytest.raises(TypeError, match=r"m\.weight_packed has dtype torch\.int16"):
+        NVFP4Tensor.from_state_dict(sd, "m")
+
+
+def test_ct_recipe_warns_when_its_global_scale_overflows(device):
+    w = (torch.randn(4, 32, generator=torch.Generator().manual_seed(0)) * 0.005).to(FP16).to(device)
+    with pytest.warns(UserWarning, match="w: 2688 / amax overflows torch.float16"):
+        q = reference.quantize(w, recipe="compressed-tensors")
+    assert q.global_scale.item() == 1.0
+
+
+@pytest.mark.parametrize("amax", [1e35, 1e36, 3e38])
+def test_dequantize_exact_for_huge_global_scales(amax, device, poison_empty):
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    w = (w / w.abs().max() * amax).to(device)
+    q = reference.quantize(w)
+    for dtype in (FP32, BF16):
+        got, want = dequantize(q, dtype), reference.dequantize(q, dtype)
+        assert bool(torch.isfinite(want.float()).all() == torch.isfinite(got.float()).all())
+        assert bit_mismatches(got, want) == 0

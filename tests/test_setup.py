@@ -31,3 +31,12 @@ def test_dependencies_never_pin_a_cuda_torch():
     torch_reqs = [d for d in deps if re.match(r"torch\b", d)]
     assert torch_reqs and all(">=" in d and "==" not in d for d in torch_reqs), torch_reqs
     assert any(d.startswith("triton") and "<" in d for d in deps)
+
+
+def test_performance_tables_are_the_committed_results():
+    """docs/performance.md carries the tables `python -m lynn_kernels.bench.report` renders from data/bench/."""
+    from lynn_kernels.bench import report
+
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    for op in ("nvfp4.dequantize", "nvfp4.quantize"):
+        assert report.markdown(op) in doc, f"docs/performance.md is out of date for {op}"

@@ -20,7 +20,8 @@ def markdown(op: str, gpu: str = "h200") -> str:
     ]
     for r in doc["results"]:
         v = r.get("validation")
-        ok = "-" if not v else ("exact" if v.get("passed") else "FAILED")
+        mism = None if not v else v.get("mismatches", v.get("code_or_scale_mismatches"))
+        ok = "-" if not v else ("FAILED" if not v.get("passed") else "exact" if mism == 0 else "passed")
         frac = "-" if r.get("frac_of_ceiling") is None else f"{100 * r['frac_of_ceiling']:.1f}%"
         lines.append(f"| {r['shape']} | {r['provider']} | {r['median_ms']:.4f} ({r['p20_ms']:.4f}-{r['p80_ms']:.4f})"
                      f" | {r['gbps']:,.0f} | {frac} | {ok} |")

@@ -7,6 +7,8 @@ low nibble.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 BLOCK = 16                     #: elements per block scale
@@ -100,6 +102,9 @@ def default_global_scale(w: torch.Tensor, recipe: str, name: str = "w") -> torch
         return amax.float() / torch.tensor(GLOBAL_DIVISOR, dtype=torch.float32, device=w.device)
     gs_ct = (GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(w.dtype).tiny)).float()   # compressed-tensors' own line
     if not bool(torch.isfinite(gs_ct)):
+        warnings.warn(f"{name}: 2688 / amax overflows {w.dtype} (amax = {amax.item():.3g}), so the compressed-tensors "
+                      f"recipe falls back to a global scale of 1.0 as compressed-tensors does; most block scales will "
+                      f"underflow. Quantise a float32 copy, or use recipe='modelopt'", stacklevel=3)
         gs_ct = torch.ones((), dtype=torch.float32, device=w.device)
     return gs_ct
 

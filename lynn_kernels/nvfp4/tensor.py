@@ -40,8 +40,8 @@ class NVFP4Tensor:
     __slots__ = ("codes", "scales", "global_scale", "recip_global_scale")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                 recip_global_scale: torch.Tensor | None = None):
-        _validate(codes, scales, global_scale)
+                 recip_global_scale: torch.Tensor | None = None, *, names: tuple = ("codes", "scales", "global_scale")):
+        _validate(codes, scales, global_scale, names)
         if recip_global_scale is not None and (tuple(recip_global_scale.shape) != tuple(global_scale.shape)
                                                or recip_global_scale.dtype != torch.float32):
             raise ValueError(f"recip_global_scale must be fp32 of global_scale's shape {tuple(global_scale.shape)}, "
@@ -105,9 +105,10 @@ class NVFP4Tensor:
         g_shapes = {tuple(t.global_scale.shape) for t in tensors}
         if len(g_shapes) != 1:
             raise ValueError(f"NVFP4Tensor.stack needs global scales of one shape, got {sorted(g_shapes)}")
-        recips = None
-        if all(t.recip_global_scale is not None for t in tensors):
-            recips = torch.stack([t.recip_global_scale for t in tensors])
+        recips = None                                  # keep compressed-tensors' G where any part has one
+        if any(t.recip_global_scale is not None for t in tensors):
+            recips = torch.stack([reciprocal(t.global_scale) if t.recip_global_scale is None else t.recip_global_scale
+                                  for t in tensors])
         return cls(torch.stack([t.codes for t in tensors]), torch.stack([t.scales for t in tensors]),
                    torch.stack([t.global_scale for t in tensors]), recips)
 
@@ -129,10 +130,11 @@ class NVFP4Tensor:
     # -- checkpoint layouts ----------------------------------------------------------------------------------------
     @classmethod
     def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      weight_scale_2: torch.Tensor) -> "NVFP4Tensor":
+                      weight_scale_2: torch.Tensor, *, prefix: str = "") -> "NVFP4Tensor":
         """From ModelOpt tensors: ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` fp8 ``[N, K/16]``,
-        ``weight_scale_2`` fp32 (``amax / 2688``, multiply)."""
-        return cls(weight, weight_scale, _scalar_global(weight_scale_2, "weight_scale_2", weight))
+        ``weight_scale_2`` fp32 (``amax / 2688``, multiply). ``prefix`` only names the tensors in errors."""
+        names = tuple(prefix + n for n in ("weight", "weight_scale", "weight_scale_2"))
+        return cls(weight, weight_scale, _checkpoint_global(weight_scale_2, names[2], weight), names=names)
 
     def to_modelopt(self) -> dict:
         """ModelOpt tensors for one layer: ``{"weight", "weight_scale", "weight_scale_2"}``."""
@@ -140,10 +142,11 @@ class NVFP4Tensor:
 
     @classmethod
     def from_compressed_tensors(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                                weight_global_scale: torch.Tensor) -> "NVFP4Tensor":
+                                weight_global_scale: torch.Tensor, *, prefix: str = "") -> "NVFP4Tensor":
         """From compressed-tensors tensors; ``weight_global_scale`` is the reciprocal (``2688 / amax``, divide)."""
-        gs = _scalar_global(weight_global_scale, "weight_global_scale", weight_packed)
-        return cls(weight_packed, weight_scale, reciprocal(gs), gs)
+        names = tuple(prefix + n for n in ("weight_packed", "weight_scale", "weight_global_scale"))
+        gs = _checkpoint_global(weight_global_scale, names[2], weight_packed)
+        return cls(weight_packed, weight_scale, reciprocal(gs), gs, names=names)
 
     def to_compressed_tensors(self) -> dict:
         """compressed-tensors tensors: ``{"weight_packed", "weight_scale", "weight_global_scale"}`` (reciprocal,
@@ -161,18 +164,19 @@ class NVFP4Tensor:
             missing = [p + n for n in need if p + n not in state_dict]
             if missing:
                 raise KeyError(f"compressed-tensors layout at {prefix!r} is missing {missing}")
-            return cls.from_compressed_tensors(*(state_dict[p + n] for n in need))
+            return cls.from_compressed_tensors(*(state_dict[p + n] for n in need), prefix=p)
         if p + "weight_scale_2" in state_dict:
             need = ("weight", "weight_scale", "weight_scale_2")
             missing = [p + n for n in need if p + n not in state_dict]
             if missing:
                 raise KeyError(f"ModelOpt layout at {prefix!r} is missing {missing}")
-            return cls.from_modelopt(*(state_dict[p + n] for n in need))
+            return cls.from_modelopt(*(state_dict[p + n] for n in need), prefix=p)
         raise KeyError(f"no NVFP4 weight at {prefix!r}: expected {p}weight_packed (compressed-tensors) or "
                        f"{p}weight_scale_2 (ModelOpt)")
 
 
-def _scalar_global(g: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+def _checkpoint_global(g: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's global scale: fp32, finite, > 0; a one-element tensor becomes 0-d."""
     if not isinstance(g, torch.Tensor):
         g = torch.tensor(g)
     if g.dtype != torch.float32:
@@ -184,28 +188,31 @@ def _scalar_global(g: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tens
     return g.to(like.device)
 
 
-def _validate(codes, scales, global_scale) -> None:
-    for name, t in (("codes", codes), ("scales", scales), ("global_scale", global_scale)):
+def _validate(codes, scales, global_scale, names=("codes", "scales", "global_scale")) -> None:
+    n_codes, n_scales, n_global = names
+    for name, t in zip(names, (codes, scales, global_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if codes.dtype != torch.uint8:
-        raise TypeError(f"codes has dtype {codes.dtype}; expected torch.uint8 (two E2M1 codes per byte)")
+        raise TypeError(f"{n_codes} has dtype {codes.dtype}; expected torch.uint8 (two E2M1 codes per byte)")
     if scales.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"scales has dtype {scales.dtype}; expected torch.float8_e4m3fn (one per {BLOCK} elements)")
+        raise TypeError(f"{n_scales} has dtype {scales.dtype}; expected torch.float8_e4m3fn (one per {BLOCK} "
+                        f"elements)")
     if global_scale.dtype != torch.float32:
-        raise TypeError(f"global_scale has dtype {global_scale.dtype}; expected torch.float32")
+        raise TypeError(f"{n_global} has dtype {global_scale.dtype}; expected torch.float32")
     if codes.dim() < 1 or codes.numel() == 0:
-        raise ValueError(f"codes must be a non-empty [..., K/2] tensor, got shape {_shape(codes)}")
+        raise ValueError(f"{n_codes} must be a non-empty [..., K/2] tensor, got shape {_shape(codes)}")
     half_k = codes.shape[-1]
     if (2 * half_k) % BLOCK != 0:
-        raise ValueError(f"codes has shape {_shape(codes)}: K = {2 * half_k} is not a multiple of {BLOCK}")
+        raise ValueError(f"{n_codes} has shape {_shape(codes)}: K = {2 * half_k} is not a multiple of {BLOCK}")
     want = (*codes.shape[:-1], 2 * half_k // BLOCK)
     if _shape(scales) != want:
-        raise ValueError(f"scales has shape {_shape(scales)}; codes {_shape(codes)} (K = {2 * half_k}) needs "
-                         f"scales of shape {want}")
+        raise ValueError(f"{n_scales} has shape {_shape(scales)}; {n_codes} {_shape(codes)} (K = {2 * half_k}) "
+                         f"needs scales of shape {want}")
     if _shape(global_scale) != _shape(codes)[: global_scale.dim()] or global_scale.dim() >= codes.dim():
-        raise ValueError(f"global_scale has shape {_shape(global_scale)}; expected () or a prefix of the leading "
+        raise ValueError(f"{n_global} has shape {_shape(global_scale)}; expected () or a prefix of the leading "
                          f"dims {_shape(codes)[:-1]}")
     devices = {codes.device, scales.device, global_scale.device}
     if len(devices) != 1:
-        raise ValueError(f"codes, scales and global_scale are on different devices: {sorted(map(str, devices))}")
+        raise ValueError(f"{n_codes}, {n_scales} and {n_global} are on different devices: "
+                         f"{sorted(map(str, devices))}")

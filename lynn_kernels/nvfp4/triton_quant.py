@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, div_rn_by, kernel_view, round_to_bf16, to_float32
+from ..runtime import cast_output, div_rn_by, kernel_view, min_nan_to_bound, round_to_bf16, to_float32
 from .format import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals, reciprocal
 from .tensor import NVFP4Tensor
 
@@ -59,11 +59,7 @@ def _e2m1_encode(q, INTERPRET: tl.constexpr):
     From 1 up, E2M1 is fp32 with one mantissa bit: round the fp32 bits at bit 22 (ties to even) and read exponent
     and mantissa off together. Below 1 the codes are 0, 1, 2 = RNE(2a), which one fma against 1.5 * 2^23 rounds.
     """
-    a = tl.abs(q)
-    if INTERPRET:
-        a = tl.where(a < 6.0, a, 6.0)                   # saturate; NaN fails the test and becomes 6
-    else:
-        a = tl.minimum(a, 6.0)                          # fminf: also maps NaN to 6, in one instruction
+    a = min_nan_to_bound(tl.abs(q), 6.0, INTERPRET)     # saturate at 6; NaN becomes 6 too
     b = a.to(tl.uint32, bitcast=True)
     # (b + half-ulp - 1 + odd bit) >> 22 is (exponent << 1 | mantissa); the constant also subtracts 126 << 1
     code_n = (b + ((b >> 22) & 1) + 0xC11FFFFF) >> 22     # 0xC11FFFFF = 0x1FFFFF - (252 << 22) mod 2^32
@@ -231,12 +227,12 @@ def _nvfp4_dequantize_kernel(
     mask_s = mask_r[:, None] & (offs_s[None, :] < K // 16)
     s = tl.load(scales_ptr + offs_r[:, None].to(tl.int64) * (K // 16) + offs_s[None, :], mask=mask_s, other=0)
     g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)
-    # E2M1 magnitude bits dropped into an fp16 exponent/mantissa give value * 2^-14 (subnormals included),
-    # so the 2^14 goes into the per-block scale, which is exact.
-    block_scale = (_e4m3_decode(s) * g[:, None]) * 16384.0                  # [BLOCK_R, BLOCK_K/16]
+    # E2M1 magnitude bits dropped into an fp16 exponent/mantissa give value * 2^-14 (subnormals included);
+    # the fp32 multiply by 2^14 is exact, and keeping it per element (not in the block scale) cannot overflow.
+    block_scale = _e4m3_decode(s) * g[:, None]                              # [BLOCK_R, BLOCK_K/16]
     nib = tl.interleave(c & 0xF, c >> 4).to(tl.uint16)                      # [BLOCK_R, BLOCK_K]
     half_bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-    v = half_bits.to(tl.float16, bitcast=True).to(tl.float32)
+    v = half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0    # exact E2M1 values
     v = tl.reshape(v, (BLOCK_R, BLOCK_K // 16, 16)) * block_scale[:, :, None]
     out = cast_output(tl.reshape(v, (BLOCK_R, BLOCK_K)), OUT_DTYPE, INTERPRET)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
