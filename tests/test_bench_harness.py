@@ -178,3 +178,20 @@ def test_validated_refuses_a_wrong_op():
 
 def test_bench_registry_lists_nvfp4():
     assert bench.available() == ["nvfp4.dequantize", "nvfp4.quantize"]
+
+
+def test_plots_draw_the_committed_results():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lynn_kernels.bench import load, plots
+
+    doc = load("nvfp4.dequantize")
+    ax = plots.plot_bandwidth(doc)
+    shapes = {r["shape"] for r in doc["results"]}
+    providers = {r["provider"] for r in doc["results"]}
+    assert len(ax.patches) == len(shapes) * len(providers)
+    assert any(abs(line.get_ydata()[0] - doc["ceilings"]["copy_gbps"]) < 1e-6 for line in ax.lines)
+    synthetic = dict(doc, results=[dict(r, flops=2 * r["bytes"], tflops=2 * r["gbps"] / 1e3) for r in doc["results"]])
+    ax = plots.plot_roofline(synthetic)
+    assert len(ax.lines) == 1 + len(providers)                 # the roof, then one marker series per provider

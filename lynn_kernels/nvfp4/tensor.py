@@ -138,7 +138,7 @@ class NVFP4Tensor:
 
     def to_modelopt(self) -> dict:
         """ModelOpt tensors for one layer: ``{"weight", "weight_scale", "weight_scale_2"}``."""
-        return {"weight": self.codes, "weight_scale": self.scales, "weight_scale_2": self.global_scale.clone()}
+        return {"weight": self.codes, "weight_scale": self.scales, "weight_scale_2": self.global_scale}
 
     @classmethod
     def from_compressed_tensors(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
