@@ -17,6 +17,7 @@ import triton.language as tl
 
 from lynn_kernels.bench.harness import provenance, time_fn
 from lynn_kernels.nvfp4 import reference
+from lynn_kernels.runtime import div_rn_by
 from lynn_kernels.nvfp4.triton_quant import _e2m1_encode, _e4m3_round
 
 
@@ -29,14 +30,6 @@ def _e2m1_encode_thresholds(q):
            + (a > 5.0).to(tl.uint8))
     mag = tl.where(a != a, 7, mag).to(tl.uint8)
     return mag | ((q < 0).to(tl.uint8) << 3)
-
-
-@triton.jit
-def _div_markstein(x, d, r):
-    """Correctly rounded x / d from r = RN(1/d): q0 = RN(x r), residual exact by FMA, one corrected step."""
-    q0 = x * r
-    e = tl.fma(-q0, d, x)
-    return tl.fma(e, r, q0)
 
 
 @triton.jit
@@ -65,7 +58,7 @@ def _variant_kernel(w_ptr, codes_ptr, scales_ptr, g_ptr, R, K, stride_wr,
         q = blocks * tl.broadcast_to((1.0 / divisor)[:, :, None], (BLOCK_R, BLOCK_K // 16, 16))
     else:             # exact: per-block RN reciprocal, then a Markstein correction per element
         r = tl.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)
-        q = _div_markstein(blocks, dv, tl.broadcast_to(r[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)))
+        q = div_rn_by(blocks, dv, tl.broadcast_to(r[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)), False)
     if ENCODE == 1:
         nib = _e2m1_encode(q, False)
     elif ENCODE == 2:
@@ -192,7 +185,7 @@ def _variant3d_kernel(w_ptr, codes_ptr, scales_ptr, g_ptr, R, K, stride_wr,
         q = tl.div_rn(w, divisor)
     else:
         r = tl.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)
-        q = _div_markstein(w, divisor, r)
+        q = div_rn_by(w, divisor, r, False)
     nib = tl.reshape(_e2m1_encode(q, False), (BLOCK_R, NB, 8, 2))
     lo, hi = tl.split(nib)
     packed = lo | (hi << 4)                                                        # [BR, NB, 8]
@@ -247,7 +240,7 @@ def _markstein_check_kernel(x_ptr, d_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
     d = tl.load(d_ptr + offs, mask=m, other=1.0)
     r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
     tl.store(a_ptr + offs, tl.div_rn(x, d), mask=m)
-    tl.store(b_ptr + offs, _div_markstein(x, d, r), mask=m)
+    tl.store(b_ptr + offs, div_rn_by(x, d, r, False), mask=m)
 
 
 if __name__ == "__main__":
