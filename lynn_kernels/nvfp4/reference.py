@@ -43,6 +43,11 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float32)
 
 
+def _per_block(g: torch.Tensor, n_lead: int) -> torch.Tensor:
+    """A global scale of shape ``()`` or a prefix of the leading dims, shaped to broadcast over ``[..., K/16]``."""
+    return g.reshape(g.shape + (1,) * (n_lead - g.dim()) + (1,))
+
+
 def quantize(w: torch.Tensor, global_scale=None, recipe: str = "modelopt", *,
              recip_global_scale=None) -> NVFP4Tensor:
     """Quantise a float ``[..., K]`` tensor (``K % 16 == 0``) to NVFP4.
@@ -62,19 +67,16 @@ def quantize(w: torch.Tensor, global_scale=None, recipe: str = "modelopt", *,
     if (global_scale is not None or recip_global_scale is not None) and not bool(torch.isfinite(w).all()):
         raise ValueError("w contains NaN or Inf; NVFP4 cannot represent them")
 
-    def per_block(t):                                                  # broadcast a global over [..., K/16]
-        return t.reshape(t.shape + (1,) * (len(lead) - t.dim()) + (1,))
-
     blocks = w.unflatten(-1, (-1, BLOCK))                              # [..., K/16, 16] in w.dtype
     bam = blocks.abs().amax(-1)                                        # [..., K/16], exact in w.dtype
     if recipe == "modelopt":
-        g_b = per_block(g)
+        g_b = _per_block(g, len(lead))
         s = bam.float() / (6.0 * g_b)
         s = torch.where(s == 0, torch.ones_like(s), s)
         s8 = s.clamp(E4M3_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
         divisor = s8.float() * g_b
     else:
-        big_g_b = per_block(big_g)                                     # the stored weight_global_scale
+        big_g_b = _per_block(big_g, len(lead))                         # the stored weight_global_scale
         six = torch.tensor(E2M1_MAX, dtype=torch.float32, device=w.device)
         s = big_g_b * _round_to(bam.float() / six, w.dtype)
         s8 = s.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -91,10 +93,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
     check_out_dtype(dtype)
-    lead = tuple(q.codes.shape[:-1])
-    g = q.global_scale
-    g_b = g.reshape(g.shape + (1,) * (len(lead) - g.dim()) + (1,))
-    block_scale = q.scales.float() * g_b                               # [..., K/16]
+    block_scale = q.scales.float() * _per_block(q.global_scale, q.codes.dim() - 1)   # [..., K/16]
     values = e2m1_table(q.device)[unpack_nibbles(q.codes).long()]      # [..., K]
     out = values.unflatten(-1, (-1, BLOCK)) * block_scale.unsqueeze(-1)
     return out.flatten(-2).to(dtype)
