@@ -104,9 +104,21 @@ def op(reference):
     return wrap
 
 
-def autotune(configs, key, **kwargs):
-    """``triton.autotune`` that keeps only the first config under the interpreter (more fail without a driver)."""
-    return triton.autotune(configs=configs[:1] if INTERPRET else configs, key=key, **kwargs)
+def autotune(configs, key, prune_configs_by=None, **kwargs):
+    """``triton.autotune`` that runs one config per key under the interpreter (benchmarking needs a driver).
+
+    Without a pruner the interpreter keeps the first config; with ``prune_configs_by={"early_config_prune": f}`` it
+    keeps the first config ``f`` keeps, so a kernel whose configs depend on the shape (an M bucket) still gets a
+    fitting one on the CPU.
+    """
+    if INTERPRET:
+        if prune_configs_by and "early_config_prune" in prune_configs_by:
+            prune = prune_configs_by["early_config_prune"]
+            prune_configs_by = {**prune_configs_by,
+                                "early_config_prune": lambda cfgs, nargs, **kw: list(prune(cfgs, nargs, **kw))[:1]}
+        else:
+            configs = configs[:1]
+    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
 
 
 def kernel_flags() -> dict:

@@ -1,0 +1,379 @@
+"""Packed W4A16 kernels: ``y = x @ W^T`` with ``W`` read as NVFP4 codes and scales, never expanded in memory.
+
+Both kernels compute the transposed product ``y^T [N, M] = W [N, K] @ x^T [K, M]``, so the weight, decoded in
+registers, is the first ``tl.dot`` operand (Hopper's wgmma can take that one straight from registers) and the small
+activation tile is the second. Each weight tile is decoded the same way (:func:`_load_w_tile`):
+
+* a byte holds two E2M1 codes; each nibble's 3 magnitude bits dropped into an fp16 exponent/mantissa (and its sign
+  bit into the fp16 sign) give the exact value times ``2^-14`` (subnormals included), one integer op chain per
+  element and one conversion, no table;
+* the E4M3 block scale is decoded once per 16 elements, times ``2^14`` to undo the factor above; both products are
+  exact (6 significant bits), so the weight tile in bf16 equals ``e2m1 * scale`` exactly;
+* the global scale multiplies the fp32 accumulator once per output, in the epilogue.
+
+``_nvfp4_gemv_kernel`` (M <= 16, decode) streams the weight once: one program per ``BLOCK_N`` rows and K slice
+(split-K when N alone cannot fill the GPU), an fp32 multiply-reduce for M <= 4 or a ``tl.dot`` on an M tile padded
+to 16. ``_nvfp4_gemm_kernel`` (prefill) tiles M as well, with grouped tile order so a band of weight tiles stays in
+L2 while every M tile passes over it.
+
+Split-K is deterministic: each program writes its fp32 partial tile, takes a ticket from a per-tile counter, and the
+last one adds the partials in split order and writes ``y``; it also resets the counter, so one zeroed buffer serves
+every call (calls on one stream at a time, as in an inference loop).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..nvfp4 import NVFP4Tensor
+from ..nvfp4.triton_quant import _e4m3_decode
+from ..runtime import cast_output, kernel_view, to_float32
+from .checks import check_linear_args
+
+MAX_SPLIT_K = 16
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared device helpers
+
+
+@triton.jit
+def _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """W[offs_n, k0:k0+BLOCK_K] as (E2M1 values * 2^-14 [BLOCK_N, BLOCK_K], block scales * 2^14 [BLOCK_N, BLOCK_K/16])."""
+    offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    c = tl.load(codes_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_c[None, :],
+                mask=mask_n[:, None] & (offs_c[None, :] < K // 2), other=0)          # [BLOCK_N, BLOCK_K/2]
+    s = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (K // 16) + offs_s[None, :],
+                mask=mask_n[:, None] & (offs_s[None, :] < K // 16), other=0)         # [BLOCK_N, BLOCK_K/16]
+    if INTERPRET:
+        s = _e4m3_decode(s)
+    else:
+        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)                        # hardware E4M3 convert
+    c16 = c.to(tl.uint16)
+    even = (((c16 & 0x7) << 9) | ((c16 & 0x8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    odd = (((c16 & 0x70) << 5) | ((c16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.interleave(even, odd), s * 16384.0
+
+
+@triton.jit
+def _scaled(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Apply the block scales to a decoded tile: exact, ``e2m1 * scale`` has at most 6 significant bits."""
+    w = tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * s[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _finish(acc, pid_tile, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
+            g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, SPLIT_STRIDE,
+            HAS_BIAS: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Reduce split-K partials deterministically, then ``y[m, n] = acc[n, m] * g[n] + bias[n]``, rounded once."""
+    mask = mask_n[:, None] & mask_m[None, :]
+    offs_t = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                     # [BLOCK_N, BLOCK_M] in [M, N]
+    write = pid_k == 0
+    if n_split > 1:
+        tl.store(part_ptr + pid_k.to(tl.int64) * SPLIT_STRIDE + offs_t, acc, mask=mask)
+        tl.debug_barrier()                                   # every thread's partial is written before the ticket
+        ticket = tl.atomic_add(count_ptr + pid_tile, 1, sem="acq_rel")
+        write = ticket == n_split - 1
+        if write:                                            # the last program adds partials in split order
+            acc = tl.zeros_like(acc)
+            part = part_ptr + offs_t
+            for _ in range(0, n_split):
+                acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                part += SPLIT_STRIDE
+            tl.atomic_xchg(count_ptr + pid_tile, 0)          # ready for the next call
+    g = tl.load(g_ptr + offs_n // ROWS_PER_G, mask=mask_n, other=0.0)
+    out = acc * g[:, None]
+    if HAS_BIAS:
+        out += to_float32(tl.load(bias_ptr + offs_n, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)[:, None]
+    tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
+             cast_output(out, OUT_DTYPE, INTERPRET), mask=mask & write)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GEMV: M <= 16
+
+
+def _gemv_configs():
+    configs = []
+    for bn, bk, warps in ((16, 512, 4), (32, 256, 4), (8, 1024, 4), (32, 512, 8), (64, 256, 8), (16, 1024, 8)):
+        configs.append(triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps))
+    for bn, bk, warps in ((64, 256, 4), (32, 512, 4), (128, 256, 8), (64, 512, 8), (128, 128, 4), (16, 512, 4)):
+        configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps))
+    return configs
+
+
+def _prune_gemv(configs, named_args, **kwargs):
+    """M <= 4: the multiply-reduce path (BLOCK_M = M rounded up to a power of two) and the dot path; else dot."""
+    m = named_args["M"]
+    kept = []
+    for c in configs:
+        if c.kwargs["BLOCK_M"] == 16:
+            kept.append(c)
+        elif m <= 4:
+            kept.append(triton.Config({**c.kwargs, "BLOCK_M": triton.next_power_of_2(m)},
+                                      num_warps=c.num_warps, num_stages=c.num_stages))
+    return sorted(kept, key=lambda c: c.kwargs["BLOCK_M"])        # the interpreter runs the first
+
+
+@runtime.autotune(configs=_gemv_configs(), key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune_gemv})
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
+    HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    n_chunks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(n_chunks, n_split)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
+        k0 = chunk * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
+        if BLOCK_M < 16:
+            # few rows: multiply-reduce in fp32 registers, the block scale once per 16 products
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0)
+            x = to_float32(x, X_DTYPE, INTERPRET)                                  # [BLOCK_M, BLOCK_K]
+            prod = w[:, None, :] * x[None, :, :]                                   # [BLOCK_N, BLOCK_M, BLOCK_K]
+            part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_M, BLOCK_K // 16, 16)), axis=3)
+            acc += tl.sum(part * s[:, None, :], axis=2)
+        else:
+            # an M tile padded to 16 rows on the tensor cores; the decode is the work, the MMA is nearly free
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                         mask=mask_k[:, None] & mask_m[None, :], other=0)
+            xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                  # [BLOCK_K, BLOCK_M]
+            wt = _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)                     # [BLOCK_N, BLOCK_K]
+            acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
+    _finish(acc, pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
+            g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GEMM: M > 16
+
+
+def _gemm_configs():
+    shapes = [  # BLOCK_N (MMA rows: weight), BLOCK_M (MMA cols: tokens), BLOCK_K, warps, stages
+        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3),
+        (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 256, 4, 3),
+        (128, 16, 256, 8, 3), (64, 16, 256, 4, 3),
+    ]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=st)
+            for bn, bm, bk, w, st in shapes]
+
+
+def _prune_gemm(configs, named_args, **kwargs):
+    """Token tiles no wider than the M bucket (and at least 16): no MMA columns spent on padding."""
+    bucket = named_args["M_BUCKET"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
+    return sorted(kept, key=lambda c: -c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])   # the interpreter runs the first
+
+
+@runtime.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"],
+                  prune_configs_by={"early_config_prune": _prune_gemm})
+@triton.jit
+def _nvfp4_gemm_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G, M_BUCKET,
+    HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    # grouped order: GROUP_N weight tiles stay in L2 while every token tile passes over them
+    per_group = GROUP_N * tiles_m
+    first_n = (pid // per_group) * GROUP_N
+    group_n = tl.minimum(tiles_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_n
+    pid_m = (pid % per_group) // group_n
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    n_chunks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(n_chunks, n_split)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
+        k0 = chunk * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
+                     mask=mask_k[:, None] & mask_m[None, :], other=0)
+        xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
+        wt = _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)                         # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
+    _finish(acc, pid_m * tiles_n + pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
+            g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host side
+
+GEMV_MAX_M = 16
+_counters: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; the interpreter pretends to have 4 so small tests exercise split-K."""
+    if runtime.INTERPRET:
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """K slices per output tile: enough programs for about two per SM, each slice at least one BLOCK_K chunk, and
+    no empty slice (the split is rounded so every slice gets ``ceil(chunks / split)`` chunks but the last)."""
+    chunks = triton.cdiv(k, block_k)
+    split = max(1, min(triton.cdiv(2 * sms, tiles), chunks, MAX_SPLIT_K))
+    return triton.cdiv(chunks, triton.cdiv(chunks, split))
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` tickets (kernels leave it zeroed again)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
+
+
+def _prepare(x: torch.Tensor, w: NVFP4Tensor, bias):
+    check_linear_args(x, w, bias)
+    runtime.check_device("x", x)
+    runtime.check_device("w.codes", w.codes)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)                                   # a view where possible; strides go to the kernel
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    return x2, y
+
+
+def _common_args(x2, bias, y) -> dict:
+    """Constexprs shared by both kernels. The dot runs in x's dtype on the GPU (the weight tile is exact in bf16 and
+    fp16), in fp32 for fp32 x (IEEE, not TF32) and always in fp32 under the interpreter."""
+    fp32_dot = runtime.INTERPRET or x2.dtype == torch.float32
+    return dict(
+        HAS_BIAS=bias is not None, X_DTYPE=runtime.TORCH_TO_TL[x2.dtype],
+        BIAS_DTYPE=tl.float32 if bias is None else runtime.TORCH_TO_TL[bias.dtype],
+        OUT_DTYPE=runtime.TORCH_TO_TL[y.dtype],
+        DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x2.dtype],
+        PRECISION="ieee" if fp32_dot else "tf32",
+    )
+
+
+def _bias_arg(bias, y):
+    return y if bias is None else kernel_view(bias.contiguous())     # y is never read when HAS_BIAS=False
+
+
+def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
+                split_k: int | None = None) -> torch.Tensor:
+    """Launch only: ``x2 [M, K]`` (M <= 16, any strides) into ``y [M, N]``. ``config`` (``BLOCK_M``, ``BLOCK_N``,
+    ``BLOCK_K``, ``num_warps``) bypasses the autotuner, ``split_k`` the heuristic (tests and experiments)."""
+    m, k = x2.shape
+    n = w.shape[0]
+    sms = _sm_count(x2.device)
+    max_split = split_k or max(split_k_for(triton.cdiv(n, c.kwargs["BLOCK_N"]), k, c.kwargs["BLOCK_K"], sms)
+                               for c in _gemv_configs())
+    part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
+    count = _counter(x2.device, triton.cdiv(n, 8))
+
+    def grid(meta):
+        tiles = triton.cdiv(n, meta["BLOCK_N"])
+        return (tiles, split_k or split_k_for(tiles, k, meta["BLOCK_K"], sms))
+
+    args = (kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y),
+            kernel_view(y), part, count, m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global())
+    flags = {**_common_args(x2, bias, y), **runtime.kernel_flags()}
+    if config is None:
+        _nvfp4_gemv_kernel[grid](*args, **flags)
+    else:
+        meta = dict(config)
+        warps = meta.pop("num_warps", 4)
+        _nvfp4_gemv_kernel.fn[grid({**meta})](*args, **flags, **meta, num_warps=warps)
+    return y
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning key for M: the next power of two, capped at 4096 (prefill lengths vary call to call)."""
+    return min(triton.next_power_of_2(m), 4096)
+
+
+def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
+                split_k: int | None = None) -> torch.Tensor:
+    """Launch only: ``x2 [M, K]`` (any M, any strides) into ``y [M, N]``; ``config`` / ``split_k`` as
+    :func:`launch_gemv`."""
+    m, k = x2.shape
+    n = w.shape[0]
+    sms = _sm_count(x2.device)
+
+    def split_of(meta):
+        tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"])
+        return split_k or (split_k_for(tiles, k, meta["BLOCK_K"], sms) if tiles < sms else 1)
+
+    max_split = split_k or max(split_of(c.kwargs) for c in _gemm_configs())
+    part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
+    count = _counter(x2.device, triton.cdiv(n, 64) * triton.cdiv(m, 16))
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]), split_of(meta))
+
+    args = (kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y),
+            kernel_view(y), part, count, m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+            m_bucket(m))
+    flags = {**_common_args(x2, bias, y), **runtime.kernel_flags()}
+    if config is None:
+        _nvfp4_gemm_kernel[grid](*args, **flags)
+    else:
+        meta = {"GROUP_N": 8, **config}
+        warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 3)
+        _nvfp4_gemm_kernel.fn[grid(meta)](*args, **flags, **meta, num_warps=warps, num_stages=stages)
+    return y
+
+
+def nvfp4_gemv_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Host side of :func:`lynn_kernels.matmul.nvfp4_gemv` (M = prod(x.shape[:-1]) <= 16)."""
+    x2, y = _prepare(x, w, bias)
+    if x2.shape[0] > GEMV_MAX_M:
+        raise ValueError(f"nvfp4_gemv takes at most {GEMV_MAX_M} rows of x, got M = {x2.shape[0]} "
+                         f"(x {tuple(x.shape)}); use nvfp4_gemm or nvfp4_linear")
+    if x2.shape[0] > 0:
+        launch_gemv(x2, w, bias, y)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def nvfp4_gemm_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Host side of :func:`lynn_kernels.matmul.nvfp4_gemm` (any M)."""
+    x2, y = _prepare(x, w, bias)
+    if x2.shape[0] > 0:
+        launch_gemm(x2, w, bias, y)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Host side of :func:`lynn_kernels.matmul.nvfp4_linear`: the GEMV for M <= 16, the GEMM above."""
+    x2, y = _prepare(x, w, bias)
+    if x2.shape[0] > 0:
+        (launch_gemv if x2.shape[0] <= GEMV_MAX_M else launch_gemm)(x2, w, bias, y)
+    return y.reshape(*x.shape[:-1], w.shape[0])
