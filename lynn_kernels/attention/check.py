@@ -1,0 +1,86 @@
+"""``lynn check`` rows for the attention family: each kernel against its fp32 reference on small cases.
+
+Metrics come from :func:`lynn_kernels.validate.compare` against the reference run on fp32 copies of the inputs;
+the baseline is that same result rounded to the input dtype, so ``err_ratio`` about 1 means "as accurate as rounding
+the exact answer once" (bf16 tensor-core products of the probabilities add a little on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..validate import compare
+from . import decode_attention, flash_attention, qk_norm_rope, reference
+from .layout import paged_slots
+
+#: Pass marks: direction within 1e-4 of the fp32 answer and at most 4x the error of one rounding to the dtype.
+MIN_COSINE = 0.9999
+MAX_ERR_RATIO = 4.0
+
+
+def _row(op: str, case: str, got: torch.Tensor, want32: torch.Tensor) -> dict:
+    baseline = want32.to(got.dtype) if got.dtype != torch.float32 else None
+    m = compare(got, want32, baseline=baseline)
+    ok = m.cosine >= MIN_COSINE and (m.err_ratio is None or m.err_ratio <= MAX_ERR_RATIO)
+    return {"op": op, "case": case, "metrics": m, "passed": bool(ok)}
+
+
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _f32(*ts):
+    return [None if t is None else (t.float() if t.is_floating_point() else t) for t in ts]
+
+
+def check_attention() -> list[dict]:
+    rows = []
+    dev = runtime.DEVICE
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(shape, generator=gen) * scale).to(dtype).to(dev)
+
+    # prefill: varlen 1 / 63 / 65 tokens, GQA 4, d 64, gate; then chunked prefill with prefixes, d 128
+    for dtype in (torch.bfloat16, torch.float32):
+        name = _NAMES[dtype]
+        cu = torch.tensor([0, 1, 64, 129], dtype=torch.int32, device=dev)
+        q, k, v, g = randn(129, 4, 64, dtype=dtype), randn(129, 1, 64, dtype=dtype), randn(129, 1, 64, dtype=dtype), \
+            randn(129, 4, 64, dtype=dtype)
+        want = reference.flash_attention(*_f32(q, k, v), gate=g.float(), cu_seqlens=cu)
+        rows.append(_row("attention.prefill", f"{name} varlen 1/63/65 Hq4/Hkv1 d64 gate",
+                         flash_attention(q, k, v, gate=g, cu_seqlens=cu), want))
+    prefix = torch.tensor([17, 0], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 40, 73], dtype=torch.int32, device=dev)
+    q, k, v = randn(73, 2, 128), randn(90, 2, 128), randn(90, 2, 128)
+    want = reference.flash_attention(*_f32(q, k, v), cu_seqlens=cu, prefix_lens=prefix)
+    rows.append(_row("attention.prefill", "bf16 chunked prefix 17/0 Hq2/Hkv2 d128",
+                     flash_attention(q, k, v, cu_seqlens=cu, prefix_lens=prefix), want))
+
+    # decode: lengths 0 / 1 / 100 / 300, GQA 8, d 256, contiguous and paged (page 16), gate, 3 splits
+    lens = torch.tensor([0, 1, 100, 300], dtype=torch.int32, device=dev)
+    q, g = randn(4, 16, 256), randn(4, 16, 256)
+    kc, vc = randn(4, 320, 2, 256), randn(4, 320, 2, 256)
+    want = reference.decode_attention(*_f32(q, kc, vc), lens, gate=g.float())
+    rows.append(_row("attention.decode", "bf16 contiguous len 0/1/100/300 Hq16/Hkv2 d256 gate 3 splits",
+                     decode_attention(q, kc, vc, lens, gate=g, num_splits=3), want))
+    table = torch.randperm(4 * 20, generator=gen).view(4, 20).to(torch.int32).to(dev)
+    kp, vp = (torch.empty((80, 16, 2, 256), dtype=torch.bfloat16, device=dev) for _ in range(2))
+    seq = torch.arange(4, device=dev).repeat_interleave(320)
+    slots = paged_slots(table, seq, torch.arange(320, device=dev).repeat(4), 16)
+    kp.view(-1, 2, 256)[slots] = kc.reshape(-1, 2, 256)
+    vp.view(-1, 2, 256)[slots] = vc.reshape(-1, 2, 256)
+    rows.append(_row("attention.decode", "bf16 paged(16) same cache, 3 splits",
+                     decode_attention(q, kp, vp, lens, table, gate=g, num_splits=3), want))
+
+    # fused q/k norm + partial RoPE (in-kernel cos/sin), Qwen3-Next shape: 16/2 heads, d 256, rotary 64
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k = randn(5, 16, 256, dtype=dtype, scale=3.0), randn(5, 2, 256, dtype=dtype, scale=3.0)
+        qw, kw = randn(256, dtype=torch.float32, scale=0.1), randn(256, dtype=torch.float32, scale=0.1)
+        pos = torch.tensor([0, 1, 1000, 40000, 262143], device=dev)
+        got = qk_norm_rope(q, k, qw, kw, pos, rotary_dim=64, rope_theta=1e7)
+        want = reference.qk_norm_rope(q.float(), k.float(), qw, kw, pos, rotary_dim=64, rope_theta=1e7)
+        for i, which in enumerate(("q", "k")):
+            rows.append(_row("attention.qk_norm_rope", f"{_NAMES[dtype]} {which} 16/2 heads d256 rot64",
+                             got[i], want[i]))
+    return rows

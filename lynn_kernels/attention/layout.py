@@ -1,0 +1,301 @@
+"""Layouts and argument checks shared by the attention kernels and their references.
+
+Every public op and its reference run the same checks, so a bad call fails the same way on every backend, with a
+``ValueError`` naming the tensor, what was expected and what was found (STYLE.md habit 10).
+
+Layouts (docs/attention.md has the pictures):
+
+* packed variable-length batch: ``q [T, Hq, D]``, sequence ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]``;
+* chunked prefill: ``k, v [T + sum(prefix_lens), Hkv, D]``, sequence ``b`` holds its ``prefix_lens[b]`` cached keys
+  followed by its new keys, packed one sequence after another (``cu_seqlens_k = cu_seqlens + cumsum(prefix)``);
+* KV cache, contiguous: ``[B, S_max, Hkv, D]``; paged: ``[num_blocks, PAGE, Hkv, D]`` with
+  ``block_table [B, max_blocks]`` (int32) mapping logical page ``i`` of sequence ``b`` to a physical block;
+* cache slots: a flat index over the cache's first two dims (``block * PAGE + offset`` for a paged cache,
+  ``b * S_max + position`` for a contiguous one), ``-1`` meaning "do not write".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import runtime
+
+#: Head dims the kernels are built for (``tl.dot`` needs >= 16; powers of two keep tiles unmasked along D).
+HEAD_DIMS = (16, 32, 64, 128, 256)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+#: Smallest page of a paged cache (one ``tl.dot`` operand tile along the keys needs 16 rows on the GPU).
+MIN_PAGE = 16
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_tensor(name: str, t, ndim: int, dtypes=FLOAT_DTYPES) -> None:
+    """``t`` is a tensor with ``ndim`` dims and one of ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, found {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, found shape {_shape(t)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d)[6:] for d in dtypes]}, found {str(t.dtype)[6:]}")
+
+
+def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, dims=None) -> None:
+    """``t`` has ``ref``'s dtype and (all, or the listed ``dims`` of) its shape."""
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name} must have the dtype of {ref_name} ({str(ref.dtype)[6:]}), found {str(t.dtype)[6:]}")
+    got = _shape(t) if dims is None else tuple(t.shape[d] for d in dims)
+    want = _shape(ref) if dims is None else tuple(ref.shape[d] for d in dims)
+    if got != want:
+        which = "shape" if dims is None else f"dims {tuple(dims)}"
+        raise ValueError(f"{name} must match {ref_name} in {which}: expected {want}, found {got} "
+                         f"(shape {_shape(t)})")
+
+
+def check_heads(q_name: str, hq: int, k_name: str, hkv: int, d: int) -> None:
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"{q_name} has {hq} heads, which is not a multiple of the {hkv} heads of {k_name} (GQA needs "
+                         f"Hq % Hkv == 0)")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{q_name} has head dim {d}; supported head dims are {HEAD_DIMS}")
+
+
+def check_devices(**tensors) -> None:
+    """Every tensor is on the device the kernels run on (the reference backend skips this)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            runtime.check_device(name, t)
+
+
+def values_checkable() -> bool:
+    """Whether index tensors may be read back to the host (not while a CUDA graph is being captured)."""
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels take any row / head strides but need unit stride along the head dim."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prefill
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """A checked variable-length batch: per-sequence query and key offsets on the host and on the device."""
+
+    cu_q: list[int]            #: [B+1] query row offsets
+    cu_k: list[int]            #: [B+1] key row offsets (prefix included)
+    prefix: list[int]          #: [B] cached keys before each sequence's new tokens
+    cu_q_t: torch.Tensor       #: cu_q as int32 on the inputs' device
+    cu_k_t: torch.Tensor       #: cu_k as int32 on the inputs' device
+
+    @property
+    def batch(self) -> int:
+        return len(self.prefix)
+
+    @property
+    def max_q(self) -> int:
+        return max((b - a for a, b in zip(self.cu_q, self.cu_q[1:])), default=0)
+
+
+def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens) -> Varlen:
+    """Check :func:`flash_attention`'s arguments; return the batch layout (reads ``cu_seqlens`` to the host)."""
+    check_tensor("q", q, 3)
+    check_tensor("k", k, 3)
+    check_tensor("v", v, 3)
+    check_same("k", k, "q", q, dims=(2,))
+    check_same("v", v, "k", k)
+    check_heads("q", q.shape[1], "k", k.shape[1], q.shape[2])
+    if gate is not None:
+        check_tensor("gate", gate, 3)
+        check_same("gate", gate, "q", q)
+    t = q.shape[0]
+    if cu_seqlens is None:
+        cu_q = [0, t]
+    else:
+        check_tensor("cu_seqlens", cu_seqlens, 1, INDEX_DTYPES)
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must have B+1 >= 2 entries, found shape {_shape(cu_seqlens)}")
+        cu_q = [int(x) for x in cu_seqlens.tolist()]
+        if cu_q[0] != 0 or cu_q[-1] != t or any(b < a for a, b in zip(cu_q, cu_q[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = q.shape[0] = {t}; "
+                             f"found {cu_q if len(cu_q) <= 12 else cu_q[:6] + ['...'] + cu_q[-3:]}")
+    batch = len(cu_q) - 1
+    if prefix_lens is None:
+        prefix = [0] * batch
+    else:
+        check_tensor("prefix_lens", prefix_lens, 1, INDEX_DTYPES)
+        if prefix_lens.numel() != batch:
+            raise ValueError(f"prefix_lens must have one entry per sequence: expected shape ({batch},), "
+                             f"found {_shape(prefix_lens)}")
+        prefix = [int(x) for x in prefix_lens.tolist()]
+        if any(p < 0 for p in prefix):
+            raise ValueError(f"prefix_lens must be >= 0, found {prefix}")
+    want_k = t + sum(prefix)
+    if k.shape[0] != want_k:
+        extra = " (q's tokens plus the prefix_lens cached tokens, packed per sequence)" if prefix_lens is not None \
+            else " (the same tokens as q)"
+        raise ValueError(f"k must have {want_k} rows{extra}, found shape {_shape(k)}")
+    cu_k = [0]
+    for b in range(batch):
+        cu_k.append(cu_k[-1] + prefix[b] + cu_q[b + 1] - cu_q[b])
+    dev = q.device
+    return Varlen(cu_q, cu_k, prefix, torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                  torch.tensor(cu_k, dtype=torch.int32, device=dev))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode
+
+
+@dataclass(frozen=True)
+class Cache:
+    """A checked KV cache: ``capacity`` tokens per sequence; ``page`` rows per block (``S_max`` when contiguous)."""
+
+    paged: bool
+    page: int
+    capacity: int
+
+
+def check_cache_pair(k_cache, v_cache) -> None:
+    check_tensor("k_cache", k_cache, 4)
+    check_tensor("v_cache", v_cache, 4)
+    check_same("v_cache", v_cache, "k_cache", k_cache)
+
+
+def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate) -> Cache:
+    """Check :func:`decode_attention`'s arguments; return the cache layout."""
+    check_tensor("q", q, 3)
+    check_cache_pair(k_cache, v_cache)
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache must have the dtype of q ({str(q.dtype)[6:]}), found {str(k_cache.dtype)[6:]}")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache must have q's head dim {q.shape[2]} in dim 3, found shape {_shape(k_cache)}")
+    check_heads("q", q.shape[1], "k_cache", k_cache.shape[2], q.shape[2])
+    if gate is not None:
+        check_tensor("gate", gate, 3)
+        check_same("gate", gate, "q", q)
+    b = q.shape[0]
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
+    if seq_lens.numel() != b:
+        raise ValueError(f"seq_lens must have one entry per sequence of q: expected shape ({b},), "
+                         f"found {_shape(seq_lens)}")
+    if block_table is None:
+        if k_cache.shape[0] < b:
+            raise ValueError(f"k_cache (contiguous [B, S_max, Hkv, D]) must have at least B = {b} rows in dim 0, "
+                             f"found shape {_shape(k_cache)}")
+        cache = Cache(paged=False, page=k_cache.shape[1], capacity=k_cache.shape[1])
+    else:
+        check_tensor("block_table", block_table, 2, (torch.int32,))
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must have B = {b} rows, found shape {_shape(block_table)}")
+        page = k_cache.shape[1]
+        if page < MIN_PAGE:
+            raise ValueError(f"k_cache (paged [num_blocks, PAGE, Hkv, D]) needs PAGE >= {MIN_PAGE}, "
+                             f"found shape {_shape(k_cache)}")
+        cache = Cache(paged=True, page=page, capacity=page * block_table.shape[1])
+    if values_checkable() and b:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > cache.capacity:
+            raise ValueError(f"seq_lens must lie in [0, {cache.capacity}] (the cache's capacity per sequence), "
+                             f"found min {lo}, max {hi}")
+        if block_table is not None and block_table.numel():
+            used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * cache.page \
+                < seq_lens.to(block_table.device)[:, None]
+            pages = block_table[used]
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]):
+                raise ValueError(f"block_table entries in use must lie in [0, {k_cache.shape[0]}) (k_cache's "
+                                 f"blocks), found min {int(pages.min())}, max {int(pages.max())}")
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qk norm + rope
+
+
+def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, cos, sin, k_cache, v_cache,
+               slot_mapping) -> None:
+    """Check :func:`qk_norm_rope`'s arguments."""
+    check_tensor("q", q, 3)
+    check_tensor("k", k, 3)
+    check_same("k", k, "q", q, dims=(0, 2))
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have the dtype of q ({str(q.dtype)[6:]}), found {str(k.dtype)[6:]}")
+    d = q.shape[2]
+    check_heads("q", q.shape[1], "k", k.shape[1], d)
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        check_tensor(name, w, 1)
+        if w.shape[0] != d:
+            raise ValueError(f"{name} must have shape ({d},) (the head dim), found {_shape(w)}")
+    check_tensor("positions", positions, 1, INDEX_DTYPES)
+    if positions.shape[0] != q.shape[0]:
+        raise ValueError(f"positions must have one entry per token: expected shape ({q.shape[0]},), "
+                         f"found {_shape(positions)}")
+    if not (isinstance(rotary_dim, int) and 0 < rotary_dim <= d and rotary_dim % 2 == 0):
+        raise ValueError(f"rotary_dim must be an even int in (0, {d}], found {rotary_dim!r}")
+    if (cos is None) != (sin is None):
+        raise ValueError("give both cos and sin tables, or neither (then rope_theta)")
+    if cos is None:
+        if rope_theta is None or not rope_theta > 0:
+            raise ValueError(f"rope_theta must be a positive float (e.g. the checkpoint's rope_theta) when no cos/sin "
+                             f"tables are given, found {rope_theta!r}")
+    else:
+        for name, t in (("cos", cos), ("sin", sin)):
+            check_tensor(name, t, 2)
+            if t.shape[1] != rotary_dim:
+                raise ValueError(f"{name} must have shape [max_position, rotary_dim = {rotary_dim}], "
+                                 f"found {_shape(t)}")
+        check_same("sin", sin, "cos", cos)
+    if v is not None:
+        check_tensor("v", v, 3)
+        check_same("v", v, "k", k)
+    wants_cache = (k_cache, v_cache, slot_mapping)
+    if any(x is not None for x in wants_cache):
+        if any(x is None for x in wants_cache) or v is None:
+            raise ValueError("a cache write needs all of v, k_cache, v_cache and slot_mapping")
+        check_cache_pair(k_cache, v_cache)
+        if k_cache.dtype != k.dtype or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+            raise ValueError(f"k_cache must be [*, *, {k.shape[1]}, {d}] of dtype {str(k.dtype)[6:]} like k, "
+                             f"found {_shape(k_cache)} {str(k_cache.dtype)[6:]}")
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+        if slot_mapping.shape[0] != q.shape[0]:
+            raise ValueError(f"slot_mapping must have one entry per token: expected shape ({q.shape[0]},), "
+                             f"found {_shape(slot_mapping)}")
+        n_slots = k_cache.shape[0] * k_cache.shape[1]
+        if values_checkable() and slot_mapping.numel():
+            lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+            if lo < -1 or hi >= n_slots:
+                raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 skips a token), "
+                                 f"found min {lo}, max {hi}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers for callers
+
+
+def split_q_gate(q_proj_out: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(q, gate)``, each ``[T, Hq, D]``, of a gated-attention ``q_proj`` output ``[T, Hq * 2 * D]``.
+
+    Qwen3-Next emits ``[query | gate]`` per head (HF ``chunk(2, dim=-1)`` on ``view(T, Hq, 2 D)``); the kernels read
+    both views in place through their strides, no copy.
+    """
+    x = q_proj_out.view(q_proj_out.shape[0], num_heads, 2 * head_dim)
+    return x[..., :head_dim], x[..., head_dim:]
+
+
+def contiguous_slots(seq_idx: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Cache slots for a contiguous ``[B, S_max, Hkv, D]`` cache: ``seq_idx * S_max + positions`` (int64)."""
+    return seq_idx.long() * max_len + positions.long()
+
+
+def paged_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """Cache slots for a paged ``[num_blocks, PAGE, Hkv, D]`` cache: ``block * PAGE + position % PAGE`` (int64)."""
+    pos = positions.long()
+    blocks = block_table[seq_idx.long(), pos // page].long()
+    return blocks * page + pos % page

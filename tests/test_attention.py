@@ -1,0 +1,612 @@
+"""Gated attention: the kernels against the fp32 references, the references against torch SDPA and HF transformers'
+Qwen3-Next functions, one whole HF attention layer rebuilt from the public ops, layouts and errors.
+
+Kernel tests run under Triton's interpreter on the CPU with small head counts and dims (the three real head dims
+each appear once at small T) and every fresh output poisoned with NaN, so an element a kernel forgets to write fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lynn_kernels
+from lynn_kernels import runtime
+from lynn_kernels.attention import (contiguous_slots, decode_attention, flash_attention, paged_slots, qk_norm_rope,
+                                    reference, split_q_gate)
+from lynn_kernels.attention import decode as decode_mod
+from lynn_kernels.attention import prefill as prefill_mod
+from lynn_kernels.attention import rope as rope_mod
+from lynn_kernels.attention.layout import check_prefill
+from lynn_kernels.validate import bit_mismatches
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32 = torch.int32
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, dtype=FP32, seed=0, scale=1.0, device=None) -> torch.Tensor:
+    return (torch.randn(tuple(shape), generator=gen(seed)) * scale).to(dtype).to(device or runtime.DEVICE)
+
+
+def ints(values, dtype=I32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=runtime.DEVICE)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """Kernel (fp32 math, one rounding) against the reference (the same). Interpreter: fp32 within summation-order
+    noise, 16-bit outputs within one ulp. Compiled: 16-bit tensor-core products of the probabilities add ~2^-9."""
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), what
+    assert not torch.isnan(got).any(), f"NaN in the output (an element left unwritten?) {what}"
+    if got.dtype == FP32:
+        tol = dict(atol=2e-5, rtol=2e-5)
+    elif runtime.INTERPRET:
+        tol = dict(atol=1e-5, rtol=2**-7)
+    else:
+        tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{what}\n{m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 0. the poison reaches the kernels' outputs
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing, so no output gets written."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_poison_catches_an_unwritten_output(monkeypatch, poison_empty):
+    monkeypatch.setattr(prefill_mod, "_flash_prefill_kernel", _NoLaunch())
+    monkeypatch.setattr(decode_mod, "_decode_split_kernel", _NoLaunch())
+    monkeypatch.setattr(rope_mod, "_qk_norm_rope_kernel", _NoLaunch())
+    q, k = randn((5, 2, 16)), randn((5, 1, 16))
+    assert torch.isnan(flash_attention(q, k, k)).all()
+    kc = randn((1, 8, 1, 16))
+    assert torch.isnan(decode_attention(q[:1], kc, kc, ints([3]), num_splits=1)).all()
+    q_out, k_out = qk_norm_rope(q, k, q[0, 0], q[0, 0], ints([0] * 5), rotary_dim=8, rope_theta=1e4)
+    assert torch.isnan(q_out).all() and torch.isnan(k_out).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. the references against torch SDPA and HF transformers
+
+
+def _sdpa(q, k, v, mask=None):
+    """torch SDPA on ``[n, Hq, D]`` / ``[L, Hkv, D]`` with GQA; ``mask [n, L]`` boolean (True = attend)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_reference_prefill_matches_sdpa(causal):
+    cu, prefix = [0, 1, 64, 64, 129], [0, 7, 3, 64]
+    q, k, v = randn((129, 8, 32), seed=1), randn((129 + 74, 2, 32), seed=2), randn((129 + 74, 2, 32), seed=3)
+    got = reference.flash_attention(q, k, v, causal=causal, cu_seqlens=ints(cu), prefix_lens=ints(prefix))
+    k0 = 0
+    for b in range(4):
+        n, p = cu[b + 1] - cu[b], prefix[b]
+        qs, ks = slice(cu[b], cu[b + 1]), slice(k0, k0 + p + n)
+        k0 += p + n
+        mask = None
+        if causal:
+            mask = torch.arange(p + n, device=q.device)[None, :] <= p + torch.arange(n, device=q.device)[:, None]
+        torch.testing.assert_close(got[qs], _sdpa(q[qs], k[ks], v[ks], mask), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_decode_matches_sdpa():
+    q, kc, vc = randn((3, 8, 64), seed=1), randn((3, 50, 1, 64), seed=2), randn((3, 50, 1, 64), seed=3)
+    lens = [1, 17, 50]
+    got = reference.decode_attention(q, kc, vc, ints(lens))
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(got[b], _sdpa(q[b:b + 1], kc[b, :n], vc[b, :n])[0], atol=1e-5, rtol=1e-5)
+    assert (reference.decode_attention(q, kc, vc, ints([0, 1, 2]))[0] == 0).all()     # no keys: zeros
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+
+def _hf_norm_rope(hf, q, k, qw, kw, cos, sin):
+    """HF's own q_norm / k_norm and apply_rotary_pos_emb on ``[T, H, D]`` tensors (cos, sin ``[T, R]``)."""
+    qn, kn = hf.Qwen3NextRMSNorm(q.shape[-1], eps=1e-6), hf.Qwen3NextRMSNorm(q.shape[-1], eps=1e-6)
+    qn.weight.data, kn.weight.data = qw.clone(), kw.clone()
+    with torch.no_grad():
+        q_hf, k_hf = hf.apply_rotary_pos_emb(qn(q).transpose(0, 1), kn(k).transpose(0, 1), cos.to(q.dtype),
+                                             sin.to(q.dtype), unsqueeze_dim=0)
+    return q_hf.transpose(0, 1), k_hf.transpose(0, 1)
+
+
+def test_reference_rope_tables_match_hf_rotary_embedding(hf):
+    cfg = hf.Qwen3NextConfig(head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                            "partial_rotary_factor": 0.25})
+    pos = torch.tensor([[0, 1, 2, 1000, 65535, 262143]])
+    cos_hf, sin_hf = hf.Qwen3NextRotaryEmbedding(cfg)(torch.zeros(1, dtype=FP32), pos)
+    cos, sin = reference.rope_cos_sin(pos[0], 64, 1e7)
+    assert bit_mismatches(cos, cos_hf[0]) == 0 and bit_mismatches(sin, sin_hf[0]) == 0
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_reference_qk_norm_rope_matches_hf(hf, dtype):
+    """fp32: bit for bit. bf16: HF rounds after the norm, the cos/sin tables and every RoPE product to bf16; the
+    reference rounds once at the end, so they agree to a few bf16 ulps."""
+    q, k = randn((9, 4, 64), dtype, seed=1, scale=2, device="cpu"), randn((9, 2, 64), dtype, seed=2, device="cpu")
+    qw, kw = randn((64,), seed=3, scale=0.2, device="cpu"), randn((64,), seed=4, scale=0.2, device="cpu")
+    pos = torch.tensor([0, 1, 5, 99, 1000, 4095, 30000, 131071, 262143])
+    cos, sin = reference.rope_cos_sin(pos, 16, 1e7)
+    q_hf, k_hf = _hf_norm_rope(hf, q, k, qw, kw, cos, sin)
+    q_ref, k_ref = reference.qk_norm_rope(q, k, qw, kw, pos, rotary_dim=16, rope_theta=1e7)
+    if dtype == FP32:
+        assert bit_mismatches(q_ref, q_hf) == 0 and bit_mismatches(k_ref, k_hf) == 0
+    else:
+        for got, want in ((q_ref, q_hf), (k_ref, k_hf)):
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=3 * 2**-8)
+
+
+def test_one_gated_attention_layer_matches_hf(hf):
+    """HF's Qwen3NextAttention (tiny config, sdpa, causal) rebuilt from split_q_gate + qk_norm_rope +
+    flash_attention(gate=...) + o_proj, fp32, on two packed sequences."""
+    torch.manual_seed(0)
+    cfg = hf.Qwen3NextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    cfg._attn_implementation = "sdpa"
+    attn = hf.Qwen3NextAttention(cfg, layer_idx=3).eval()
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(0, 0.1)
+        attn.k_norm.weight.normal_(0, 0.1)
+    rotary = hf.Qwen3NextRotaryEmbedding(cfg)
+    lens = [5, 11]
+    xs = [torch.randn(1, n, 64) for n in lens]
+    want = []
+    with torch.no_grad():
+        for x in xs:
+            pos_emb = rotary(x, torch.arange(x.shape[1])[None])
+            want.append(attn(x, pos_emb, attention_mask=None)[0][0])
+    want = torch.cat(want)
+
+    dev = runtime.DEVICE
+    x = torch.cat([x[0] for x in xs]).to(dev)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    w = {name: p.detach().to(dev) for name, p in attn.named_parameters()}
+    q, gate = split_q_gate(x @ w["q_proj.weight"].T, 4, 32)
+    k, v = (x @ w["k_proj.weight"].T).view(-1, 2, 32), (x @ w["v_proj.weight"].T).view(-1, 2, 32)
+    q, k = qk_norm_rope(q, k, w["q_norm.weight"], w["k_norm.weight"], pos, rotary_dim=8, rope_theta=1e4)
+    o = flash_attention(q, k, v, gate=gate, cu_seqlens=ints([0, 5, 16]))
+    got = o.reshape(16, -1) @ w["o_proj.weight"].T
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. prefill kernel == reference
+
+
+def _prefill_inputs(lens, hq, hkv, d, dtype, prefix=None, gate=True, seed=0):
+    t = sum(lens)
+    nk = t + (sum(prefix) if prefix else 0)
+    q = randn((t, hq, d), dtype, seed)
+    k, v = randn((nk, hkv, d), dtype, seed + 1), randn((nk, hkv, d), dtype, seed + 2)
+    g = randn((t, hq, d), dtype, seed + 3, scale=2.0) if gate else None
+    cu = ints([0] + list(torch.tensor(lens).cumsum(0).tolist()))
+    return q, k, v, g, cu, (ints(prefix) if prefix else None)
+
+
+#: (id, sequence lengths, Hq, Hkv, D, dtype, prefix_lens, gate, causal)
+PREFILL_CASES = [
+    ("T1-g1-d32-fp32", [1], 2, 2, 32, FP32, None, False, True),
+    ("T63-g4-d16-bf16-gate", [63], 4, 1, 16, BF16, None, True, True),
+    ("T65-g8-d16-fp32-gate", [65], 8, 1, 16, FP32, None, True, True),
+    ("T65-g1-d32-fp16", [65], 2, 2, 32, FP16, None, False, True),
+    ("T1000-g2-d16-bf16-gate", [1000], 2, 1, 16, BF16, None, True, True),
+    ("d64-T33-g4-bf16", [33], 4, 1, 64, BF16, None, True, True),
+    ("d128-T17-g2-fp32", [17], 2, 1, 128, FP32, None, True, True),
+    ("d256-T9-g8-bf16", [9], 8, 1, 256, BF16, None, True, True),
+    ("varlen-1,63,0,65,17-g4-fp32", [1, 63, 0, 65, 17], 4, 1, 16, FP32, None, True, True),
+    ("varlen-g3-nonpow2-bf16", [20, 7], 6, 2, 32, BF16, None, True, True),
+    ("prefix-0,5,64,130-g4-fp32", [9, 1, 70, 3], 4, 1, 32, FP32, [0, 5, 64, 130], True, True),
+    ("prefix-one-seq-bf16", [40], 2, 1, 32, BF16, [100], False, True),
+    ("noncausal-varlen-g4-fp32", [1, 63, 65], 4, 1, 16, FP32, None, True, False),
+    ("noncausal-prefix-bf16", [10, 3], 2, 2, 16, BF16, [6, 0], False, False),
+]
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,dtype,prefix,gate,causal",
+                         [pytest.param(*c[1:], id=c[0]) for c in PREFILL_CASES])
+def test_flash_attention_matches_reference(lens, hq, hkv, d, dtype, prefix, gate, causal, poison_empty):
+    q, k, v, g, cu, pre = _prefill_inputs(lens, hq, hkv, d, dtype, prefix, gate)
+    cu_arg = cu if len(lens) > 1 or prefix else None
+    got = flash_attention(q, k, v, causal=causal, gate=g, cu_seqlens=cu_arg, prefix_lens=pre)
+    want = reference.flash_attention(q, k, v, causal=causal, gate=g, cu_seqlens=cu_arg, prefix_lens=pre)
+    assert got.dtype == dtype and tuple(got.shape) == tuple(q.shape)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("config,hq", [
+    pytest.param({"BLOCK_M": 16, "BLOCK_N": 16}, 32, id="M16N16-group32-two-head-chunks"),
+    pytest.param({"BLOCK_M": 32, "BLOCK_N": 16}, 4, id="M32N16-group4"),
+    pytest.param({"BLOCK_M": 16, "BLOCK_N": 32}, 1, id="M16N32-group1"),
+])
+def test_flash_attention_small_tiles(config, hq, poison_empty):
+    """Small tiles: many unmasked blocks before the diagonal, several diagonal blocks per tile, and a GQA group
+    larger than the tile (its heads split over programs)."""
+    q, k, v, g, cu, pre = _prefill_inputs([20, 1, 37], hq, 1, 16, FP32, prefix=[3, 40, 0])
+    lay = check_prefill(q, k, v, g, cu, pre)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    prefill_mod.launch_prefill(q, k, v, g, out, lay.cu_q_t, lay.cu_k_t, lay.max_q, True, 0.3, config=config)
+    assert_close(out, reference.flash_attention(q, k, v, scale=0.3, gate=g, cu_seqlens=cu, prefix_lens=pre))
+
+
+def test_flash_attention_reads_strided_q_and_gate_views(poison_empty):
+    """q and gate straight from a gated q_proj output ([T, Hq * 2D], query then gate per head): no copies."""
+    qg = randn((21, 4 * 2 * 32), BF16, seed=5)
+    q, gate = split_q_gate(qg, 4, 32)
+    assert q.stride(1) == 64 and gate.data_ptr() == q.data_ptr() + 32 * qg.element_size()
+    k, v = randn((21, 2, 32), BF16, 6), randn((21, 2, 32), BF16, 7)
+    assert_close(flash_attention(q, k, v, gate=gate), reference.flash_attention(q.contiguous(), k, v,
+                                                                                gate=gate.contiguous()))
+
+
+def test_flash_attention_empty_batch_and_scale(poison_empty):
+    q, k, v = randn((0, 2, 16)), randn((0, 1, 16)), randn((0, 1, 16))
+    assert flash_attention(q, k, v).shape == (0, 2, 16)
+    q, k, v, *_ = _prefill_inputs([30], 2, 1, 16, FP32)
+    assert_close(flash_attention(q, k, v, scale=0.05), reference.flash_attention(q, k, v, scale=0.05))
+
+
+def test_flash_attention_uses_reference_backend_on_request():
+    q, k, v, *_ = _prefill_inputs([7], 2, 1, 16, BF16)
+    with lynn_kernels.use_reference():
+        got = flash_attention(q, k, v)
+    assert bit_mismatches(got, reference.flash_attention(q, k, v)) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. decode kernel == reference; paged == contiguous
+
+
+def _decode_inputs(lens, hq, hkv, d, dtype, s_max, page=None, gate=True, seed=0):
+    """q, a contiguous cache ``[B, S_max, Hkv, D]`` and (if ``page``) the same tokens in a shuffled paged cache."""
+    b = len(lens)
+    q = randn((b, hq, d), dtype, seed)
+    kc, vc = randn((b, s_max, hkv, d), dtype, seed + 1), randn((b, s_max, hkv, d), dtype, seed + 2)
+    g = randn((b, hq, d), dtype, seed + 3, scale=2.0) if gate else None
+    paged = None
+    if page is not None:
+        n_pages = s_max // page
+        n_blocks = b * n_pages + 3                                         # a few blocks nobody uses
+        table = torch.randperm(n_blocks, generator=gen(seed + 4))[: b * n_pages].view(b, n_pages).to(I32)
+        table = table.to(runtime.DEVICE)
+        kp = randn((n_blocks, page, hkv, d), dtype, seed + 5)             # garbage where no sequence lives
+        vp = randn((n_blocks, page, hkv, d), dtype, seed + 6)
+        seq = torch.arange(b, device=runtime.DEVICE).repeat_interleave(s_max)
+        slots = paged_slots(table, seq, torch.arange(s_max, device=runtime.DEVICE).repeat(b), page)
+        kp.view(-1, hkv, d)[slots] = kc.reshape(-1, hkv, d)
+        vp.view(-1, hkv, d)[slots] = vc.reshape(-1, hkv, d)
+        paged = (kp, vp, table)
+    return q, kc, vc, g, ints(lens), paged
+
+
+#: (id, lengths, Hq, Hkv, D, dtype, S_max, page, num_splits)
+DECODE_CASES = [
+    ("len0,1,63,65,200-g4-d32-fp32-3splits", [0, 1, 63, 65, 200], 4, 1, 32, FP32, 208, 16, 3),
+    ("len0,1,100-g1-d16-bf16-1split", [0, 1, 100], 2, 2, 16, BF16, 112, 16, 1),
+    ("len1,129-g8-d16-fp16-4splits", [1, 129], 8, 1, 16, FP16, 160, 32, 4),
+    ("d64-g4-bf16-2splits", [37, 64], 4, 1, 64, BF16, 64, 16, 2),
+    ("d128-g2-fp32-5splits", [90], 4, 2, 128, FP32, 96, 32, 5),
+    ("d256-g8-bf16-3splits-qwen", [3, 70], 16, 2, 256, BF16, 80, 16, 3),
+    ("default-splits-g4-bf16", [1000, 5], 4, 1, 16, BF16, 1024, 64, None),
+]
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,dtype,s_max,page,splits", [pytest.param(*c[1:], id=c[0])
+                                                                   for c in DECODE_CASES])
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "nogate"])
+def test_decode_attention_matches_reference_paged_and_contiguous(lens, hq, hkv, d, dtype, s_max, page, splits,
+                                                                 gate, poison_empty):
+    q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs(lens, hq, hkv, d, dtype, s_max, page, gate)
+    got = decode_attention(q, kc, vc, seq_lens, gate=g, num_splits=splits)
+    want = reference.decode_attention(q, kc, vc, seq_lens, gate=g)
+    assert_close(got, want)
+    if lens[0] == 0:
+        assert (got[0] == 0).all(), "a sequence with no cached keys attends to nothing: zeros"
+    got_paged = decode_attention(q, kp, vp, seq_lens, table, gate=g, num_splits=splits)
+    assert bit_mismatches(got_paged, got) == 0, "the paged cache holds the same keys in the same order"
+    assert bit_mismatches(reference.decode_attention(q, kp, vp, seq_lens, table, gate=g), want) == 0
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7], ids=lambda s: f"{s}splits")
+def test_decode_split_count_does_not_change_the_result(splits, poison_empty):
+    """200 keys in 16-key blocks: 3 splits of 80 + 80 + 40, 7 splits of 32 (the last partial at 8), one empty."""
+    q, kc, vc, g, seq_lens, _ = _decode_inputs([200, 31], 4, 1, 16, FP32, 208, gate=True)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    decode_mod.launch_decode(q, kc, vc, seq_lens, None, g, out, splits, 0.25, config={"BLOCK_N": 16})
+    assert_close(out, reference.decode_attention(q, kc, vc, seq_lens, scale=0.25, gate=g))
+
+
+def test_decode_page_smaller_than_key_block(poison_empty):
+    """Page 16 with 64-key blocks: one block gathers four pages."""
+    q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([150, 64], 8, 2, 32, BF16, 192, page=16)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    decode_mod.launch_decode(q, kp, vp, seq_lens, table, g, out, 2, 0.2, config={"BLOCK_N": 64})
+    assert_close(out, reference.decode_attention(q, kc, vc, seq_lens, scale=0.2, gate=g))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. qk_norm_rope kernel == reference, with cache writes
+
+
+#: (id, T, Hq, Hkv, D, rotary_dim, dtype)
+ROPE_CASES = [
+    ("T1-d32-rot8-fp32", 1, 2, 1, 32, 8, FP32),
+    ("T63-d64-rot16-bf16", 63, 4, 2, 64, 16, BF16),
+    ("T65-d16-full-rot-fp16", 65, 2, 2, 16, 16, FP16),
+    ("T5-d256-rot64-bf16-qwen", 5, 16, 2, 256, 64, BF16),
+    ("T7-d128-rot32-fp32", 7, 4, 1, 128, 32, FP32),
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,rot,dtype", [pytest.param(*c[1:], id=c[0]) for c in ROPE_CASES])
+@pytest.mark.parametrize("tables", [False, True], ids=["theta", "tables"])
+def test_qk_norm_rope_matches_reference(t, hq, hkv, d, rot, dtype, tables, poison_empty):
+    q, k = randn((t, hq, d), dtype, 1, scale=3.0), randn((t, hkv, d), dtype, 2, scale=0.5)
+    qw, kw = randn((d,), FP32, 3, scale=0.2), randn((d,), FP32, 4, scale=0.2)
+    pos = ((torch.arange(t) * 4099 + 3) % 262144).to(runtime.DEVICE)
+    extra = {"rope_theta": 1e7}
+    if tables:
+        cos, sin = reference.rope_cos_sin(torch.arange(262144, device=runtime.DEVICE), rot, 1e7)
+        extra = {"cos": cos.to(dtype), "sin": sin.to(dtype)}
+    got = qk_norm_rope(q, k, qw, kw, pos, rotary_dim=rot, **extra)
+    want = reference.qk_norm_rope(q, k, qw, kw, pos, rotary_dim=rot, **extra)
+    for i, name in enumerate(("q_out", "k_out")):
+        assert_close(got[i], want[i], name)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_qk_norm_rope_writes_the_cache(layout, poison_empty):
+    """Writes k_out and v at their slots, skips slot -1, leaves every other slot alone."""
+    t, hkv, d = 11, 2, 32
+    qg = randn((t, 4 * 2 * d), BF16, 1)
+    q, _ = split_q_gate(qg, 4, d)                                       # a strided view, as in the model
+    k, v = randn((t, hkv, d), BF16, 2), randn((t, hkv, d), BF16, 3)
+    qw, kw = randn((d,), BF16, 4, scale=0.1), randn((d,), BF16, 5, scale=0.1)
+    seq = ints([0] * 6 + [1] * 5, torch.int64)
+    pos = ints([0, 1, 2, 3, 4, 5, 17, 18, 19, 20, 21], torch.int64)
+    if layout == "paged":
+        table = ints([[3, 0], [1, 2]])
+        cache_shape, slots = (4, 16, hkv, d), paged_slots(table, seq, pos, 16)
+    else:
+        cache_shape, slots = (2, 24, hkv, d), contiguous_slots(seq, pos, 24)
+    slots[4] = -1                                                       # a padding token
+    kc, vc = randn(cache_shape, BF16, 6), randn(cache_shape, BF16, 7)     # old contents, to be kept
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    got = qk_norm_rope(q, k, qw, kw, pos, v=v, rotary_dim=8, rope_theta=1e6, k_cache=kc, v_cache=vc,
+                       slot_mapping=slots)
+    want = reference.qk_norm_rope(q, k, qw, kw, pos, v=v, rotary_dim=8, rope_theta=1e6, k_cache=kc_ref,
+                                  v_cache=vc_ref, slot_mapping=slots)
+    assert_close(got[0], want[0], "q_out")
+    assert_close(got[1], want[1], "k_out")
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    kept = slots[slots >= 0]
+    assert bit_mismatches(flat_k[kept], got[1][slots >= 0]) == 0
+    assert bit_mismatches(flat_v[kept], v[slots >= 0]) == 0
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=kc.device)
+    untouched[kept] = False
+    assert bit_mismatches(flat_k[untouched], kc_ref.view(-1, hkv, d)[untouched]) == 0
+    assert bit_mismatches(flat_v[untouched], vc_ref.view(-1, hkv, d)[untouched]) == 0
+
+
+def test_prefill_then_decode_through_the_cache(poison_empty):
+    """qk_norm_rope writes a paged cache during a 2-sequence prefill and one decode step; decode_attention over the
+    cache equals reference attention of the last token over the whole sequence."""
+    hq, hkv, d, rot = 4, 1, 32, 8
+    lens = [9, 20]
+    table = ints([[2, 0], [1, 3]])
+    kc, vc = torch.zeros((4, 16, hkv, d), dtype=FP32, device=runtime.DEVICE), \
+        torch.zeros((4, 16, hkv, d), dtype=FP32, device=runtime.DEVICE)
+    qw, kw = randn((d,), seed=1, scale=0.1), randn((d,), seed=2, scale=0.1)
+    t = sum(lens) + 2
+    q, k, v = randn((t, hq, d), seed=3), randn((t, hkv, d), seed=4), randn((t, hkv, d), seed=5)
+    seq = ints([0] * 10 + [1] * 21, torch.int64)
+    pos = torch.cat([torch.arange(10), torch.arange(21)]).to(runtime.DEVICE)
+    order = torch.cat([torch.arange(0, 9), torch.arange(10, 30), torch.tensor([9, 30])]).to(runtime.DEVICE)
+    q, k, v, seq, pos = q[order], k[order], v[order], seq[order], pos[order]   # prefill tokens, then the 2 decodes
+    q_r, k_r = qk_norm_rope(q, k, qw, kw, pos, v=v, rotary_dim=rot, rope_theta=1e4, k_cache=kc, v_cache=vc,
+                            slot_mapping=paged_slots(table, seq, pos, 16))
+    o = decode_attention(q_r[-2:], kc, vc, ints([10, 21]), table)
+    for b in range(2):
+        mine = seq == b                                                 # the sequence's tokens in position order
+        want = reference.flash_attention(q_r[mine], k_r[mine], v[mine])[-1]
+        assert_close(o[b], want, f"sequence {b}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. errors a user can act on
+
+
+def _good_prefill():
+    q, k, v, g, cu, _ = _prefill_inputs([3, 4], 4, 2, 16, FP32)
+    return dict(q=q, k=k, v=v, gate=g, cu_seqlens=cu)
+
+
+PREFILL_ERRORS = [
+    ("q-2d", lambda a: a.update(q=a["q"][:, 0]), r"q must have 3 dims, found shape \(7, 16\)"),
+    ("q-int", lambda a: a.update(q=a["q"].to(torch.int32)), r"q must have dtype in"),
+    ("k-dtype", lambda a: a.update(k=a["k"].to(BF16)), r"v must have the dtype of k|k must have the dtype of q"),
+    ("v-shape", lambda a: a.update(v=a["v"][:, :1]), r"v must match k in shape: expected \(7, 2, 16\), found "),
+    ("heads", lambda a: a.update(k=a["k"].repeat(1, 3, 1)[:, :3], v=a["v"].repeat(1, 3, 1)[:, :3]),
+     r"q has 4 heads, which is not a multiple of the 3 heads of k"),
+    ("head-dim", lambda a: a.update(q=a["q"][..., :12], k=a["k"][..., :12], v=a["v"][..., :12],
+                                    gate=a["gate"][..., :12]), r"q has head dim 12; supported head dims are"),
+    ("k-head-dim", lambda a: a.update(k=torch.zeros(7, 2, 32), v=torch.zeros(7, 2, 32)),
+     r"k must match q in dims \(2,\): expected \(16,\), found \(32,\)"),
+    ("gate-shape", lambda a: a.update(gate=a["gate"][:, :2]), r"gate must match q in shape"),
+    ("cu-end", lambda a: a.update(cu_seqlens=ints([0, 3, 6])), r"cu_seqlens must .* end at T = q.shape\[0\] = 7"),
+    ("cu-decreasing", lambda a: a.update(cu_seqlens=ints([0, 5, 3, 7])), r"never decrease"),
+    ("cu-float", lambda a: a.update(cu_seqlens=a["cu_seqlens"].float()), r"cu_seqlens must have dtype in"),
+    ("prefix-count", lambda a: a.update(prefix_lens=ints([1])), r"prefix_lens must have one entry per sequence"),
+    ("prefix-rows", lambda a: a.update(prefix_lens=ints([1, 2])), r"k must have 10 rows .* found shape \(7, 2, 16\)"),
+]
+
+
+@pytest.mark.parametrize("impl", [flash_attention, reference.flash_attention], ids=["kernel", "reference"])
+@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in PREFILL_ERRORS])
+def test_flash_attention_errors(mutate, match, impl):
+    args = _good_prefill()
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        impl(**args)
+
+
+def _good_decode():
+    q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([3, 20], 4, 2, 16, FP32, 32, page=16)
+    return dict(q=q, k_cache=kp, v_cache=vp, seq_lens=seq_lens, block_table=table, gate=g)
+
+
+DECODE_ERRORS = [
+    ("cache-3d", lambda a: a.update(k_cache=a["k_cache"][0]), r"k_cache must have 4 dims"),
+    ("cache-dtype", lambda a: a.update(k_cache=a["k_cache"].to(BF16), v_cache=a["v_cache"].to(BF16)),
+     r"k_cache must have the dtype of q"),
+    ("v-cache-shape", lambda a: a.update(v_cache=a["v_cache"][:2]), r"v_cache must match k_cache in shape"),
+    ("heads", lambda a: a.update(q=a["q"][:, :3], gate=a["gate"][:, :3]), r"q has 3 heads, which is not a multiple"),
+    ("seq-lens-count", lambda a: a.update(seq_lens=ints([3])), r"seq_lens must have one entry per sequence"),
+    ("seq-lens-too-long", lambda a: a.update(seq_lens=ints([3, 33])), r"seq_lens must lie in \[0, 32\]"),
+    ("table-dtype", lambda a: a.update(block_table=a["block_table"].long()), r"block_table must have dtype in"),
+    ("table-rows", lambda a: a.update(block_table=a["block_table"][:1]), r"block_table must have B = 2 rows"),
+    ("table-entry", lambda a: a["block_table"].fill_(99), r"block_table entries in use must lie in \[0, 7\)"),
+    ("small-page", lambda a: a.update(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]),
+     r"needs PAGE >= 16"),
+    ("contiguous-rows", lambda a: a.update(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1], block_table=None),
+     r"at least B = 2 rows"),
+]
+
+
+@pytest.mark.parametrize("impl", [decode_attention, reference.decode_attention], ids=["kernel", "reference"])
+@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in DECODE_ERRORS])
+def test_decode_attention_errors(mutate, match, impl):
+    args = _good_decode()
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        impl(**args)
+
+
+def test_decode_num_splits_must_be_in_range():
+    with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], found 0"):
+        decode_attention(**_good_decode(), num_splits=0)
+
+
+def _good_rope():
+    q, k, v = randn((5, 4, 32)), randn((5, 2, 32)), randn((5, 2, 32))
+    return dict(q=q, k=k, q_weight=randn((32,)), k_weight=randn((32,)), positions=ints([0, 1, 2, 3, 4]), v=v,
+                rotary_dim=8, rope_theta=1e4, k_cache=torch.zeros((2, 16, 2, 32), device=runtime.DEVICE),
+                v_cache=torch.zeros((2, 16, 2, 32), device=runtime.DEVICE), slot_mapping=ints([0, 1, 2, 3, 4]))
+
+
+ROPE_ERRORS = [
+    ("k-tokens", lambda a: a.update(k=a["k"][:4]), r"k must match q in dims \(0, 2\)"),
+    ("weight-shape", lambda a: a.update(k_weight=a["k_weight"][:16]), r"k_weight must have shape \(32,\)"),
+    ("positions-count", lambda a: a.update(positions=ints([0, 1])), r"positions must have one entry per token"),
+    ("rotary-odd", lambda a: a.update(rotary_dim=7), r"rotary_dim must be an even int in \(0, 32\], found 7"),
+    ("no-theta", lambda a: a.update(rope_theta=None), r"rope_theta must be a positive float"),
+    ("cos-only", lambda a: a.update(cos=torch.zeros(8, 8)), r"give both cos and sin tables"),
+    ("table-width", lambda a: a.update(cos=torch.zeros(8, 4), sin=torch.zeros(8, 4)),
+     r"cos must have shape \[max_position, rotary_dim = 8\]"),
+    ("cache-without-slots", lambda a: a.update(slot_mapping=None), r"a cache write needs all of"),
+    ("slot-range", lambda a: a.update(slot_mapping=ints([0, 1, 2, 3, 32])), r"slot_mapping must lie in \[-1, 32\)"),
+    ("cache-heads", lambda a: a.update(k_cache=torch.zeros(2, 16, 1, 32), v_cache=torch.zeros(2, 16, 1, 32)),
+     r"k_cache must be \[\*, \*, 2, 32\]"),
+]
+
+
+@pytest.mark.parametrize("impl", [qk_norm_rope, reference.qk_norm_rope], ids=["kernel", "reference"])
+@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in ROPE_ERRORS])
+def test_qk_norm_rope_errors(mutate, match, impl):
+    args = _good_rope()
+    mutate(args)
+    q, k, qw, kw, pos = (args.pop(n) for n in ("q", "k", "q_weight", "k_weight", "positions"))
+    with pytest.raises(ValueError, match=match):
+        impl(q, k, qw, kw, pos, **args)
+
+
+@pytest.mark.skipif(runtime.DEVICE.type != "cpu", reason="on a GPU the CPU is the wrong device")
+def test_wrong_device_is_named():
+    """Under the interpreter the kernels want CPU tensors; a 'meta' tensor stands in for a foreign device."""
+    args = _good_prefill()
+    args["gate"] = args["gate"].to("meta")
+    with pytest.raises(ValueError, match=r"gate is on meta, but kernels run on the CPU"):
+        flash_attention(**args)
+    args = _good_decode()
+    args["block_table"] = args["block_table"].to("meta")
+    with pytest.raises(ValueError, match=r"block_table is on meta"):
+        decode_attention(**args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. GPU only: the real shapes, compiled, against SDPA; every autotune config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4096, 1000])
+def test_gpu_prefill_qwen_shape_matches_sdpa(t):
+    q, k, v = (torch.randn(t, h, 256, device="cuda", dtype=BF16) for h in (16, 2, 2))
+    gate = torch.randn(t, 16, 256, device="cuda", dtype=BF16)
+    got = flash_attention(q, k, v, gate=gate)
+    want = _sdpa(q.float(), k.float(), v.float(), torch.ones(t, t, device="cuda").tril().bool())
+    want = want * torch.sigmoid(gate.float())
+    m = lynn_kernels.compare(got, want, baseline=want.to(BF16))
+    assert m.cosine > 0.9999 and m.err_ratio < 3, m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_decode_long_context(paged):
+    b, s = 2, 32768
+    q = torch.randn(b, 16, 256, device="cuda", dtype=BF16)
+    kc, vc = (torch.randn(b, s, 2, 256, device="cuda", dtype=BF16) for _ in range(2))
+    lens = torch.tensor([s, 12345], dtype=I32, device="cuda")
+    table = None
+    if paged:
+        table = torch.randperm(b * s // 64, device="cuda").view(b, -1).to(I32)
+        kp, vp = (torch.empty(b * s // 64, 64, 2, 256, device="cuda", dtype=BF16) for _ in range(2))
+        slots = paged_slots(table, torch.arange(b, device="cuda").repeat_interleave(s),
+                            torch.arange(s, device="cuda").repeat(b), 64)
+        kp.view(-1, 2, 256)[slots], vp.view(-1, 2, 256)[slots] = kc.view(-1, 2, 256), vc.view(-1, 2, 256)
+        kc, vc = kp, vp
+    got = decode_attention(q, kc, vc, lens, table)
+    want = reference.decode_attention(q.float(), kc.float(), vc.float(), lens, table)
+    m = lynn_kernels.compare(got, want, baseline=want.to(BF16))
+    assert m.cosine > 0.9999 and m.err_ratio < 3, m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_every_prefill_config_compiles_and_agrees(d):
+    q, k, v, g, cu, pre = _prefill_inputs([300, 1, 77], 16, 2, d, BF16, prefix=[0, 5, 129])
+    lay = check_prefill(q, k, v, g, cu, pre)
+    want = reference.flash_attention(q, k, v, gate=g, cu_seqlens=cu, prefix_lens=pre)
+    for cfg in prefill_mod._prune(prefill_mod.PREFILL_CONFIGS, {"HEAD_DIM": d}):
+        out = torch.full_like(q, math.nan)
+        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        prefill_mod.launch_prefill(q, k, v, g, out, lay.cu_q_t, lay.cu_k_t, lay.max_q, True, d ** -0.5, config)
+        assert_close(out, want, str(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 256])
+def test_gpu_every_decode_config_compiles_and_agrees(d):
+    q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([0, 1, 700, 1024], 16, 2, d, BF16, 1024, page=16)
+    want = reference.decode_attention(q, kc, vc, seq_lens, gate=g)
+    for cfg in decode_mod._prune(decode_mod.DECODE_CONFIGS, {"HEAD_DIM": d}):
+        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        for splits in (1, 5):
+            out = torch.full_like(q, math.nan)
+            decode_mod.launch_decode(q, kp, vp, seq_lens, table, g, out, splits, d ** -0.5, config=config)
+            assert_close(out, want, f"{config} {splits} splits")
