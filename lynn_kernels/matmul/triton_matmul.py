@@ -11,9 +11,11 @@ activation tile is the second. Each weight tile is decoded the same way (:func:`
   exact (6 significant bits), so the weight tile in bf16 equals ``e2m1 * scale`` exactly;
 * the global scale multiplies the fp32 accumulator once per output, in the epilogue.
 
+On the GPU with bf16 activations the decode is packed (:func:`_e2m1_bf16x2_scaled`, inline PTX, two elements per
+instruction); elsewhere (fp16 / fp32 activations, the interpreter) it is the portable integer decode above.
+
 ``_nvfp4_gemv_kernel`` (M <= 16, decode) streams the weight once: one program per ``BLOCK_N`` rows and K slice
-(split-K when N alone cannot fill the GPU), an fp32 multiply-reduce for M <= 4 or a ``tl.dot`` on an M tile padded
-to 16. ``_nvfp4_gemm_kernel`` (prefill) tiles M as well, with grouped tile order so a band of weight tiles stays in
+(split-K when N alone cannot fill the GPU), a ``tl.dot`` on the M rows padded to 16. ``_nvfp4_gemm_kernel`` (prefill) tiles M as well, with grouped tile order so a band of weight tiles stays in
 L2 while every M tile passes over it.
 
 Split-K is deterministic: each program writes its fp32 partial tile, takes a ticket from a per-tile counter, and the
@@ -22,6 +24,8 @@ every call (calls on one stream at a time, as in an inference loop).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -67,9 +71,76 @@ def _scaled(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_bf16x2_scaled(c, s):
+    """GPU only: code bytes ``c`` (uint8) and a bf16 scale per byte ``s`` (``scale * 2^119``) -> (even, odd) bf16
+    tiles equal to ``e2m1 * scale * 2^-7``, exactly, two elements per 32-bit instruction.
+
+    Each nibble's magnitude bits land on bf16 bits 6..8 (the low exponent bits and the top mantissa bit), its sign
+    on bit 15: that bf16 is ``e2m1 * 2^-126`` (a subnormal for 0 and 0.5); one ``mul.bf16x2`` by the pre-scaled
+    block scale makes it ``e2m1 * scale * 2^-7``, normal and exact. The epilogue multiplies by ``2^7``.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t01, t23, a, b;
+        prmt.b32 t01, $4, 0, 0x4140;
+        prmt.b32 t23, $4, 0, 0x4342;
+        shl.b32 a, t01, 6;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, t01, 12;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $0, a, $5;
+        shl.b32 a, t23, 6;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, t23, 12;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $1, a, $6;
+        shl.b32 a, t01, 2;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, t01, 8;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $2, a, $5;
+        shl.b32 a, t23, 2;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, t23, 8;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $3, a, $6;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[c, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The scaled weight tile [BLOCK_N, BLOCK_K] in ``DOT_DTYPE`` for ``tl.dot``: ``e2m1 * scale`` exactly, times
+    ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`)."""
+    if PACKED_DECODE:
+        offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        c = tl.load(codes_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_c[None, :],
+                    mask=mask_n[:, None] & (offs_c[None, :] < K // 2), other=0)      # [BLOCK_N, BLOCK_K/2]
+        s = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (K // 16) + offs_s[None, :],
+                    mask=mask_n[:, None] & (offs_s[None, :] < K // 16), other=0)     # [BLOCK_N, BLOCK_K/16]
+        s = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)  # * 2^119
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+        even, odd = _e2m1_bf16x2_scaled(c, s)
+        return tl.interleave(even, odd)
+    else:
+        w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
+        return _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+
+
+@triton.jit
 def _finish(acc, pid_tile, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, SPLIT_STRIDE,
-            HAS_BIAS: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+            HAS_BIAS: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, ACC_UNIT: tl.constexpr,
+            INTERPRET: tl.constexpr):
     """Reduce split-K partials deterministically, then ``y[m, n] = acc[n, m] * g[n] + bias[n]``, rounded once."""
     mask = mask_n[:, None] & mask_m[None, :]
     offs_t = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                     # [BLOCK_N, BLOCK_M] in [M, N]
@@ -87,7 +158,7 @@ def _finish(acc, pid_tile, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
                 part += SPLIT_STRIDE
             tl.atomic_xchg(count_ptr + pid_tile, 0)          # ready for the next call
     g = tl.load(g_ptr + offs_n // ROWS_PER_G, mask=mask_n, other=0.0)
-    out = acc * g[:, None]
+    out = acc * (g * ACC_UNIT)[:, None]                     # ACC_UNIT undoes the packed decode's 2^-7
     if HAS_BIAS:
         out += to_float32(tl.load(bias_ptr + offs_n, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)[:, None]
     tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
@@ -97,36 +168,18 @@ def _finish(acc, pid_tile, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
 # ---------------------------------------------------------------------------------------------------------------
 # GEMV: M <= 16
 
-
-def _gemv_configs():
-    configs = []
-    for bn, bk, warps in ((16, 512, 4), (32, 256, 4), (8, 1024, 4), (32, 512, 8), (64, 256, 8), (16, 1024, 8)):
-        configs.append(triton.Config({"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps))
-    for bn, bk, warps in ((64, 256, 4), (32, 512, 4), (128, 256, 8), (64, 512, 8), (128, 128, 4), (16, 512, 4)):
-        configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps))
-    return configs
+#: One config for every decode shape: the best of twelve at 4096^2, 8192^2 and 2048x4096, M = 1 and 16, on the H200
+#: by kernel time (docs/matmul.md). Not autotuned at run time: the host cost of a launch (~100 us on the device's
+#: CPU) dwarfs these 10-40 us kernels, so the autotuner's timings would only rank noise.
+GEMV_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4}
 
 
-def _prune_gemv(configs, named_args, **kwargs):
-    """M <= 4: the multiply-reduce path (BLOCK_M = M rounded up to a power of two) and the dot path; else dot."""
-    m = named_args["M"]
-    kept = []
-    for c in configs:
-        if c.kwargs["BLOCK_M"] == 16:
-            kept.append(c)
-        elif m <= 4:
-            kept.append(triton.Config({**c.kwargs, "BLOCK_M": triton.next_power_of_2(m)},
-                                      num_warps=c.num_warps, num_stages=c.num_stages))
-    return sorted(kept, key=lambda c: c.kwargs["BLOCK_M"])        # the interpreter runs the first
-
-
-@runtime.autotune(configs=_gemv_configs(), key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune_gemv})
 @triton.jit
 def _nvfp4_gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -142,26 +195,16 @@ def _nvfp4_gemv_kernel(
     for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
         k0 = chunk * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
-        if BLOCK_M < 16:
-            # few rows: multiply-reduce in fp32 registers, the block scale once per 16 products
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0)
-            x = to_float32(x, X_DTYPE, INTERPRET)                                  # [BLOCK_M, BLOCK_K]
-            prod = w[:, None, :] * x[None, :, :]                                   # [BLOCK_N, BLOCK_M, BLOCK_K]
-            part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_M, BLOCK_K // 16, 16)), axis=3)
-            acc += tl.sum(part * s[:, None, :], axis=2)
-        else:
-            # an M tile padded to 16 rows on the tensor cores; the decode is the work, the MMA is nearly free
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
-                         mask=mask_k[:, None] & mask_m[None, :], other=0)
-            xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                  # [BLOCK_K, BLOCK_M]
-            wt = _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)                     # [BLOCK_N, BLOCK_K]
-            acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
+        # the M rows padded to 16 on the tensor cores: the decode is the work, the MMA is nearly free
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                     mask=(offs_k[:, None] < K) & mask_m[None, :], other=0)
+        xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
+        wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                     PACKED_DECODE, INTERPRET)                                     # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
-            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, INTERPRET)
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 128.0 if PACKED_DECODE else 1.0, INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,9 +221,17 @@ def _gemm_configs():
             for bn, bm, bk, w, st in shapes]
 
 
+#: Token buckets below 256 get one config each (kernels of 10-100 us: autotuning would rank host noise); from 256 up
+#: the autotuner picks among the configs whose token tile fits the bucket.
+GEMM_SMALL_M = {32: (64, 32, 256, 4, 3), 64: (64, 64, 128, 4, 4), 128: (64, 128, 128, 4, 3)}
+
+
 def _prune_gemm(configs, named_args, **kwargs):
-    """Token tiles no wider than the M bucket (and at least 16): no MMA columns spent on padding."""
     bucket = named_args["M_BUCKET"]
+    if bucket in GEMM_SMALL_M:
+        bn, bm, bk, w, st = GEMM_SMALL_M[bucket]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
+                              num_stages=st)]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
     return sorted(kept, key=lambda c: -c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])   # the interpreter runs the first
 
@@ -192,7 +243,7 @@ def _nvfp4_gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G, M_BUCKET,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -218,15 +269,15 @@ def _nvfp4_gemm_kernel(
         k0 = chunk * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
         xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
                      mask=mask_k[:, None] & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
-        wt = _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)                         # [BLOCK_N, BLOCK_K]
+        wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                     PACKED_DECODE, INTERPRET)                                     # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_m * tiles_n + pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
-            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, INTERPRET)
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 128.0 if PACKED_DECODE else 1.0, INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -236,11 +287,23 @@ GEMV_MAX_M = 16
 _counters: dict = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors to fill; the interpreter pretends to have 4 so small tests exercise split-K."""
     if runtime.INTERPRET:
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def _max_split(m: int, n: int, k: int, sms: int) -> int:
+    """The largest split any GEMM config can choose for this shape: sizes the partial-sum workspace."""
+    return max(_gemm_split(c.kwargs, m, n, k, sms) for c in _gemm_configs())
+
+
+def _gemm_split(meta, m: int, n: int, k: int, sms: int) -> int:
+    tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"])
+    return split_k_for(tiles, k, meta["BLOCK_K"], sms) if tiles < sms else 1
 
 
 def split_k_for(tiles: int, k: int, block_k: int, sms: int) -> int:
@@ -280,6 +343,7 @@ def _common_args(x2, bias, y) -> dict:
         OUT_DTYPE=runtime.TORCH_TO_TL[y.dtype],
         DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x2.dtype],
         PRECISION="ieee" if fp32_dot else "tf32",
+        PACKED_DECODE=not runtime.INTERPRET and x2.dtype == torch.bfloat16,
     )
 
 
@@ -289,29 +353,19 @@ def _bias_arg(bias, y):
 
 def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
                 split_k: int | None = None) -> torch.Tensor:
-    """Launch only: ``x2 [M, K]`` (M <= 16, any strides) into ``y [M, N]``. ``config`` (``BLOCK_M``, ``BLOCK_N``,
-    ``BLOCK_K``, ``num_warps``) bypasses the autotuner, ``split_k`` the heuristic (tests and experiments)."""
+    """Launch only: ``x2 [M, K]`` (M <= 16, any strides) into ``y [M, N]``. ``config`` (``BLOCK_N``, ``BLOCK_K``,
+    ``num_warps``) replaces :data:`GEMV_CONFIG`, ``split_k`` the heuristic (tests and experiments)."""
     m, k = x2.shape
     n = w.shape[0]
-    sms = _sm_count(x2.device)
-    max_split = split_k or max(split_k_for(triton.cdiv(n, c.kwargs["BLOCK_N"]), k, c.kwargs["BLOCK_K"], sms)
-                               for c in _gemv_configs())
-    part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
-    count = _counter(x2.device, triton.cdiv(n, 8))
-
-    def grid(meta):
-        tiles = triton.cdiv(n, meta["BLOCK_N"])
-        return (tiles, split_k or split_k_for(tiles, k, meta["BLOCK_K"], sms))
-
-    args = (kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y),
-            kernel_view(y), part, count, m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global())
-    flags = {**_common_args(x2, bias, y), **runtime.kernel_flags()}
-    if config is None:
-        _nvfp4_gemv_kernel[grid](*args, **flags)
-    else:
-        meta = dict(config)
-        warps = meta.pop("num_warps", 4)
-        _nvfp4_gemv_kernel.fn[grid({**meta})](*args, **flags, **meta, num_warps=warps)
+    meta = {**GEMV_CONFIG, **(config or {}), "BLOCK_M": 16}
+    warps = meta.pop("num_warps")
+    tiles = triton.cdiv(n, meta["BLOCK_N"])
+    split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
+    part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
+    _nvfp4_gemv_kernel[(tiles, split)](
+        kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y), kernel_view(y),
+        part, _counter(x2.device, tiles), m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+        **_common_args(x2, bias, y), **runtime.kernel_flags(), **meta, num_warps=warps)
     return y
 
 
@@ -329,10 +383,9 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     sms = _sm_count(x2.device)
 
     def split_of(meta):
-        tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"])
-        return split_k or (split_k_for(tiles, k, meta["BLOCK_K"], sms) if tiles < sms else 1)
+        return split_k or _gemm_split(meta, m, n, k, sms)
 
-    max_split = split_k or max(split_of(c.kwargs) for c in _gemm_configs())
+    max_split = split_k or _max_split(m, n, k, sms)
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
     count = _counter(x2.device, triton.cdiv(n, 64) * triton.cdiv(m, 16))
 
