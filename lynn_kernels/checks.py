@@ -55,6 +55,47 @@ def check_nvfp4() -> list[dict]:
     return rows
 
 
+@register("matmul")
+def check_matmul() -> list[dict]:
+    from .matmul import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, reference
+    from .nvfp4 import quantize
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for label, m, n, k, dtype in (("M=1 bf16 37x208", 1, 37, 208, torch.bfloat16),
+                                  ("M=3 fp32 70x1040", 3, 70, 1040, torch.float32),
+                                  ("M=17 bf16 100x208", 17, 100, 208, torch.bfloat16),
+                                  ("M=129 fp16 65x400", 129, 65, 400, torch.float16)):
+        w = quantize(torch.randn(n, k, generator=gen).to(runtime.DEVICE))
+        x = torch.randn(m, k, generator=gen).to(dtype).to(runtime.DEVICE)
+        bias = torch.randn(n, generator=gen).to(dtype).to(runtime.DEVICE)
+        want = reference.nvfp4_linear(x, w, bias)
+        for name, fn in (("nvfp4_gemv", nvfp4_gemv), ("nvfp4_gemm", nvfp4_gemm), ("nvfp4_linear", nvfp4_linear)):
+            if name == "nvfp4_gemv" and m > 16:
+                continue
+            # baseline: the same product rounded through a bf16 weight, the copy cuBLAS would multiply
+            base = (x.float() @ reference.nvfp4_reference.dequantize(w, torch.bfloat16).float().t()
+                    + bias.float()).to(dtype)
+            metrics = compare(fn(x, w, bias), want, baseline=base)
+            rows.append({"op": f"matmul.{name}", "case": label, "metrics": metrics,
+                         "passed": metrics.cosine > 0.99999 and metrics.rel_l2 < 1e-2})
+    return rows
+
+
+@register("attention")
+def check_attention() -> list[dict]:
+    from .attention.check import check_attention as rows
+
+    return rows()
+
+
+@register("deltanet")
+def check_deltanet() -> list[dict]:
+    from .deltanet.check import check_deltanet as rows
+
+    return rows()
+
+
 def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
     chosen = [f for f in CHECKS if not families or f in families]
     unknown = set(families or []) - set(CHECKS)

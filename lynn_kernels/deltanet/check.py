@@ -1,0 +1,101 @@
+"""``lynn check`` rows for Gated DeltaNet: each kernel against the fp32 reference on small, awkward cases.
+
+Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``. ``err_ratio`` holds the kernel's error over the
+error of the exact (fp32 reference) answer rounded to the output dtype: about 1 means "as good as a bf16 output can
+be". The thresholds allow for bf16 ``tl.dot`` operands on the GPU (fp32 under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import runtime
+from ..validate import compare
+
+
+def _inputs(B, T, H, HV, K, V, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen)
+
+    dev = runtime.DEVICE
+    q, k = randn(B, T, H, K).to(dtype).to(dev), randn(B, T, H, K).to(dtype).to(dev)
+    v = randn(B, T, HV, V).to(dtype).to(dev)
+    g = F.logsigmoid(randn(B, T, HV) + 2.0).to(dev)                     # decays in (0, 1), most near 1
+    beta = torch.sigmoid(randn(B, T, HV)).to(dev)
+    h0 = (randn(B, HV, K, V) * 0.1).to(dev)
+    return q, k, v, g, beta, h0
+
+
+def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, max_rel: float) -> dict:
+    baseline = want.to(got.dtype) if got.dtype != torch.float32 else None
+    m = compare(got, want, baseline=baseline)
+    return {"op": op, "case": case, "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= max_rel}
+
+
+def check_deltanet() -> list[dict]:
+    from . import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm, reference,
+                   recurrent_gated_delta_rule_gates)
+
+    rows = []
+    for dtype, max_rel in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+        label = str(dtype).replace("torch.", "")
+        # prefill: T=65 (a chunk and one token), GQA 2, l2norm, an initial state
+        q, k, v, g, beta, h0 = _inputs(1, 65, 1, 2, 32, 32, dtype)
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm=True)
+        o_ref, ht_ref = reference.recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta,
+                                                             initial_state=h0, output_final_state=True,
+                                                             use_qk_l2norm=True)
+        case = f"{label} B1 T65 H1 HV2 K32 V32"
+        rows.append(_row("deltanet.chunk", case, o, o_ref, max_rel))
+        rows.append(_row("deltanet.chunk state", case, ht, ht_ref, max_rel))
+
+        # decode step with the gates in the kernel: B=2, T=1
+        q, k, v, _, _, h0 = _inputs(2, 1, 2, 4, 32, 32, dtype, seed=1)
+        gen = torch.Generator().manual_seed(2)
+        a = torch.randn(2, 1, 4, generator=gen).to(runtime.DEVICE)
+        b = torch.randn(2, 1, 4, generator=gen).to(runtime.DEVICE)
+        A_log = torch.rand(4, generator=gen).to(runtime.DEVICE)
+        dt_bias = torch.randn(4, generator=gen).to(runtime.DEVICE)
+        o, ht = recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=h0,
+                                                 output_final_state=True, use_qk_l2norm=True)
+        o_ref, ht_ref = reference.recurrent_gated_delta_rule_gates(
+            q.float(), k.float(), v.float(), A_log, a, dt_bias, b, initial_state=h0, output_final_state=True,
+            use_qk_l2norm=True)
+        case = f"{label} decode B2 H2 HV4 K32 V32, gates fused"
+        rows.append(_row("deltanet.recurrent", case, o, o_ref, max_rel))
+        rows.append(_row("deltanet.recurrent state", case, ht, ht_ref, max_rel))
+
+        # conv prefill (with a state) then one decode step
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(2, 37, 96, generator=gen).to(dtype).to(runtime.DEVICE)
+        w = torch.randn(96, 4, generator=gen).to(dtype).to(runtime.DEVICE)
+        s0 = torch.randn(2, 96, 3, generator=gen).to(dtype).to(runtime.DEVICE)
+        y, s1 = causal_conv1d(x, w, s0)
+        y_ref, s1_ref = reference.causal_conv1d(x.float(), w.float(), s0.float())
+        case = f"{label} B2 T37 C96 W4"
+        rows.append(_row("deltanet.conv", case, y, y_ref, max_rel))
+        state_same = bool(torch.equal(s1.float(), s1_ref))
+        rows.append({"op": "deltanet.conv state", "case": case, "mismatches": int((s1.float() != s1_ref).sum()),
+                     "passed": state_same})
+        x1 = torch.randn(2, 96, generator=gen).to(dtype).to(runtime.DEVICE)
+        s_ref = s1.float().clone()
+        y1 = causal_conv1d_update(x1, s1, w)
+        rows.append(_row("deltanet.conv update", case, y1, reference.causal_conv1d_update(x1.float(), s_ref,
+                                                                                          w.float()), max_rel))
+
+        # gated RMSNorm over head_dim 128
+        xn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
+        zn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
+        wn = (1 + 0.1 * torch.randn(128, generator=gen)).to(runtime.DEVICE)
+        want = reference.gated_rmsnorm(xn, zn, wn).float()              # the spec rounds as HF does, in x's dtype
+        m = compare(gated_rmsnorm(xn, zn, wn), want)
+        rows.append({"op": "deltanet.gated_rmsnorm", "case": f"{label} 5x3x128", "metrics": m,
+                     "passed": m.cosine >= 0.9999 and m.rel_l2 <= max_rel})
+    return rows
+
+
+__all__ = ["check_deltanet"]

@@ -1,0 +1,217 @@
+"""Shapes, limits and argument checks shared by the Gated DeltaNet references and kernels.
+
+Both the torch reference and the Triton host functions call these, so a bad argument raises the same
+``ValueError`` (naming the tensor, what was expected and what was found) on every backend.
+
+Layouts (as HF transformers and fla, "head last"):
+
+* ``q, k``  ``[B, T, H, K]``    query / key, ``H`` query-key heads;
+* ``v``     ``[B, T, HV, V]``   values, ``HV`` value heads, a multiple of ``H`` (value head ``h`` reads QK head
+  ``h // (HV // H)``, as ``repeat_interleave`` would, but without the copy);
+* ``g, beta`` ``[B, T, HV]``    log-decay (``<= 0``) and the delta-rule step size;
+* state     ``[B, HV, K, V]``   fp32, ``S^T q`` is the output (``K`` rows, ``V`` columns);
+* conv: ``x [B, T, C]``, ``weight [C, W]``, conv state ``[B, C, S]`` with ``S >= W - 1`` (oldest input first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: Chunk length of the chunked (WY / UT) prefill.
+CHUNK = 64
+#: Largest head dim the kernels hold in registers (Qwen3-Next / Qwen3.5 use 128).
+MAX_HEAD_DIM = 256
+#: Conv kernel widths the kernels support (Qwen3-Next / Qwen3.5 use 4).
+MIN_CONV_WIDTH, MAX_CONV_WIDTH = 2, 8
+#: L2-norm epsilon of q and k (HF ``l2norm``, fla): ``x * rsqrt(sum(x^2) + eps)``.
+L2NORM_EPS = 1e-6
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Dims:
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+
+    @property
+    def group(self) -> int:
+        """Value heads per query/key head."""
+        return self.HV // self.H
+
+
+def _need_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _need_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {names}")
+
+
+def _need_shape(name: str, t: torch.Tensor, shape: tuple, layout: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, found {tuple(t.shape)}")
+
+
+def _need_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all inputs must share a device")
+
+
+def _need_head_dim(what: str, name: str, d: int) -> None:
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{what} head dim {name}={d} is unsupported: the kernels support 1..{MAX_HEAD_DIM}")
+
+
+def check_state(name: str, s, dims: Dims, ref: torch.Tensor) -> None:
+    """A recurrent state: fp32 ``[B, HV, K, V]`` on ``ref``'s device."""
+    if s is None:
+        return
+    _need_tensor(name, s)
+    _need_shape(name, s, (dims.B, dims.HV, dims.K, dims.V), "[B, HV, K, V]")
+    if s.dtype != torch.float32:
+        raise ValueError(f"{name} has dtype {s.dtype}; the recurrent state is always float32 "
+                         f"(a bf16/fp16 state measurably hurts accuracy)")
+    _need_same_device(name, s, "q", ref)
+    if name == "out_state" and not s.is_contiguous():
+        raise ValueError(f"out_state must be contiguous (it is written in place), found strides {tuple(s.stride())}")
+
+
+def check_scale(scale) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or scale <= 0:
+        raise ValueError(f"scale must be a positive finite Python number or None (1/sqrt(K)), got {scale!r}")
+
+
+def check_qkv(q, k, v) -> Dims:
+    """``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, one float dtype, ``HV`` a multiple of ``H``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _need_tensor(name, t)
+        if t.dim() != 4:
+            layout = "[B, T, HV, V]" if name == "v" else "[B, T, H, K]"
+            raise ValueError(f"{name} must be 4-D {layout}, found shape {tuple(t.shape)}")
+    _need_float("q", q)
+    B, T, H, K = q.shape
+    _need_shape("k", k, tuple(q.shape), "[B, T, H, K] (the shape of q)")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must have shape [B, T, HV, V] with B, T = {B}, {T} as q, found {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        _need_same_device(name, t, "q", q)
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"v has HV={HV} value heads, which is not a multiple of the H={H} query/key heads of q")
+    _need_head_dim("query/key", "K", K)
+    _need_head_dim("value", "V", V)
+    return Dims(B, T, H, HV, K, V)
+
+
+def check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state=None) -> Dims:
+    """All arguments of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``; returns the sizes."""
+    dims = check_qkv(q, k, v)
+    for name, t in (("g", g), ("beta", beta)):
+        _need_tensor(name, t)
+        _need_shape(name, t, (dims.B, dims.T, dims.HV), "[B, T, HV]")
+        _need_float(name, t)
+        _need_same_device(name, t, "q", q)
+    check_scale(scale)
+    check_state("initial_state", initial_state, dims, q)
+    check_state("out_state", out_state, dims, q)
+    return dims
+
+
+def check_gates(A_log, a, dt_bias, b, dims: Dims, ref: torch.Tensor) -> None:
+    """``A_log, dt_bias [HV]`` and ``a, b [B, T, HV]``: the raw gate inputs of a Qwen3-Next / Qwen3.5 layer."""
+    for name, t, shape, layout in (("A_log", A_log, (dims.HV,), "[HV]"), ("dt_bias", dt_bias, (dims.HV,), "[HV]"),
+                                   ("a", a, (dims.B, dims.T, dims.HV), "[B, T, HV]"),
+                                   ("b", b, (dims.B, dims.T, dims.HV), "[B, T, HV]")):
+        _need_tensor(name, t)
+        _need_shape(name, t, shape, layout)
+        _need_float(name, t)
+        _need_same_device(name, t, "q", ref)
+
+
+def check_conv(x, weight, initial_state) -> tuple[int, int, int, int, int]:
+    """``x [B, T, C]``, ``weight [C, W]``, ``initial_state [B, C, S]`` (``S >= W - 1``); returns B, T, C, W, S."""
+    _need_tensor("x", x)
+    _need_tensor("weight", weight)
+    if x.dim() != 3:
+        raise ValueError(f"x must be 3-D [B, T, C], found shape {tuple(x.shape)}")
+    _need_float("x", x)
+    B, T, C = x.shape
+    _check_conv_weight(weight, C, x)
+    W = weight.shape[1]
+    S = W - 1
+    if initial_state is not None:
+        _need_tensor("initial_state", initial_state)
+        if initial_state.dim() != 3 or tuple(initial_state.shape[:2]) != (B, C) or initial_state.shape[2] < W - 1:
+            raise ValueError(f"initial_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} "
+                             f"conv, found {tuple(initial_state.shape)}")
+        if initial_state.dtype != x.dtype:
+            raise ValueError(f"initial_state has dtype {initial_state.dtype} but x has {x.dtype}; the conv state "
+                             f"holds raw inputs in x's dtype")
+        _need_same_device("initial_state", initial_state, "x", x)
+        S = initial_state.shape[2]
+    return B, T, C, W, S
+
+
+def check_conv_update(x, conv_state, weight) -> tuple[int, int, int, int]:
+    """``x [B, C]``, ``conv_state [B, C, S]`` (``S >= W - 1``, updated in place), ``weight [C, W]``."""
+    for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight)):
+        _need_tensor(name, t)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [B, C] (one token), found shape {tuple(x.shape)}")
+    _need_float("x", x)
+    B, C = x.shape
+    _check_conv_weight(weight, C, x)
+    W = weight.shape[1]
+    if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (B, C) or conv_state.shape[2] < W - 1:
+        raise ValueError(f"conv_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} conv, "
+                         f"found {tuple(conv_state.shape)}")
+    if conv_state.dtype != x.dtype:
+        raise ValueError(f"conv_state has dtype {conv_state.dtype} but x has {x.dtype}; the conv state holds raw "
+                         f"inputs in x's dtype")
+    _need_same_device("conv_state", conv_state, "x", x)
+    return B, C, W, conv_state.shape[2]
+
+
+def _check_conv_weight(weight, C: int, x) -> None:
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be 2-D [C, W] with C={C} (x's channels), found shape {tuple(weight.shape)}; "
+                         f"an nn.Conv1d weight [C, 1, W] needs .squeeze(1)")
+    W = weight.shape[1]
+    if not MIN_CONV_WIDTH <= W <= MAX_CONV_WIDTH:
+        raise ValueError(f"conv width W={W} (weight.shape[1]) is unsupported: expected "
+                         f"{MIN_CONV_WIDTH}..{MAX_CONV_WIDTH}")
+    _need_float("weight", weight)
+    _need_same_device("weight", weight, "x", x)
+
+
+def check_gated_rmsnorm(x, z, weight, eps) -> int:
+    """``x, z [..., D]``, ``weight [D]``; returns D."""
+    for name, t in (("x", x), ("z", z), ("weight", weight)):
+        _need_tensor(name, t)
+        _need_float(name, t)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., D]")
+    D = x.shape[-1]
+    _need_shape("z", z, tuple(x.shape), "[..., D] (the shape of x)")
+    _need_shape("weight", weight, (D,), "[D]")
+    for name, t in (("z", z), ("weight", weight)):
+        _need_same_device(name, t, "x", x)
+    if isinstance(eps, torch.Tensor) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative Python number, got {eps!r}")
+    return D

@@ -1,0 +1,412 @@
+"""Chunked (WY / UT) prefill of the gated delta rule in five Triton kernels, one job each (fla's split):
+
+1. ``_chunk_kkt_kernel``    per chunk: ``G = cumsum(g)``, ``A = strictly_lower(beta k k^T * exp(G_i - G_j))``;
+2. ``_chunk_solve_kernel``  per chunk: ``Ai = (I + A)^-1`` by 16x16 blocks (forward substitution, then block merges);
+3. ``_chunk_wu_kernel``     per chunk: ``w = Ai (beta exp(G) k)``, ``u = Ai (beta v)``;
+4. ``_chunk_state_kernel``  per head, sequential over chunks: stores the state entering each chunk, the deltas
+   ``v' = u - w S`` and the final state;
+5. ``_chunk_output_kernel`` per chunk: ``o = (exp(G) q) S + lower(q k^T * exp(G_i - G_j)) v'``.
+
+The math is in docs/deltanet.md and :func:`.reference.chunk_gated_delta_rule`. Intermediates live in fp32 buffers
+padded to whole chunks (so every buffer access is in bounds without a mask); the carried state is fp32 in registers.
+``tl.dot`` operands are bf16 on the GPU for bf16/fp16 inputs and tf32-free fp32 otherwise (fp32 under the
+interpreter); the triangular inverse is always fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..runtime import cast_output, kernel_view, to_float32
+from . import spec
+from .spec import CHUNK, L2NORM_EPS
+
+_EPS = tl.constexpr(L2NORM_EPS)
+#: ``tl.sum``'s combine function: ``tl.reduce(x, axis, _SUM)`` is the same reduction compiled, and ``np.sum`` under
+#: the interpreter, where ``tl.sum`` (itself a @jit function) costs ~2 ms a call (in loops below).
+_SUM = tl.standard._sum_combine
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers shared by the kernels
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; operands cast to ``DOT`` (fp32 means IEEE fp32, never tf32)."""
+    if DOT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT), b.to(DOT))
+
+
+@triton.jit
+def _load_rows(ptr, offs_t, mask_t, stride_t, offs_d, mask_d, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows ``offs_t`` of a ``[T, D]`` slice (last dim contiguous) as fp32, zeros where masked."""
+    x = tl.load(ptr + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :],
+                mask=mask_t[:, None] & mask_d[None, :], other=0)
+    return to_float32(x, DTYPE, INTERPRET)
+
+
+@triton.jit
+def _l2norm_rows(x):
+    """``x * rsqrt(sum(x^2) + eps)`` per row of a ``[R, D]`` fp32 tile."""
+    return x * tl.rsqrt(tl.reduce(x * x, 1, _SUM) + _EPS)[:, None]
+
+
+@triton.jit
+def _load_vec(ptr, offs_t, mask_t, stride_t, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """``ptr[offs_t * stride_t]`` as fp32, zeros where masked (g or beta of one head)."""
+    x = tl.load(ptr + offs_t.to(tl.int64) * stride_t, mask=mask_t, other=0)
+    return to_float32(x, DTYPE, INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. chunk-local cumulative decay and the UT system
+
+
+#: Launch shapes tried on the GPU for the kernels that only write fresh buffers (safe to run repeatedly); the
+#: interpreter keeps the first. The state kernel may write into ``initial_state`` (in place), so it is not tuned.
+_TUNE = [triton.Config({}, num_warps=4, num_stages=2), triton.Config({}, num_warps=8, num_stages=2),
+         triton.Config({}, num_warps=4, num_stages=3), triton.Config({}, num_warps=2, num_stages=2)]
+
+
+@runtime.autotune(configs=_TUNE, key=["K", "BT"])
+@triton.jit
+def _chunk_kkt_kernel(
+    k_ptr, g_ptr, beta_ptr, gcum_ptr, a_ptr,
+    T, T_PAD, HV, GROUP,
+    stride_kb, stride_kt, stride_kh, stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh,
+    K: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
+    L2NORM: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
+    offs_t = pid_c * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    offs_k = tl.arange(0, BLOCK_K)
+    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
+    k = _load_rows(k_base, offs_t, mask_t, stride_kt, offs_k, offs_k < K, IN_DTYPE, INTERPRET)   # [BT, BLOCK_K]
+    if L2NORM:
+        k = _l2norm_rows(k)
+    g = _load_vec(g_ptr + pid_b.to(tl.int64) * stride_gb + pid_hv * stride_gh, offs_t, mask_t, stride_gt,
+                  G_DTYPE, INTERPRET)                                                           # [BT], 0 past T
+    beta = _load_vec(beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh, offs_t, mask_t, stride_bt,
+                     BETA_DTYPE, INTERPRET)
+    gcum = tl.cumsum(g, axis=0)                          # G: log of the decay since the chunk start
+    row = pid_bh.to(tl.int64) * T_PAD + offs_t           # rows of the padded [B*HV, T_PAD, ...] buffers
+    tl.store(gcum_ptr + row, gcum)
+
+    a = _dot(k * beta[:, None], tl.trans(k), DOT)                                                # [BT, BT]
+    offs_j = tl.arange(0, BT)
+    lower = tl.arange(0, BT)[:, None] > offs_j[None, :]
+    a = a * tl.exp(tl.where(lower, gcum[:, None] - gcum[None, :], float("-inf")))   # only G_i - G_j <= 0
+    tl.store(a_ptr + row[:, None] * BT + offs_j[None, :], a)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. (I + A)^-1, A strictly lower, by 16x16 blocks
+
+
+@runtime.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 2, 1)], key=["BT"])
+@triton.jit
+def _chunk_solve_kernel(a_ptr, ai_ptr, T_PAD, BT: tl.constexpr):
+    """Written out with plain loads and dots: under the interpreter every @jit helper call costs ~2 ms."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    base = (pid_bh.to(tl.int64) * T_PAD + pid_c * BT) * BT
+    a_ptr += base
+    ai_ptr += base
+    offs = tl.arange(0, 16)
+    blk = offs[:, None] * BT + offs[None, :]                 # [16, 16]: block (0, 0); block (r, c) adds r*R1 + c*16
+    R1: tl.constexpr = 16 * BT
+    # the four diagonal blocks at once, [4, 16, 16], by forward substitution on the rows of X = (I + A_rr)^-1 - I:
+    # X_i = -a_i - sum_j a_ij X_j, where rows j < i of x already hold X_j and row i still holds -a_i
+    offs_r = tl.arange(0, 4)
+    x = -tl.load(a_ptr + (offs_r * (R1 + 16))[:, None, None] + blk[None, :, :])
+    row_id = offs[None, :, None]                                                      # [1, 16, 1]
+    for i in range(2, 16):
+        row = tl.reduce(tl.where(row_id == i, x, 0.0), 1, _SUM)                       # [4, 16]: -a_i
+        row = row + tl.reduce(row[:, :, None] * x, 1, _SUM)                           # -a_i - sum_j a_ij X_j
+        x = tl.where(row_id == i, row[:, None, :], x)
+    x = x + tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)[None, :, :]
+    ai00 = tl.reduce(tl.where(offs_r[:, None, None] == 0, x, 0.0), 0, _SUM)          # [16, 16] each
+    ai11 = tl.reduce(tl.where(offs_r[:, None, None] == 1, x, 0.0), 0, _SUM)
+    ai22 = tl.reduce(tl.where(offs_r[:, None, None] == 2, x, 0.0), 0, _SUM)
+    ai33 = tl.reduce(tl.where(offs_r[:, None, None] == 3, x, 0.0), 0, _SUM)
+    a10 = tl.load(a_ptr + blk + R1)
+    a20 = tl.load(a_ptr + blk + 2 * R1)
+    a21 = tl.load(a_ptr + blk + 2 * R1 + 16)
+    a30 = tl.load(a_ptr + blk + 3 * R1)
+    a31 = tl.load(a_ptr + blk + 3 * R1 + 16)
+    a32 = tl.load(a_ptr + blk + 3 * R1 + 32)
+    # off-diagonal blocks, one sub-diagonal at a time: Ai_ij = -Ai_ii sum_{j <= m < i} A_im Ai_mj (IEEE fp32 dots)
+    ai10 = -tl.dot(ai11, tl.dot(a10, ai00, input_precision="ieee"), input_precision="ieee")
+    ai21 = -tl.dot(ai22, tl.dot(a21, ai11, input_precision="ieee"), input_precision="ieee")
+    ai32 = -tl.dot(ai33, tl.dot(a32, ai22, input_precision="ieee"), input_precision="ieee")
+    ai20 = -tl.dot(ai22, tl.dot(a20, ai00, input_precision="ieee") + tl.dot(a21, ai10, input_precision="ieee"),
+                   input_precision="ieee")
+    ai31 = -tl.dot(ai33, tl.dot(a31, ai11, input_precision="ieee") + tl.dot(a32, ai21, input_precision="ieee"),
+                   input_precision="ieee")
+    ai30 = -tl.dot(ai33, tl.dot(a30, ai00, input_precision="ieee") + tl.dot(a31, ai10, input_precision="ieee")
+                   + tl.dot(a32, ai20, input_precision="ieee"), input_precision="ieee")
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    tl.store(ai_ptr + blk, ai00)
+    tl.store(ai_ptr + blk + 16, zero)
+    tl.store(ai_ptr + blk + 32, zero)
+    tl.store(ai_ptr + blk + 48, zero)
+    tl.store(ai_ptr + blk + R1, ai10)
+    tl.store(ai_ptr + blk + R1 + 16, ai11)
+    tl.store(ai_ptr + blk + R1 + 32, zero)
+    tl.store(ai_ptr + blk + R1 + 48, zero)
+    tl.store(ai_ptr + blk + 2 * R1, ai20)
+    tl.store(ai_ptr + blk + 2 * R1 + 16, ai21)
+    tl.store(ai_ptr + blk + 2 * R1 + 32, ai22)
+    tl.store(ai_ptr + blk + 2 * R1 + 48, zero)
+    tl.store(ai_ptr + blk + 3 * R1, ai30)
+    tl.store(ai_ptr + blk + 3 * R1 + 16, ai31)
+    tl.store(ai_ptr + blk + 3 * R1 + 32, ai32)
+    tl.store(ai_ptr + blk + 3 * R1 + 48, ai33)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. the WY representation: w and u
+
+
+@runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
+@triton.jit
+def _chunk_wu_kernel(
+    k_ptr, v_ptr, beta_ptr, gcum_ptr, ai_ptr, w_ptr, u_ptr,
+    T, T_PAD, HV, GROUP,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bb, stride_bt, stride_bh,
+    K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
+    L2NORM: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
+    offs_t = pid_c * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    row = pid_bh.to(tl.int64) * T_PAD + offs_t
+    ai = tl.load(ai_ptr + row[:, None] * BT + tl.arange(0, BT)[None, :])                         # [BT, BT]
+    gcum = tl.load(gcum_ptr + row)                                                               # [BT]
+    beta = _load_vec(beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh, offs_t, mask_t, stride_bt,
+                     BETA_DTYPE, INTERPRET)
+
+    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
+    k = _load_rows(k_base, offs_t, mask_t, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)      # [BT, BLOCK_K]
+    if L2NORM:
+        k = _l2norm_rows(k)
+    w = _dot(ai, k * (beta * tl.exp(gcum))[:, None], DOT)           # the keys as seen by the chunk's start state
+    tl.store(w_ptr + row[:, None] * K + offs_k[None, :], w, mask=mask_k[None, :])
+
+    v_base = v_ptr + pid_b.to(tl.int64) * stride_vb + pid_hv * stride_vh
+    v = _load_rows(v_base, offs_t, mask_t, stride_vt, offs_v, mask_v, IN_DTYPE, INTERPRET)      # [BT, BLOCK_V]
+    u = _dot(ai, v * beta[:, None], DOT)                            # the deltas if the start state were zero
+    tl.store(u_ptr + row[:, None] * V + offs_v[None, :], u, mask=mask_v[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. the state recurrence across chunks
+
+
+@triton.jit
+def _chunk_state_kernel(
+    k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr,
+    T, T_PAD, NT, HV, GROUP,
+    stride_kb, stride_kt, stride_kh,
+    K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr,
+    STORE_FINAL: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    offs_kv = offs_k[:, None] * V + offs_v[None, :]                                              # [BLOCK_K, BLOCK_V]
+    state_base = pid_bh.to(tl.int64) * K * V
+    if HAS_INIT:
+        s = tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0)
+    else:
+        s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
+    for c in range(NT):
+        tl.store(h_ptr + (pid_bh.to(tl.int64) * NT + c) * K * V + offs_kv, s, mask=mask_kv)   # state entering c
+        offs_t = c * BT + tl.arange(0, BT)
+        row = pid_bh.to(tl.int64) * T_PAD + offs_t
+        w = tl.load(w_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :], other=0.0)  # [BT, BLOCK_K]
+        u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :], other=0.0)  # [BT, BLOCK_V]
+        v_new = u - _dot(w, s, DOT)                                                           # the chunk's deltas
+        tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new, mask=mask_v[None, :])
+        gcum = tl.load(gcum_ptr + row)                                                        # [BT]
+        g_last = tl.load(gcum_ptr + pid_bh.to(tl.int64) * T_PAD + c * BT + BT - 1)           # rows past T repeat it
+        k = _load_rows(k_base, offs_t, offs_t < T, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)
+        if L2NORM:
+            k = _l2norm_rows(k)
+        k = k * tl.exp(g_last - gcum)[:, None]                     # decay from each token to the chunk end
+        s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, DOT)
+    if STORE_FINAL:
+        tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. the output
+
+
+@runtime.autotune(configs=_TUNE, key=["K", "V", "BT", "BLOCK_V"])
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, gcum_ptr, h_ptr, vnew_ptr, o_ptr,
+    T, T_PAD, NT, HV, GROUP, scale,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ob, stride_ot, stride_oh,
+    K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, L2NORM: tl.constexpr,
+    DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
+    offs_t = pid_c * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    row = pid_bh.to(tl.int64) * T_PAD + offs_t
+    q = _load_rows(q_ptr + pid_b.to(tl.int64) * stride_qb + (pid_hv // GROUP) * stride_qh, offs_t, mask_t,
+                   stride_qt, offs_k, mask_k, IN_DTYPE, INTERPRET)                              # [BT, BLOCK_K]
+    k = _load_rows(k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh, offs_t, mask_t,
+                   stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)
+    if L2NORM:
+        q = _l2norm_rows(q)
+        k = _l2norm_rows(k)
+    q = q * scale
+    gcum = tl.load(gcum_ptr + row)                                                               # [BT]
+    h = tl.load(h_ptr + (pid_bh.to(tl.int64) * NT + pid_c) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                mask=mask_k[:, None] & mask_v[None, :], other=0.0)                             # [BLOCK_K, BLOCK_V]
+    o = _dot(q * tl.exp(gcum)[:, None], h, DOT)                      # what the state entering the chunk gives
+    attn = _dot(q, tl.trans(k), DOT)                                                             # [BT, BT]
+    offs_j = tl.arange(0, BT)
+    causal = tl.arange(0, BT)[:, None] >= offs_j[None, :]
+    attn = attn * tl.exp(tl.where(causal, gcum[:, None] - gcum[None, :], float("-inf")))
+    v_new = tl.load(vnew_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :], other=0.0)
+    o = o + _dot(attn, v_new, DOT)                                   # plus the chunk's own writes
+    o_base = o_ptr + pid_b.to(tl.int64) * stride_ob + pid_hv * stride_oh
+    tl.store(o_base + offs_t[:, None].to(tl.int64) * stride_ot + offs_v[None, :], cast_output(o, OUT_DTYPE, INTERPRET),
+             mask=mask_t[:, None] & mask_v[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take any strides but need the last dim contiguous (a split of a fused projection already is)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def dot_dtype(dtype: torch.dtype):
+    """``tl.dot`` operand dtype for inputs of ``dtype``: fp32 under the interpreter or for fp32 inputs (IEEE, not
+    tf32), bf16 on the GPU for 16-bit inputs."""
+    return tl.float32 if runtime.INTERPRET or dtype == torch.float32 else tl.bfloat16
+
+
+def block_v(V: int) -> tuple[int, int]:
+    """Value columns per program of (the state kernel, the output kernel): all of them under the interpreter (fewer
+    programs run faster there); on the GPU 32 for the sequential state scan (B=1, 32 heads, V=128: 128 programs on
+    132 SMs) and 64 for the output (parallel over chunks already). Untuned until measured on the H200."""
+    full = max(16, triton.next_power_of_2(V))
+    return (full, full) if runtime.INTERPRET else (min(full, 32), min(full, 64))
+
+
+def _check_devices(**tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None:
+            runtime.check_device(name, t)
+
+
+def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                  use_qk_l2norm=False, *, out_state=None):
+    """Host side of :func:`lynn_kernels.deltanet.chunk_gated_delta_rule`: check, allocate, launch five kernels."""
+    dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state)
+    _check_devices(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, out_state=out_state)
+    B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
+    dev = q.device
+    o = torch.empty((B, T, HV, V), dtype=v.dtype, device=dev)
+    want_state = output_final_state or out_state is not None
+    final = None
+    if want_state:
+        final = out_state if out_state is not None else torch.empty((B, HV, K, V), dtype=torch.float32, device=dev)
+    if T == 0:                                        # nothing to scan: the state passes through
+        if final is not None and initial_state is not None:
+            final.copy_(initial_state)
+        elif final is not None:
+            final.zero_()
+        return o, final
+    launch_chunk(q, k, v, g, beta, dims, dims.K ** -0.5 if scale is None else float(scale), initial_state,
+                 use_qk_l2norm, o, final)
+    return o, final
+
+
+def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state, use_qk_l2norm: bool,
+                 o: torch.Tensor, final: torch.Tensor | None) -> None:
+    """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [B, HV, K, V]`` (or no final state)."""
+    B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    dev = q.device
+    BT = CHUNK
+    NT = triton.cdiv(T, BT)
+    T_PAD = NT * BT
+    BH = B * HV
+    f32 = dict(dtype=torch.float32, device=dev)
+    gcum = torch.empty((BH, T_PAD), **f32)
+    a = torch.empty((BH, T_PAD, BT), **f32)
+    ai = torch.empty((BH, T_PAD, BT), **f32)
+    w = torch.empty((BH, T_PAD, K), **f32)
+    u = torch.empty((BH, T_PAD, V), **f32)
+    v_new = torch.empty((BH, T_PAD, V), **f32)
+    h = torch.empty((BH, NT, K, V), **f32)
+
+    in_dtype = runtime.TORCH_TO_TL[q.dtype]
+    flags = runtime.kernel_flags()
+    DOT = dot_dtype(q.dtype)
+    BLOCK_K = max(16, triton.next_power_of_2(K))
+    BLOCK_V_ALL = max(16, triton.next_power_of_2(V))
+    BLOCK_V_STATE, BLOCK_V_OUT = block_v(V)
+    qv, kv, vv, gv, bv = (kernel_view(x) for x in (q, k, v, g, beta))
+    common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, BT=BT, BLOCK_K=BLOCK_K, **flags)
+
+    _chunk_kkt_kernel[(NT, BH)](
+        kv, gv, bv, gcum, a, T, T_PAD, HV, dims.group,
+        k.stride(0), k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2),
+        G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], **common)
+    _chunk_solve_kernel[(NT, BH)](a, ai, T_PAD, BT=BT)
+    _chunk_wu_kernel[(NT, BH)](
+        kv, vv, bv, gcum, ai, w, u, T, T_PAD, HV, dims.group,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2),
+        V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
+    _chunk_state_kernel[(triton.cdiv(V, BLOCK_V_STATE), BH)](
+        kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum,
+        T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
+        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
+        num_warps=8 if K > 64 else 4, **common)           # w, k [64, K] and the state tile in registers
+    _chunk_output_kernel[(NT, BH, triton.cdiv(V, BLOCK_V_OUT))](
+        qv, kv, gcum, h, v_new, kernel_view(o), T, T_PAD, NT, HV, dims.group, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        V=V, OUT_DTYPE=runtime.TORCH_TO_TL[o.dtype], BLOCK_V=BLOCK_V_OUT, **common)

@@ -1,0 +1,170 @@
+"""Depthwise causal conv1d + SiLU in Triton: a prefill kernel over ``[B, T, C]`` and a one-token update that rolls
+the conv state in place.
+
+The conv state ``[B, C, S]`` (``S >= W - 1``) holds the last ``S`` raw inputs, oldest first, in x's dtype: HF's
+cache keeps ``S = W``, causal-conv1d and vLLM keep ``S = W - 1``; both work. The state is copied as raw bits, never
+rounded, and the sum runs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..runtime import cast_output, kernel_view, to_float32
+from . import spec
+
+
+@triton.jit
+def _causal_conv1d_kernel(
+    x_ptr, w_ptr, h0_ptr, y_ptr, ht_ptr,
+    T, C, S0, S1,
+    stride_xb, stride_xt, stride_wc, stride_ww, stride_h0b, stride_h0c, stride_h0s,
+    W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, HAS_INIT: tl.constexpr,
+    STORE_FINAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """``S0``: columns of the initial state; ``S1``: columns of the final state (``[B, C, S1]``, contiguous)."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_t = offs_t < T
+    mask_c = offs_c < C
+    x_base = x_ptr + pid_b.to(tl.int64) * stride_xb
+    h0_base = h0_ptr + pid_b.to(tl.int64) * stride_h0b
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = offs_t - (W - 1) + j                                   # input position; < 0 reads the initial state
+        in_x = mask_t & (src >= 0)
+        xs = tl.load(x_base + src[:, None].to(tl.int64) * stride_xt + offs_c[None, :],
+                     mask=in_x[:, None] & mask_c[None, :], other=0)
+        xs = to_float32(xs, X_DTYPE, INTERPRET)                                       # [BLOCK_T, BLOCK_C]
+        if HAS_INIT:
+            in_h = mask_t & (src < 0)
+            hs = tl.load(h0_base + offs_c[None, :] * stride_h0c + (S0 + src)[:, None] * stride_h0s,
+                         mask=in_h[:, None] & mask_c[None, :], other=0)
+            xs += to_float32(hs, X_DTYPE, INTERPRET)
+        wj = to_float32(tl.load(w_ptr + offs_c * stride_wc + j * stride_ww, mask=mask_c, other=0),
+                        W_DTYPE, INTERPRET)                                           # [BLOCK_C]
+        acc += xs * wj[None, :]
+    y = acc * tl.sigmoid(acc)                                                         # SiLU
+    tl.store(y_ptr + (pid_b.to(tl.int64) * T + offs_t[:, None]) * C + offs_c[None, :],
+             cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :])
+
+    if STORE_FINAL:
+        if pid_t == 0:                                       # one program per channel block copies the last S1 inputs
+            offs_s = tl.arange(0, BLOCK_S)
+            mask_s = offs_s < S1
+            src = T - S1 + offs_s                            # [BLOCK_S]: position in the sequence, < 0 in the state
+            from_x = mask_s & (src >= 0)
+            vals = tl.load(x_base + src[None, :].to(tl.int64) * stride_xt + offs_c[:, None],
+                           mask=mask_c[:, None] & from_x[None, :], other=0)         # [BLOCK_C, BLOCK_S], raw bits
+            if HAS_INIT:
+                from_h = mask_s & (src < 0)
+                h_vals = tl.load(h0_base + offs_c[:, None] * stride_h0c + (S0 + src)[None, :] * stride_h0s,
+                                 mask=mask_c[:, None] & from_h[None, :], other=0)
+                vals = tl.where(from_h[None, :], h_vals, vals)   # a select, not a sum: -0.0 and NaN bits survive
+            tl.store(ht_ptr + (pid_b.to(tl.int64) * C + offs_c[:, None]) * S1 + offs_s[None, :], vals,
+                     mask=mask_c[:, None] & mask_s[None, :])
+
+
+@triton.jit
+def _causal_conv1d_update_kernel(
+    x_ptr, state_ptr, w_ptr, y_ptr,
+    C, S,
+    stride_xb, stride_sb, stride_sc, stride_ss, stride_wc, stride_ww,
+    W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    x_raw = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + offs_c, mask=mask_c, other=0)   # [BLOCK_C]
+    state_base = state_ptr + pid_b.to(tl.int64) * stride_sb + offs_c * stride_sc
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
+        xs = to_float32(tl.load(state_base + (S - (W - 1) + j) * stride_ss, mask=mask_c, other=0), X_DTYPE, INTERPRET)
+        wj = to_float32(tl.load(w_ptr + offs_c * stride_wc + j * stride_ww, mask=mask_c, other=0), W_DTYPE, INTERPRET)
+        acc += xs * wj
+    w_last = to_float32(tl.load(w_ptr + offs_c * stride_wc + (W - 1) * stride_ww, mask=mask_c, other=0),
+                        W_DTYPE, INTERPRET)
+    acc += to_float32(x_raw, X_DTYPE, INTERPRET) * w_last      # same order as the prefill kernel: same bits
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + pid_b.to(tl.int64) * C + offs_c, cast_output(y, X_DTYPE, INTERPRET), mask=mask_c)
+
+    # roll: column s takes column s + 1, the last column takes x (raw bits)
+    offs_s = tl.arange(0, BLOCK_S)
+    keep = (offs_s + 1) < S
+    shifted = tl.load(state_base[:, None] + (offs_s + 1)[None, :] * stride_ss,
+                      mask=mask_c[:, None] & keep[None, :], other=0)                 # [BLOCK_C, BLOCK_S]
+    tl.debug_barrier()                                      # every thread has read the old state before any writes
+    tl.store(state_base[:, None] + offs_s[None, :] * stride_ss, shifted, mask=mask_c[:, None] & keep[None, :])
+    tl.store(state_base + (S - 1) * stride_ss, x_raw, mask=mask_c)
+
+
+def _conv_blocks(C: int) -> int:
+    return min(256, max(16, triton.next_power_of_2(C)))
+
+
+def causal_conv1d_triton(x, weight, initial_state=None):
+    """Host side of :func:`lynn_kernels.deltanet.causal_conv1d`."""
+    B, T, C, W, S = spec.check_conv(x, weight, initial_state)
+    for name, t in (("x", x), ("weight", weight), ("initial_state", initial_state)):
+        if t is not None:
+            runtime.check_device(name, t)
+    y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
+    final = torch.empty((B, C, S), dtype=x.dtype, device=x.device)
+    return launch_causal_conv1d(x, weight, initial_state, y, final), final
+
+
+def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch.Tensor | None) -> torch.Tensor:
+    """Launch only, into contiguous ``y [B, T, C]`` and ``final [B, C, S]`` (or none)."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    S0 = initial_state.shape[2] if initial_state is not None else W - 1
+    S1 = final.shape[2] if final is not None else 0
+    h0 = initial_state if initial_state is not None else x
+    BLOCK_T = 64 if runtime.INTERPRET else 32
+    BLOCK_C = _conv_blocks(C)
+    grid = (max(1, triton.cdiv(T, BLOCK_T)), triton.cdiv(C, BLOCK_C), B)
+    xv = kernel_view(x)
+    _causal_conv1d_kernel[grid](
+        xv, kernel_view(weight), kernel_view(h0), kernel_view(y), kernel_view(final) if final is not None else xv,
+        T, C, S0, S1,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), h0.stride(0), h0.stride(1), h0.stride(2),
+        W=W, X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
+        HAS_INIT=initial_state is not None, STORE_FINAL=final is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+        BLOCK_S=max(2, triton.next_power_of_2(max(S1, 1))), **runtime.kernel_flags())
+    return y
+
+
+def causal_conv1d_update_triton(x, conv_state, weight):
+    """Host side of :func:`lynn_kernels.deltanet.causal_conv1d_update`."""
+    B, C, W, S = spec.check_conv_update(x, conv_state, weight)
+    for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight)):
+        runtime.check_device(name, t)
+    y = torch.empty((B, C), dtype=x.dtype, device=x.device)
+    return launch_causal_conv1d_update(x, conv_state, weight, y)
+
+
+def launch_causal_conv1d_update(x, conv_state, weight, y: torch.Tensor) -> torch.Tensor:
+    """Launch only, into a contiguous ``y [B, C]``; ``conv_state`` is rolled in place."""
+    B, C = x.shape
+    S = conv_state.shape[2]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    BLOCK_C = _conv_blocks(C)
+    _causal_conv1d_update_kernel[(triton.cdiv(C, BLOCK_C), B)](
+        kernel_view(x), kernel_view(conv_state), kernel_view(weight), kernel_view(y), C, S,
+        x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(1),
+        W=weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
+        BLOCK_C=BLOCK_C, BLOCK_S=max(2, triton.next_power_of_2(S)), **runtime.kernel_flags())
+    return y

@@ -1,0 +1,91 @@
+"""Gated RMSNorm in Triton: ``weight * rmsnorm(x) * silu(z)`` over the last dim, rows in parallel.
+
+It follows HF's ``Qwen3NextRMSNormGated`` op by op: the statistics and the normalisation in fp32, the normalised
+``x`` rounded to x's dtype, the product with ``weight`` rounded to the promoted dtype of the two, the gate in fp32,
+the result in x's dtype. Each rounding is one :func:`~lynn_kernels.runtime.cast_output`-style round to nearest even.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..runtime import cast_output, kernel_view, round_to_bf16, to_float32
+from . import spec
+
+#: Widest row held in registers.
+MAX_D = 16384
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (nearest even) and held as fp32."""
+    if DTYPE == tl.bfloat16:
+        return round_to_bf16(x, INTERPRET)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr,
+    R, D, eps,
+    stride_xr, stride_zr,
+    X_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """``WX_DTYPE``: the promoted dtype of weight and x, in which HF rounds ``weight * normed``."""
+    pid_r = tl.program_id(0)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < R
+    mask_d = offs_d < D
+    mask = mask_r[:, None] & mask_d[None, :]
+    x = to_float32(tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_d[None, :], mask=mask, other=0),
+                   X_DTYPE, INTERPRET)                                                # [BLOCK_R, BLOCK_D]
+    z = to_float32(tl.load(z_ptr + offs_r[:, None].to(tl.int64) * stride_zr + offs_d[None, :], mask=mask, other=0),
+                   Z_DTYPE, INTERPRET)
+    w = to_float32(tl.load(w_ptr + offs_d, mask=mask_d, other=0), W_DTYPE, INTERPRET)   # [BLOCK_D]
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)                           # [BLOCK_R]
+    normed = _round_to(x * rstd[:, None], X_DTYPE, INTERPRET)                         # HF: .to(input_dtype)
+    h = _round_to(w[None, :] * normed, WX_DTYPE, INTERPRET)                           # weight * normed
+    y = h * (z * tl.sigmoid(z))                                                       # gate in fp32
+    tl.store(y_ptr + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], cast_output(y, X_DTYPE, INTERPRET),
+             mask=mask)
+
+
+def gated_rmsnorm_triton(x, z, weight, eps=1e-6):
+    """Host side of :func:`lynn_kernels.deltanet.gated_rmsnorm`."""
+    D = spec.check_gated_rmsnorm(x, z, weight, eps)
+    if D > MAX_D:
+        raise ValueError(f"x's last dim D={D} is unsupported: the kernel holds a row in registers, D <= {MAX_D}")
+    for name, t in (("x", x), ("z", z), ("weight", weight)):
+        runtime.check_device(name, t)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return launch_gated_rmsnorm(x, z, weight, float(eps), y)
+
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    rows = t.reshape(-1, d)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor) -> torch.Tensor:
+    """Launch only, into a contiguous ``y`` of x's shape."""
+    D = x.shape[-1]
+    xr, zr = _rows(x, D), _rows(z, D)
+    R = xr.shape[0]
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_R = max(1, min(64, 4096 // BLOCK_D)) if runtime.INTERPRET else max(1, min(16, 2048 // BLOCK_D))
+    wx_dtype = torch.promote_types(weight.dtype, x.dtype)
+    _gated_rmsnorm_kernel[(triton.cdiv(R, BLOCK_R),)](
+        kernel_view(xr), kernel_view(zr), kernel_view(weight.contiguous()), kernel_view(y), R, D, eps,
+        xr.stride(0), zr.stride(0),
+        X_DTYPE=runtime.TORCH_TO_TL[x.dtype], Z_DTYPE=runtime.TORCH_TO_TL[z.dtype],
+        W_DTYPE=runtime.TORCH_TO_TL[weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx_dtype],
+        BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, **runtime.kernel_flags())
+    return y

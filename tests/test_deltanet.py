@@ -1,0 +1,572 @@
+"""Gated DeltaNet: the Triton kernels against the torch references, the references against HF transformers'
+own Qwen3-Next functions, a whole Qwen3.5 linear-attention layer (prefill and decode) against HF's, and errors.
+
+Kernel tests run under Triton's interpreter on the CPU (heads of 32, one or two value heads per sequence, so
+each case takes about a second) with every fresh allocation poisoned with NaN. On the GPU the chunked kernel feeds
+bf16 operands to ``tl.dot`` for bf16 inputs, so its bf16 tolerance there is looser (``_assert_output``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lynn_kernels import deltanet, runtime, use_reference
+from lynn_kernels.deltanet import reference, triton_chunk, triton_recurrent
+from lynn_kernels.deltanet.check import check_deltanet
+from lynn_kernels.validate import compare
+
+BF16, FP32 = torch.bfloat16, torch.float32
+DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs and tolerances
+
+
+def make_inputs(B, T, H, HV, K, V, dtype=FP32, seed=0, l2norm=True, device=None):
+    """Random q, k, v, g, beta and an initial state. Without the in-kernel L2 norm, q and k come normalised (the
+    delta rule is only stable for ``beta |k|^2 <= 2``)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen)
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, HV, V)
+    if not l2norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    g = F.logsigmoid(randn(B, T, HV) + 2.0)                 # decays in (0, 1), most near 1: a long memory
+    beta = torch.sigmoid(randn(B, T, HV))
+    h0 = randn(B, HV, K, V) * 0.1
+    dev = device or runtime.DEVICE
+    return (q.to(dtype).to(dev), k.to(dtype).to(dev), v.to(dtype).to(dev), g.to(dev), beta.to(dev), h0.to(dev))
+
+
+def spec_output(q, k, v, g, beta, h0, l2norm, scale=None):
+    """The fp32 answer for these (possibly bf16) inputs: the step-by-step reference on their exact fp32 values."""
+    return reference.recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, scale, h0, True, l2norm)
+
+
+def _assert_output(got, want, what="", chunk_dots=False):
+    """fp32: rel_l2 <= 1e-5. bf16: within one bf16 rounding of the fp32 answer (|err| <= 2^-8 |ref| + 1e-5 max|ref|).
+    On the GPU, a bf16 chunked prefill uses bf16 dot operands: rel_l2 <= 1e-2 and cosine >= 0.9999 there."""
+    assert got.dtype != FP32 or want.dtype == FP32
+    assert torch.isfinite(got.float()).all(), f"non-finite output {what}"
+    m = compare(got, want)
+    if got.dtype == FP32:
+        assert m.rel_l2 <= 1e-5, f"{what}: {m}"
+    elif chunk_dots and not runtime.INTERPRET:
+        assert m.rel_l2 <= 1e-2 and m.cosine >= 0.9999, f"{what}: {m}"
+    else:
+        err = (got.float() - want).abs()
+        tol = want.abs() * 2.0**-8 + 1e-5 * want.abs().max()
+        assert bool((err <= tol).all()), f"{what}: {int((err > tol).sum())} elements beyond one bf16 rounding; {m}"
+
+
+def _assert_state(got, want, what=""):
+    assert got.dtype == FP32, f"the state must stay fp32, got {got.dtype} {what}"
+    m = compare(got, want)
+    assert m.rel_l2 <= (1e-5 if runtime.INTERPRET else 1e-2), f"state {what}: {m}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. the references: chunked == step by step == HF transformers
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+def test_chunk_reference_equals_recurrent_reference(T):
+    q, k, v, g, beta, h0 = make_inputs(2, T, 2, 4, 32, 48, device="cpu")
+    o1, s1 = reference.recurrent_gated_delta_rule(q, k, v, g, beta, None, h0, True, True)
+    o2, s2 = reference.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, True, True)
+    assert compare(o2, o1).rel_l2 < 1e-5
+    assert compare(s2, s1).rel_l2 < 1e-5
+
+
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "prenormed"])
+@pytest.mark.parametrize("group", [1, 2], ids=["HV=H", "HV=2H"])
+def test_references_match_hf(group, l2norm):
+    """HF's own torch functions (they repeat q/k to the value heads themselves and take ``use_qk_l2norm_in_kernel``)."""
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta, h0 = make_inputs(2, 130, 2, 2 * group, 32, 32, l2norm=l2norm, device="cpu")
+    o_hf_c, s_hf_c = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=l2norm)
+    o_hf_r, s_hf_r = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                         output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    for fn in (reference.recurrent_gated_delta_rule, reference.chunk_gated_delta_rule):
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=l2norm)
+        for o_hf, s_hf in ((o_hf_c, s_hf_c), (o_hf_r, s_hf_r)):
+            assert compare(o, o_hf).rel_l2 < 1e-5, fn.__name__
+            assert compare(s, s_hf).rel_l2 < 1e-5, fn.__name__
+
+
+def test_gates_match_hf_formula():
+    gen = torch.Generator().manual_seed(0)
+    A_log, dt_bias = torch.rand(4, generator=gen) * 3, torch.randn(4, generator=gen)
+    a, b = torch.randn(2, 5, 4, generator=gen) * 10, torch.randn(2, 5, 4, generator=gen)   # softplus past 20 too
+    g, beta = reference.gates(A_log, a, dt_bias, b)
+    assert torch.equal(g, -A_log.float().exp() * F.softplus(a.float() + dt_bias))
+    assert torch.equal(beta, b.sigmoid())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. the kernels against the references
+
+#: (T, H, HV, with initial state, use_qk_l2norm, dtype): awkward lengths, HV/H = 1 and 2, both ways of everything
+CHUNK_CASES = [
+    pytest.param(1, 1, 2, True, True, BF16, id="T1-gqa2-init-l2-bf16"),
+    pytest.param(63, 2, 2, False, True, FP32, id="T63-gqa1-l2-fp32"),
+    pytest.param(64, 1, 2, True, False, FP32, id="T64-gqa2-init-fp32"),
+    pytest.param(64, 2, 2, True, True, BF16, id="T64-gqa1-init-l2-bf16"),
+    pytest.param(65, 1, 2, False, False, BF16, id="T65-gqa2-bf16"),
+    pytest.param(65, 2, 2, True, True, FP32, id="T65-gqa1-init-l2-fp32"),
+    pytest.param(150, 1, 2, True, True, BF16, id="T150-gqa2-init-l2-bf16"),
+    pytest.param(150, 2, 2, False, False, FP32, id="T150-gqa1-fp32"),
+]
+
+
+@pytest.mark.parametrize("T, H, HV, init, l2norm, dtype", CHUNK_CASES)
+def test_chunk_kernel(T, H, HV, init, l2norm, dtype, poison_empty):
+    q, k, v, g, beta, h0 = make_inputs(1, T, H, HV, 32, 32, dtype, l2norm=l2norm)
+    h0 = h0 if init else None
+    o, ht = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm=l2norm)
+    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, l2norm)
+    assert o.dtype == dtype and o.shape == v.shape
+    _assert_output(o, o_ref, "chunk o", chunk_dots=True)
+    _assert_state(ht, ht_ref, "chunk")
+
+
+#: (B, T, H, HV, with initial state, use_qk_l2norm, dtype)
+RECURRENT_CASES = [
+    pytest.param(1, 1, 1, 2, True, True, BF16, id="B1-T1-gqa2-init-l2-bf16"),
+    pytest.param(2, 1, 2, 2, True, False, FP32, id="B2-T1-gqa1-init-fp32"),
+    pytest.param(1, 2, 2, 2, False, True, FP32, id="B1-T2-gqa1-l2-fp32"),
+    pytest.param(1, 65, 1, 2, True, True, FP32, id="B1-T65-gqa2-init-l2-fp32"),
+    pytest.param(1, 65, 2, 2, False, False, BF16, id="B1-T65-gqa1-bf16"),
+]
+
+
+@pytest.mark.parametrize("B, T, H, HV, init, l2norm, dtype", RECURRENT_CASES)
+def test_recurrent_kernel(B, T, H, HV, init, l2norm, dtype, poison_empty):
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, 32, 32, dtype, l2norm=l2norm)
+    h0 = h0 if init else None
+    o, ht = deltanet.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm=l2norm)
+    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, l2norm)
+    assert o.dtype == dtype and o.shape == v.shape
+    _assert_output(o, o_ref, "recurrent o")
+    _assert_state(ht, ht_ref, "recurrent")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_recurrent_gates_kernel(dtype, poison_empty, device):
+    """The decode step with ``g`` and ``beta`` computed in the kernel from the layer's raw ``a``, ``b``."""
+    q, k, v, _, _, h0 = make_inputs(2, 3, 1, 2, 32, 32, dtype)
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.randn(2, 3, 2, generator=gen) * 8).to(dtype).to(device)          # softplus past 20 and far below 0
+    b = torch.randn(2, 3, 2, generator=gen).to(dtype).to(device)
+    A_log = torch.rand(2, generator=gen).to(device)
+    dt_bias = torch.randn(2, generator=gen).to(dtype).to(device)
+    o, ht = deltanet.recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=h0,
+                                                      output_final_state=True, use_qk_l2norm=True)
+    g, beta = reference.gates(A_log, a, dt_bias, b)
+    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, True)
+    _assert_output(o, o_ref, "gates o")
+    _assert_state(ht, ht_ref, "gates")
+
+
+def test_state_in_place(poison_empty):
+    """``out_state=initial_state``: one decode step updates the cache's state tensor itself."""
+    q, k, v, g, beta, h0 = make_inputs(2, 1, 1, 2, 32, 32)
+    want_o, want_s = spec_output(q, k, v, g, beta, h0, True)
+    state = h0.clone()
+    o, s = deltanet.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True,
+                                               out_state=state)
+    assert s is state
+    _assert_output(o, want_o)
+    _assert_state(state, want_s)
+    o2, s2 = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0.clone(), use_qk_l2norm=True,
+                                             out_state=state)
+    assert s2 is state
+    _assert_output(o2, want_o)
+    _assert_state(state, want_s)
+
+
+def test_gpu_tiling_under_the_interpreter(monkeypatch, poison_empty):
+    """The GPU's narrow value blocks (several programs per head, masked tails) on odd head dims K=48, V=80."""
+    monkeypatch.setattr(triton_chunk, "block_v", lambda V: (32, 64))
+    monkeypatch.setattr(triton_recurrent, "recurrent_config", lambda K, V: (16, 1))
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, 48, 80)
+    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, True)
+    for fn in (deltanet.chunk_gated_delta_rule, deltanet.recurrent_gated_delta_rule):
+        o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        _assert_output(o, o_ref, fn.__name__, chunk_dots=True)
+        _assert_state(ht, ht_ref, fn.__name__)
+
+
+def test_head_dim_128(poison_empty):
+    """The real head dim, one head: a prefill of 65 tokens then one decode step."""
+    q, k, v, g, beta, h0 = make_inputs(1, 66, 1, 1, 128, 128, BF16)
+    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, True)
+    o, s = deltanet.chunk_gated_delta_rule(q[:, :65], k[:, :65], v[:, :65], g[:, :65], beta[:, :65],
+                                           initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    o1, s = deltanet.recurrent_gated_delta_rule(q[:, 65:], k[:, 65:], v[:, 65:], g[:, 65:], beta[:, 65:],
+                                                initial_state=s, output_final_state=True, use_qk_l2norm=True)
+    _assert_output(torch.cat([o, o1], dim=1), o_ref, "d=128", chunk_dots=True)
+    _assert_state(s, ht_ref, "d=128")
+
+
+def test_strided_inputs_from_a_fused_projection(poison_empty):
+    """q, k, v as views of one ``[B, T, C]`` projection (how a layer splits ``in_proj_qkv``): no copies needed."""
+    B, T, H, HV, D = 1, 40, 1, 2, 32
+    q0, k0, v0, g, beta, h0 = make_inputs(B, T, H, HV, D, D)
+    mixed = torch.cat([q0.flatten(2), k0.flatten(2), v0.flatten(2)], dim=-1)        # [B, T, C]
+    q, k, v = torch.split(mixed, [H * D, H * D, HV * D], dim=-1)
+    q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), v.unflatten(-1, (HV, D))
+    assert not q.is_contiguous()
+    want = spec_output(q0, k0, v0, g, beta, h0, True)[0]
+    for fn in (deltanet.chunk_gated_delta_rule, deltanet.recurrent_gated_delta_rule):
+        _assert_output(fn(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True)[0], want, fn.__name__)
+
+
+def test_final_state_only_when_asked_and_empty_sequence():
+    q, k, v, g, beta, h0 = make_inputs(1, 3, 1, 2, 32, 32)
+    for fn in (deltanet.chunk_gated_delta_rule, deltanet.recurrent_gated_delta_rule):
+        assert fn(q, k, v, g, beta, initial_state=h0)[1] is None
+        o, s = fn(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], initial_state=h0, output_final_state=True)
+        assert o.shape == (1, 0, 2, 32) and torch.equal(s, h0)
+
+
+def test_prefill_then_decode_equals_one_long_prefill(poison_empty, device):
+    """Chunked prefill of 66 tokens, then two decode steps with the gates in the kernel, equals a 68-token prefill."""
+    T0, T = 66, 68
+    q, k, v, _, _, h0 = make_inputs(1, T, 1, 2, 32, 32, BF16)
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(1, T, 2, generator=gen).to(device), torch.randn(1, T, 2, generator=gen).to(device)
+    A_log, dt_bias = torch.rand(2, generator=gen).to(device), torch.randn(2, generator=gen).to(device)
+    g, beta = deltanet.gates(A_log, a, dt_bias, b)
+    o_long, s_long = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                     use_qk_l2norm=True)
+    o, s = deltanet.chunk_gated_delta_rule(q[:, :T0], k[:, :T0], v[:, :T0], g[:, :T0], beta[:, :T0],
+                                           initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    outs = [o]
+    for t in range(T0, T):
+        o_t, s = deltanet.recurrent_gated_delta_rule_gates(
+            q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], A_log, a[:, t:t + 1], dt_bias, b[:, t:t + 1],
+            initial_state=s, use_qk_l2norm=True, out_state=s)
+        outs.append(o_t)
+    want, want_s = spec_output(q, k, v, g, beta, h0, True)
+    _assert_output(torch.cat(outs, dim=1), want, "prefill + decode", chunk_dots=True)
+    _assert_output(o_long, want, "long prefill", chunk_dots=True)
+    _assert_state(s, want_s, "prefill + decode")
+    _assert_state(s_long, s, "long prefill vs prefill + decode")
+
+
+def test_reference_backend_runs_the_reference():
+    q, k, v, g, beta, h0 = make_inputs(1, 5, 1, 2, 32, 32, device="cpu")
+    with use_reference():
+        o, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_ref, s_ref = reference.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing, so no output gets written."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_poison_reaches_the_outputs(monkeypatch, poison_empty):
+    """If the output kernel wrote nothing, the poisoned allocation would show: the tests above would catch it."""
+    monkeypatch.setattr(triton_chunk, "_chunk_output_kernel", _NoLaunch())
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 2, 32, 32)
+    o, _ = deltanet.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert torch.isnan(o).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. causal conv1d
+
+
+def _conv_inputs(B, T, C, W, dtype, state_width, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=gen).to(dtype).to(runtime.DEVICE)
+    w = (torch.randn(C, W, generator=gen) * 0.5).to(dtype).to(runtime.DEVICE)
+    s0 = None if state_width is None else torch.randn(B, C, state_width, generator=gen).to(dtype).to(runtime.DEVICE)
+    return x, w, s0
+
+
+def _assert_conv(y, want, what="", steps=1):
+    """fp32 sums in another order: 1e-6 relative; bf16: roundings of nearly equal sums, ``steps`` bf16 steps apart."""
+    tol = want.float().abs() * (steps * 2.0**-7 if y.dtype == BF16 else 1e-6) + 1e-6
+    assert bool(((y.float() - want.float()).abs() <= tol).all()), f"{what}: {compare(y, want.float())}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("state", ["none", "W-1", "W"])
+@pytest.mark.parametrize("T", [1, 2, 63, 130])
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_causal_conv1d(W, T, state, dtype, poison_empty):
+    width = {"none": None, "W-1": W - 1, "W": W}[state]
+    x, w, s0 = _conv_inputs(2, T, 40, W, dtype, width)
+    y, s1 = deltanet.causal_conv1d(x, w, s0)
+    y_ref, s1_ref = reference.causal_conv1d(x, w, s0)
+    assert y.dtype == dtype and s1.dtype == dtype and s1.shape == (2, 40, width or W - 1)
+    _assert_conv(y, y_ref, "y")
+    assert torch.equal(s1, s1_ref), "the final conv state is the raw last inputs, bit for bit"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", ["W-1", "W"])
+@pytest.mark.parametrize("W", [2, 4])
+def test_causal_conv1d_update(W, width, dtype, poison_empty):
+    x, w, state = _conv_inputs(3, 1, 40, W, dtype, W - 1 if width == "W-1" else W)
+    state_ref = state.clone()
+    y = deltanet.causal_conv1d_update(x[:, 0], state, w)
+    y_ref = reference.causal_conv1d_update(x[:, 0], state_ref, w)
+    _assert_conv(y, y_ref, "y")
+    assert torch.equal(state, state_ref)
+    assert torch.equal(state[:, :, -1], x[:, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_prefill_then_updates_equals_one_long_prefill(dtype, poison_empty):
+    x, w, _ = _conv_inputs(2, 9, 40, 4, dtype, None)
+    y_long, s_long = deltanet.causal_conv1d(x, w)
+    y, state = deltanet.causal_conv1d(x[:, :2], w)                      # shorter than W - 1: zeros padded in
+    ys = [y] + [deltanet.causal_conv1d_update(x[:, t], state, w)[:, None] for t in range(2, 9)]
+    if runtime.INTERPRET:       # the two kernels sum in the same order; compiled, FMA contraction may differ
+        assert torch.equal(torch.cat(ys, dim=1), y_long)
+    else:
+        _assert_conv(torch.cat(ys, dim=1), y_long)
+    assert torch.equal(state, s_long)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_matches_hf(dtype):
+    """HF keeps ``x`` as ``[B, C, T]`` and a conv state ``[B, C, W]``; the same numbers in our layout. In bf16 HF
+    rounds twice (the conv output, then SiLU in bf16), so two bf16 steps apart at most."""
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x, w, _ = _conv_inputs(2, 20, 40, 4, dtype, None)
+    want = hf.causal_conv1d_fn(x.transpose(1, 2).cpu(), w.cpu(), None, activation="silu").transpose(1, 2)
+    y, _ = deltanet.causal_conv1d(x, w)
+    _assert_conv(y.cpu(), want, "prefill vs HF", steps=2)
+    state_hf = torch.randn(2, 40, 4).to(dtype)
+    state = state_hf.clone().to(runtime.DEVICE)
+    want = hf.causal_conv1d_update(x[:, :1].transpose(1, 2).cpu(), state_hf, w.cpu(), None, "silu")[:, :, 0]
+    y = deltanet.causal_conv1d_update(x[:, 0], state, w)
+    _assert_conv(y.cpu(), want, "update vs HF", steps=2)
+    assert torch.equal(state.cpu(), state_hf)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. gated RMSNorm
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 128), (5, 48)], ids=["3x7x128", "5x48"])
+@pytest.mark.parametrize("w_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rmsnorm(dtype, w_dtype, shape, poison_empty, make_weight):
+    x, z = make_weight(shape, dtype, seed=1) * 3, make_weight(shape, dtype, seed=2)
+    w = (1 + make_weight(shape[-1:], FP32, seed=3, scale=0.2)).to(w_dtype)
+    y = deltanet.gated_rmsnorm(x, z, w)
+    want = reference.gated_rmsnorm(x, z, w)
+    assert y.dtype == dtype
+    if dtype == BF16:     # the same roundings in the same order: equal up to one bf16 step from rsqrt/sigmoid ulps
+        assert ((y.float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-6).all()
+    else:
+        assert compare(y, want).rel_l2 < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rmsnorm_matches_hf(dtype, make_weight):
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x, z = make_weight((4, 64), dtype, seed=1), make_weight((4, 64), dtype, seed=2)
+    norm = hf.Qwen3NextRMSNormGated(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(64) * 0.2)
+        want = norm(x.cpu(), z.cpu())
+    assert compare(reference.gated_rmsnorm(x.cpu(), z.cpu(), norm.weight.detach()), want, exact=True).mismatches == 0
+    y = deltanet.gated_rmsnorm(x, z, norm.weight.detach().to(x.device))
+    assert ((y.cpu().float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-6).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. a whole Qwen3.5 Gated DeltaNet layer against HF's, prefill then decode
+
+
+def test_qwen3_5_layer_matches_hf(device):
+    """HF's ``Qwen3_5GatedDeltaNet`` on 68 tokens == our ops: conv + chunked rule on 66, then two decode steps
+    (conv update + fused-gate recurrent step) from the carried states, then the gated norm and out_proj."""
+    m = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32,
+                            linear_value_head_dim=32, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                            layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    layer = m.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        layer.dt_bias.normal_()
+        layer.norm.weight.copy_(1 + 0.2 * torch.randn(32))
+    B, T, T0, H, HV, D = 1, 68, 66, 1, 2, 32
+    hidden = torch.randn(B, T, 64)
+    with torch.no_grad():
+        want = layer(hidden)
+        mixed = layer.in_proj_qkv(hidden).to(device)                           # [B, T, C]
+        z = layer.in_proj_z(hidden).reshape(B, T, HV, D).to(device)
+        b, a = layer.in_proj_b(hidden).to(device), layer.in_proj_a(hidden).to(device)
+        conv_w = layer.conv1d.weight.squeeze(1).to(device)
+        A_log, dt_bias = layer.A_log.to(device), layer.dt_bias.to(device)
+
+        def split(x):
+            q, k, v = torch.split(x, [H * D, H * D, HV * D], dim=-1)
+            return q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), v.unflatten(-1, (HV, D))
+
+        x, conv_state = deltanet.causal_conv1d(mixed[:, :T0], conv_w)
+        q, k, v = split(x)
+        g, beta = deltanet.gates(A_log, a[:, :T0], dt_bias, b[:, :T0])
+        o, state = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)
+        outs = [o]
+        for t in range(T0, T):
+            q, k, v = split(deltanet.causal_conv1d_update(mixed[:, t], conv_state, conv_w)[:, None])
+            o, state = deltanet.recurrent_gated_delta_rule_gates(q, k, v, A_log, a[:, t:t + 1], dt_bias,
+                                                                 b[:, t:t + 1], initial_state=state,
+                                                                 use_qk_l2norm=True, out_state=state)
+            outs.append(o)
+        o = deltanet.gated_rmsnorm(torch.cat(outs, dim=1), z, layer.norm.weight.to(device), layer.norm.variance_epsilon)
+        got = layer.out_proj(o.reshape(B, T, HV * D).cpu())
+    m_ = compare(got, want)
+    assert m_.rel_l2 < (1e-5 if runtime.INTERPRET else 1e-4), m_
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. errors a user can act on
+
+
+def _rule_args(**over):
+    q, k, v, g, beta, h0 = make_inputs(1, 4, 2, 4, 32, 32)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+    args.update(over)
+    return args
+
+
+def _bad(**over):
+    return lambda: _rule_args(**over)
+
+
+RULE_ERRORS = [
+    pytest.param(_bad(q=torch.zeros(4, 2, 32)), "q must be 4-D", id="q-3d"),
+    pytest.param(_bad(k=torch.zeros(1, 4, 2, 16)), r"k must have shape", id="k-shape"),
+    pytest.param(_bad(v=torch.zeros(1, 5, 4, 32)), r"v must have shape \[B, T, HV, V\]", id="v-length"),
+    pytest.param(_bad(v=torch.zeros(1, 4, 3, 32)), "HV=3 value heads, which is not a multiple of the H=2",
+                 id="hv-not-multiple"),
+    pytest.param(_bad(q=torch.zeros(1, 4, 2, 512), k=torch.zeros(1, 4, 2, 512)), "head dim K=512 is unsupported",
+                 id="k-dim"),
+    pytest.param(_bad(v=torch.zeros(1, 4, 4, 320)), "head dim V=320 is unsupported", id="v-dim"),
+    pytest.param(_bad(q=torch.zeros(1, 4, 2, 32, dtype=torch.int32)), "q has dtype torch.int32", id="q-int"),
+    pytest.param(_bad(v=torch.zeros(1, 4, 4, 32, dtype=torch.float16)), "v has dtype torch.float16 but q has",
+                 id="v-dtype"),
+    pytest.param(_bad(g=torch.zeros(1, 4, 2)), r"g must have shape \[B, T, HV\] = \(1, 4, 4\), found \(1, 4, 2\)",
+                 id="g-shape"),
+    pytest.param(_bad(beta=torch.zeros(4, 4)), r"beta must have shape \[B, T, HV\]", id="beta-shape"),
+    pytest.param(_bad(initial_state=torch.zeros(1, 4, 32, 32, dtype=BF16)), "the recurrent state is always float32",
+                 id="state-bf16"),
+    pytest.param(_bad(initial_state=torch.zeros(1, 2, 32, 32)), r"initial_state must have shape \[B, HV, K, V\]",
+                 id="state-shape"),
+    pytest.param(_bad(out_state=torch.zeros(1, 4, 32, 32).transpose(2, 3)), "out_state must be contiguous",
+                 id="out-state-strided"),
+]
+
+
+@pytest.mark.parametrize("fn", [deltanet.chunk_gated_delta_rule, deltanet.recurrent_gated_delta_rule],
+                         ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("make_args, match", RULE_ERRORS)
+def test_delta_rule_errors(fn, make_args, match):
+    args = make_args()
+    args = {n: (t.to(runtime.DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    with pytest.raises(ValueError, match=match):
+        fn(**args)
+
+
+def test_scale_and_gate_errors():
+    args = _rule_args()
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        deltanet.chunk_gated_delta_rule(**args, scale=-1.0)
+    q, k, v = args["q"], args["k"], args["v"]
+    a = torch.zeros(1, 4, 4, device=runtime.DEVICE)
+    with pytest.raises(ValueError, match=r"A_log must have shape \[HV\] = \(4,\), found \(2,\)"):
+        deltanet.recurrent_gated_delta_rule_gates(q, k, v, torch.zeros(2, device=runtime.DEVICE), a,
+                                                  torch.zeros(4, device=runtime.DEVICE), a)
+
+
+def test_wrong_device():
+    """Tensors the kernels cannot reach (here on the meta device) are refused by name before any launch."""
+    args = {n: t.to("meta") for n, t in _rule_args().items()}
+    with pytest.raises(ValueError, match="q is on meta"):
+        deltanet.chunk_gated_delta_rule(**args)
+    args["k"] = torch.zeros(args["k"].shape, device=runtime.DEVICE)
+    with pytest.raises(ValueError, match="k is on .* but q is on meta"):
+        deltanet.recurrent_gated_delta_rule(**args)
+    with pytest.raises(ValueError, match="x is on meta"):
+        deltanet.causal_conv1d(torch.zeros(1, 4, 8, device="meta"), torch.zeros(8, 4, device="meta"))
+
+
+def test_conv_and_norm_errors(device):
+    x, w = torch.zeros(1, 4, 8, device=device), torch.zeros(8, 4, device=device)
+    cases = [
+        (lambda: deltanet.causal_conv1d(x[0], w), r"x must be 3-D \[B, T, C\]"),
+        (lambda: deltanet.causal_conv1d(x, w[:, None]), r"weight must be 2-D \[C, W\].*squeeze\(1\)"),
+        (lambda: deltanet.causal_conv1d(x, w[:, :1]), "conv width W=1"),
+        (lambda: deltanet.causal_conv1d(x, w, torch.zeros(1, 8, 2, device=device)), r"S >= 3"),
+        (lambda: deltanet.causal_conv1d(x, w, torch.zeros(1, 8, 3, device=device, dtype=BF16)),
+         "initial_state has dtype torch.bfloat16 but x has torch.float32"),
+        (lambda: deltanet.causal_conv1d_update(x, torch.zeros(1, 8, 3, device=device), w), r"x must be 2-D \[B, C\]"),
+        (lambda: deltanet.causal_conv1d_update(x[:, 0], torch.zeros(1, 8, 2, device=device), w),
+         r"conv_state must have shape \[B, C, S\]"),
+        (lambda: deltanet.gated_rmsnorm(x, x[:, :2], w[:, 0]), r"z must have shape"),
+        (lambda: deltanet.gated_rmsnorm(x, x, w), r"weight must have shape \[D\] = \(8,\)"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. the check table and GPU-only checks
+
+
+def test_check_deltanet_passes():
+    rows = check_deltanet()
+    assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+
+
+@pytest.mark.gpu
+def test_gpu_qwen35_prefill_accuracy():
+    """Qwen3.5 shapes compiled: B=1, 16 QK heads, 32 V heads, d 128, T=4096, bf16 in, fp32 reference."""
+    q, k, v, g, beta, h0 = make_inputs(1, 4096, 16, 32, 128, 128, BF16)
+    o, ht = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm=True)
+    o_ref, ht_ref = reference.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, h0, True, True)
+    m = compare(o, o_ref, baseline=o_ref.to(BF16))
+    assert m.cosine >= 0.9999 and m.rel_l2 <= 1e-2, m
+    assert compare(ht, ht_ref).rel_l2 <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 32])
+def test_gpu_decode_step(B):
+    q, k, v, _, _, h0 = make_inputs(B, 1, 16, 32, 128, 128, BF16)
+    a, b = torch.randn(B, 1, 32, device="cuda"), torch.randn(B, 1, 32, device="cuda")
+    A_log, dt_bias = torch.rand(32, device="cuda"), torch.randn(32, device="cuda")
+    state = h0.clone()
+    o, _ = deltanet.recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=state,
+                                                     use_qk_l2norm=True, out_state=state)
+    o_ref, s_ref = reference.recurrent_gated_delta_rule_gates(q.float(), k.float(), v.float(), A_log, a, dt_bias,
+                                                              b, None, h0, True, True)
+    assert compare(o, o_ref).rel_l2 <= 1e-2 and compare(state, s_ref).rel_l2 <= 1e-4
+    assert not math.isnan(compare(o, o_ref).cosine)
