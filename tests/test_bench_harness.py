@@ -176,8 +176,9 @@ def test_validated_refuses_a_wrong_op():
     assert harness.validated(compare(ref * 1.000001, ref))["passed"] is True
 
 
-def test_bench_registry_lists_nvfp4():
-    assert bench.available() == ["nvfp4.dequantize", "nvfp4.quantize"]
+def test_bench_registry_lists_every_family():
+    assert bench.available() == ["attention.decode", "attention.prefill", "deltanet.chunk", "deltanet.conv",
+                                 "deltanet.recurrent", "matmul.linear", "nvfp4.dequantize", "nvfp4.quantize"]
 
 
 def test_plots_draw_the_committed_results():

@@ -26,8 +26,10 @@ def test_check_prints_a_passing_table(capsys):
     ops = {line.split()[0] for line in rows}
     assert {"nvfp4.quantize", "nvfp4.dequantize"} <= ops
     assert all(line.rstrip().endswith("yes") for line in rows), out      # the passed column
+    every = [line for line in lines[3:] if line.rstrip().endswith((" yes", " no"))]
+    assert {line.split()[0].split(".")[0] for line in every} >= {"nvfp4", "matmul", "attention", "deltanet"}
     done = re.search(r"^(\d+)/(\d+) checks passed in [\d.]+ s$", out, re.M)
-    assert done and done.group(1) == done.group(2) == str(len(rows))
+    assert done and done.group(1) == done.group(2) == str(len(every))
 
 
 def test_check_rows_all_pass():
@@ -41,7 +43,7 @@ def test_check_rows_all_pass():
 
 
 def test_check_unknown_family():
-    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['nvfp4'\]"):
+    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['attention', 'deltanet', 'matmul', 'nvfp4'\]"):
         main(["check", "nvfp5"])
 
 
@@ -56,7 +58,8 @@ def test_bench_needs_a_gpu(capsys):
 def test_bench_list(capsys):
     assert main(["bench", "--list"]) == 0
     listed = capsys.readouterr().out.split()
-    assert listed == ["nvfp4.dequantize", "nvfp4.quantize"]
+    assert listed == ["attention.decode", "attention.prefill", "deltanet.chunk", "deltanet.conv",
+                      "deltanet.recurrent", "matmul.linear", "nvfp4.dequantize", "nvfp4.quantize"]
 
 
 def test_info(capsys):

@@ -75,6 +75,9 @@ def gpu_slug(name: str | None = None) -> str:
 
 
 def _git_sha() -> str:
+    """``LYNN_GIT_SHA`` when set (the device's copy of the tree carries no usable .git), else ``git rev-parse``."""
+    if os.environ.get("LYNN_GIT_SHA"):
+        return os.environ["LYNN_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=5).stdout.strip()

@@ -7,13 +7,66 @@ import sys
 from .harness import load
 
 
-def markdown(op: str, gpu: str = "h200") -> str:
-    doc = load(op, gpu)
+def _head(op: str, doc: dict) -> str:
     p, c = doc["provenance"], doc["ceilings"]
+    return (f"`{op}` on {p['gpu']}, {p['date']}, git {p['git_sha']}, torch {p['torch']}, triton {p['triton']}, "
+            f"CUDA {p.get('cuda')}; command `{p['command']}`. Ceilings measured in the same process: copy "
+            f"{c['copy_gbps']:,.0f} GB/s, read {c['read_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_tflops']:,.0f} TFLOP/s.")
+
+
+def matmul_cells(doc: dict) -> list[dict]:
+    """One dict per (shape, M) of a ``matmul.linear`` results file: ours and cuBLAS, kernel and call times."""
+    cells: dict = {}
+    for r in doc["results"]:
+        key = (r["shape"], r["dims"]["M"])
+        cell = cells.setdefault(key, {"shape": r["shape"], **r["dims"]})
+        who = "lynn" if r["provider"].startswith("lynn") else "cublas"
+        how = "kernel" if r["provider"].endswith("(kernel)") else "call"
+        cell[f"{who}_{how}_us"] = r["median_ms"] * 1e3
+        if who == "lynn" and how == "kernel":
+            cell["read_frac"] = r["frac_of_ceiling"]
+            cell["tflops"] = r["tflops"]
+        if who == "cublas" and how == "kernel":
+            cell["cublas_tflops"] = r["tflops"]
+    for cell in cells.values():
+        cell["speedup_kernel"] = cell["cublas_kernel_us"] / cell["lynn_kernel_us"]
+        cell["speedup_call"] = cell["cublas_call_us"] / cell["lynn_call_us"]
+    return list(cells.values())
+
+
+def matmul_goal(cell: dict) -> str:
+    """The issue's goal for this cell and whether the kernel time meets it."""
+    m, big = cell["M"], cell["N"] * cell["K"] >= 4096 * 4096
+    if m == 1 and big:
+        ok = cell["speedup_kernel"] >= 3.0 and cell["read_frac"] >= 0.75
+        return f"3.0x and 75%: {'met' if ok else 'not met'}"
+    if m <= 16:
+        return f"2.5x: {'met' if cell['speedup_kernel'] >= 2.5 else 'not met'}"
+    if m == 4096:
+        return f"0.7x: {'met' if cell['speedup_kernel'] >= 0.7 else 'not met'}"
+    return "-"
+
+
+def markdown_matmul(op: str, gpu: str = "h200") -> str:
+    doc = load(op, gpu)
+    lines = [_head(op, doc), "",
+             "| shape | M | ours kernel us | cuBLAS kernel us | speed-up (kernel) | of read BW | ours TFLOP/s | "
+             "ours call us | cuBLAS call us | speed-up (call) | goal (kernel time) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in matmul_cells(doc):
+        lines.append(f"| {c['shape']} | {c['M']} | {c['lynn_kernel_us']:,.1f} | {c['cublas_kernel_us']:,.1f} | "
+                     f"{c['speedup_kernel']:.2f}x | {100 * c['read_frac']:.1f}% | {c['tflops']:,.1f} | "
+                     f"{c['lynn_call_us']:,.1f} | {c['cublas_call_us']:,.1f} | {c['speedup_call']:.2f}x | "
+                     f"{matmul_goal(c)} |")
+    return "\n".join(lines)
+
+
+def markdown(op: str, gpu: str = "h200") -> str:
+    if op == "matmul.linear":
+        return markdown_matmul(op, gpu)
+    doc = load(op, gpu)
     lines = [
-        f"`{op}` on {p['gpu']}, {p['date']}, git {p['git_sha']}, torch {p['torch']}, triton {p['triton']}, "
-        f"CUDA {p.get('cuda')}; command `{p['command']}`. Ceilings measured in the same process: copy "
-        f"{c['copy_gbps']:,.0f} GB/s, read {c['read_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_tflops']:,.0f} TFLOP/s.",
+        _head(op, doc),
         "",
         "| shape | provider | median ms (p20-p80) | GB/s | of copy ceiling | validated |",
         "|---|---|---|---|---|---|",
@@ -29,6 +82,6 @@ def markdown(op: str, gpu: str = "h200") -> str:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["nvfp4.dequantize", "nvfp4.quantize"]:
+    for name in sys.argv[1:] or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear"]:
         print(markdown(name))
         print()

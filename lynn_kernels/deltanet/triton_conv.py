@@ -59,13 +59,13 @@ def _causal_conv1d_kernel(
         if pid_t == 0:                                       # one program per channel block copies the last S1 inputs
             offs_s = tl.arange(0, BLOCK_S)
             mask_s = offs_s < S1
-            src = T - S1 + offs_s                            # [BLOCK_S]: position in the sequence, < 0 in the state
-            from_x = mask_s & (src >= 0)
-            vals = tl.load(x_base + src[None, :].to(tl.int64) * stride_xt + offs_c[:, None],
+            pos = T - S1 + offs_s                            # [BLOCK_S]: position in the sequence, < 0 in the state
+            from_x = mask_s & (pos >= 0)
+            vals = tl.load(x_base + pos[None, :].to(tl.int64) * stride_xt + offs_c[:, None],
                            mask=mask_c[:, None] & from_x[None, :], other=0)         # [BLOCK_C, BLOCK_S], raw bits
             if HAS_INIT:
-                from_h = mask_s & (src < 0)
-                h_vals = tl.load(h0_base + offs_c[:, None] * stride_h0c + (S0 + src)[None, :] * stride_h0s,
+                from_h = mask_s & (pos < 0)
+                h_vals = tl.load(h0_base + offs_c[:, None] * stride_h0c + (S0 + pos)[None, :] * stride_h0s,
                                  mask=mask_c[:, None] & from_h[None, :], other=0)
                 vals = tl.where(from_h[None, :], h_vals, vals)   # a select, not a sum: -0.0 and NaN bits survive
             tl.store(ht_ptr + (pid_b.to(tl.int64) * C + offs_c[:, None]) * S1 + offs_s[None, :], vals,
