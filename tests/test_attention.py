@@ -332,6 +332,27 @@ def test_decode_split_count_does_not_change_the_result(splits, poison_empty):
     assert_close(out, reference.decode_attention(q, kc, vc, seq_lens, scale=0.25, gate=g))
 
 
+def test_default_num_splits_is_a_power_of_two():
+    """NUM_SPLITS is a compile-time constant and autotune key: the default must take only a few values over batch
+    sizes (powers of two, 8 for Qwen's 2 KV heads on an H200), each within its bounds, filling the GPU 1-2x."""
+    for sms in (132, 108, 78):
+        for hkv in (1, 2, 8):
+            for capacity in (16, 1000, 4096, 32768, 1 << 20):
+                seen = set()
+                for b in range(1, 257):
+                    s = decode_mod.splits_for(b, hkv, capacity, sms)
+                    bound = min(math.ceil(2 * sms / (b * hkv)), math.ceil(capacity / decode_mod.MIN_SPLIT_TOKENS),
+                                decode_mod.MAX_SPLITS)
+                    assert s & (s - 1) == 0 and s <= bound < 2 * s, (b, hkv, capacity, sms, s)   # 2^floor(log2)
+                    seen.add(s)
+                assert len(seen) <= 9
+    assert {decode_mod.splits_for(b, 2, 32768, 132) for b in range(1, 257)} == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert decode_mod.splits_for(1, 2, 32768, 132) == 128                # was 132: rounded down
+    assert decode_mod.splits_for(3, 2, 32768, 132) == 32                 # ceil(264 / 6) = 44 -> 32
+    if runtime.INTERPRET:
+        assert [decode_mod.default_num_splits(1, 2, c) for c in (100, 1025, 2049, 3073, 5000)] == [1, 2, 2, 4, 4]
+
+
 def test_decode_page_smaller_than_key_block(poison_empty):
     """Page 16 with 64-key blocks: one block gathers four pages."""
     q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([150, 64], 8, 2, 32, BF16, 192, page=16)
@@ -404,6 +425,21 @@ def test_qk_norm_rope_writes_the_cache(layout, poison_empty):
     assert bit_mismatches(flat_v[untouched], vc_ref.view(-1, hkv, d)[untouched]) == 0
 
 
+@pytest.mark.parametrize("q_wdtype,k_wdtype", [(BF16, FP32), (FP32, BF16), (FP16, BF16)],
+                         ids=["q_w-bf16-k_w-fp32", "q_w-fp32-k_w-bf16", "q_w-fp16-k_w-bf16"])
+def test_qk_norm_rope_mixed_weight_dtypes(q_wdtype, k_wdtype, poison_empty):
+    """Each RMSNorm weight is used at its own precision: an fp32 k_weight is not rounded to a bf16 q_weight's dtype
+    (that rounding put k_out 2.4e-3 off in fp32)."""
+    q, k = randn((9, 4, 32), FP32, 1), randn((9, 2, 32), FP32, 2)
+    qw = randn((32,), FP32, 3, scale=0.2).to(q_wdtype)
+    kw = randn((32,), FP32, 4, scale=0.2).to(k_wdtype)
+    pos = ints([0, 1, 2, 3, 100, 1000, 5000, 40000, 411768])
+    got = qk_norm_rope(q, k, qw, kw, pos, rotary_dim=16, rope_theta=1e6)
+    want = reference.qk_norm_rope(q, k, qw, kw, pos, rotary_dim=16, rope_theta=1e6)
+    assert_close(got[0], want[0], "q_out")
+    assert_close(got[1], want[1], "k_out")
+
+
 def test_prefill_then_decode_through_the_cache(poison_empty):
     """qk_norm_rope writes a paged cache during a 2-sequence prefill and one decode step; decode_attention over the
     cache equals reference attention of the last token over the whole sequence."""
@@ -437,10 +473,17 @@ def _good_prefill():
     return dict(q=q, k=k, v=v, gate=g, cu_seqlens=cu)
 
 
+def _error_params(table):
+    """``(id, mutate, match[, error])`` rows -> pytest params; the error is a ValueError unless the row says."""
+    return [pytest.param(row[1], row[2], row[3] if len(row) > 3 else ValueError, id=row[0]) for row in table]
+
+
 PREFILL_ERRORS = [
     ("q-2d", lambda a: a.update(q=a["q"][:, 0]), r"q must have 3 dims, found shape \(7, 16\)"),
-    ("q-int", lambda a: a.update(q=a["q"].to(torch.int32)), r"q must have dtype in"),
-    ("k-dtype", lambda a: a.update(k=a["k"].to(BF16)), r"v must have the dtype of k|k must have the dtype of q"),
+    ("q-int", lambda a: a.update(q=a["q"].to(torch.int32)), r"q must have dtype in", TypeError),
+    ("q-not-a-tensor", lambda a: a.update(q=a["q"].tolist()), r"q must be a torch.Tensor, found list", TypeError),
+    ("k-dtype", lambda a: a.update(k=a["k"].to(BF16)), r"v must have the dtype of k|k must have the dtype of q",
+     TypeError),
     ("v-shape", lambda a: a.update(v=a["v"][:, :1]), r"v must match k in shape: expected \(7, 2, 16\), found "),
     ("heads", lambda a: a.update(k=a["k"].repeat(1, 3, 1)[:, :3], v=a["v"].repeat(1, 3, 1)[:, :3]),
      r"q has 4 heads, which is not a multiple of the 3 heads of k"),
@@ -451,18 +494,19 @@ PREFILL_ERRORS = [
     ("gate-shape", lambda a: a.update(gate=a["gate"][:, :2]), r"gate must match q in shape"),
     ("cu-end", lambda a: a.update(cu_seqlens=ints([0, 3, 6])), r"cu_seqlens must .* end at T = q.shape\[0\] = 7"),
     ("cu-decreasing", lambda a: a.update(cu_seqlens=ints([0, 5, 3, 7])), r"never decrease"),
-    ("cu-float", lambda a: a.update(cu_seqlens=a["cu_seqlens"].float()), r"cu_seqlens must have dtype in"),
+    ("cu-float", lambda a: a.update(cu_seqlens=a["cu_seqlens"].float()), r"cu_seqlens must have dtype in",
+     TypeError),
     ("prefix-count", lambda a: a.update(prefix_lens=ints([1])), r"prefix_lens must have one entry per sequence"),
     ("prefix-rows", lambda a: a.update(prefix_lens=ints([1, 2])), r"k must have 10 rows .* found shape \(7, 2, 16\)"),
 ]
 
 
 @pytest.mark.parametrize("impl", [flash_attention, reference.flash_attention], ids=["kernel", "reference"])
-@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in PREFILL_ERRORS])
-def test_flash_attention_errors(mutate, match, impl):
+@pytest.mark.parametrize("mutate,match,error", _error_params(PREFILL_ERRORS))
+def test_flash_attention_errors(mutate, match, error, impl):
     args = _good_prefill()
     mutate(args)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         impl(**args)
 
 
@@ -474,12 +518,13 @@ def _good_decode():
 DECODE_ERRORS = [
     ("cache-3d", lambda a: a.update(k_cache=a["k_cache"][0]), r"k_cache must have 4 dims"),
     ("cache-dtype", lambda a: a.update(k_cache=a["k_cache"].to(BF16), v_cache=a["v_cache"].to(BF16)),
-     r"k_cache must have the dtype of q"),
+     r"k_cache must have the dtype of q", TypeError),
     ("v-cache-shape", lambda a: a.update(v_cache=a["v_cache"][:2]), r"v_cache must match k_cache in shape"),
     ("heads", lambda a: a.update(q=a["q"][:, :3], gate=a["gate"][:, :3]), r"q has 3 heads, which is not a multiple"),
     ("seq-lens-count", lambda a: a.update(seq_lens=ints([3])), r"seq_lens must have one entry per sequence"),
     ("seq-lens-too-long", lambda a: a.update(seq_lens=ints([3, 33])), r"seq_lens must lie in \[0, 32\]"),
-    ("table-dtype", lambda a: a.update(block_table=a["block_table"].long()), r"block_table must have dtype in"),
+    ("table-dtype", lambda a: a.update(block_table=a["block_table"].long()), r"block_table must have dtype in",
+     TypeError),
     ("table-rows", lambda a: a.update(block_table=a["block_table"][:1]), r"block_table must have B = 2 rows"),
     ("table-entry", lambda a: a["block_table"].fill_(99), r"block_table entries in use must lie in \[0, 7\)"),
     ("small-page", lambda a: a.update(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]),
@@ -490,17 +535,19 @@ DECODE_ERRORS = [
 
 
 @pytest.mark.parametrize("impl", [decode_attention, reference.decode_attention], ids=["kernel", "reference"])
-@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in DECODE_ERRORS])
-def test_decode_attention_errors(mutate, match, impl):
+@pytest.mark.parametrize("mutate,match,error", _error_params(DECODE_ERRORS))
+def test_decode_attention_errors(mutate, match, error, impl):
     args = _good_decode()
     mutate(args)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         impl(**args)
 
 
 def test_decode_num_splits_must_be_in_range():
     with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 256\], found 0"):
         decode_attention(**_good_decode(), num_splits=0)
+    with pytest.raises(TypeError, match=r"num_splits must be an int in \[1, 256\] or None, found float"):
+        decode_attention(**_good_decode(), num_splits=2.0)
 
 
 def _good_rope():
@@ -510,11 +557,30 @@ def _good_rope():
                 v_cache=torch.zeros((2, 16, 2, 32), device=runtime.DEVICE), slot_mapping=ints([0, 1, 2, 3, 4]))
 
 
+def _zeros(*shape):
+    return torch.zeros(shape, device=runtime.DEVICE)
+
+
 ROPE_ERRORS = [
     ("k-tokens", lambda a: a.update(k=a["k"][:4]), r"k must match q in dims \(0, 2\)"),
     ("weight-shape", lambda a: a.update(k_weight=a["k_weight"][:16]), r"k_weight must have shape \(32,\)"),
     ("positions-count", lambda a: a.update(positions=ints([0, 1])), r"positions must have one entry per token"),
     ("rotary-odd", lambda a: a.update(rotary_dim=7), r"rotary_dim must be an even int in \(0, 32\], found 7"),
+    ("rotary-float", lambda a: a.update(rotary_dim=8.0), r"rotary_dim must be an even int .* found float", TypeError),
+    ("k-dtype", lambda a: a.update(k=a["k"].to(BF16)), r"k must have the dtype of q \(float32\), found bfloat16",
+     TypeError),
+    ("weight-int", lambda a: a.update(q_weight=a["q_weight"].to(torch.int32)), r"q_weight must have dtype in",
+     TypeError),
+    ("positions-past-table", lambda a: a.update(rope_theta=None, cos=_zeros(4, 8), sin=_zeros(4, 8),
+                                                positions=ints([0, 1, 2, 3, 100])),
+     r"positions must lie in \[0, 4\) \(the rows of the cos / sin tables\), found min 0, max 100"),
+    ("positions-negative-table", lambda a: a.update(rope_theta=None, cos=_zeros(8, 8), sin=_zeros(8, 8),
+                                                    positions=ints([0, -1, 2, 3, 4])),
+     r"positions must lie in \[0, 8\) .* found min -1, max 4"),
+    ("positions-negative-theta", lambda a: a.update(positions=ints([0, 1, -5, 3, 4])),
+     r"positions must lie in \[0, 411768\] with rope_theta .* found min -5, max 4"),
+    ("positions-past-theta-limit", lambda a: a.update(positions=ints([0, 1, 2, 3, 411769])),
+     r"positions must lie in \[0, 411768\] with rope_theta .*pass cos / sin tables.* found min 0, max 411769"),
     ("no-theta", lambda a: a.update(rope_theta=None), r"rope_theta must be a positive float"),
     ("cos-only", lambda a: a.update(cos=torch.zeros(8, 8)), r"give both cos and sin tables"),
     ("table-width", lambda a: a.update(cos=torch.zeros(8, 4), sin=torch.zeros(8, 4)),
@@ -527,12 +593,12 @@ ROPE_ERRORS = [
 
 
 @pytest.mark.parametrize("impl", [qk_norm_rope, reference.qk_norm_rope], ids=["kernel", "reference"])
-@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in ROPE_ERRORS])
-def test_qk_norm_rope_errors(mutate, match, impl):
+@pytest.mark.parametrize("mutate,match,error", _error_params(ROPE_ERRORS))
+def test_qk_norm_rope_errors(mutate, match, error, impl):
     args = _good_rope()
     mutate(args)
     q, k, qw, kw, pos = (args.pop(n) for n in ("q", "k", "q_weight", "k_weight", "positions"))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         impl(q, k, qw, kw, pos, **args)
 
 

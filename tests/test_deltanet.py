@@ -469,8 +469,10 @@ RULE_ERRORS = [
                  id="k-dim"),
     pytest.param(_bad(v=torch.zeros(1, 4, 4, 320)), "head dim V=320 is unsupported", id="v-dim"),
     pytest.param(_bad(q=torch.zeros(1, 4, 2, 32, dtype=torch.int32)), "q has dtype torch.int32", id="q-int"),
+    pytest.param(_bad(q=[[0.0]]), "q must be a torch.Tensor, got list", id="q-list"),
     pytest.param(_bad(v=torch.zeros(1, 4, 4, 32, dtype=torch.float16)), "v has dtype torch.float16 but q has",
                  id="v-dtype"),
+    pytest.param(_bad(g=torch.zeros(1, 4, 4, dtype=torch.int64)), "g has dtype torch.int64", id="g-int"),
     pytest.param(_bad(g=torch.zeros(1, 4, 2)), r"g must have shape \[B, T, HV\] = \(1, 4, 4\), found \(1, 4, 2\)",
                  id="g-shape"),
     pytest.param(_bad(beta=torch.zeros(4, 4)), r"beta must have shape \[B, T, HV\]", id="beta-shape"),
@@ -483,13 +485,19 @@ RULE_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("fn", [deltanet.chunk_gated_delta_rule, deltanet.recurrent_gated_delta_rule],
-                         ids=["chunk", "recurrent"])
-@pytest.mark.parametrize("make_args, match", RULE_ERRORS)
-def test_delta_rule_errors(fn, make_args, match):
+#: Wrong types and dtypes raise TypeError, wrong shapes, values and devices ValueError (the project's convention).
+TYPE_ERRORS = {"q-int", "q-list", "v-dtype", "g-int", "state-bf16"}
+
+
+@pytest.mark.parametrize("fn", [deltanet.chunk_gated_delta_rule, deltanet.recurrent_gated_delta_rule,
+                                reference.chunk_gated_delta_rule], ids=["chunk", "recurrent", "reference"])
+@pytest.mark.parametrize("make_args, match, error",
+                         [pytest.param(*p.values, TypeError if p.id in TYPE_ERRORS else ValueError, id=p.id)
+                          for p in RULE_ERRORS])
+def test_delta_rule_errors(fn, make_args, match, error):
     args = make_args()
     args = {n: (t.to(runtime.DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         fn(**args)
 
 
@@ -497,6 +505,8 @@ def test_scale_and_gate_errors():
     args = _rule_args()
     with pytest.raises(ValueError, match="scale must be a positive"):
         deltanet.chunk_gated_delta_rule(**args, scale=-1.0)
+    with pytest.raises(TypeError, match="scale must be a positive finite Python number or None .* got Tensor"):
+        deltanet.chunk_gated_delta_rule(**args, scale=torch.tensor(0.1))
     q, k, v = args["q"], args["k"], args["v"]
     a = torch.zeros(1, 4, 4, device=runtime.DEVICE)
     with pytest.raises(ValueError, match=r"A_log must have shape \[HV\] = \(4,\), found \(2,\)"):
@@ -524,16 +534,32 @@ def test_conv_and_norm_errors(device):
         (lambda: deltanet.causal_conv1d(x, w[:, :1]), "conv width W=1"),
         (lambda: deltanet.causal_conv1d(x, w, torch.zeros(1, 8, 2, device=device)), r"S >= 3"),
         (lambda: deltanet.causal_conv1d(x, w, torch.zeros(1, 8, 3, device=device, dtype=BF16)),
-         "initial_state has dtype torch.bfloat16 but x has torch.float32"),
+         "initial_state has dtype torch.bfloat16 but x has torch.float32", TypeError),
+        (lambda: deltanet.causal_conv1d(x.to(torch.int32), w), "x has dtype torch.int32", TypeError),
+        (lambda: deltanet.causal_conv1d_update(x[:, 0], torch.zeros(1, 8, 3, device=device, dtype=BF16), w),
+         "conv_state has dtype torch.bfloat16 but x has torch.float32", TypeError),
         (lambda: deltanet.causal_conv1d_update(x, torch.zeros(1, 8, 3, device=device), w), r"x must be 2-D \[B, C\]"),
         (lambda: deltanet.causal_conv1d_update(x[:, 0], torch.zeros(1, 8, 2, device=device), w),
          r"conv_state must have shape \[B, C, S\]"),
         (lambda: deltanet.gated_rmsnorm(x, x[:, :2], w[:, 0]), r"z must have shape"),
         (lambda: deltanet.gated_rmsnorm(x, x, w), r"weight must have shape \[D\] = \(8,\)"),
+        (lambda: deltanet.gated_rmsnorm(x, x, w[:, 0], eps="1e-6"), "eps must be a positive finite Python number",
+         TypeError),
     ]
-    for call, match in cases:
-        with pytest.raises(ValueError, match=match):
+    for call, match, *error in cases:
+        with pytest.raises(error[0] if error else ValueError, match=match):
             call()
+
+
+@pytest.mark.parametrize("fn", [deltanet.gated_rmsnorm, reference.gated_rmsnorm], ids=["kernel", "reference"])
+def test_gated_rmsnorm_needs_positive_eps(fn, device):
+    """eps = 0 divides an all-zero row by sqrt(0): NaN. Both backends refuse it; a positive eps keeps such a row 0."""
+    x = torch.zeros(2, 16, device=device)
+    z, w = torch.ones(2, 16, device=device), torch.ones(16, device=device)
+    for eps in (0, 0.0, -1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"eps must be a positive finite Python number .* got "):
+            fn(x, z, w, eps)
+    assert (fn(x, z, w, 1e-6) == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------

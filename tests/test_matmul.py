@@ -234,8 +234,8 @@ def test_gemm_matches_reference(m, dtype, make_weight, make_nvfp4, device, poiso
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_gemv_and_gemm_agree(m, dtype, make_weight, make_nvfp4, device, poison_empty):
-    x = make_weight((m, 1040), dtype, seed=m + 40)
-    w = make_nvfp4(37, 1040, seed=5)
+    x = make_weight((m, 400), dtype, seed=m + 40)
+    w = make_nvfp4(37, 400, seed=5)
     bias = make_bias(37, BF16, device)
     assert_close_to_reference(nvfp4_gemv(x, w, bias), nvfp4_gemm(x, w, bias), f"gemv vs gemm, M={m}")
 
@@ -266,23 +266,23 @@ def test_split_k_for_never_leaves_an_empty_slice():
                         assert split == 1, f"enough tiles to fill the SMs but still split; {case}"
 
 
-# K = 208: 7 chunks of 32, so 2 splits take 4 + 3 chunks and 3 splits 3 + 3 + 1
-GEMV_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4}
-GEMM_CONFIG = {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+# K = 48 in chunks of 16: 2 splits take 2 + 1 chunks, 3 splits one each (the interpreter pays per chunk)
+GEMV_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 4}
+GEMM_CONFIG = {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3}
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
 @pytest.mark.parametrize("m,n,launch,config", [
     pytest.param(3, 37, launch_gemv, GEMV_CONFIG, id="gemv-M3-N37"),
     pytest.param(16, 65, launch_gemv, GEMV_CONFIG, id="gemv-M16-N65"),
     pytest.param(20, 37, launch_gemm, GEMM_CONFIG, id="gemm-M20-N37"),
     pytest.param(33, 65, launch_gemm, GEMM_CONFIG, id="gemm-M33-N65"),          # 2 x 2 tiles, 1-row tails
 ])
-def test_launch_forced_split_k(m, n, launch, config, dtype, split, make_weight, make_nvfp4, device,
-                               poison_empty):
-    x = make_weight((m, 208), dtype, seed=m)
-    w = make_nvfp4(n, 208, seed=n)
+def test_launch_forced_split_k(m, n, launch, config, split, make_weight, make_nvfp4, device, poison_empty):
+    """bf16 x (its int16-bits path under the interpreter); the partials and their sum are fp32 whatever x is."""
+    dtype = BF16
+    x = make_weight((m, 48), dtype, seed=m)
+    w = make_nvfp4(n, 48, seed=n)
     bias = make_bias(n, BF16, device)
     ys = []
     for _ in range(2):
@@ -343,8 +343,6 @@ class _Recorder:
         return launch
 
 
-@pytest.mark.xfail(strict=True, reason="launch_gemm sizes the split-K workspace from the built-in configs "
-                                       "(_max_split), not from the config it is given (triton_matmul.py:388)")
 def test_launch_gemm_config_workspace_fits_its_split(monkeypatch, make_weight, make_nvfp4, device):
     """A config with a smaller BLOCK_K than any built-in one splits K more; its workspace must hold every partial.
     (Launched for real, this case writes past the end of ``y`` and crashes the interpreter.)"""
@@ -380,7 +378,7 @@ def test_global_scale_per_row(m, dtype, make_weight, make_nvfp4, device, poison_
 @pytest.mark.parametrize("m", [pytest.param(3, id="gemv-M3"), pytest.param(17, id="gemm-M17")])
 def test_global_scale_per_row_groups(m, dtype, make_weight, device, poison_empty):
     """Three row groups of very different magnitude, each quantised with its own global scale, then concatenated
-    with the scale repeated per row: each group's output equals that group alone."""
+    with the scale repeated per row: each group's columns of y match the product with that group alone."""
     sizes, mags = (5, 37, 23), (1e-3, 1.0, 300.0)
     groups = [nvfp4_reference.quantize(make_weight((r, 208), FP32, seed=i, scale=s))
               for i, (r, s) in enumerate(zip(sizes, mags))]
@@ -479,22 +477,20 @@ def test_nvfp4_linear_module_state_dict_round_trip(make_weight, device, poison_e
 
 def test_nvfp4_linear_module_to_device_and_repr(make_weight, device, poison_empty):
     torch.manual_seed(2)
-    lin = NVFP4Linear.from_linear(nn.Linear(48, 37, bias=False, dtype=BF16))
+    lin = NVFP4Linear.from_linear(nn.Linear(48, 37, bias=False, dtype=BF16, device=device))
     x = make_weight((3, 48), BF16, seed=4)
-    want = lin.to("cpu")(x.cpu())
-    moved = lin.to(device)
-    assert moved is lin and lin.weight.device == device
-    assert lin.codes.dtype == torch.uint8 and lin.scales.dtype == torch.float8_e4m3fn
-    assert_bit_equal(lin(x).cpu(), want.cpu(), "after .to(device)")
+    want = lin(x)
+    assert lin.to("cpu") is lin
+    assert {t.device.type for t in lin.state_dict().values()} == {"cpu"} and lin.weight.device.type == "cpu"
+    assert (lin.codes.dtype, lin.scales.dtype, lin.global_scale.dtype) == (torch.uint8, torch.float8_e4m3fn, FP32)
+    assert_bit_equal(lin.to(device)(x), want, "after .to('cpu') and back")
     assert lin.extra_repr() == "in_features=48, out_features=37, bias=False"
     assert repr(lin) == "NVFP4Linear(in_features=48, out_features=37, bias=False)"
-    assert "bias=True" in repr(NVFP4Linear.from_linear(nn.Linear(16, 1)))
+    assert "bias=True" in repr(NVFP4Linear.from_linear(nn.Linear(16, 1, device=device)))
 
 
-@pytest.mark.xfail(strict=True, reason="Module.to(dtype) casts the float8 scales and the fp32 global scale (both "
-                                       "floating point), so the forward's NVFP4Tensor rejects them (linear.py:30-32)")
-def test_nvfp4_linear_module_survives_to_dtype(make_weight):
-    lin = NVFP4Linear.from_linear(nn.Linear(48, 37, dtype=BF16))
+def test_nvfp4_linear_module_survives_to_dtype(make_weight, device):
+    lin = NVFP4Linear.from_linear(nn.Linear(48, 37, dtype=BF16, device=device))
     lin.to(BF16)
     assert lin.scales.dtype == torch.float8_e4m3fn and lin.global_scale.dtype == FP32
     lin(make_weight((3, 48), BF16))
@@ -566,7 +562,8 @@ def _tiny(device) -> _Tiny:
 ])
 def test_quantize_linears_swaps_the_eligible(skip, swapped, device, poison_empty):
     model = _tiny(device)
-    names = quantize_linears(model, skip=skip)
+    with lynn_kernels.use_reference():                    # only the names matter here: quantise in plain torch
+        names = quantize_linears(model, skip=skip)
     assert len(names) == len(set(names)) and set(names) == swapped
     for name, mod in model.named_modules():
         if name in swapped:
@@ -618,7 +615,7 @@ def _error_cases():
          r"bias has shape \(36,\); expected \[N\] = \[37\]"),
         ("bias-2d", lambda: (x(3, 48), q(), torch.zeros(1, 37)), ValueError, r"bias has shape \(1, 37\)"),
         ("bias-int", lambda: (x(3, 48), q(), torch.zeros(37, dtype=torch.int64)), TypeError,
-         r"bias has dtype torch.int64; expected a float dtype"),
+         r"bias has dtype torch.int64; expected one of \['bfloat16', 'float16', 'float32'\]"),
         ("bias-list", lambda: (x(3, 48), q(), [0.0] * 37), TypeError, r"bias must be a torch.Tensor or None, got list"),
         ("bias-meta", lambda: (x(3, 48), q(), torch.zeros(37, device="meta")), ValueError,
          r"bias is on meta but w is on cpu"),
@@ -642,8 +639,6 @@ def test_kernels_refuse_a_foreign_device(op):
         op(torch.zeros(3, 48, device="meta"), w)
 
 
-@pytest.mark.xfail(strict=True, reason="check_linear_args accepts any float bias, but the kernels look its dtype "
-                                       "up in runtime.TORCH_TO_TL (triton_matmul.py:342): KeyError: torch.float64")
 def test_fp64_bias_works_or_is_named(make_weight, make_nvfp4, device):
     """The reference takes an fp64 bias; the kernel must match it or refuse with an error naming the bias."""
     x, w, bias = make_weight((3, 48), FP32), make_nvfp4(37, 48), make_bias(37, torch.float64, device)
@@ -737,7 +732,8 @@ def test_gpu_packed_decode_every_code_and_scale_exact(op, dtype, device):
     y, want = op(x, w), reference.nvfp4_linear(x, w)
     for name, rows in groups:
         assert_bit_equal(y[:, rows], want[:, rows], f"rows of {name}")
-    xr = torch.randn(m, 16, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
+    xr = torch.randn(m, 16, generator=torch.Generator().manual_seed(0)).mul(2.0 ** -6)   # huge rows fit fp16
+    xr = xr.to(dtype).to(device)
     y, want = op(xr, w), reference.nvfp4_linear(xr, w)
     for name, rows in groups[1:]:
         assert_close_to_reference(y[:, rows], want[:, rows], f"random x, rows of {name}")

@@ -15,6 +15,9 @@ One gated-attention layer, prefill of a packed batch (see docs/attention.md)::
                         k_cache=kc, v_cache=vc, slot_mapping=slots)
     o = flash_attention(q, k, v, gate=gate, cu_seqlens=cu)         # [T, 16, 256], already * sigmoid(gate)
     y = o_proj(o.view(T, -1))
+
+Bad arguments raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or device), naming the
+tensor, what was expected and what was found, on every backend (the checks live in :mod:`.layout`).
 """
 
 from .. import runtime
@@ -61,14 +64,16 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_table=None, scale=None
     Args:
         q: ``[B, Hq, D]`` bf16 / fp16 / fp32 (any row / head strides).
         k_cache, v_cache: q's dtype; contiguous ``[B', S_max, Hkv, D]`` (sequence ``b`` is row ``b``, ``B' >= B``)
-            or, with ``block_table``, paged ``[num_blocks, PAGE, Hkv, D]`` with ``PAGE >= 16``.
+            or, with ``block_table``, paged ``[num_blocks, PAGE, Hkv, D]`` with ``PAGE >= 16`` (any page size
+            works in the kernel, which gathers keys one at a time; 16 is the documented and tested floor).
         seq_lens: int32 ``[B]`` cached tokens per sequence, the current token's included (write it first, e.g.
             with :func:`qk_norm_rope`). A length of 0 gives an output of zeros.
         block_table: int32 ``[B, max_blocks]``: page ``i`` of sequence ``b`` is block ``block_table[b, i]``.
         scale: softmax scale, default ``D ** -0.5``.
         gate: ``[B, Hq, D]`` or None: the output is multiplied by ``sigmoid(gate)``.
-        num_splits: splits of each sequence (``1..256``); default from the cache capacity and the GPU's SM count,
-            without reading ``seq_lens`` back.
+        num_splits: splits of each sequence (``1..256``); default :func:`default_num_splits`: from the cache
+            capacity and the GPU's SM count, without reading ``seq_lens`` back, always a power of two (each distinct
+            count compiles and autotunes its own kernel variant, so pass powers of two too).
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
@@ -89,8 +94,12 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
     Args:
         q: ``[T, Hq, D]`` bf16 / fp16 / fp32 (any row / head strides, e.g. :func:`split_q_gate`'s view).
         k: ``[T, Hkv, D]``, q's dtype.
-        q_weight, k_weight: ``[D]`` the RMSNorm weights ``w`` (applied as ``1 + w``), any float dtype.
-        positions: int ``[T]`` position of each token.
+        q_weight, k_weight: ``[D]`` the RMSNorm weights ``w`` (applied as ``1 + w``), bf16 / fp16 / fp32, each
+            its own (both are used in fp32).
+        positions: int32 / int64 ``[T]`` position of each token: in ``[0, cos.shape[0])`` with tables, in
+            ``[0, 411768]`` with ``rope_theta`` (:data:`.layout.ROPE_THETA_MAX_POSITION`: the in-kernel angle
+            reduction is exact below 2^16 turns; use tables beyond). Checked with one host read, skipped while a
+            CUDA graph is being captured.
         v: ``[T, Hkv, D]``, needed for a cache write (copied, not transformed).
         rotary_dim: RoPE on dims ``0..rotary_dim-1`` (Qwen3-Next: 64 of 256), rotate_half convention.
         rope_theta: RoPE base from the checkpoint's config (Qwen3-Next-80B-A3B: 1e7): cos / sin are then

@@ -146,14 +146,31 @@ def _decode_merge_kernel(
              cast_output(out, OUT_DTYPE, INTERPRET))
 
 
-def default_num_splits(batch: int, hkv: int, capacity: int) -> int:
-    """Splits per sequence so that ``batch * hkv * splits`` programs fill the GPU about twice, no split shorter
-    than ``MIN_SPLIT_TOKENS`` keys of the cache's capacity. Chosen without reading ``seq_lens`` (no host sync)."""
-    if runtime.INTERPRET:
-        return max(1, min(4, triton.cdiv(capacity, 1024)))              # few programs: the interpreter is serial
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def splits_for(batch: int, hkv: int, capacity: int, sms: int) -> int:
+    """The rule of :func:`default_num_splits` for a GPU of ``sms`` SMs (pure: no device query)."""
     want = triton.cdiv(2 * sms, max(1, batch * hkv))
-    return max(1, min(want, triton.cdiv(capacity, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    return _floor_pow2(min(want, triton.cdiv(capacity, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def default_num_splits(batch: int, hkv: int, capacity: int) -> int:
+    """Splits per sequence: ``min(ceil(2 * SMs / (batch * hkv)), ceil(capacity / MIN_SPLIT_TOKENS), MAX_SPLITS)``
+    rounded **down to a power of two**, so ``batch * hkv * splits`` programs fill the GPU one to two times over and
+    no split is shorter than ``MIN_SPLIT_TOKENS`` keys of the cache's capacity.
+
+    Chosen from shapes alone, without reading ``seq_lens`` (no host sync). A power of two because ``NUM_SPLITS`` is
+    a compile-time constant and an autotune key of the split kernel: only 1, 2, 4, ..., 256 occur (Qwen's 2 KV heads
+    on an H200, 32k cache: 8 values over batch 1..256, instead of 22), so a new batch size seldom compiles or autotunes
+    anything, and warming up one batch size per split count lets CUDA graphs be captured for any batch size.
+    Under the interpreter: 1, 2 or 4.
+    """
+    if runtime.INTERPRET:
+        return _floor_pow2(min(4, triton.cdiv(capacity, 1024)))         # few programs: the interpreter is serial
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return splits_for(batch, hkv, capacity, sms)
 
 
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, gate=None, *,
@@ -161,7 +178,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_table=None, sca
     """Host side of :func:`lynn_kernels.attention.decode_attention`: check, allocate, launch."""
     check_devices(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table, gate=gate)
     cache = check_decode(q, k_cache, v_cache, seq_lens, block_table, gate)
-    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)):
+        raise TypeError(f"num_splits must be an int in [1, {MAX_SPLITS}] or None, found {type(num_splits).__name__}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], found {num_splits!r}")
     q, gate = last_dim_contiguous(q), last_dim_contiguous(gate)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:

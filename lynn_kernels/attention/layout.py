@@ -1,7 +1,9 @@
 """Layouts and argument checks shared by the attention kernels and their references.
 
-Every public op and its reference run the same checks, so a bad call fails the same way on every backend, with a
-``ValueError`` naming the tensor, what was expected and what was found (STYLE.md habit 10).
+Every public op and its reference run the same checks, so a bad call fails the same way on every backend, with an
+error naming the tensor, what was expected and what was found (STYLE.md habit 10). As in the rest of the project
+(``nvfp4``, ``matmul``, ``deltanet``): ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape,
+value or device.
 
 Layouts (docs/attention.md has the pictures):
 
@@ -16,6 +18,7 @@ Layouts (docs/attention.md has the pictures):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +29,13 @@ from .. import runtime
 HEAD_DIMS = (16, 32, 64, 128, 256)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-#: Smallest page of a paged cache (one ``tl.dot`` operand tile along the keys needs 16 rows on the GPU).
+#: Smallest page of a paged cache: a documented floor, not a kernel limit. The decode kernel computes one address per
+#: key (block-table entry, offset in the page), so no tile shape depends on the page size; 16 is what the paged-cache
+#: requirement asked for (block sizes of 16 or more, vLLM's default) and the smallest size the tests cover.
 MIN_PAGE = 16
+#: Largest position the in-kernel RoPE (``rope_theta``, no tables) accepts: its Cody-Waite reduction of the angle
+#: ``position * inv_freq`` (``inv_freq[0] = 1``) is exact while the angle is under ``2^16 - 1`` turns of 2 pi.
+ROPE_THETA_MAX_POSITION = int((2**16 - 1) * 2 * math.pi)           # 411,768
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -37,17 +45,17 @@ def _shape(t: torch.Tensor) -> tuple:
 def check_tensor(name: str, t, ndim: int, dtypes=FLOAT_DTYPES) -> None:
     """``t`` is a tensor with ``ndim`` dims and one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, found {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, found {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, found shape {_shape(t)}")
     if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(d)[6:] for d in dtypes]}, found {str(t.dtype)[6:]}")
+        raise TypeError(f"{name} must have dtype in {[str(d)[6:] for d in dtypes]}, found {str(t.dtype)[6:]}")
 
 
 def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, dims=None) -> None:
     """``t`` has ``ref``'s dtype and (all, or the listed ``dims`` of) its shape."""
     if t.dtype != ref.dtype:
-        raise ValueError(f"{name} must have the dtype of {ref_name} ({str(ref.dtype)[6:]}), found {str(t.dtype)[6:]}")
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({str(ref.dtype)[6:]}), found {str(t.dtype)[6:]}")
     got = _shape(t) if dims is None else tuple(t.shape[d] for d in dims)
     want = _shape(ref) if dims is None else tuple(ref.shape[d] for d in dims)
     if got != want:
@@ -174,7 +182,7 @@ def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate) -> Cache:
     check_tensor("q", q, 3)
     check_cache_pair(k_cache, v_cache)
     if k_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache must have the dtype of q ({str(q.dtype)[6:]}), found {str(k_cache.dtype)[6:]}")
+        raise TypeError(f"k_cache must have the dtype of q ({str(q.dtype)[6:]}), found {str(k_cache.dtype)[6:]}")
     if k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"k_cache must have q's head dim {q.shape[2]} in dim 3, found shape {_shape(k_cache)}")
     check_heads("q", q.shape[1], "k_cache", k_cache.shape[2], q.shape[2])
@@ -226,7 +234,7 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
     check_tensor("k", k, 3)
     check_same("k", k, "q", q, dims=(0, 2))
     if k.dtype != q.dtype:
-        raise ValueError(f"k must have the dtype of q ({str(q.dtype)[6:]}), found {str(k.dtype)[6:]}")
+        raise TypeError(f"k must have the dtype of q ({str(q.dtype)[6:]}), found {str(k.dtype)[6:]}")
     d = q.shape[2]
     check_heads("q", q.shape[1], "k", k.shape[1], d)
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -237,7 +245,10 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
     if positions.shape[0] != q.shape[0]:
         raise ValueError(f"positions must have one entry per token: expected shape ({q.shape[0]},), "
                          f"found {_shape(positions)}")
-    if not (isinstance(rotary_dim, int) and 0 < rotary_dim <= d and rotary_dim % 2 == 0):
+    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool):
+        raise TypeError(f"rotary_dim must be an even int in (0, {d}], found {type(rotary_dim).__name__} "
+                        f"{rotary_dim!r}")
+    if not (0 < rotary_dim <= d and rotary_dim % 2 == 0):
         raise ValueError(f"rotary_dim must be an even int in (0, {d}], found {rotary_dim!r}")
     if (cos is None) != (sin is None):
         raise ValueError("give both cos and sin tables, or neither (then rope_theta)")
@@ -260,19 +271,35 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
         if any(x is None for x in wants_cache) or v is None:
             raise ValueError("a cache write needs all of v, k_cache, v_cache and slot_mapping")
         check_cache_pair(k_cache, v_cache)
-        if k_cache.dtype != k.dtype or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
-            raise ValueError(f"k_cache must be [*, *, {k.shape[1]}, {d}] of dtype {str(k.dtype)[6:]} like k, "
-                             f"found {_shape(k_cache)} {str(k_cache.dtype)[6:]}")
+        if k_cache.dtype != k.dtype:
+            raise TypeError(f"k_cache must have the dtype of k ({str(k.dtype)[6:]}), found {str(k_cache.dtype)[6:]}")
+        if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+            raise ValueError(f"k_cache must be [*, *, {k.shape[1]}, {d}] like k, found {_shape(k_cache)}")
         check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
         if slot_mapping.shape[0] != q.shape[0]:
             raise ValueError(f"slot_mapping must have one entry per token: expected shape ({q.shape[0]},), "
                              f"found {_shape(slot_mapping)}")
         n_slots = k_cache.shape[0] * k_cache.shape[1]
         if values_checkable() and slot_mapping.numel():
-            lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+            lo, hi = _min_max(slot_mapping)
             if lo < -1 or hi >= n_slots:
                 raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 skips a token), "
                                  f"found min {lo}, max {hi}")
+    if values_checkable() and positions.numel():                        # one host sync, like slot_mapping's
+        lo, hi = _min_max(positions)
+        if cos is not None and (lo < 0 or hi >= cos.shape[0]):
+            raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rows of the cos / sin tables), "
+                             f"found min {lo}, max {hi}")
+        if cos is None and (lo < 0 or hi > ROPE_THETA_MAX_POSITION):
+            raise ValueError(f"positions must lie in [0, {ROPE_THETA_MAX_POSITION}] with rope_theta (the in-kernel "
+                             f"angle reduction is exact below 2^16 turns); pass cos / sin tables for longer "
+                             f"contexts; found min {lo}, max {hi}")
+
+
+def _min_max(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty integer tensor, read back in one host sync."""
+    lo, hi = torch.aminmax(t)
+    return tuple(int(x) for x in torch.stack((lo, hi)).tolist())
 
 
 # ---------------------------------------------------------------------------------------------------------------

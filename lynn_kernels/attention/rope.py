@@ -7,7 +7,11 @@ kernel loads the row a second time at the partner offsets (an L1 hit) instead of
 cos / sin come from tables (``cos, sin [P, R]``, gathered by position: bit-for-bit whatever the caller built, e.g.
 :func:`.reference.rope_cos_sin`, HF's own numbers) or are computed in-kernel from ``rope_theta``: the angle
 ``position * inv_freq`` is the same fp32 product HF forms, reduced into [-pi, pi] with a three-part 2 pi
-(Cody-Waite, exact for angles below 2^16 * 2 pi) so that the GPU's fast ``sin`` / ``cos`` stay accurate.
+(Cody-Waite, exact while the angle is under 2^16 - 1 turns) so that the GPU's fast ``sin`` / ``cos`` stay accurate.
+``inv_freq[0] = 1``, so the angle is at most the position: positions past
+:data:`.layout.ROPE_THETA_MAX_POSITION` (411,768) are refused on this path; tables have no such limit.
+
+The RMSNorm weights enter the kernel as fp32 (each its own dtype converted exactly; they are only ``[D]`` long).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_kc0, stride_kc1, stride_kch, stride_vc0, stride_vc1, stride_vch, CACHE_ROWS,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, TABLE: tl.constexpr, WRITE_CACHE: tl.constexpr,
-    IN_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, TABLE_DTYPE: tl.constexpr,
+    IN_DTYPE: tl.constexpr, TABLE_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     HALF: tl.constexpr = ROT_DIM // 2
@@ -67,8 +71,8 @@ def _qk_norm_rope_kernel(
     m2 = mask_t[:, None]
     x = to_float32(tl.load(x_row[:, None] + offs_d[None, :], mask=m2, other=0), IN_DTYPE, INTERPRET)
     x_p = to_float32(tl.load(x_row[:, None] + offs_p[None, :], mask=m2, other=0), IN_DTYPE, INTERPRET)
-    w1 = 1.0 + to_float32(tl.load(w_ptr + offs_d), W_DTYPE, INTERPRET)          # [HEAD_DIM] the (1 + w) weight
-    w1_p = 1.0 + to_float32(tl.load(w_ptr + offs_p), W_DTYPE, INTERPRET)
+    w1 = 1.0 + tl.load(w_ptr + offs_d)                                  # [HEAD_DIM] the (1 + w) weight, fp32
+    w1_p = 1.0 + tl.load(w_ptr + offs_p)
 
     # RMSNorm in fp32, in HF's order: x * rsqrt(mean(x^2) + eps), then * (1 + w)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)                  # [BLOCK_T]
@@ -124,8 +128,8 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
                   k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, cos, sin, k_cache, v_cache,
                slot_mapping)
-    if q_weight.dtype != k_weight.dtype:
-        k_weight = k_weight.to(q_weight.dtype)
+    # fp32 weights, each converted exactly from its own dtype (a bf16 q_weight must not round an fp32 k_weight)
+    q_weight, k_weight = (w.to(torch.float32).contiguous() for w in (q_weight, k_weight))
     q, k, v, cos, sin = (last_dim_contiguous(t) for t in (q, k, v, cos, sin))
     if k_cache is not None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
         raise ValueError("k_cache and v_cache need unit stride along the head dim (copying a cache is never silent)")
@@ -144,7 +148,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
     slots = slot_mapping if write else positions
     block_t = max(1, min(16, 4096 // d)) if not runtime.INTERPRET else 64
     _qk_norm_rope_kernel[(triton.cdiv(t, block_t), hq + hkv)](
-        kernel_view(q), kernel_view(k), kernel_view(vv), kernel_view(q_weight), kernel_view(k_weight), positions,
+        kernel_view(q), kernel_view(k), kernel_view(vv), q_weight, k_weight, positions,
         inv_freq, kernel_view(cos_t), kernel_view(sin_t), kernel_view(q_out), kernel_view(k_out),
         kernel_view(kc), kernel_view(vc), slots,
         t, hq, hkv, float(eps),
@@ -152,8 +156,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
         cos_t.stride(0), sin_t.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), kc.shape[1],
         HEAD_DIM=d, ROT_DIM=rotary_dim, TABLE=table, WRITE_CACHE=write,
-        IN_DTYPE=runtime.TORCH_TO_TL[q.dtype], W_DTYPE=runtime.TORCH_TO_TL[q_weight.dtype],
-        TABLE_DTYPE=runtime.TORCH_TO_TL[cos_t.dtype], BLOCK_T=block_t, **runtime.kernel_flags(),
-        num_warps=4,
+        IN_DTYPE=runtime.TORCH_TO_TL[q.dtype], TABLE_DTYPE=runtime.TORCH_TO_TL[cos_t.dtype], BLOCK_T=block_t,
+        **runtime.kernel_flags(), num_warps=4,
     )
     return q_out, k_out

@@ -19,6 +19,7 @@ Derived figures:
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -105,7 +106,8 @@ def bench_chunk(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         label, dims = f"B1 T{T} H{H} HV{HV} d{D}", {"B": 1, "T": T, "H": H, "HV": HV, "K": D, "V": D}
         nbytes = 2 * T * H * D * 2 + T * HV * D * 2 * 2 + T * HV * 4 * 2 + HV * D * D * 4
         flops = prefill_flops(T)
-        sets = rotation(lambda: _prefill_inputs(T, seed=len(rows)), nbytes, max_sets=4)
+        seeds = itertools.count(1000 * T)                    # every rotating set its own inputs
+        sets = rotation(lambda: _prefill_inputs(T, seed=next(seeds)), nbytes, max_sets=4)
         q, k, v, g, beta = sets[0]
         o_ref, s_ref = reference.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, None, True,
                                                         True)
@@ -184,7 +186,8 @@ def bench_recurrent(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                   + 2 * HV * 4)
         scale = D ** -0.5
         dims_rule = Dims(B, 1, H, HV, D, D)
-        sets = rotation(lambda: _decode_inputs(B, seed=B), nbytes)
+        seeds = itertools.count(1000 * B)                    # every rotating set its own inputs
+        sets = rotation(lambda: _decode_inputs(B, seed=next(seeds)), nbytes)
         q, k, v, a, b, state0, _ = sets[0]
         o_ref, s_ref = reference.recurrent_gated_delta_rule_gates(q.float(), k.float(), v.float(), A_log, a,
                                                                   dt_bias, b, None, state0, True, True)
@@ -208,13 +211,15 @@ def bench_recurrent(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                      ("lynn recurrent_gated_delta_rule_gates() eager call", eager, sets, "")]
         providers = [(p, fn, ps, how, check(*fn(*fresh(ps[0])))) for p, fn, ps, how in providers]
         if fla_recurrent is not None:
-            g0, beta0 = reference.gates(A_log, a, dt_bias, b)
+            # fla 0.6.0 takes g, beta: each set's own gates, precomputed untimed, so both see the same inputs
+            gated_sets = [(q, k, v, *reference.gates(A_log, a, dt_bias, b), state, o)
+                          for q, k, v, a, b, state, o in sets]
 
-            def fla_fn(q, k, v, a, b, state, o):       # fla 0.6.0 takes g, beta: the gates precomputed, not timed
-                return fla_recurrent(q, k, v, g=g0, beta=beta0, initial_state=state, output_final_state=True,
+            def fla_fn(q, k, v, g, beta, state, o):
+                return fla_recurrent(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                                      use_qk_l2norm_in_kernel=True)
 
-            fla_sets, how, validation = _validate_fla(fla_fn, [fresh(s) for s in sets], check)
+            fla_sets, how, validation = _validate_fla(fla_fn, [fresh(s) for s in gated_sets], check)
             providers.append((f"fla {version} fused_recurrent_gated_delta_rule (g, beta precomputed)", fla_fn,
                               fla_sets, how, validation))
         for provider, fn, psets, how, validation in providers:

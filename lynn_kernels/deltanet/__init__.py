@@ -17,6 +17,8 @@ signature in :mod:`.reference`; layouts in :mod:`.spec`, math in docs/deltanet.m
 Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g, beta ``[B, T, HV]``; the recurrent state
 ``[B, HV, K, V]`` is always fp32; o ``[B, T, HV, V]`` in v's dtype. ``final_state`` is ``None`` unless
 ``output_final_state`` (or ``out_state``, which receives it; it may be ``initial_state`` for an in-place step).
+Bad arguments raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or device), naming the
+tensor, on every backend (the checks live in :mod:`.spec`).
 
 Example (a Qwen3.5 layer's core on the CPU interpreter)::
 
@@ -41,14 +43,170 @@ from .triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
 from .triton_norm import gated_rmsnorm_triton
 from .triton_recurrent import recurrent_gated_delta_rule_gates_triton, recurrent_gated_delta_rule_triton
 
-chunk_gated_delta_rule = runtime.op(reference=reference.chunk_gated_delta_rule)(chunk_gated_delta_rule_triton)
-recurrent_gated_delta_rule = runtime.op(reference=reference.recurrent_gated_delta_rule)(
-    recurrent_gated_delta_rule_triton)
-recurrent_gated_delta_rule_gates = runtime.op(reference=reference.recurrent_gated_delta_rule_gates)(
-    recurrent_gated_delta_rule_gates_triton)
-causal_conv1d = runtime.op(reference=reference.causal_conv1d)(causal_conv1d_triton)
-causal_conv1d_update = runtime.op(reference=reference.causal_conv1d_update)(causal_conv1d_update_triton)
-gated_rmsnorm = runtime.op(reference=reference.gated_rmsnorm)(gated_rmsnorm_triton)
+
+@runtime.op(reference=reference.chunk_gated_delta_rule)
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm=False, *, out_state=None):
+    """The gated delta rule over a whole prompt in chunks of 64 tokens (WY / UT form, five kernels): prefill.
+
+    Per value head, with state ``S [K, V]`` (fp32), token by token: ``S = exp(g_t) S``; ``d = beta_t (v_t - S^T
+    k_t)``; ``S = S + k_t d^T``; ``o_t = S^T q_t``. Same result as :func:`recurrent_gated_delta_rule` (math:
+    docs/deltanet.md). On the GPU, bf16 / fp16 inputs use bf16 ``tl.dot`` operands (the fp32 inverse and state
+    included): on the H200 at T=65 the final state is 2.9e-3 off in rel_l2 (the recurrent op: 6e-8); fp32 inputs
+    multiply in IEEE fp32.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16 / fp16 / fp32, any strides with the last dim contiguous (views of a fused
+            projection are read in place). ``K <= 256``.
+        v: ``[B, T, HV, V]``, q's dtype; ``HV`` a multiple of ``H`` (value head ``h`` reads QK head
+            ``h // (HV // H)``, no copy). ``V <= 256``.
+        g: ``[B, T, HV]`` log decay per token and value head (``<= 0``), any float dtype (fp32 advised).
+        beta: ``[B, T, HV]`` delta-rule step size (in ``(0, 1)`` for Qwen: ``sigmoid(b)``), any float dtype.
+        scale: multiplies q (after the L2 norm); default ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` **fp32** (``S^T q`` is the output: K rows, V columns), or None (zeros).
+        output_final_state: return the state after the last token.
+        use_qk_l2norm: L2-normalise q and k in the kernel (``x * rsqrt(sum(x^2) + 1e-6)``, HF / fla), as Qwen does.
+        out_state: contiguous fp32 ``[B, HV, K, V]`` that receives the final state (may be ``initial_state``
+            itself for an in-place update); implies a returned final state.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[B, HV, K, V]`` (``out_state``
+        when given) or None.
+
+    Example::
+
+        q, k = torch.randn(1, 100, 2, 64), torch.randn(1, 100, 2, 64)             # B=1, T=100, H=2, K=64
+        v = torch.randn(1, 100, 4, 64)                                             # HV=4, V=64
+        g, beta = F.logsigmoid(torch.randn(1, 100, 4)), torch.rand(1, 100, 4)
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)
+        # o [1, 100, 4, 64] float32, state [1, 4, 64, 64] float32
+    """
+    return chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                                         out_state=out_state)
+
+
+@runtime.op(reference=reference.recurrent_gated_delta_rule)
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm=False, *, out_state=None):
+    """The gated delta rule token by token, in one kernel: decode (T = 1) or any T, sequentially.
+
+    Same arguments and result as :func:`chunk_gated_delta_rule`. Each program keeps its slice of the fp32 state in
+    registers over the tokens (read once, written once per call); all arithmetic is fp32, no ``tl.dot``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16 / fp16 / fp32, any strides with the last dim contiguous (views of a fused
+            projection are read in place). ``K <= 256``.
+        v: ``[B, T, HV, V]``, q's dtype; ``HV`` a multiple of ``H`` (value head ``h`` reads QK head
+            ``h // (HV // H)``, no copy). ``V <= 256``.
+        g: ``[B, T, HV]`` log decay per token and value head (``<= 0``), any float dtype (fp32 advised).
+        beta: ``[B, T, HV]`` delta-rule step size (in ``(0, 1)`` for Qwen: ``sigmoid(b)``), any float dtype.
+        scale: multiplies q (after the L2 norm); default ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` **fp32** (``S^T q`` is the output: K rows, V columns), or None (zeros).
+        output_final_state: return the state after the last token.
+        use_qk_l2norm: L2-normalise q and k in the kernel (``x * rsqrt(sum(x^2) + 1e-6)``, HF / fla), as Qwen does.
+        out_state: contiguous fp32 ``[B, HV, K, V]`` that receives the final state (may be ``initial_state``
+            itself for an in-place update); implies a returned final state.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[B, HV, K, V]`` (``out_state``
+        when given) or None.
+
+    Example (one decode step after a prefill, the state updated in place)::
+
+        o1, _ = recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:],
+                                           initial_state=state, use_qk_l2norm=True, out_state=state)
+        # q[:, -1:] [B, 1, H, K]; o1 [B, 1, HV, V] in v's dtype; state [B, HV, K, V] fp32, updated
+    """
+    return recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                             use_qk_l2norm, out_state=out_state)
+
+
+@runtime.op(reference=reference.recurrent_gated_delta_rule_gates)
+def recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm=False, *, out_state=None):
+    """:func:`recurrent_gated_delta_rule` with Qwen's gates computed in the same kernel (a decode step in one
+    launch): ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (as :func:`gates`, in fp32).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v ``[B, T, HV, V]``: as :func:`chunk_gated_delta_rule`.
+        A_log, dt_bias: ``[HV]`` per-head parameters, any float dtype (used in fp32).
+        a, b: ``[B, T, HV]`` the raw outputs of ``in_proj_a`` / ``in_proj_b``, any float dtype.
+        scale, initial_state, output_final_state, use_qk_l2norm, out_state: as :func:`chunk_gated_delta_rule`
+            (the state ``[B, HV, K, V]`` fp32).
+
+    Returns:
+        ``(o [B, T, HV, V]`` in v's dtype, ``final_state`` fp32 ``[B, HV, K, V]`` or None).
+
+    Example::
+
+        o, _ = recurrent_gated_delta_rule_gates(q, k, v, layer.A_log, a, layer.dt_bias, b, initial_state=state,
+                                                use_qk_l2norm=True, out_state=state)      # q [B, 1, 16, 128]
+    """
+    return recurrent_gated_delta_rule_gates_triton(q, k, v, A_log, a, dt_bias, b, scale, initial_state,
+                                                   output_final_state, use_qk_l2norm, out_state=out_state)
+
+
+@runtime.op(reference=reference.causal_conv1d)
+def causal_conv1d(x, weight, initial_state=None):
+    """Depthwise causal conv1d + SiLU over a prompt (no bias), summed in fp32.
+
+    ``y[b, t, c] = silu(sum_j weight[c, j] * x[b, t - W + 1 + j, c])``, inputs before ``t = 0`` from
+    ``initial_state`` (or zeros).
+
+    Args:
+        x: ``[B, T, C]`` bf16 / fp16 / fp32, last dim contiguous (or it is copied).
+        weight: ``[C, W]``, any float dtype, ``2 <= W <= 8`` (an ``nn.Conv1d`` weight ``[C, 1, W]`` needs
+            ``.squeeze(1)``).
+        initial_state: ``[B, C, S]`` in x's dtype, ``S >= W - 1``, the last ``S`` raw inputs, oldest first; or None.
+
+    Returns:
+        ``(y [B, T, C]`` in x's dtype, ``final_state [B, C, S]`` in x's dtype: the last ``S`` raw inputs, bit for
+        bit, ``S = W - 1`` without an initial state).
+
+    Example::
+
+        y, conv_state = causal_conv1d(x, conv_weight)              # x [1, 100, 8192] bf16, conv_weight [8192, 4]
+    """
+    return causal_conv1d_triton(x, weight, initial_state)
+
+
+@runtime.op(reference=reference.causal_conv1d_update)
+def causal_conv1d_update(x, conv_state, weight):
+    """One decode step of :func:`causal_conv1d`: rolls ``conv_state`` in place (oldest column out, ``x`` in).
+
+    Args:
+        x: ``[B, C]`` bf16 / fp16 / fp32, the new token.
+        conv_state: ``[B, C, S]`` in x's dtype, ``S >= W - 1`` (HF keeps ``S = W``, vLLM ``W - 1``); updated in place.
+        weight: ``[C, W]``, any float dtype.
+
+    Returns:
+        ``y [B, C]`` in x's dtype.
+
+    Example::
+
+        y1 = causal_conv1d_update(x1, conv_state, conv_weight)    # x1 [B, 8192]; conv_state [B, 8192, 3], rolled
+    """
+    return causal_conv1d_update_triton(x, conv_state, weight)
+
+
+@runtime.op(reference=reference.gated_rmsnorm)
+def gated_rmsnorm(x, z, weight, eps=1e-6):
+    """``weight * rmsnorm(x) * silu(z)`` over the last dim, in HF's order and roundings (``Qwen3NextRMSNormGated``).
+
+    Args:
+        x, z: ``[..., D]`` bf16 / fp16 / fp32 (same shape), ``D <= 16384``.
+        weight: ``[D]``, any float dtype (the product ``weight * normed`` is rounded to the promoted dtype).
+        eps: a positive float (``0`` would give NaN on an all-zero row).
+
+    Returns:
+        ``[..., D]`` in x's dtype.
+
+    Example::
+
+        out = gated_rmsnorm(o, z, layer.norm.weight, eps=1e-6)     # o, z [B, T, 32, 128] bf16; weight [128]
+    """
+    return gated_rmsnorm_triton(x, z, weight, eps)
+
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_gates", "gates",
            "causal_conv1d", "causal_conv1d_update", "gated_rmsnorm", "reference", "spec", "CHUNK"]

@@ -1,7 +1,9 @@
-"""Shapes, limits and argument checks shared by the Gated DeltaNet references and kernels.
+"""Shapes, limits, argument checks and small helpers shared by the Gated DeltaNet references and kernels.
 
-Both the torch reference and the Triton host functions call these, so a bad argument raises the same
-``ValueError`` (naming the tensor, what was expected and what was found) on every backend.
+Both the torch reference and the Triton host functions call these checks, so a bad argument raises the same error,
+naming the tensor, what was expected and what was found, on every backend. As in the rest of the project
+(``nvfp4``, ``matmul``, ``attention``): ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape,
+value or device.
 
 Layouts (as HF transformers and fla, "head last"):
 
@@ -19,6 +21,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl
+
+from .. import runtime
 
 #: Chunk length of the chunked (WY / UT) prefill.
 CHUNK = 64
@@ -30,6 +35,30 @@ MIN_CONV_WIDTH, MAX_CONV_WIDTH = 2, 8
 L2NORM_EPS = 1e-6
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# --- for the kernels ------------------------------------------------------------------------------------------
+
+#: :data:`L2NORM_EPS` as a kernel constant.
+TL_L2NORM_EPS = tl.constexpr(L2NORM_EPS)
+#: ``tl.sum``'s own combine function: ``tl.reduce(x, axis, TL_SUM)`` compiles to the same reduction, and the
+#: interpreter maps it straight to ``np.sum``, while ``tl.sum`` (itself a @jit function) costs ~2 ms a call there
+#: (in the token loop and the forward substitution).
+TL_SUM = tl.standard._sum_combine
+
+
+def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels take any strides but need the last dim contiguous (a split of a fused projection already is)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_devices(**tensors) -> None:
+    """Every given tensor is on the device the kernels run on (the reference backend skips this)."""
+    for name, t in tensors.items():
+        if t is not None:
+            runtime.check_device(name, t)
+
+
+# --- argument checks --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -55,7 +84,7 @@ def _need_tensor(name: str, t) -> None:
 def _need_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {names}")
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {names}")
 
 
 def _need_shape(name: str, t: torch.Tensor, shape: tuple, layout: str) -> None:
@@ -80,18 +109,23 @@ def check_state(name: str, s, dims: Dims, ref: torch.Tensor) -> None:
     _need_tensor(name, s)
     _need_shape(name, s, (dims.B, dims.HV, dims.K, dims.V), "[B, HV, K, V]")
     if s.dtype != torch.float32:
-        raise ValueError(f"{name} has dtype {s.dtype}; the recurrent state is always float32 "
-                         f"(a bf16/fp16 state measurably hurts accuracy)")
+        raise TypeError(f"{name} has dtype {s.dtype}; the recurrent state is always float32 "
+                        f"(a bf16/fp16 state measurably hurts accuracy)")
     _need_same_device(name, s, "q", ref)
     if name == "out_state" and not s.is_contiguous():
         raise ValueError(f"out_state must be contiguous (it is written in place), found strides {tuple(s.stride())}")
 
 
+def _need_number(name: str, x, what: str) -> None:
+    if isinstance(x, (torch.Tensor, bool)) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be {what}, got {type(x).__name__} {x!r}")
+
+
 def check_scale(scale) -> None:
     if scale is None:
         return
-    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
-            or scale <= 0:
+    _need_number("scale", scale, "a positive finite Python number or None (1/sqrt(K))")
+    if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite Python number or None (1/sqrt(K)), got {scale!r}")
 
 
@@ -110,7 +144,7 @@ def check_qkv(q, k, v) -> Dims:
     HV, V = v.shape[2], v.shape[3]
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
         _need_same_device(name, t, "q", q)
     if H == 0 or HV % H != 0:
         raise ValueError(f"v has HV={HV} value heads, which is not a multiple of the H={H} query/key heads of q")
@@ -161,8 +195,8 @@ def check_conv(x, weight, initial_state) -> tuple[int, int, int, int, int]:
             raise ValueError(f"initial_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} "
                              f"conv, found {tuple(initial_state.shape)}")
         if initial_state.dtype != x.dtype:
-            raise ValueError(f"initial_state has dtype {initial_state.dtype} but x has {x.dtype}; the conv state "
-                             f"holds raw inputs in x's dtype")
+            raise TypeError(f"initial_state has dtype {initial_state.dtype} but x has {x.dtype}; the conv state "
+                            f"holds raw inputs in x's dtype")
         _need_same_device("initial_state", initial_state, "x", x)
         S = initial_state.shape[2]
     return B, T, C, W, S
@@ -182,8 +216,8 @@ def check_conv_update(x, conv_state, weight) -> tuple[int, int, int, int]:
         raise ValueError(f"conv_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} conv, "
                          f"found {tuple(conv_state.shape)}")
     if conv_state.dtype != x.dtype:
-        raise ValueError(f"conv_state has dtype {conv_state.dtype} but x has {x.dtype}; the conv state holds raw "
-                         f"inputs in x's dtype")
+        raise TypeError(f"conv_state has dtype {conv_state.dtype} but x has {x.dtype}; the conv state holds raw "
+                        f"inputs in x's dtype")
     _need_same_device("conv_state", conv_state, "x", x)
     return B, C, W, conv_state.shape[2]
 
@@ -212,6 +246,8 @@ def check_gated_rmsnorm(x, z, weight, eps) -> int:
     _need_shape("weight", weight, (D,), "[D]")
     for name, t in (("z", z), ("weight", weight)):
         _need_same_device(name, t, "x", x)
-    if isinstance(eps, torch.Tensor) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative Python number, got {eps!r}")
+    _need_number("eps", eps, "a positive finite Python number")
+    if not (math.isfinite(eps) and eps > 0):                        # eps = 0 gives NaN on an all-zero row
+        raise ValueError(f"eps must be a positive finite Python number (an all-zero row of x divides by "
+                         f"sqrt(eps)), got {eps!r}")
     return D

@@ -114,9 +114,7 @@ def _conv_blocks(C: int) -> int:
 def causal_conv1d_triton(x, weight, initial_state=None):
     """Host side of :func:`lynn_kernels.deltanet.causal_conv1d`."""
     B, T, C, W, S = spec.check_conv(x, weight, initial_state)
-    for name, t in (("x", x), ("weight", weight), ("initial_state", initial_state)):
-        if t is not None:
-            runtime.check_device(name, t)
+    spec.check_devices(x=x, weight=weight, initial_state=initial_state)
     y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
     final = torch.empty((B, C, S), dtype=x.dtype, device=x.device)
     return launch_causal_conv1d(x, weight, initial_state, y, final), final
@@ -126,8 +124,7 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
     """Launch only, into contiguous ``y [B, T, C]`` and ``final [B, C, S]`` (or none)."""
     B, T, C = x.shape
     W = weight.shape[1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = spec.last_dim_contiguous(x)
     S0 = initial_state.shape[2] if initial_state is not None else W - 1
     S1 = final.shape[2] if final is not None else 0
     h0 = initial_state if initial_state is not None else x
@@ -148,8 +145,7 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
 def causal_conv1d_update_triton(x, conv_state, weight):
     """Host side of :func:`lynn_kernels.deltanet.causal_conv1d_update`."""
     B, C, W, S = spec.check_conv_update(x, conv_state, weight)
-    for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight)):
-        runtime.check_device(name, t)
+    spec.check_devices(x=x, conv_state=conv_state, weight=weight)
     y = torch.empty((B, C), dtype=x.dtype, device=x.device)
     return launch_causal_conv1d_update(x, conv_state, weight, y)
 
@@ -158,8 +154,7 @@ def launch_causal_conv1d_update(x, conv_state, weight, y: torch.Tensor) -> torch
     """Launch only, into a contiguous ``y [B, C]``; ``conv_state`` is rolled in place."""
     B, C = x.shape
     S = conv_state.shape[2]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = spec.last_dim_contiguous(x)
     BLOCK_C = _conv_blocks(C)
     _causal_conv1d_update_kernel[(triton.cdiv(C, BLOCK_C), B)](
         kernel_view(x), kernel_view(conv_state), kernel_view(weight), kernel_view(y), C, S,

@@ -63,15 +63,13 @@ def gated_rmsnorm_triton(x, z, weight, eps=1e-6):
     D = spec.check_gated_rmsnorm(x, z, weight, eps)
     if D > MAX_D:
         raise ValueError(f"x's last dim D={D} is unsupported: the kernel holds a row in registers, D <= {MAX_D}")
-    for name, t in (("x", x), ("z", z), ("weight", weight)):
-        runtime.check_device(name, t)
+    spec.check_devices(x=x, z=z, weight=weight)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return launch_gated_rmsnorm(x, z, weight, float(eps), y)
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
-    rows = t.reshape(-1, d)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return spec.last_dim_contiguous(t.reshape(-1, d))
 
 
 def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor) -> torch.Tensor:

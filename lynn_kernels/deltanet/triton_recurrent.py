@@ -15,12 +15,9 @@ import triton.language as tl
 from .. import runtime
 from ..runtime import kernel_view
 from . import spec
-from .spec import L2NORM_EPS
-
-_EPS = tl.constexpr(L2NORM_EPS)
-#: ``tl.sum``'s own combine function: ``tl.reduce(x, axis, _SUM)`` compiles to the same reduction, and the interpreter
-#: maps it straight to ``np.sum``, while ``tl.sum`` (a @jit function) costs ~2 ms a call there, every token here.
-_SUM = tl.standard._sum_combine
+from .spec import TL_L2NORM_EPS as _EPS
+from .spec import TL_SUM as _SUM                   # tl.sum costs ~2 ms a call under the interpreter, every token here
+from .spec import check_devices, last_dim_contiguous
 
 
 @triton.jit
@@ -120,21 +117,11 @@ def recurrent_config(K: int, V: int) -> tuple[int, int]:
     return min(triton.next_power_of_2(V), 8), 1
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check_devices(**tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None:
-            runtime.check_device(name, t)
-
-
 def recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                       use_qk_l2norm=False, *, out_state=None):
     """Host side of :func:`lynn_kernels.deltanet.recurrent_gated_delta_rule`."""
     dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state)
-    _check_devices(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, out_state=out_state)
+    check_devices(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, out_state=out_state)
     return _run(q, k, v, g, beta, None, None, dims, scale, initial_state, output_final_state, use_qk_l2norm,
                 out_state)
 
@@ -147,8 +134,8 @@ def recurrent_gated_delta_rule_gates_triton(q, k, v, A_log, a, dt_bias, b, scale
     spec.check_scale(scale)
     spec.check_state("initial_state", initial_state, dims, q)
     spec.check_state("out_state", out_state, dims, q)
-    _check_devices(q=q, k=k, v=v, A_log=A_log, a=a, dt_bias=dt_bias, b=b, initial_state=initial_state,
-                   out_state=out_state)
+    check_devices(q=q, k=k, v=v, A_log=A_log, a=a, dt_bias=dt_bias, b=b, initial_state=initial_state,
+                  out_state=out_state)
     # fp32 per-head parameters (a no-op for the fp32 A_log / dt_bias a checkpoint keeps; a cast otherwise)
     return _run(q, k, v, a, b, A_log.float().contiguous(), dt_bias.float().contiguous(), dims, scale, initial_state,
                 output_final_state, use_qk_l2norm, out_state)
@@ -170,7 +157,7 @@ def launch_recurrent(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale: f
                      use_qk_l2norm: bool, o: torch.Tensor, final: torch.Tensor | None) -> None:
     """Launch only (no checks). ``A_log``/``dt_bias`` given: ``g``/``beta`` are the raw ``a``/``b``. ``final`` may be
     ``initial_state`` itself (each program reads its slice of the state before it writes it)."""
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     h0 = initial_state
     if h0 is not None and not h0.is_contiguous():
         if final is not None and final.data_ptr() == h0.data_ptr():

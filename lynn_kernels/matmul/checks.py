@@ -7,6 +7,8 @@ import torch
 from ..nvfp4 import NVFP4Tensor
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The GEMV kernel's row limit (decode batches); larger M goes to the GEMM.
+GEMV_MAX_M = 16
 
 
 def check_linear_args(x, w, bias=None) -> None:
@@ -30,7 +32,7 @@ def check_linear_args(x, w, bias=None) -> None:
             raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (n,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [N] = [{n}]")
-        if not bias.dtype.is_floating_point:
-            raise TypeError(f"bias has dtype {bias.dtype}; expected a float dtype")
+        if bias.dtype not in X_DTYPES:
+            raise TypeError(f"bias has dtype {bias.dtype}; expected one of {[str(d)[6:] for d in X_DTYPES]}")
         if bias.device != w.device:
             raise ValueError(f"bias is on {bias.device} but w is on {w.device}")

@@ -34,6 +34,17 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [{self.out_features}]")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the packed weight; ``.to(dtype)`` / ``.half()`` (which cast every floating-point
+        buffer, float8 included) leave its format alone: the scales stay E4M3, the global scale fp32."""
+        keep = {name: self._buffers[name] for name in ("codes", "scales", "global_scale")}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
     @property
     def weight(self) -> NVFP4Tensor:
         return NVFP4Tensor(self.codes, self.scales, self.global_scale)

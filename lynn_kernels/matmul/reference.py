@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import reference as nvfp4_reference
-from .checks import check_linear_args
+from .checks import GEMV_MAX_M, check_linear_args
 
 
 def nvfp4_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,6 +25,14 @@ def nvfp4_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.
     return y.to(x.dtype).reshape(*x.shape[:-1], w32.shape[0])
 
 
-#: The two kernels compute the same product; their references are the same spec.
-nvfp4_gemv = nvfp4_linear
+def nvfp4_gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`nvfp4_linear` for at most 16 rows of ``x``, as the GEMV kernel takes."""
+    check_linear_args(x, w, bias)
+    if x.numel() // x.shape[-1] > GEMV_MAX_M:
+        raise ValueError(f"nvfp4_gemv takes at most {GEMV_MAX_M} rows of x, got M = {x.numel() // x.shape[-1]} "
+                         f"(x {tuple(x.shape)}); use nvfp4_gemm or nvfp4_linear")
+    return nvfp4_linear(x, w, bias)
+
+
+#: The GEMM takes any M: its spec is the product itself.
 nvfp4_gemm = nvfp4_linear

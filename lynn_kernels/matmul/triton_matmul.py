@@ -35,7 +35,7 @@ from .. import runtime
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.triton_quant import _e4m3_decode
 from ..runtime import cast_output, kernel_view, to_float32
-from .checks import check_linear_args
+from .checks import GEMV_MAX_M, check_linear_args
 
 MAX_SPLIT_K = 16
 
@@ -283,7 +283,6 @@ def _nvfp4_gemm_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # host side
 
-GEMV_MAX_M = 16
 _counters: dict = {}
 
 
@@ -385,9 +384,14 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     def split_of(meta):
         return split_k or _gemm_split(meta, m, n, k, sms)
 
-    max_split = split_k or _max_split(m, n, k, sms)
+    if config is None:      # the autotuner may pick any config: size for the largest split and the most tiles
+        max_split = split_k or _max_split(m, n, k, sms)
+        tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
+    else:
+        max_split = split_of(config)
+        tiles = triton.cdiv(n, config["BLOCK_N"]) * triton.cdiv(m, config["BLOCK_M"])
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
-    count = _counter(x2.device, triton.cdiv(n, 64) * triton.cdiv(m, 16))
+    count = _counter(x2.device, tiles)
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]), split_of(meta))
