@@ -59,8 +59,8 @@ START_HERE = [
     | 4-bit weights, 16-bit activations (NVFP4 W4A16): quantise, dequantise | `nvfp4` | 01 (now) |
     | projections: packed NVFP4 matvec (decode) and GEMM (prefill) | `matmul` | 02 |
     | routed experts: grouped MoE over NVFP4 experts | `moe` | 03 (coming) |
-    | gated attention (GQA 16/2, head_dim 256, partial RoPE) | `attention` | 04 (coming) |
-    | Gated DeltaNet (linear attention with a delta-rule state) | `deltanet` | 05 (coming) |
+    | gated attention (GQA 16/2, head_dim 256, partial RoPE) | `attention` | 04 |
+    | Gated DeltaNet (linear attention with a delta-rule state) | `deltanet` | 05 |
 
     Decoding one token at batch 1 reads every active weight once, so most of these kernels are judged in **bytes
     per second**, against the bandwidth the GPU reaches on a plain copy.
@@ -266,8 +266,8 @@ START_HERE = [
     | `01-nvfp4` | E2M1 and E4M3 from their bits, the NVFP4 block format, quantisation error, a dequantise kernel built step by step, its H200 profile, a block explorer |
     | `02-packed-matvec` | W4A16 matvec and GEMM that decode NVFP4 in registers (Hopper has no FP4 tensor cores) |
     | `03-grouped-moe` (coming) | routing and grouped expert GEMMs over stacked NVFP4 experts |
-    | `04-attention` (coming) | gated attention with GQA and partial RoPE, prefill and decode |
-    | `05-deltanet` (coming) | Gated DeltaNet: recurrent and chunked forms, fp32 state |
+    | `04-attention` | gated attention with GQA and partial RoPE, prefill and decode |
+    | `05-deltanet` | Gated DeltaNet: recurrent and chunked forms, fp32 state |
 
     Every notebook follows one order: idea and math, reference, kernel, validation table, profile and plot,
     interactive explorer.
