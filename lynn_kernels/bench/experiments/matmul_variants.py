@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -28,6 +27,7 @@ from lynn_kernels.runtime import cast_output, to_float32
 from lynn_kernels.validate import compare
 
 from ..harness import measure_ceilings, provenance, rotation, rotating, time_fn
+from ..matmul import kernel_ms
 
 #: The GEMV configs compared (BLOCK_M 1 = an fp32 multiply-reduce path, since removed; 16 = tl.dot on padded rows).
 GEMV_SWEEP = ([{"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
@@ -81,21 +81,7 @@ def textbook(x, w, y, bm, bn, bk, warps, stages):
 
 def kernel_us(fn, n: int = 40) -> float:
     """Median GPU duration of the kernels one ``fn()`` launches (CUDA profiler), host time excluded."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_call = [0.0] * n
-    kernels = [e for e in evs if "memset" not in e.name.lower() and "memcpy" not in e.name.lower()]
-    if len(kernels) % n:
-        return statistics.median(e.time_range.elapsed_us() for e in kernels)
-    k_per = len(kernels) // n
-    for i, e in enumerate(sorted(kernels, key=lambda e: e.time_range.start)):
-        per_call[i // k_per] += e.time_range.elapsed_us()
-    return statistics.median(per_call)
+    return kernel_ms(fn, n) * 1e3
 
 
 def host_us(fn, n: int = 300) -> float:
