@@ -15,8 +15,9 @@ On the GPU with bf16 activations the decode is packed (:func:`_e2m1_bf16x2_scale
 instruction); elsewhere (fp16 / fp32 activations, the interpreter) it is the portable integer decode above.
 
 ``_nvfp4_gemv_kernel`` (M <= 16, decode) streams the weight once: one program per ``BLOCK_N`` rows and K slice
-(split-K when N alone cannot fill the GPU), a ``tl.dot`` on the M rows padded to 16. ``_nvfp4_gemm_kernel`` (prefill) tiles M as well, with grouped tile order so a band of weight tiles stays in
-L2 while every M tile passes over it.
+(split-K when N alone cannot fill the GPU), a ``tl.dot`` on the M rows padded to 16. ``_nvfp4_gemm_kernel``
+(prefill) tiles M as well, with grouped tile order so a band of weight tiles stays in L2 while every M tile passes
+over it.
 
 Split-K is deterministic: each program writes its fp32 partial tile, takes a ticket from a per-tile counter, and the
 last one adds the partials in split order and writes ``y``; it also resets the counter, so one zeroed buffer serves
