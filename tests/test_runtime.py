@@ -211,3 +211,14 @@ def test_check_device_names_the_tensor():
                                          r"\.to\('(cpu|cuda)'\) or use the reference backend"):
         runtime.check_device("weights", torch.empty(2, device="meta"))
     runtime.check_device("weights", torch.zeros(2, device=runtime.DEVICE))   # the right device passes silently
+
+
+@pytest.mark.parametrize("a", [0, 1, 15, 16, 17, 1000, 2**31 + 5])
+@pytest.mark.parametrize("b", [1, 16, 64, 1000])
+def test_host_cdiv_matches_triton(a, b):
+    assert runtime.cdiv(a, b) == triton.cdiv(a, b) == -(-a // b)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 16, 17, 1000, 4096, 4097])
+def test_host_next_power_of_2_matches_triton(n):
+    assert runtime.next_power_of_2(n) == triton.next_power_of_2(n)

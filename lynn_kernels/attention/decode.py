@@ -152,8 +152,8 @@ def _floor_pow2(n: int) -> int:
 
 def splits_for(batch: int, hkv: int, capacity: int, sms: int) -> int:
     """The rule of :func:`default_num_splits` for a GPU of ``sms`` SMs (pure: no device query)."""
-    want = triton.cdiv(2 * sms, max(1, batch * hkv))
-    return _floor_pow2(min(want, triton.cdiv(capacity, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    want = runtime.cdiv(2 * sms, max(1, batch * hkv))
+    return _floor_pow2(min(want, runtime.cdiv(capacity, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
 def default_num_splits(batch: int, hkv: int, capacity: int) -> int:
@@ -168,7 +168,7 @@ def default_num_splits(batch: int, hkv: int, capacity: int) -> int:
     Under the interpreter: 1, 2 or 4.
     """
     if runtime.INTERPRET:
-        return _floor_pow2(min(4, triton.cdiv(capacity, 1024)))         # few programs: the interpreter is serial
+        return _floor_pow2(min(4, runtime.cdiv(capacity, 1024)))         # few programs: the interpreter is serial
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return splits_for(batch, hkv, capacity, sms)
 
@@ -220,7 +220,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, num_spl
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGED=paged,
+        GROUP=group, HEADS_PAD=max(16, runtime.next_power_of_2(group)), HEAD_DIM=d, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, NUM_SPLITS=num_splits, HAS_GATE=gate is not None,
         IN_DTYPE=in_dtype, OUT_DTYPE=out_dtype, DOT=dot_dtype(q.dtype), **runtime.kernel_flags(), **(config or {}),
     )
@@ -229,7 +229,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, num_spl
         _decode_merge_kernel[(b, hq, d // block_d)](
             part_o, part_lse, kernel_view(g), kernel_view(out), hq,
             g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, SPLITS_PAD=runtime.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=block_d,
             HAS_GATE=gate is not None, IN_DTYPE=in_dtype, OUT_DTYPE=out_dtype, **runtime.kernel_flags(),
             num_warps=4,
         )

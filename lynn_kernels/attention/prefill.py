@@ -160,7 +160,7 @@ def launch_prefill(q, k, v, gate, out, cu_q, cu_k, max_q: int, causal: bool, sca
     def grid(meta):
         heads = meta["HEADS"]
         tokens = meta["BLOCK_M"] // heads
-        return (triton.cdiv(max_q, tokens), batch * hkv * triton.cdiv(group, heads))
+        return (runtime.cdiv(max_q, tokens), batch * hkv * runtime.cdiv(group, heads))
 
     kernel = _flash_prefill_kernel if config is None else _flash_prefill_kernel.fn      # .fn: the heuristics
     kernel[grid](

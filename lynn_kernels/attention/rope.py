@@ -147,7 +147,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
     vv = v if v is not None else k
     slots = slot_mapping if write else positions
     block_t = max(1, min(16, 4096 // d)) if not runtime.INTERPRET else 64
-    _qk_norm_rope_kernel[(triton.cdiv(t, block_t), hq + hkv)](
+    _qk_norm_rope_kernel[(runtime.cdiv(t, block_t), hq + hkv)](
         kernel_view(q), kernel_view(k), kernel_view(vv), q_weight, k_weight, positions,
         inv_freq, kernel_view(cos_t), kernel_view(sin_t), kernel_view(q_out), kernel_view(k_out),
         kernel_view(kc), kernel_view(vc), slots,

@@ -323,7 +323,7 @@ def block_v(V: int) -> tuple[int, int]:
     """Value columns per program of (the state kernel, the output kernel): all of them under the interpreter (fewer
     programs run faster there); on the GPU 32 for the sequential state scan (B=1, 32 heads, V=128: 128 programs on
     132 SMs) and 64 for the output (parallel over chunks already). Untuned until measured on the H200."""
-    full = max(16, triton.next_power_of_2(V))
+    full = max(16, runtime.next_power_of_2(V))
     return (full, full) if runtime.INTERPRET else (min(full, 32), min(full, 64))
 
 
@@ -358,7 +358,7 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     h0 = initial_state.contiguous() if initial_state is not None else None
     dev = q.device
     BT = CHUNK
-    NT = triton.cdiv(T, BT)
+    NT = runtime.cdiv(T, BT)
     T_PAD = NT * BT
     BH = B * HV
     f32 = dict(dtype=torch.float32, device=dev)
@@ -373,8 +373,8 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     in_dtype = runtime.TORCH_TO_TL[q.dtype]
     flags = runtime.kernel_flags()
     DOT = dot_dtype(q.dtype)
-    BLOCK_K = max(16, triton.next_power_of_2(K))
-    BLOCK_V_ALL = max(16, triton.next_power_of_2(V))
+    BLOCK_K = max(16, runtime.next_power_of_2(K))
+    BLOCK_V_ALL = max(16, runtime.next_power_of_2(V))
     BLOCK_V_STATE, BLOCK_V_OUT = block_v(V)
     qv, kv, vv, gv, bv = (kernel_view(x) for x in (q, k, v, g, beta))
     common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, BT=BT, BLOCK_K=BLOCK_K, **flags)
@@ -390,12 +390,12 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
-    _chunk_state_kernel[(triton.cdiv(V, BLOCK_V_STATE), BH)](
+    _chunk_state_kernel[(runtime.cdiv(V, BLOCK_V_STATE), BH)](
         kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
         V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
         num_warps=8 if K > 64 else 4, **common)           # w, k [64, K] and the state tile in registers
-    _chunk_output_kernel[(NT, BH, triton.cdiv(V, BLOCK_V_OUT))](
+    _chunk_output_kernel[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
         qv, kv, gcum, h, v_new, kernel_view(o), T, T_PAD, NT, HV, dims.group, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2),

@@ -108,7 +108,7 @@ def _causal_conv1d_update_kernel(
 
 
 def _conv_blocks(C: int) -> int:
-    return min(256, max(16, triton.next_power_of_2(C)))
+    return min(256, max(16, runtime.next_power_of_2(C)))
 
 
 def causal_conv1d_triton(x, weight, initial_state=None):
@@ -130,7 +130,7 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
     h0 = initial_state if initial_state is not None else x
     BLOCK_T = 64 if runtime.INTERPRET else 32
     BLOCK_C = _conv_blocks(C)
-    grid = (max(1, triton.cdiv(T, BLOCK_T)), triton.cdiv(C, BLOCK_C), B)
+    grid = (max(1, runtime.cdiv(T, BLOCK_T)), runtime.cdiv(C, BLOCK_C), B)
     xv = kernel_view(x)
     _causal_conv1d_kernel[grid](
         xv, kernel_view(weight), kernel_view(h0), kernel_view(y), kernel_view(final) if final is not None else xv,
@@ -138,7 +138,7 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), h0.stride(0), h0.stride(1), h0.stride(2),
         W=W, X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
         HAS_INIT=initial_state is not None, STORE_FINAL=final is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-        BLOCK_S=max(2, triton.next_power_of_2(max(S1, 1))), **runtime.kernel_flags())
+        BLOCK_S=max(2, runtime.next_power_of_2(max(S1, 1))), **runtime.kernel_flags())
     return y
 
 
@@ -156,10 +156,10 @@ def launch_causal_conv1d_update(x, conv_state, weight, y: torch.Tensor) -> torch
     S = conv_state.shape[2]
     x = spec.last_dim_contiguous(x)
     BLOCK_C = _conv_blocks(C)
-    _causal_conv1d_update_kernel[(triton.cdiv(C, BLOCK_C), B)](
+    _causal_conv1d_update_kernel[(runtime.cdiv(C, BLOCK_C), B)](
         kernel_view(x), kernel_view(conv_state), kernel_view(weight), kernel_view(y), C, S,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1),
         W=weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
-        BLOCK_C=BLOCK_C, BLOCK_S=max(2, triton.next_power_of_2(S)), **runtime.kernel_flags())
+        BLOCK_C=BLOCK_C, BLOCK_S=max(2, runtime.next_power_of_2(S)), **runtime.kernel_flags())
     return y

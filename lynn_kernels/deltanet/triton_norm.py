@@ -77,10 +77,10 @@ def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor) -> torch.Ten
     D = x.shape[-1]
     xr, zr = _rows(x, D), _rows(z, D)
     R = xr.shape[0]
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = max(16, runtime.next_power_of_2(D))
     BLOCK_R = max(1, min(64, 4096 // BLOCK_D)) if runtime.INTERPRET else max(1, min(16, 2048 // BLOCK_D))
     wx_dtype = torch.promote_types(weight.dtype, x.dtype)
-    _gated_rmsnorm_kernel[(triton.cdiv(R, BLOCK_R),)](
+    _gated_rmsnorm_kernel[(runtime.cdiv(R, BLOCK_R),)](
         kernel_view(xr), kernel_view(zr), kernel_view(weight.contiguous()), kernel_view(y), R, D, eps,
         xr.stride(0), zr.stride(0),
         X_DTYPE=runtime.TORCH_TO_TL[x.dtype], Z_DTYPE=runtime.TORCH_TO_TL[z.dtype],

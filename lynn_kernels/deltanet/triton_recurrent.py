@@ -113,8 +113,8 @@ def recurrent_config(K: int, V: int) -> tuple[int, int]:
     narrow value blocks and one warp, as fla's fused recurrent kernel: B=1, 32 heads, V=128 gives 512 programs whose
     state slices are read and written once. Untuned guesses until measured on the H200."""
     if runtime.INTERPRET:
-        return triton.next_power_of_2(V), 4
-    return min(triton.next_power_of_2(V), 8), 1
+        return runtime.next_power_of_2(V), 4
+    return min(runtime.next_power_of_2(V), 8), 1
 
 
 def recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -167,7 +167,7 @@ def launch_recurrent(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale: f
         raise ValueError(f"out_state must be contiguous, found strides {final.stride()}")
     fused = A_log is not None
     BLOCK_V, num_warps = recurrent_config(dims.K, dims.V)
-    grid = (triton.cdiv(dims.V, BLOCK_V), dims.B * dims.HV)
+    grid = (runtime.cdiv(dims.V, BLOCK_V), dims.B * dims.HV)
     dummy = o
     _recurrent_kernel[grid](
         kernel_view(q), kernel_view(k), kernel_view(v), kernel_view(g), kernel_view(beta),
@@ -180,4 +180,4 @@ def launch_recurrent(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale: f
         K=dims.K, V=dims.V, IN_DTYPE=runtime.TORCH_TO_TL[q.dtype], G_DTYPE=runtime.TORCH_TO_TL[g.dtype],
         BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], OUT_DTYPE=runtime.TORCH_TO_TL[o.dtype], L2NORM=use_qk_l2norm,
         FUSED_GATES=fused, HAS_INIT=h0 is not None, STORE_FINAL=final is not None,
-        BLOCK_K=triton.next_power_of_2(dims.K), BLOCK_V=BLOCK_V, num_warps=num_warps, **runtime.kernel_flags())
+        BLOCK_K=runtime.next_power_of_2(dims.K), BLOCK_V=BLOCK_V, num_warps=num_warps, **runtime.kernel_flags())

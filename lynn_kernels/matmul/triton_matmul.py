@@ -287,6 +287,7 @@ def _nvfp4_gemm_kernel(
 _counters: dict = {}
 
 
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors to fill; the interpreter pretends to have 4 so small tests exercise split-K."""
@@ -302,16 +303,16 @@ def _max_split(m: int, n: int, k: int, sms: int) -> int:
 
 
 def _gemm_split(meta, m: int, n: int, k: int, sms: int) -> int:
-    tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"])
+    tiles = runtime.cdiv(n, meta["BLOCK_N"]) * runtime.cdiv(m, meta["BLOCK_M"])
     return split_k_for(tiles, k, meta["BLOCK_K"], sms) if tiles < sms else 1
 
 
 def split_k_for(tiles: int, k: int, block_k: int, sms: int) -> int:
     """K slices per output tile: enough programs for about two per SM, each slice at least one BLOCK_K chunk, and
     no empty slice (the split is rounded so every slice gets ``ceil(chunks / split)`` chunks but the last)."""
-    chunks = triton.cdiv(k, block_k)
-    split = max(1, min(triton.cdiv(2 * sms, tiles), chunks, MAX_SPLIT_K))
-    return triton.cdiv(chunks, triton.cdiv(chunks, split))
+    chunks = runtime.cdiv(k, block_k)
+    split = max(1, min(runtime.cdiv(2 * sms, tiles), chunks, MAX_SPLIT_K))
+    return runtime.cdiv(chunks, runtime.cdiv(chunks, split))
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
@@ -334,16 +335,23 @@ def _prepare(x: torch.Tensor, w: NVFP4Tensor, bias):
 
 
 def _common_args(x2, bias, y) -> dict:
-    """Constexprs shared by both kernels. The dot runs in x's dtype on the GPU (the weight tile is exact in bf16 and
-    fp16), in fp32 for fp32 x (IEEE, not TF32) and always in fp32 under the interpreter."""
-    fp32_dot = runtime.INTERPRET or x2.dtype == torch.float32
+    return _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET)
+
+
+@functools.lru_cache(maxsize=None)
+def _constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool) -> dict:
+    """Constexprs shared by both kernels (cached: this runs on every call). The dot runs in x's dtype on the GPU
+    (the weight tile is exact in bf16 and fp16), in fp32 for fp32 x (IEEE, not TF32) and always in fp32 under the
+    interpreter."""
+    fp32_dot = interpret or x_dtype == torch.float32
     return dict(
-        HAS_BIAS=bias is not None, X_DTYPE=runtime.TORCH_TO_TL[x2.dtype],
-        BIAS_DTYPE=tl.float32 if bias is None else runtime.TORCH_TO_TL[bias.dtype],
-        OUT_DTYPE=runtime.TORCH_TO_TL[y.dtype],
-        DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x2.dtype],
+        HAS_BIAS=bias_dtype is not None, X_DTYPE=runtime.TORCH_TO_TL[x_dtype],
+        BIAS_DTYPE=tl.float32 if bias_dtype is None else runtime.TORCH_TO_TL[bias_dtype],
+        OUT_DTYPE=runtime.TORCH_TO_TL[y_dtype],
+        DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x_dtype],
         PRECISION="ieee" if fp32_dot else "tf32",
-        PACKED_DECODE=not runtime.INTERPRET and x2.dtype == torch.bfloat16,
+        PACKED_DECODE=not interpret and x_dtype == torch.bfloat16,
+        **runtime.kernel_flags(),
     )
 
 
@@ -359,19 +367,19 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     n = w.shape[0]
     meta = {**GEMV_CONFIG, **(config or {}), "BLOCK_M": 16}
     warps = meta.pop("num_warps")
-    tiles = triton.cdiv(n, meta["BLOCK_N"])
+    tiles = runtime.cdiv(n, meta["BLOCK_N"])
     split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
     _nvfp4_gemv_kernel[(tiles, split)](
         kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y), kernel_view(y),
         part, _counter(x2.device, tiles), m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
-        **_common_args(x2, bias, y), **runtime.kernel_flags(), **meta, num_warps=warps)
+        **_common_args(x2, bias, y), **meta, num_warps=warps)
     return y
 
 
 def m_bucket(m: int) -> int:
     """The autotuning key for M: the next power of two, capped at 4096 (prefill lengths vary call to call)."""
-    return min(triton.next_power_of_2(m), 4096)
+    return min(runtime.next_power_of_2(m), 4096)
 
 
 def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
@@ -387,20 +395,20 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
 
     if config is None:      # the autotuner may pick any config: size for the largest split and the most tiles
         max_split = split_k or _max_split(m, n, k, sms)
-        tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
+        tiles = runtime.cdiv(n, 64) * runtime.cdiv(m, 16)
     else:
         max_split = split_of(config)
-        tiles = triton.cdiv(n, config["BLOCK_N"]) * triton.cdiv(m, config["BLOCK_M"])
+        tiles = runtime.cdiv(n, config["BLOCK_N"]) * runtime.cdiv(m, config["BLOCK_M"])
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
     count = _counter(x2.device, tiles)
 
     def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]), split_of(meta))
+        return (runtime.cdiv(n, meta["BLOCK_N"]) * runtime.cdiv(m, meta["BLOCK_M"]), split_of(meta))
 
     args = (kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y),
             kernel_view(y), part, count, m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
             m_bucket(m))
-    flags = {**_common_args(x2, bias, y), **runtime.kernel_flags()}
+    flags = _common_args(x2, bias, y)
     if config is None:
         _nvfp4_gemm_kernel[grid](*args, **flags)
     else:

@@ -181,7 +181,7 @@ def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Ten
     flag = torch.zeros(1, dtype=torch.int32, device=w.device) if flag is None else flag
 
     def grid(meta):
-        return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
+        return (runtime.cdiv(n_rows, meta["BLOCK_R"]), runtime.cdiv(k, meta["BLOCK_K"]))
 
     _nvfp4_quantize_kernel[grid](
         kernel_view(rows), codes, scales.view(torch.uint8), g if big_g is None else big_g, flag,
@@ -255,7 +255,7 @@ def launch_dequantize(q: NVFP4Tensor, out: torch.Tensor) -> torch.Tensor:
     n_rows = q.codes.numel() // (k // 2)
 
     def grid(meta):
-        return (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))
+        return (runtime.cdiv(n_rows, meta["BLOCK_R"]), runtime.cdiv(k, meta["BLOCK_K"]))
 
     _nvfp4_dequantize_kernel[grid](
         q.codes, q.scales.view(torch.uint8), q.global_scale, kernel_view(out),

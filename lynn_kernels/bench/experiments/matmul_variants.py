@@ -71,7 +71,7 @@ def _gemm_textbook_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, s
 def textbook(x, w, y, bm, bn, bk, warps, stages):
     m, k = x.shape
     n = w.shape[0]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (runtime.cdiv(m, bm) * runtime.cdiv(n, bn),)
     _gemm_textbook_kernel[grid](x, w.codes, w.scales.view(torch.uint8), w.global_scale, y, m, n, k, x.stride(0),
                                 y.stride(0), X_DTYPE=tl.bfloat16, OUT_DTYPE=tl.bfloat16, DOT_DTYPE=tl.bfloat16,
                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8, INTERPRET=False,
