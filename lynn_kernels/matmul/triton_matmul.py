@@ -224,11 +224,12 @@ def _gemm_configs():
 
 #: Token buckets below 256 get one config each (kernels of 10-100 us: autotuning would rank host noise); from 256 up
 #: the autotuner picks among the configs whose token tile fits the bucket.
-GEMM_SMALL_M = {32: (64, 32, 256, 4, 3), 64: (64, 64, 128, 4, 4), 128: (64, 128, 128, 4, 3)}
+GEMM_SMALL_M = {16: (64, 16, 256, 4, 3), 32: (64, 32, 256, 4, 3), 64: (64, 64, 128, 4, 4),
+                128: (64, 128, 128, 4, 3)}
 
 
 def _prune_gemm(configs, named_args, **kwargs):
-    bucket = named_args["M_BUCKET"]
+    bucket = max(16, named_args["M_BUCKET"])          # M <= 16 reaches the GEMM only when nvfp4_gemm is called
     if bucket in GEMM_SMALL_M:
         bn, bm, bk, w, st = GEMM_SMALL_M[bucket]
         return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
@@ -285,7 +286,6 @@ def _nvfp4_gemm_kernel(
 # host side
 
 _counters: dict = {}
-
 
 
 @functools.lru_cache(maxsize=None)
