@@ -93,24 +93,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     Same arguments and result as :func:`chunk_gated_delta_rule`. Each program keeps its slice of the fp32 state in
     registers over the tokens (read once, written once per call); all arithmetic is fp32, no ``tl.dot``.
 
-    Args:
-        q, k: ``[B, T, H, K]`` bf16 / fp16 / fp32, any strides with the last dim contiguous (views of a fused
-            projection are read in place). ``K <= 256``.
-        v: ``[B, T, HV, V]``, q's dtype; ``HV`` a multiple of ``H`` (value head ``h`` reads QK head
-            ``h // (HV // H)``, no copy). ``V <= 256``.
-        g: ``[B, T, HV]`` log decay per token and value head (``<= 0``), any float dtype (fp32 advised).
-        beta: ``[B, T, HV]`` delta-rule step size (in ``(0, 1)`` for Qwen: ``sigmoid(b)``), any float dtype.
-        scale: multiplies q (after the L2 norm); default ``K ** -0.5``.
-        initial_state: ``[B, HV, K, V]`` **fp32** (``S^T q`` is the output: K rows, V columns), or None (zeros).
-        output_final_state: return the state after the last token.
-        use_qk_l2norm: L2-normalise q and k in the kernel (``x * rsqrt(sum(x^2) + 1e-6)``, HF / fla), as Qwen does.
-        out_state: contiguous fp32 ``[B, HV, K, V]`` that receives the final state (may be ``initial_state``
-            itself for an in-place update); implies a returned final state.
-
-    Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[B, HV, K, V]`` (``out_state``
-        when given) or None.
-
     Example (one decode step after a prefill, the state updated in place)::
 
         o1, _ = recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:],
