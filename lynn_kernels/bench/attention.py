@@ -22,13 +22,14 @@ from ..attention import decode_attention, flash_attention, paged_slots, referenc
 from ..attention.decode import default_num_splits, launch_decode
 from ..validate import compare
 from . import register
-from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
+from .harness import Ceilings, Result, rotating, rotation, timed, validated
 
 HQ, HKV, D = 16, 2, 256
 PREFILL_T = [4096, 16384]
 DECODE_CASES = [(1, 4096), (8, 4096), (1, 32768), (8, 32768)]      # (batch, cached tokens)
 PAGE = 64
 BF16 = torch.bfloat16
+NAN = float("nan")
 
 
 def causal_flops(t: int, hq: int = HQ, d: int = D) -> int:
@@ -87,11 +88,10 @@ def bench_prefill(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             checks[name] = validated(compare(got, oracle, baseline=oracle.to(BF16)))
         del want, want_gated
         for name, fn, inputs, _, nbytes in providers:
-            med, p20, p80 = time_fn(rotating(fn, inputs))
-            rows.append(derive(Result("attention.prefill", name, label, dims, med, p20, p80, bytes=nbytes,
-                                      flops=causal_flops(t), ceiling="bf16_tflops", validation=checks[name],
-                                      note=f"{len(inputs)} rotating input sets; flops = 2*T*T*Hq*D (causal half)"),
-                               ceilings))
+            rows += timed(Result("attention.prefill", name, label, dims, NAN, NAN, NAN, bytes=nbytes,
+                                 flops=causal_flops(t), ceiling="bf16_tflops", validation=checks[name],
+                                 note=f"{len(inputs)} rotating input sets; flops = 2*T*T*Hq*D (causal half)"),
+                          rotating(fn, inputs), ceilings)
         del sets, sdpa_sets
         torch.cuda.empty_cache()
     return rows
@@ -156,11 +156,10 @@ def bench_decode(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             checks[name] = validated(compare(fn(*inputs[0]), want, baseline=want.to(BF16)))
         poison["on"] = False
         for name, fn, inputs in providers:
-            med, p20, p80 = time_fn(rotating(fn, inputs))
-            rows.append(derive(Result("attention.decode", name, label, dims, med, p20, p80, bytes=kv_bytes,
-                                      ceiling="read_gbps", validation=checks[name],
-                                      note=f"{len(inputs)} rotating input sets; bytes = K + V read once; "
-                                           f"lynn uses {splits} KV splits per sequence"), ceilings))
+            rows += timed(Result("attention.decode", name, label, dims, NAN, NAN, NAN, bytes=kv_bytes,
+                                 ceiling="read_gbps", validation=checks[name],
+                                 note=f"{len(inputs)} rotating input sets; bytes = K + V read once; "
+                                      f"lynn uses {splits} KV splits per sequence"), rotating(fn, inputs), ceilings)
         del sets, paged_sets, sdpa_sets
         torch.cuda.empty_cache()
     return rows

@@ -33,7 +33,7 @@ from ..deltanet.triton_conv import launch_causal_conv1d_update
 from ..deltanet.triton_recurrent import launch_recurrent
 from ..validate import compare
 from . import register
-from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
+from .harness import Ceilings, Result, derive, rotating, rotation, timed, validated
 
 H, HV, D = 16, 32, 128                      #: Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B Gated DeltaNet heads
 CONV_C, CONV_W = 2 * H * D + HV * D, 4      #: conv channels q|k|v = 8192, kernel width 4
@@ -131,11 +131,10 @@ def bench_chunk(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             if psets is None:
                 rows.append(_note_row("deltanet.chunk", provider, label, dims, nbytes, how))
                 continue
-            med, p20, p80 = time_fn(rotating(fn, psets))
-            rows.append(derive(Result("deltanet.chunk", provider, label, dims, med, p20, p80, bytes=nbytes,
-                                      flops=flops, ceiling="bf16_tflops", validation=validation,
-                                      note=f"{len(psets)} rotating input sets; flops estimated (module docstring). "
-                                           f"{how}".strip()), ceilings))
+            rows += timed(Result("deltanet.chunk", provider, label, dims, NAN, NAN, NAN, bytes=nbytes, flops=flops,
+                                 ceiling="bf16_tflops", validation=validation,
+                                 note=f"{len(psets)} rotating input sets; flops estimated (module docstring). "
+                                      f"{how}".strip()), rotating(fn, psets), ceilings)
         if fla_chunk is None:
             rows.append(_note_row("deltanet.chunk", "fla chunk_gated_delta_rule", label, dims, nbytes, why_not))
         del sets
@@ -226,11 +225,10 @@ def bench_recurrent(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             if psets is None:
                 rows.append(_note_row("deltanet.recurrent", provider, label, dims, nbytes, how))
                 continue
-            med, p20, p80 = time_fn(rotating(fn, psets))
-            rows.append(derive(Result("deltanet.recurrent", provider, label, dims, med, p20, p80, bytes=nbytes,
-                                      ceiling="copy_gbps", validation=validation,
-                                      note=f"{len(psets)} rotating input sets; bytes = fp32 state read + written "
-                                           f"+ q/k/v/a/b + o. {how}".strip()), ceilings))
+            rows += timed(Result("deltanet.recurrent", provider, label, dims, NAN, NAN, NAN, bytes=nbytes,
+                                 ceiling="copy_gbps", validation=validation,
+                                 note=f"{len(psets)} rotating input sets; bytes = fp32 state read + written "
+                                      f"+ q/k/v/a/b + o. {how}".strip()), rotating(fn, psets), ceilings)
             wmed, wp20, wp80 = _wall_clock(rotating(fn, psets))
             rows.append(derive(Result("deltanet.recurrent", provider + " wall-clock", label, dims, wmed, wp20, wp80,
                                       bytes=nbytes, ceiling="copy_gbps", validation=validation,
@@ -257,11 +255,10 @@ def bench_conv(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                      ("torch eager (reference)", lambda x: reference.causal_conv1d(x, weight))]
         checks = {p: validated(compare(fn(*sets[0])[0], y_ref, baseline=y_ref.bfloat16())) for p, fn in providers}
         for provider, fn in providers:
-            med, p20, p80 = time_fn(rotating(fn, sets))
-            rows.append(derive(Result("deltanet.conv", provider, label, dims, med, p20, p80, bytes=nbytes,
-                                      ceiling="copy_gbps", validation=checks[provider],
-                                      note=f"{len(sets)} rotating input sets; bytes = x read + y written"),
-                               ceilings))
+            rows += timed(Result("deltanet.conv", provider, label, dims, NAN, NAN, NAN, bytes=nbytes,
+                                 ceiling="copy_gbps", validation=checks[provider],
+                                 note=f"{len(sets)} rotating input sets; bytes = x read + y written"),
+                          rotating(fn, sets), ceilings)
         del sets
     for B in (QUICK_DECODE_B if quick else DECODE_B):
         label, dims = f"update B{B} C{CONV_C} W{CONV_W}", {"B": B, "C": CONV_C, "W": CONV_W}
@@ -282,11 +279,10 @@ def bench_conv(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         checks = {p: validated(compare(fn(x0, s0.clone(), sets[0][2]), y_ref, baseline=y_ref.bfloat16()))
                   for p, fn in providers}
         for provider, fn in providers:
-            med, p20, p80 = time_fn(rotating(fn, sets))
-            rows.append(derive(Result("deltanet.conv", provider, label, dims, med, p20, p80, bytes=nbytes,
-                                      ceiling="copy_gbps", validation=checks[provider],
-                                      note=f"{len(sets)} rotating input sets; bytes = x + state read and "
-                                           f"written + y"), ceilings))
+            rows += timed(Result("deltanet.conv", provider, label, dims, NAN, NAN, NAN, bytes=nbytes,
+                                 ceiling="copy_gbps", validation=checks[provider],
+                                 note=f"{len(sets)} rotating input sets; bytes = x + state read and written + y"),
+                          rotating(fn, sets), ceilings)
         del sets
     torch.cuda.empty_cache()
     return rows

@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -126,6 +127,39 @@ def time_fn(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 200) ->
 
     med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
     return float(med), float(p20), float(p80)
+
+
+def kernel_ms(fn: Callable[[], object], n: int = 30) -> float:
+    """Median over ``n`` calls of the summed GPU duration of the kernels one call launches (CUDA profiler).
+
+    This is what a CUDA-graph step pays; ``time_fn`` of a short kernel on a slow host measures the Python launch."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "memset" not in e.name.lower() and "memcpy" not in e.name.lower()),
+                     key=lambda e: e.time_range.start)
+    if not kernels or len(kernels) % n:
+        raise RuntimeError(f"profiler saw {len(kernels)} kernels for {n} calls; cannot attribute them to calls")
+    per = len(kernels) // n
+    return statistics.median(sum(e.time_range.elapsed_us() for e in kernels[i * per:(i + 1) * per])
+                             for i in range(n)) / 1e3
+
+
+def timed(result: Result, call: Callable[[], object], ceilings: Ceilings | None) -> list[Result]:
+    """Two rows for one provider: ``<provider> (call)``, ``do_bench`` of the Python call, and ``<provider>
+    (kernel)``, the profiler's kernel time. ``result`` carries everything but the timings."""
+    med, p20, p80 = time_fn(call)
+    km = kernel_ms(call)
+    note = result.note + ("; " if result.note else "")
+    rows = [dataclasses.replace(result, provider=f"{result.provider} (call)", median_ms=med, p20_ms=p20, p80_ms=p80,
+                                note=note + "do_bench of the Python call"),
+            dataclasses.replace(result, provider=f"{result.provider} (kernel)", median_ms=km, p20_ms=km, p80_ms=km,
+                                note=note + "CUDA profiler kernel time, median of 30 calls (p20/p80 not recorded)")]
+    return [derive(r, ceilings) for r in rows]
 
 
 def rotation(make_inputs: Callable[[], tuple], bytes_per_call: int, max_sets: int = 32,

@@ -14,15 +14,13 @@ are held against the read ceiling. FLOPs are ``2 M N K``.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from ..matmul import nvfp4_linear, reference
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
 from . import register
-from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
+from .harness import Ceilings, Result, kernel_ms, rotating, rotation, timed, validated
 
 #: (label, N, K): Qwen3.5-35B-A3B / Qwen3-Next projections (REFERENCE.md section 2) and two squares.
 SHAPES = [
@@ -33,26 +31,9 @@ SHAPES = [
     ("square 4096", 4096, 4096),
     ("square 8192", 8192, 8192),
 ]
+NAN = float("nan")
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 512, 4096]
 QUICK = [("square 4096", 4096, 4096)], [1, 16, 4096]
-
-
-def kernel_ms(fn, n: int = 30) -> float:
-    """Median over ``n`` calls of the summed GPU duration of the kernels one call launches (CUDA profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and "memset" not in e.name.lower() and "memcpy" not in e.name.lower()),
-                     key=lambda e: e.time_range.start)
-    if not kernels or len(kernels) % n:
-        raise RuntimeError(f"profiler saw {len(kernels)} kernels for {n} calls; cannot attribute them to calls")
-    per = len(kernels) // n
-    return statistics.median(sum(e.time_range.elapsed_us() for e in kernels[i * per:(i + 1) * per])
-                             for i in range(n)) / 1e3
 
 
 @register("matmul.linear")
@@ -78,16 +59,9 @@ def bench_linear(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             )
             for provider, fn, nbytes in providers:
                 check = validated(compare(fn(*sets[0]), want))
-                call = rotating(fn, sets)
-                med, p20, p80 = time_fn(call)
-                common = dict(bytes=nbytes, flops=2 * m * n * k, ceiling="read_gbps", validation=check)
-                rows.append(derive(Result("matmul.linear", f"{provider} (call)", label, dims, med, p20, p80,
-                                          note=f"do_bench of the Python call; {len(sets)} rotating weight sets",
-                                          **common), ceilings))
-                km = kernel_ms(call)
-                rows.append(derive(Result("matmul.linear", f"{provider} (kernel)", label, dims, km, km, km,
-                                          note="CUDA profiler, median of 30 calls (p20/p80 not recorded)",
-                                          **common), ceilings))
+                rows += timed(Result("matmul.linear", provider, label, dims, NAN, NAN, NAN, bytes=nbytes,
+                                     flops=2 * m * n * k, ceiling="read_gbps", validation=check,
+                                     note=f"{len(sets)} rotating weight sets"), rotating(fn, sets), ceilings)
             post = compare(nvfp4_linear(x, sets[0][0]), want)
             if not post.cosine > 0.9999:
                 raise AssertionError(f"nvfp4_linear drifted after timing {label} M={m}: {post}")

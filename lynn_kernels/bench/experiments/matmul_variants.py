@@ -27,7 +27,7 @@ from lynn_kernels.runtime import cast_output, to_float32
 from lynn_kernels.validate import compare
 
 from ..harness import measure_ceilings, provenance, rotation, rotating, time_fn
-from ..matmul import kernel_ms
+from ..harness import kernel_ms
 
 #: The GEMV configs compared (BLOCK_M 1 = an fp32 multiply-reduce path, since removed; 16 = tl.dot on padded rows).
 GEMV_SWEEP = ([{"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
