@@ -18,6 +18,7 @@ Layouts (docs/attention.md has the pictures):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -153,9 +154,14 @@ def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens) -> Varlen:
     cu_k = [0]
     for b in range(batch):
         cu_k.append(cu_k[-1] + prefix[b] + cu_q[b + 1] - cu_q[b])
-    dev = q.device
-    return Varlen(cu_q, cu_k, prefix, torch.tensor(cu_q, dtype=torch.int32, device=dev),
-                  torch.tensor(cu_k, dtype=torch.int32, device=dev))
+    return Varlen(cu_q, cu_k, prefix, _offsets(tuple(cu_q), q.device), _offsets(tuple(cu_k), q.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(values: tuple, device: torch.device) -> torch.Tensor:
+    """``values`` as an int32 tensor on ``device``, built once: a host-to-device copy from pageable memory waits for
+    the stream, so building it on every call would stall the GPU between back-to-back prefills. Read-only."""
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

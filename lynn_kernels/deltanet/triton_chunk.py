@@ -154,23 +154,24 @@ def _chunk_solve_kernel(a_ptr, ai_ptr, T_PAD, BT: tl.constexpr):
                    input_precision="ieee")
     ai30 = -tl.dot(ai33, tl.dot(a30, ai00, input_precision="ieee") + tl.dot(a31, ai10, input_precision="ieee")
                    + tl.dot(a32, ai20, input_precision="ieee"), input_precision="ieee")
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    tl.store(ai_ptr + blk, ai00)
+    AI_T = ai_ptr.dtype.element_ty                  # the dot operand dtype: storing it loses nothing
+    zero = tl.zeros((16, 16), dtype=AI_T)
+    tl.store(ai_ptr + blk, ai00.to(AI_T))
     tl.store(ai_ptr + blk + 16, zero)
     tl.store(ai_ptr + blk + 32, zero)
     tl.store(ai_ptr + blk + 48, zero)
-    tl.store(ai_ptr + blk + R1, ai10)
-    tl.store(ai_ptr + blk + R1 + 16, ai11)
+    tl.store(ai_ptr + blk + R1, ai10.to(AI_T))
+    tl.store(ai_ptr + blk + R1 + 16, ai11.to(AI_T))
     tl.store(ai_ptr + blk + R1 + 32, zero)
     tl.store(ai_ptr + blk + R1 + 48, zero)
-    tl.store(ai_ptr + blk + 2 * R1, ai20)
-    tl.store(ai_ptr + blk + 2 * R1 + 16, ai21)
-    tl.store(ai_ptr + blk + 2 * R1 + 32, ai22)
+    tl.store(ai_ptr + blk + 2 * R1, ai20.to(AI_T))
+    tl.store(ai_ptr + blk + 2 * R1 + 16, ai21.to(AI_T))
+    tl.store(ai_ptr + blk + 2 * R1 + 32, ai22.to(AI_T))
     tl.store(ai_ptr + blk + 2 * R1 + 48, zero)
-    tl.store(ai_ptr + blk + 3 * R1, ai30)
-    tl.store(ai_ptr + blk + 3 * R1 + 16, ai31)
-    tl.store(ai_ptr + blk + 3 * R1 + 32, ai32)
-    tl.store(ai_ptr + blk + 3 * R1 + 48, ai33)
+    tl.store(ai_ptr + blk + 3 * R1, ai30.to(AI_T))
+    tl.store(ai_ptr + blk + 3 * R1 + 16, ai31.to(AI_T))
+    tl.store(ai_ptr + blk + 3 * R1 + 32, ai32.to(AI_T))
+    tl.store(ai_ptr + blk + 3 * R1 + 48, ai33.to(AI_T))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def _chunk_wu_kernel(
     if L2NORM:
         k = _l2norm_rows(k)
     w = _dot(ai, k * (beta * tl.exp(gcum))[:, None], DOT)           # the keys as seen by the chunk's start state
-    tl.store(w_ptr + row[:, None] * K + offs_k[None, :], w, mask=mask_k[None, :])
+    tl.store(w_ptr + row[:, None] * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask_k[None, :])
 
     v_base = v_ptr + pid_b.to(tl.int64) * stride_vb + pid_hv * stride_vh
     v = _load_rows(v_base, offs_t, mask_t, stride_vt, offs_v, mask_v, IN_DTYPE, INTERPRET)      # [BT, BLOCK_V]
@@ -244,13 +245,15 @@ def _chunk_state_kernel(
         s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
     k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
     for c in range(NT):
-        tl.store(h_ptr + (pid_bh.to(tl.int64) * NT + c) * K * V + offs_kv, s, mask=mask_kv)   # state entering c
+        tl.store(h_ptr + (pid_bh.to(tl.int64) * NT + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
+                 mask=mask_kv)                                                       # state entering c
         offs_t = c * BT + tl.arange(0, BT)
         row = pid_bh.to(tl.int64) * T_PAD + offs_t
         w = tl.load(w_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :], other=0.0)  # [BT, BLOCK_K]
         u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :], other=0.0)  # [BT, BLOCK_V]
         v_new = u - _dot(w, s, DOT)                                                           # the chunk's deltas
-        tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new, mask=mask_v[None, :])
+        tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
+                 mask=mask_v[None, :])
         gcum = tl.load(gcum_ptr + row)                                                        # [BT]
         g_last = tl.load(gcum_ptr + pid_bh.to(tl.int64) * T_PAD + c * BT + BT - 1)           # rows past T repeat it
         k = _load_rows(k_base, offs_t, offs_t < T, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)
@@ -361,18 +364,20 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     NT = runtime.cdiv(T, BT)
     T_PAD = NT * BT
     BH = B * HV
+    DOT = dot_dtype(q.dtype)
     f32 = dict(dtype=torch.float32, device=dev)
+    ops = dict(dtype=torch.float32 if DOT == tl.float32 else torch.bfloat16, device=dev)
     gcum = torch.empty((BH, T_PAD), **f32)
     a = torch.empty((BH, T_PAD, BT), **f32)
-    ai = torch.empty((BH, T_PAD, BT), **f32)
-    w = torch.empty((BH, T_PAD, K), **f32)
     u = torch.empty((BH, T_PAD, V), **f32)
-    v_new = torch.empty((BH, T_PAD, V), **f32)
-    h = torch.empty((BH, NT, K, V), **f32)
+    # buffers only ever read as tl.dot operands are stored in the operand dtype: the cast happens anyway
+    ai = torch.empty((BH, T_PAD, BT), **ops)
+    w = torch.empty((BH, T_PAD, K), **ops)
+    v_new = torch.empty((BH, T_PAD, V), **ops)
+    h = torch.empty((BH, NT, K, V), **ops)
 
     in_dtype = runtime.TORCH_TO_TL[q.dtype]
     flags = runtime.kernel_flags()
-    DOT = dot_dtype(q.dtype)
     BLOCK_K = max(16, runtime.next_power_of_2(K))
     BLOCK_V_ALL = max(16, runtime.next_power_of_2(V))
     BLOCK_V_STATE, BLOCK_V_OUT = block_v(V)
