@@ -354,8 +354,10 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
 
 
 def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state, use_qk_l2norm: bool,
-                 o: torch.Tensor, final: torch.Tensor | None) -> None:
-    """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [B, HV, K, V]`` (or no final state)."""
+                 o: torch.Tensor, final: torch.Tensor | None, config: dict | None = None) -> None:
+    """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [B, HV, K, V]`` (or no final state).
+    ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``) and the
+    output's ``out_block_v``, for experiments and tests of one tiling."""
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -381,6 +383,12 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     BLOCK_K = max(16, runtime.next_power_of_2(K))
     BLOCK_V_ALL = max(16, runtime.next_power_of_2(V))
     BLOCK_V_STATE, BLOCK_V_OUT = block_v(V)
+    config = config or {}
+    BLOCK_V_STATE = config.get("state_block_v", BLOCK_V_STATE)
+    BLOCK_V_OUT = config.get("out_block_v", BLOCK_V_OUT)
+    state_launch = {"num_warps": config.get("state_warps", 8 if K > 64 else 4)}
+    if "state_stages" in config:
+        state_launch["num_stages"] = config["state_stages"]
     qv, kv, vv, gv, bv = (kernel_view(x) for x in (q, k, v, g, beta))
     common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, BT=BT, BLOCK_K=BLOCK_K, **flags)
 
@@ -399,7 +407,7 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
         kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
         V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
-        num_warps=8 if K > 64 else 4, **common)           # w, k [64, K] and the state tile in registers
+        **state_launch, **common)                         # w, k [64, K] and the state tile in registers
     _chunk_output_kernel[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
         qv, kv, gcum, h, v_new, kernel_view(o), T, T_PAD, NT, HV, dims.group, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
