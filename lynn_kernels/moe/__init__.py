@@ -1,4 +1,4 @@
-"""Mixture of experts (Qwen3-Next, Qwen3.5 / 3.6 sparse MoE blocks): routing and the align step.
+"""Mixture of experts (Qwen3-Next, Qwen3.5 / 3.6 sparse MoE blocks): routing, the align step, the experts, the block.
 
 Public ops (names, argument order and return values are a contract; each has a torch reference of the same
 signature in :mod:`.reference`; layouts and checks in :mod:`.spec`):
@@ -6,15 +6,16 @@ signature in :mod:`.reference`; layouts and checks in :mod:`.spec`):
 * ``route(logits, top_k, renormalize=True) -> (weights fp32 [M, top_k], ids int32 [M, top_k])``: softmax top-k
   routing, best first, ties to the lowest expert id;
 * ``align(ids, num_experts, block_m) -> (sorted_slots, block_expert, num_padded)``: the slots grouped by expert and
-  padded to ``block_m`` for a grouped GEMM (contract: :func:`.reference.align`).
-
-The experts and the whole block are specified in :mod:`.reference` (``moe_experts``, ``moe_block``, with
-:class:`SharedExpert`); their kernels come with the grouped GEMM.
+  padded to ``block_m`` for a grouped GEMM (contract: :func:`.reference.align`);
+* ``moe_experts(x, weights, ids, w13, w2) -> out [M, H]``: the routed experts, grouped NVFP4 GEMMs
+  (:mod:`.triton_experts`);
+* ``moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True) -> [..., H]``: router, routing,
+  experts and the :class:`SharedExpert`, summed and rounded once.
 
 Bad arguments raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or device), naming the
-tensor, on every backend. The public ops also check values (finite logits, ids in ``[0, E)``) with one host sync,
-skipped while a CUDA graph is being captured; ``route_triton`` / ``align_triton`` and the ``launch_*`` functions in
-:mod:`.triton_route` / :mod:`.triton_align` never synchronise.
+tensor, on every backend. The public ops ``route``, ``align`` and ``moe_experts`` also check values (finite logits,
+ids in ``[0, E)``) with one host sync, skipped while a CUDA graph is being captured; ``moe_block`` (which makes its
+own ids), the ``*_triton`` host functions and the ``launch_*`` functions never synchronise.
 
 Example (a decode batch of 4 tokens over Qwen3.5's 256 experts)::
 
@@ -28,6 +29,7 @@ from .. import runtime
 from . import reference, spec
 from .spec import SharedExpert, max_padded
 from .triton_align import align_triton
+from .triton_experts import moe_block_triton, moe_experts_triton
 from .triton_route import route_triton
 
 
@@ -85,4 +87,63 @@ def align(ids, num_experts, block_m):
     return align_triton(ids, num_experts, block_m)
 
 
-__all__ = ["route", "align", "SharedExpert", "max_padded", "reference", "spec"]
+@runtime.op(reference=reference.moe_experts)
+def moe_experts(x, weights, ids, w13, w2):
+    """The routed experts: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``,
+    W4A16: NVFP4 expert weights decoded in registers, x's dtype on the tensor cores, fp32 accumulation.
+
+    Prefill (M > 16): :func:`align` groups the slots by expert, then one grouped GEMM for gate and up (with
+    ``silu(gate) * up`` in its epilogue) and one for down (times the routing weight), one row per slot; a decode step
+    (M <= 16) skips the align step (one program per slot). A last kernel adds each token's ``top_k`` rows in order:
+    no atomics, so the result is deterministic. The intermediate ``silu(gate) * up`` is rounded to x's dtype (bf16 /
+    fp16; kept fp32 for fp32 x); everything else is fp32 until the single output rounding.
+
+    Args:
+        x: ``[M, H]`` bf16 / fp16 / fp32 activations.
+        weights: ``[M, top_k]`` routing weights (fp32 from :func:`route`; any float dtype).
+        ids: ``[M, top_k]`` int32 / int64 expert ids in ``[0, E)`` (checked here with one host sync, skipped while a
+            CUDA graph is being captured).
+        w13: NVFP4 ``[E, 2I, H]``: gate rows ``0..I-1``, then up rows; global scale ``()`` or per expert ``[E]``.
+        w2: NVFP4 ``[E, H, I]``; global scale ``()`` or ``[E]``.
+
+    Returns:
+        ``[M, H]`` in x's dtype.
+
+    Example::
+
+        weights, ids = route(x @ router_weight.t(), top_k=8)
+        y = moe_experts(x, weights, ids, w13, w2)                        # x [4, 2048] bf16 -> y [4, 2048] bf16
+    """
+    spec.check_experts(x, weights, ids, w13, w2)
+    spec.check_ids_in_range(ids, w13.shape[0])
+    return moe_experts_triton(x, weights, ids, w13, w2)
+
+
+@runtime.op(reference=reference.moe_block)
+def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True):
+    """A Qwen3-Next / Qwen3.5 sparse MoE block: router logits, :func:`route`, :func:`moe_experts`, plus the shared
+    expert ``sigmoid(x @ gate_weight^T) * down(silu(gate(x)) * up(x))``; all summed in fp32, rounded once.
+
+    The logits are the fp32 product rounded to x's dtype (HF's router is a linear in x's dtype), as the reference.
+    No host sync: the router cannot produce out-of-range ids, and non-finite x gives a non-finite output where the
+    reference raises.
+
+    Args:
+        x: ``[..., H]`` bf16 / fp16 / fp32.
+        router_weight: ``[E, H]`` float, unquantised (HF ``mlp.gate.weight``).
+        w13, w2: the experts, as :func:`moe_experts`.
+        shared: a :class:`SharedExpert` (NVFP4 ``w13 [2 Is, H]``, ``w2 [H, Is]`` with one global scale each, and
+            ``gate_weight [1, H]``) or None.
+        top_k: experts per token; ``renormalize``: Qwen3.5 always, Qwen3-Next ``config.norm_topk_prob``.
+
+    Returns:
+        ``[..., H]`` in x's dtype.
+
+    Example::
+
+        y = moe_block(x, router_weight, w13, w2, SharedExpert(s13, s2, gate_weight), top_k=8)   # x [1, 5, 2048]
+    """
+    return moe_block_triton(x, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
+
+
+__all__ = ["route", "align", "moe_experts", "moe_block", "SharedExpert", "max_padded", "reference", "spec"]

@@ -181,6 +181,9 @@ def check_experts(x, weights, ids, w13, w2) -> tuple[int, int, int]:
     _check_nvfp4("w13", w13, 3, "[E, 2I, H]")
     E = w13.shape[0]
     check_ffn("x", H, w13, w2, (E,), "")
+    if ids.shape[1] > E:
+        raise ValueError(f"ids has top_k={ids.shape[1]} columns but w13 has E={E} experts; top_k must lie in "
+                         f"[1, E]")
     for name, t in (("weights", weights), ("ids", ids), ("w13", w13), ("w2", w2)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share a device")

@@ -1,0 +1,402 @@
+"""The routed experts in Triton: grouped W4A16 GEMMs over NVFP4 expert stacks, deterministic, no host sync.
+
+``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, in three launches (four
+with the align step), each computing the transposed product as :mod:`lynn_kernels.matmul.triton_matmul` does: the
+weight tile, decoded from its codes in registers by that module's ``_w_tile``, is the first ``tl.dot`` operand, the
+token rows the second, and each expert's global scale multiplies the fp32 accumulator once, in the epilogue.
+
+* ``_moe_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: one expert's gate rows ``n`` and up rows
+  ``I + n`` against the same ``BLOCK_M`` token rows of x (two accumulators), then ``h = silu(gate) * up`` in fp32,
+  rounded once to the activation dtype and stored to the intermediate ``h`` at the program's own rows (no scatter);
+* ``_moe_down_kernel``, grid ``(row blocks, cdiv(H, BLOCK_N))``: rows of ``h`` against the expert's ``w2`` tile,
+  times the routing weight in fp32, stored to ``out_slots[slot]`` (fp32 ``[M * top_k, H]``): every slot is written
+  by exactly one program;
+* ``_moe_combine_kernel``: ``out[t] = sum_{j = 0..top_k-1} out_slots[t * top_k + j]`` (+ the shared expert's row), in
+  that order, rounded once to x's dtype. With ``top_k = 1`` and no shared expert the down kernel writes ``out``
+  itself. No float atomics anywhere, so two runs give the same bits.
+
+How a program finds its rows (the two GEMM kernels share it, :func:`_row_block`):
+
+* prefill (``M > DECODE_MAX_M``): after :func:`~.triton_align.launch_align`, row block ``b`` is rows
+  ``[b * BLOCK_M, (b + 1) * BLOCK_M)`` of ``sorted_slots``, expert ``block_expert[b]`` (the program exits at ``-1``);
+  the grid is sized by the static bound ``spec.max_padded``; ``h`` is ``[P_max, I]`` in sorted order;
+* decode (``DIRECT``, ``M <= DECODE_MAX_M``): no align; program ``m`` handles slot ``m`` alone (expert
+  ``ids.view(-1)[m]``, one real row of a 16-row ``tl.dot`` tile: the decode of the weight is the work, the MMA is
+  nearly free), ``h`` is ``[M * top_k, I]`` in slot order;
+* dense (``DENSE``, the shared expert): row block ``b`` is tokens ``[b * BLOCK_M, (b + 1) * BLOCK_M)``, expert 0.
+
+Numerics: the weight tile is exact in the dot dtype (bf16 for bf16 x on the GPU, fp32 under the interpreter); the
+intermediate ``h`` is rounded to x's dtype (bf16 / fp16; fp32 for fp32 x) on every backend, the interpreter stores it
+as fp32 holding that value, so the CPU tests check the GPU's roundings; everything after is fp32 until the single
+output rounding. Global scales: one per tensor (``()``) or one per expert (``[E]``); per-shard (separate gate and up)
+or per-row scales raise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..matmul.checks import GEMV_MAX_M
+from ..matmul.triton_matmul import _constexprs, _w_tile
+from ..nvfp4 import NVFP4Tensor
+from ..runtime import cast_output, kernel_view, round_to_bf16, to_float32
+from . import spec
+from .spec import SharedExpert
+from .triton_align import MAX_EXPERTS, launch_align
+from .triton_route import launch_route
+
+#: Largest batch that takes the decode path (one program per slot, no align): the matmul GEMV's limit.
+DECODE_MAX_M = GEMV_MAX_M
+
+#: GPU tiles of the two GEMM kernels (not yet tuned: starting points from the matmul GEMV / small-M GEMM configs).
+PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+DECODE_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _row_block(sorted_ptr, expert_ptr, pid_m, S,
+               DIRECT: tl.constexpr, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Expert (``-1``: nothing to do), rows of ``h``, their slots and which rows are real, of row block ``pid_m``."""
+    offs = tl.arange(0, BLOCK_M)
+    if DIRECT:                                     # slot pid_m alone, in row 0 of the tile
+        e = tl.load(expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m + offs
+        slot = rows
+        valid = offs == 0
+    elif DENSE:                                    # token rows, one expert
+        e = (pid_m * 0).to(tl.int64)
+        rows = pid_m * BLOCK_M + offs
+        slot = rows
+        valid = rows < S
+    else:                                          # a block of the align step's sorted slots
+        e = tl.load(expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + offs
+        slot = tl.load(sorted_ptr + rows)
+        valid = slot < S                           # the sentinel is S
+    return e, rows, slot, valid
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, h_ptr,
+    S, H, I, stride_xm, G_STRIDE,
+    TOP_K: tl.constexpr, DIRECT: tl.constexpr, DENSE: tl.constexpr,
+    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DIRECT, DENSE, BLOCK_M)
+    if e < 0:
+        return
+    token = slot // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    codes_e = codes_ptr + e * (2 * I) * (H // 2)                   # expert e of [E, 2I, H/2]
+    scales_e = scales_ptr + e * (2 * I) * (H // 16)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + token[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
+                     mask=(offs_k[:, None] < H) & valid[None, :], other=0)
+        xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
+        wt = _w_tile(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                     PACKED_DECODE, INTERPRET)                                     # gate rows [BLOCK_N, BLOCK_K]
+        acc_gate = tl.dot(wt, xt, acc_gate, input_precision=PRECISION)
+        wt = _w_tile(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                     PACKED_DECODE, INTERPRET)                                     # up rows
+        acc_up = tl.dot(wt, xt, acc_up, input_precision=PRECISION)
+    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)         # undo the packed decode's 2^-7
+    gate = acc_gate * g
+    h = gate * tl.sigmoid(gate) * (acc_up * g)                                     # [BLOCK_N, BLOCK_M]
+    if INTERPRET:            # the GPU rounds h to the dot dtype when storing; the interpreter stores fp32: round here
+        if X_DTYPE == tl.bfloat16:
+            h = round_to_bf16(h, INTERPRET)
+        elif X_DTYPE == tl.float16:
+            h = h.to(tl.float16).to(tl.float32)
+    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None], h.to(DOT_DTYPE),
+             mask=mask_n[:, None] & valid[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, weights_ptr, out_ptr,
+    S, H, I, stride_om, G_STRIDE,
+    DIRECT: tl.constexpr, DENSE: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DIRECT, DENSE, BLOCK_M)
+    if e < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    codes_e = codes_ptr + e * H * (I // 2)                         # expert e of [E, H, I/2]
+    scales_e = scales_ptr + e * H * (I // 16)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + offs_k[:, None],
+                     mask=(offs_k[:, None] < I) & valid[None, :], other=0).to(DOT_DTYPE)   # [BLOCK_K, BLOCK_M]
+        wt = _w_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                     PACKED_DECODE, INTERPRET)                                     # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(wt, ht, acc, input_precision=PRECISION)
+    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)
+    w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)   # routing weight [BLOCK_M]
+    y = acc * g * w[None, :]
+    tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None], cast_output(y, OUT_DTYPE, INTERPRET),
+             mask=mask_n[:, None] & valid[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    slots_ptr, shared_ptr, out_ptr, M, H, stride_om,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (offs_t[:, None] < M) & (offs_h[None, :] < H)
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):                  # in choice order: the same sum on every run
+        acc += tl.load(slots_ptr + (offs_t[:, None] * TOP_K + j).to(tl.int64) * H + offs_h[None, :],
+                       mask=mask, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_om + offs_h[None, :],
+             cast_output(acc, OUT_DTYPE, INTERPRET), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host side
+
+
+class MoEWorkspace(NamedTuple):
+    """Buffers of one :func:`launch_moe_experts` call, sized by shapes only (:func:`moe_workspace`); reusable across
+    calls of the same shape, e.g. inside a CUDA graph. Unused ones (decode: the align outputs) are empty."""
+
+    sorted_slots: torch.Tensor      #: int32 [P_max] (prefill)
+    block_expert: torch.Tensor      #: int32 [P_max // block_m] (prefill)
+    num_padded: torch.Tensor        #: int32 [1] (prefill)
+    h: torch.Tensor                 #: [P_max or M * top_k, I] in the dot dtype (:func:`intermediate_dtype`)
+    out_slots: torch.Tensor         #: fp32 [M * top_k, H] (unused when top_k = 1 without a shared expert)
+
+
+def block_m_for(M: int, top_k: int, num_experts: int) -> int:
+    """Rows of a prefill tile: 16, 32 or 64, by the expected rows per used expert (``M * top_k`` over at most
+    ``min(E, M * top_k)`` experts): padding costs up to ``BLOCK_M - 1`` rows per expert."""
+    per_expert = runtime.cdiv(M * top_k, max(1, min(num_experts, M * top_k)))
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def intermediate_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """dtype of ``h``: the dot dtype, x's own on the GPU (fp32 for fp32 x), fp32 under the interpreter."""
+    return torch.float32 if runtime.INTERPRET else x_dtype
+
+
+def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype: torch.dtype,
+                  device) -> MoEWorkspace:
+    """Allocate the buffers :func:`launch_moe_experts` needs for ``x [M, H]``, ``ids [M, top_k]``, ``w2 [E, H, I]``."""
+    S = M * top_k
+    i32 = dict(dtype=torch.int32, device=device)
+    if M <= DECODE_MAX_M:
+        sorted_slots, block_expert, rows = torch.empty(0, **i32), torch.empty(0, **i32), S
+    else:
+        block_m = block_m_for(M, top_k, num_experts)
+        rows = spec.max_padded(S, num_experts, block_m)
+        sorted_slots, block_expert = torch.empty(rows, **i32), torch.empty(rows // block_m, **i32)
+    return MoEWorkspace(sorted_slots, block_expert, torch.empty(1, **i32),
+                        torch.empty((rows, I), dtype=intermediate_dtype(x_dtype), device=device),
+                        torch.empty((S, H), dtype=torch.float32, device=device))
+
+
+@functools.lru_cache(maxsize=None)
+def _flags(x_dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
+    """Constexprs of (gate_up, down), from the matmul's: the dot in x's dtype on the GPU, fp32 for fp32 x and under
+    the interpreter; the packed bf16x2 decode for bf16 x on the GPU."""
+    c = _constexprs(x_dtype, None, x_dtype, interpret)
+    dot = {k: c[k] for k in ("DOT_DTYPE", "PRECISION", "PACKED_DECODE", "INTERPRET")}
+    return {"X_DTYPE": c["X_DTYPE"], **dot}, dot
+
+
+def _tiles(n: int, k: int, decode: bool) -> dict:
+    """``BLOCK_N``, ``BLOCK_K`` and launch options; under the interpreter the largest tiles the shape can use (its
+    cost is per program and loop step)."""
+    if runtime.INTERPRET:
+        return {"BLOCK_N": max(16, min(128, runtime.next_power_of_2(n))),
+                "BLOCK_K": max(16, min(256, runtime.next_power_of_2(k))), "num_warps": 4}
+    return dict(DECODE_CONFIG if decode else PREFILL_CONFIG)
+
+
+def _g_stride(name: str, w: NVFP4Tensor, stacked: bool) -> int:
+    """0 for one global scale, 1 for one per expert; anything else raises."""
+    g = w.global_scale
+    if g.dim() == 0:
+        return 0
+    if stacked and g.dim() == 1:
+        return 1
+    want = "() or [E]" if stacked else "()"
+    raise ValueError(f"{name}.global_scale has shape {tuple(g.shape)}; the grouped expert kernels take {want} "
+                     f"(one scale per tensor or per expert): per-shard (separate gate / up) or per-row global scales "
+                     f"are not supported: requantize with one scale per expert, or use the reference backend")
+
+
+def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, h, dest,
+                direct: bool, dense: bool, block_m: int) -> None:
+    """gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out`` itself)."""
+    M, H = x2.shape
+    I = w2.shape[-1]
+    decode = M <= DECODE_MAX_M
+    up_flags, down_flags = _flags(x2.dtype, runtime.INTERPRET)
+    meta = _tiles(I, H, decode)
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages", 1)
+    _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
+        kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, sorted_slots, experts, h,
+        S, H, I, x2.stride(0), g13,
+        TOP_K=top_k, DIRECT=direct, DENSE=dense, **up_flags, BLOCK_M=block_m, **meta,
+        num_warps=warps, num_stages=stages)
+    meta = _tiles(H, I, decode)
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages", 1)
+    _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
+        h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, sorted_slots, experts, kernel_view(weights),
+        kernel_view(dest), S, H, I, dest.stride(0), g2,
+        DIRECT=direct, DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
+        OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **down_flags, BLOCK_M=block_m, **meta,
+        num_warps=warps, num_stages=stages)
+
+
+def _launch_combine(out_slots, shared_out, out, top_k: int) -> None:
+    M, H = out.shape
+    if runtime.INTERPRET:
+        meta = {"BLOCK_T": max(1, min(64, runtime.next_power_of_2(M))),
+                "BLOCK_H": max(16, min(1024, runtime.next_power_of_2(H))), "num_warps": 4}
+    else:
+        meta = dict(COMBINE_CONFIG)
+    warps = meta.pop("num_warps")
+    _moe_combine_kernel[(runtime.cdiv(M, meta["BLOCK_T"]), runtime.cdiv(H, meta["BLOCK_H"]))](
+        out_slots, out_slots if shared_out is None else shared_out, kernel_view(out), M, H, out.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared_out is not None, OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **meta,
+        num_warps=warps, **runtime.kernel_flags())
+
+
+def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: NVFP4Tensor,
+                       w2: NVFP4Tensor, out: torch.Tensor, ws: MoEWorkspace,
+                       shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch only (no checks, no host sync, no allocation): ``x2 [M, H]`` (unit stride along H) into ``out [M, H]``
+    (x's dtype, unit stride along H) with the buffers of :func:`moe_workspace`. ``shared_out`` (fp32 ``[M, H]``,
+    contiguous) is added in the combine step (the shared expert's weighted output)."""
+    M, H = x2.shape
+    top_k = ids.shape[1]
+    E = w13.shape[0]
+    S = M * top_k
+    if M == 0:
+        return out
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    g13, g2 = _g_stride("w13", w13, True), _g_stride("w2", w2, True)
+    direct = M <= DECODE_MAX_M
+    if direct:
+        block_m, n_blocks, experts, sorted_slots = 16, S, ids.view(-1), ids.view(-1)   # sorted_slots unused
+    else:
+        block_m = block_m_for(M, top_k, E)
+        launch_align(ids, E, block_m, ws.sorted_slots, ws.block_expert, ws.num_padded)
+        n_blocks, experts, sorted_slots = ws.block_expert.numel(), ws.block_expert, ws.sorted_slots
+    to_out = top_k == 1 and shared_out is None
+    _launch_ffn(x2, weights.view(-1), experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, ws.h,
+                out if to_out else ws.out_slots, direct, False, block_m)
+    if not to_out:
+        _launch_combine(ws.out_slots, shared_out, out, top_k)
+    return out
+
+
+def _check_kernel_args(x, weights, ids, w13, w2) -> tuple[int, int, int]:
+    M, top_k, E = spec.check_experts(x, weights, ids, w13, w2)
+    for name, t in (("x", x), ("weights", weights), ("ids", ids), ("w13.codes", w13.codes), ("w2.codes", w2.codes)):
+        runtime.check_device(name, t)
+    if E > MAX_EXPERTS:
+        raise ValueError(f"w13 has E={E} experts; the align kernel handles at most {MAX_EXPERTS} "
+                         f"(use the reference backend)")
+    _g_stride("w13", w13, True)
+    _g_stride("w2", w2, True)
+    return M, top_k, E
+
+
+def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: NVFP4Tensor,
+                       w2: NVFP4Tensor) -> torch.Tensor:
+    """Host side of :func:`lynn_kernels.moe.moe_experts`: checks shapes, dtypes and devices (not id values: no
+    host sync), allocates the workspace and ``out [M, H]`` in x's dtype, launches."""
+    M, top_k, E = _check_kernel_args(x, weights, ids, w13, w2)
+    H, I = x.shape[1], w2.shape[-1]
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    ws = moe_workspace(M, top_k, E, H, I, x.dtype, x.device)
+    return launch_moe_experts(x2, weights, ids, w13, w2, out, ws)
+
+
+def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Tensor, h: torch.Tensor,
+                         dest: torch.Tensor) -> torch.Tensor:
+    """Launch only: ``dest [M, H]`` fp32 ``= gate[t] * down(silu(gate_proj(x_t)) * up_proj(x_t))`` with ``gate`` fp32
+    ``[M]`` (the sigmoid of the shared expert gate) and ``h [M, Is]`` (:func:`intermediate_dtype`): the two GEMM
+    kernels in dense mode (token rows, one expert)."""
+    M = x2.shape[0]
+    block_m = max(16, min(64, runtime.next_power_of_2(M)))
+    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, shared.w13, shared.w2,
+                _g_stride("shared.w13", shared.w13, False), _g_stride("shared.w2", shared.w2, False), h, dest,
+                False, True, block_m)
+    return dest
+
+
+def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor,
+                     shared: SharedExpert | None = None, *, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Host side of :func:`lynn_kernels.moe.moe_block`: checks shapes, dtypes and devices (no host sync), then the
+    router logits (fp32 product rounded to x's dtype, as the reference), the routing kernel, the shared expert
+    (dense mode of the expert kernels) and the routed experts, summed in the combine step and rounded once."""
+    spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
+    tensors = [("x", x), ("router_weight", router_weight), ("w13.codes", w13.codes), ("w2.codes", w2.codes)]
+    if shared is not None:
+        tensors += [("shared.w13.codes", shared.w13.codes), ("shared.w2.codes", shared.w2.codes),
+                    ("shared.gate_weight", shared.gate_weight)]
+        _g_stride("shared.w13", shared.w13, False)
+        _g_stride("shared.w2", shared.w2, False)
+    for name, t in tensors:
+        runtime.check_device(name, t)
+    E, H, I = w13.shape[0], x.shape[-1], w2.shape[-1]
+    if E > MAX_EXPERTS:
+        raise ValueError(f"w13 has E={E} experts; the routing and align kernels handle at most {MAX_EXPERTS} "
+                         f"(use the reference backend)")
+    _g_stride("w13", w13, True)
+    _g_stride("w2", w2, True)
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(x.shape)
+    xf = x2.float()
+    logits = (xf @ router_weight.float().t()).to(x.dtype)                       # [M, E], as HF's router
+    weights = torch.empty((M, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((M, top_k), dtype=torch.int32, device=x.device)
+    launch_route(logits, top_k, renormalize, weights, ids)
+    shared_out = None
+    if shared is not None:
+        gate = torch.sigmoid(xf @ shared.gate_weight.float().t()).view(-1)      # fp32 [M]
+        h = torch.empty((M, shared.w2.shape[-1]), dtype=intermediate_dtype(x.dtype), device=x.device)
+        shared_out = torch.empty((M, H), dtype=torch.float32, device=x.device)
+        launch_shared_expert(x2, shared, gate, h, shared_out)
+    ws = moe_workspace(M, top_k, E, H, I, x.dtype, x.device)
+    launch_moe_experts(x2, weights, ids, w13, w2, out, ws, shared_out)
+    return out.reshape(x.shape)
