@@ -96,6 +96,13 @@ def check_deltanet() -> list[dict]:
     return rows()
 
 
+@register("moe")
+def check_moe() -> list[dict]:
+    from .moe.check import check_moe as rows
+
+    return rows()
+
+
 def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
     chosen = [f for f in CHECKS if not families or f in families]
     unknown = set(families or []) - set(CHECKS)

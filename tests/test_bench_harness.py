@@ -178,7 +178,7 @@ def test_validated_refuses_a_wrong_op():
 
 def test_bench_registry_lists_every_family():
     assert bench.available() == ["attention.decode", "attention.prefill", "deltanet.chunk", "deltanet.conv",
-                                 "deltanet.recurrent", "matmul.linear", "nvfp4.dequantize", "nvfp4.quantize"]
+                                 "deltanet.recurrent", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
 
 
 def test_plots_draw_the_committed_results():

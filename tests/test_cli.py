@@ -27,7 +27,7 @@ def test_check_prints_a_passing_table(capsys):
     assert {"nvfp4.quantize", "nvfp4.dequantize"} <= ops
     assert all(line.rstrip().endswith("yes") for line in rows), out      # the passed column
     every = [line for line in lines[3:] if line.rstrip().endswith((" yes", " no"))]
-    assert {line.split()[0].split(".")[0] for line in every} >= {"nvfp4", "matmul", "attention", "deltanet"}
+    assert {line.split()[0].split(".")[0] for line in every} >= {"nvfp4", "matmul", "attention", "deltanet", "moe"}
     done = re.search(r"^(\d+)/(\d+) checks passed in [\d.]+ s$", out, re.M)
     assert done and done.group(1) == done.group(2) == str(len(every))
 
@@ -43,7 +43,7 @@ def test_check_rows_all_pass():
 
 
 def test_check_unknown_family():
-    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['attention', 'deltanet', 'matmul', 'nvfp4'\]"):
+    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['attention', 'deltanet', 'matmul', 'moe', 'nvfp4'\]"):
         main(["check", "nvfp5"])
 
 
@@ -59,7 +59,7 @@ def test_bench_list(capsys):
     assert main(["bench", "--list"]) == 0
     listed = capsys.readouterr().out.split()
     assert listed == ["attention.decode", "attention.prefill", "deltanet.chunk", "deltanet.conv",
-                      "deltanet.recurrent", "matmul.linear", "nvfp4.dequantize", "nvfp4.quantize"]
+                      "deltanet.recurrent", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
 
 
 def test_info(capsys):

@@ -37,9 +37,9 @@ def _gen(seed: int) -> torch.Generator:
 
 def _quantized(shape, seed, per_expert=False, scale=0.2):
     """An NVFP4 weight on the kernels' device, with one global scale per expert when ``per_expert``."""
-    w = torch.randn(shape, generator=_gen(seed)) * scale
+    w = (torch.randn(shape, generator=_gen(seed)) * scale).to(DEV)          # quantised where the kernels run
     g = w.abs().amax(dim=tuple(range(1, w.dim()))) / 2688 if per_expert else None
-    return nvfp4_reference.quantize(w, global_scale=g).to(DEV)
+    return nvfp4_reference.quantize(w, global_scale=g)
 
 
 def _experts(E, H, inter, seed=0, per_expert=True):
@@ -176,6 +176,19 @@ def test_launch_moe_experts_reuses_a_poisoned_workspace(M, poison_empty):
         assert_experts_close(out, x, weights, ids, w13, w2, what=f"seed {seed}")
 
 
+@pytest.mark.parametrize("M", [pytest.param(2, id="decode-M2"), pytest.param(40, id="prefill-M40")])
+def test_launch_moe_experts_small_tiles(M, poison_empty):
+    """Tiles of 16 x 32: several N tiles per GEMM and several K steps, the last one partial (H = 80, I = 48)."""
+    E, top_k, H, inter = 5, 2, 80, 48
+    w13, w2 = _experts(E, H, inter, seed=15)
+    weights, ids = _routing(M, top_k, E, seed=16)
+    x = _x(M, H, BF16, seed=17)
+    out = torch.empty((M, H), dtype=BF16, device=DEV)
+    launch_moe_experts(x, weights, ids, w13, w2, out, moe_workspace(M, top_k, E, H, inter, BF16, DEV),
+                       config={"BLOCK_N": 16, "BLOCK_K": 32})
+    assert_experts_close(out, x, weights, ids, w13, w2)
+
+
 def test_paths_and_block_m(monkeypatch):
     """M <= 16 never calls align; M > 16 does, with BLOCK_M from the expected rows per expert."""
     calls = []
@@ -304,7 +317,7 @@ EXPERT_ERRORS = [
     pytest.param(_with(w2=_experts(4, 32, 32)[1]), ValueError, r"w2 must have shape \[4, H, I\] = \(4, 32, 16\)",
                  id="w2-I-mismatch"),
     pytest.param(_with(w13=_W13[0]), ValueError, r"w13 must be a 3-D NVFP4Tensor", id="w13-2d"),
-    pytest.param(_with(ids=_IDS + 2), ValueError, r"ids must lie in \[0, num_experts\) = \[0, 4\), found min \\d, "
+    pytest.param(_with(ids=_IDS + 2), ValueError, r"ids must lie in \[0, num_experts\) = \[0, 4\), found min 2, "
                  r"max 5", id="id-out-of-range"),
     pytest.param(lambda: (_X, torch.rand(3, 5), torch.zeros(3, 5, dtype=torch.int32), _W13, _W2), ValueError,
                  r"ids has top_k=5 columns but w13 has E=4 experts", id="topk>E"),
@@ -350,7 +363,7 @@ def test_moe_qwen35_shape_gpu(M):
     router = (torch.randn(E, H, generator=_gen(53)) * 0.05).to(BF16).to(DEV)
     weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
     got = moe_experts(x, weights, ids, w13, w2)
-    m = assert_experts_close(got, x, weights, ids, w13, w2, what=f"M={M}")
+    assert_experts_close(got, x, weights, ids, w13, w2, what=f"M={M}")
     assert bit_mismatches(got, moe_experts(x, weights, ids, w13, w2)) == 0, "not deterministic"
     shared = _shared(H, inter, seed=54)
     got = moe_block(x, router, w13, w2, shared, top_k=top_k)

@@ -61,9 +61,58 @@ def markdown_matmul(op: str, gpu: str = "h200") -> str:
     return "\n".join(lines)
 
 
+def timed_pairs(doc: dict) -> list[dict]:
+    """One dict per (shape, provider) of a file written by ``harness.timed``: the ``(kernel)`` and ``(call)`` rows
+    of a provider side by side, plus any other row (wall-clock, or a provider that was not timed) on its own."""
+    pairs: dict = {}
+    for r in doc["results"]:
+        name = r["provider"]
+        how = next((h for h in ("kernel", "call") if name.endswith(f" ({h})")), "other")
+        base = name[: -len(f" ({how})")] if how != "other" else name
+        pair = pairs.setdefault((r["shape"], base), {"shape": r["shape"], "provider": base, "row": r})
+        pair[how] = r
+        if how == "kernel":
+            pair["row"] = r
+    return list(pairs.values())
+
+
+def _ms(r: dict | None) -> str:
+    return "-" if r is None or r["median_ms"] != r["median_ms"] else f"{r['median_ms'] * 1e3:,.1f}"
+
+
+def markdown_timed(op: str, gpu: str = "h200") -> str:
+    """Kernel time and call time per provider; the rate (TFLOP/s when the op counts flops, else GB/s) and the
+    fraction of the ceiling from the kernel time."""
+    doc = load(op, gpu)
+    flops = any(r.get("flops") for r in doc["results"])
+    rate = "TFLOP/s" if flops else "GB/s"
+    lines = [_head(op, doc), "",
+             f"| shape | provider | kernel us | call us | {rate} (kernel) | of ceiling | validated |",
+             "|---|---|---|---|---|---|---|"]
+    for p in timed_pairs(doc):
+        r, k = p["row"], p.get("kernel")
+        main = k if k is not None else p.get("other")
+        if main is None or main["median_ms"] != main["median_ms"]:
+            lines.append(f"| {p['shape']} | {p['provider']} | - | - | - | - | not timed: {r['note']} |")
+            continue
+        value = main["tflops"] if flops else main["gbps"]
+        frac = "-" if main.get("frac_of_ceiling") is None else f"{100 * main['frac_of_ceiling']:.1f}%"
+        v = main.get("validation")
+        ok = "-" if not v else ("FAILED" if not v.get("passed") else "passed")
+        kernel_us = _ms(k) if k is not None else "-"
+        call_us = _ms(p.get("call") or p.get("other"))
+        lines.append(f"| {p['shape']} | {p['provider']} | {kernel_us} | {call_us} | {value:,.1f} | {frac} | {ok} |")
+    return "\n".join(lines)
+
+
+TIMED_OPS = ("attention.prefill", "attention.decode", "deltanet.chunk", "deltanet.recurrent", "deltanet.conv")
+
+
 def markdown(op: str, gpu: str = "h200") -> str:
     if op == "matmul.linear":
         return markdown_matmul(op, gpu)
+    if op in TIMED_OPS:
+        return markdown_timed(op, gpu)
     doc = load(op, gpu)
     lines = [
         _head(op, doc),
@@ -82,6 +131,6 @@ def markdown(op: str, gpu: str = "h200") -> str:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear"]:
+    for name in sys.argv[1:] or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS]:
         print(markdown(name))
         print()

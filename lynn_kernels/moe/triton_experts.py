@@ -232,13 +232,15 @@ def _flags(x_dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
     return {"X_DTYPE": c["X_DTYPE"], **dot}, dot
 
 
-def _tiles(n: int, k: int, decode: bool) -> dict:
-    """``BLOCK_N``, ``BLOCK_K`` and launch options; under the interpreter the largest tiles the shape can use (its
-    cost is per program and loop step)."""
+def _tiles(n: int, k: int, decode: bool, config: dict | None) -> dict:
+    """``BLOCK_N``, ``BLOCK_K`` and launch options (``config`` overrides them); under the interpreter the largest
+    tiles the shape can use (its cost is per program and loop step)."""
     if runtime.INTERPRET:
-        return {"BLOCK_N": max(16, min(128, runtime.next_power_of_2(n))),
+        meta = {"BLOCK_N": max(16, min(128, runtime.next_power_of_2(n))),
                 "BLOCK_K": max(16, min(256, runtime.next_power_of_2(k))), "num_warps": 4}
-    return dict(DECODE_CONFIG if decode else PREFILL_CONFIG)
+    else:
+        meta = dict(DECODE_CONFIG if decode else PREFILL_CONFIG)
+    return {**meta, **(config or {})}
 
 
 def _g_stride(name: str, w: NVFP4Tensor, stacked: bool) -> int:
@@ -255,20 +257,20 @@ def _g_stride(name: str, w: NVFP4Tensor, stacked: bool) -> int:
 
 
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, h, dest,
-                direct: bool, dense: bool, block_m: int) -> None:
+                direct: bool, dense: bool, block_m: int, config: dict | None = None) -> None:
     """gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out`` itself)."""
     M, H = x2.shape
     I = w2.shape[-1]
     decode = M <= DECODE_MAX_M
     up_flags, down_flags = _flags(x2.dtype, runtime.INTERPRET)
-    meta = _tiles(I, H, decode)
+    meta = _tiles(I, H, decode, config)
     warps, stages = meta.pop("num_warps"), meta.pop("num_stages", 1)
     _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, sorted_slots, experts, h,
         S, H, I, x2.stride(0), g13,
         TOP_K=top_k, DIRECT=direct, DENSE=dense, **up_flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)
-    meta = _tiles(H, I, decode)
+    meta = _tiles(H, I, decode, config)
     warps, stages = meta.pop("num_warps"), meta.pop("num_stages", 1)
     _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, sorted_slots, experts, kernel_view(weights),
@@ -294,10 +296,11 @@ def _launch_combine(out_slots, shared_out, out, top_k: int) -> None:
 
 def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: NVFP4Tensor,
                        w2: NVFP4Tensor, out: torch.Tensor, ws: MoEWorkspace,
-                       shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                       shared_out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launch only (no checks, no host sync, no allocation): ``x2 [M, H]`` (unit stride along H) into ``out [M, H]``
     (x's dtype, unit stride along H) with the buffers of :func:`moe_workspace`. ``shared_out`` (fp32 ``[M, H]``,
-    contiguous) is added in the combine step (the shared expert's weighted output)."""
+    contiguous) is added in the combine step (the shared expert's weighted output). ``config`` (``BLOCK_N``,
+    ``BLOCK_K``, ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests and experiments)."""
     M, H = x2.shape
     top_k = ids.shape[1]
     E = w13.shape[0]
@@ -316,7 +319,7 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
         n_blocks, experts, sorted_slots = ws.block_expert.numel(), ws.block_expert, ws.sorted_slots
     to_out = top_k == 1 and shared_out is None
     _launch_ffn(x2, weights.view(-1), experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, ws.h,
-                out if to_out else ws.out_slots, direct, False, block_m)
+                out if to_out else ws.out_slots, direct, False, block_m, config)
     if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
