@@ -69,7 +69,8 @@ def timed_pairs(doc: dict) -> list[dict]:
         name = r["provider"]
         how = next((h for h in ("kernel", "call") if name.endswith(f" ({h})")), "other")
         base = name[: -len(f" ({how})")] if how != "other" else name
-        pair = pairs.setdefault((r["shape"], base), {"shape": r["shape"], "provider": base, "row": r})
+        key = (r["shape"], tuple(sorted(r["dims"].items())), base)
+        pair = pairs.setdefault(key, {"shape": r["shape"], "dims": r["dims"], "provider": base, "row": r})
         pair[how] = r
         if how == "kernel":
             pair["row"] = r
@@ -80,32 +81,55 @@ def _ms(r: dict | None) -> str:
     return "-" if r is None or r["median_ms"] != r["median_ms"] else f"{r['median_ms'] * 1e3:,.1f}"
 
 
+_CEILING_NAMES = {"read_gbps": "read", "copy_gbps": "copy", "bf16_tflops": "bf16 matmul"}
+
+
 def markdown_timed(op: str, gpu: str = "h200") -> str:
-    """Kernel time and call time per provider; the rate (TFLOP/s when the op counts flops, else GB/s) and the
-    fraction of the ceiling from the kernel time."""
+    """Kernel time and call time per provider; GB/s, TFLOP/s (when the op counts flops) and the fraction of the
+    ceiling the row is held against, all from the kernel time (the call time where no kernel time was taken)."""
     doc = load(op, gpu)
     flops = any(r.get("flops") for r in doc["results"])
-    rate = "TFLOP/s" if flops else "GB/s"
-    lines = [_head(op, doc), "",
-             f"| shape | provider | kernel us | call us | {rate} (kernel) | of ceiling | validated |",
-             "|---|---|---|---|---|---|---|"]
+    head = "| shape | provider | kernel us | call us | GB/s | " + ("TFLOP/s | " if flops else "") + "of ceiling | validated |"
+    lines = [_head(op, doc), "", head, "|" + "---|" * (head.count("|") - 1)]
     for p in timed_pairs(doc):
         r, k = p["row"], p.get("kernel")
+        if "M" in p["dims"] and f"M{p['dims']['M']}" not in p["shape"]:
+            p["shape"] = f"{p['shape']}, M={p['dims']['M']}"
         main = k if k is not None else p.get("other")
         if main is None or main["median_ms"] != main["median_ms"]:
-            lines.append(f"| {p['shape']} | {p['provider']} | - | - | - | - | not timed: {r['note']} |")
+            dashes = "- | " * (4 if flops else 3)
+            lines.append(f"| {p['shape']} | {p['provider']} | - | {dashes}not timed: {r['note']} |")
             continue
-        value = main["tflops"] if flops else main["gbps"]
-        frac = "-" if main.get("frac_of_ceiling") is None else f"{100 * main['frac_of_ceiling']:.1f}%"
+        rate = f"{main['gbps']:,.0f} | " + (f"{main['tflops']:,.1f} | " if flops else "")
+        frac = "-" if main.get("frac_of_ceiling") is None else \
+            f"{100 * main['frac_of_ceiling']:.1f}% of {_CEILING_NAMES.get(main['ceiling'], main['ceiling'])}"
         v = main.get("validation")
         ok = "-" if not v else ("FAILED" if not v.get("passed") else "passed")
         kernel_us = _ms(k) if k is not None else "-"
         call_us = _ms(p.get("call") or p.get("other"))
-        lines.append(f"| {p['shape']} | {p['provider']} | {kernel_us} | {call_us} | {value:,.1f} | {frac} | {ok} |")
+        lines.append(f"| {p['shape']} | {p['provider']} | {kernel_us} | {call_us} | {rate}{frac} | {ok} |")
     return "\n".join(lines)
 
 
-TIMED_OPS = ("attention.prefill", "attention.decode", "deltanet.chunk", "deltanet.recurrent", "deltanet.conv")
+def update(path: str, ops=None) -> list[str]:
+    """Replace each op's block (its provenance line and the table under it) in a markdown file by a fresh render;
+    returns the ops updated."""
+    import re
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    done = []
+    for op in ops or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS]:
+        pattern = re.compile(r"^`" + re.escape(op) + r"` on .*?\n\n(?:\|.*\n?)+", re.M)
+        if pattern.search(text):
+            text = pattern.sub(lambda _: markdown(op) + "\n", text, count=1)
+            done.append(op)
+    Path(path).write_text(text)
+    return done
+
+
+TIMED_OPS = ("attention.prefill", "attention.decode", "deltanet.chunk", "deltanet.recurrent", "deltanet.conv",
+             "moe.block")
 
 
 def markdown(op: str, gpu: str = "h200") -> str:
@@ -131,6 +155,9 @@ def markdown(op: str, gpu: str = "h200") -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--update"]:
+        print("updated:", ", ".join(update(sys.argv[2], sys.argv[3:] or None)))
+        sys.exit(0)
     for name in sys.argv[1:] or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS]:
         print(markdown(name))
         print()
