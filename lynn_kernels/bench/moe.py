@@ -21,6 +21,8 @@ are held against the read ceiling, prefill sizes against the bf16 matmul ceiling
 from __future__ import annotations
 
 import itertools
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,8 @@ def bench_block(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         router = torch.randn(E, H, device="cuda", dtype=BF16, generator=gen) * 0.05
         expert_bytes = 3 * I * H
         for m in ms:
+            t0 = time.perf_counter()
+            print(f"moe.block: {label} M={m} ...", end="", file=sys.stderr, flush=True)   # where a slow run stands
             dims = {"M": m, "E": E, "top_k": top_k, "H": H, "I": I}
             seeds = itertools.count(1000 * m)
 
@@ -121,6 +125,7 @@ def bench_block(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                     base.median_ms, base.p20_ms, base.p80_ms = med, p20, p80
                     rows.append(derive(base, ceilings))
             del sets
+            print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         del w13, w2, w13_b, w2_b, w13_t, w2_t
         torch.cuda.empty_cache()
     return rows
