@@ -66,21 +66,23 @@ def _x(M, H, dtype, seed=0):
     return torch.randn(M, H, generator=_gen(seed)).to(dtype).to(DEV)
 
 
-def _bf16_baseline(x, weights, ids, w13, w2):
-    """The experts computed plainly in bf16 (as HF does in a bf16 model), from the same dequantised weights."""
-    xb, out = x.to(BF16), torch.zeros(x.shape, dtype=BF16, device=x.device)
-    w13b, w2b = nvfp4_reference.dequantize(w13, BF16), nvfp4_reference.dequantize(w2, BF16)
+def _plain_baseline(x, weights, ids, w13, w2):
+    """The experts computed plainly in x's 16-bit dtype (as HF does in a bf16 / fp16 model), from the same
+    dequantised weights."""
+    dt = x.dtype
+    xb, out = x, torch.zeros(x.shape, dtype=dt, device=x.device)
+    w13b, w2b = nvfp4_reference.dequantize(w13, dt), nvfp4_reference.dequantize(w2, dt)
     for e in range(w13b.shape[0]):
         t, j = torch.where(ids == e)
         if t.numel():
             gate, up = (xb[t] @ w13b[e].t()).chunk(2, dim=-1)
-            out.index_add_(0, t, (F.silu(gate) * up) @ w2b[e].t() * weights[t, j, None].to(BF16))
+            out.index_add_(0, t, (F.silu(gate) * up) @ w2b[e].t() * weights[t, j, None].to(dt))
     return out
 
 
 def assert_experts_close(got, x, weights, ids, w13, w2, what=""):
-    """``got`` against the reference in x's dtype, and (bf16 / fp16) against the fp32 reference next to the bf16
-    baseline; returns the metrics against the fp32 reference."""
+    """``got`` against the reference in x's dtype, and (bf16 / fp16) against the fp32 reference next to a plain
+    computation in x's dtype; returns the metrics against the fp32 reference."""
     assert got.dtype == x.dtype and tuple(got.shape) == tuple(x.shape), what
     assert bool(torch.isfinite(got).all()), f"{what}: non-finite output (a row left unwritten?)"
     want = reference.moe_experts(x, weights, ids, w13, w2)
@@ -90,7 +92,7 @@ def assert_experts_close(got, x, weights, ids, w13, w2, what=""):
         return m
     assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, f"{what}: {m}"
     exact = reference.moe_experts(x.float(), weights, ids, w13, w2)
-    m = compare(got, exact, baseline=_bf16_baseline(x, weights, ids, w13, w2))
+    m = compare(got, exact, baseline=_plain_baseline(x, weights, ids, w13, w2))
     assert m.cosine > 0.9999 and m.err_ratio < 1.0, f"{what} vs fp32: {m}"
     return m
 

@@ -98,6 +98,18 @@ def test_route_ties_go_to_the_lowest_id(fn, dtype):
     assert ids[3].tolist() == [2, 5, 8, 11, 14, 17, 20, 23]
 
 
+@pytest.mark.parametrize("fn", [route, reference.route], ids=["kernel", "reference"])
+def test_route_orders_logits_one_ulp_apart(fn):
+    """fp32 logits one ulp apart can give equal fp32 probabilities; the larger logit still ranks first (the
+    selection is on the logits, as softmax orders them), not the lower id (found in review: 26 of 4096 rows)."""
+    logits = torch.randn(256, 16, generator=_gen(3))
+    logits[:, 3] = 8.0 + logits[:, 3].abs()                                           # the top two: 3 and 9
+    logits[:, 9] = torch.nextafter(logits[:, 3], torch.full_like(logits[:, 3], 1e9))   # just above expert 3
+    w, ids = fn(logits.to(runtime.DEVICE), 2)
+    assert ids[:, 0].cpu().eq(9).all() and ids[:, 1].cpu().eq(3).all()
+    assert bool((w[:, 0] >= w[:, 1]).all())
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # numpy, under the interpreter
 def test_route_kernel_keeps_ids_valid_on_nan_logits():
     """The launch never reads values back, so NaN logits must still give distinct in-range ids (the grouped GEMM

@@ -85,7 +85,7 @@ def bench_block(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         w13_b, w2_b = dequantize(w13), dequantize(w2)                              # the same weights in bf16
         w13_t, w2_t = w13_b.transpose(1, 2), w2_b.transpose(1, 2)
         router = torch.randn(E, H, device="cuda", dtype=BF16, generator=gen) * 0.05
-        expert_bytes = 3 * I * H
+        expert_elems = 3 * I * H                                                   # weights of one expert
         for m in ms:
             t0 = time.perf_counter()
             print(f"moe.block: {label} M={m} ...", end="", file=sys.stderr, flush=True)   # where a slow run stands
@@ -96,21 +96,21 @@ def bench_block(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                 g = torch.Generator(device="cuda").manual_seed(next(seeds))
                 return (torch.randn(m, H, device="cuda", dtype=BF16, generator=g),)
 
-            per_call = min(E, m * top_k) * expert_bytes * 9 // 16
+            per_call = min(E, m * top_k) * expert_elems * 9 // 16
             sets = rotation(make, per_call, max_sets=32)
             x0 = sets[0][0]
             want = reference.moe_block(x0, router, w13, w2, top_k=top_k)
             active = int(torch.unique(torch_routing(x0, router, top_k)[1]).numel())
             act = 2 * 2 * m * H
-            flops = 2 * m * top_k * expert_bytes
+            flops = 2 * m * top_k * expert_elems
             ceiling = "read_gbps" if m <= 64 else "bf16_tflops"
             providers = [
                 ("lynn moe_block (NVFP4)", lambda x: moe_block(x, router, w13, w2, top_k=top_k),
-                 active * expert_bytes * 9 // 16 + act),
+                 active * expert_elems * 9 // 16 + act),
                 ("torch._grouped_mm bf16 pipeline", lambda x: grouped_mm_moe(x, router, w13_t, w2_t, top_k),
-                 active * expert_bytes * 2 + act),
+                 active * expert_elems * 2 + act),
                 ("eager per-expert loop bf16 (HF style)", lambda x: eager_moe(x, router, w13_b, w2_b, top_k),
-                 active * expert_bytes * 2 + act),
+                 active * expert_elems * 2 + act),
             ]
             checks = {name: validated(compare(fn(x0), want)) for name, fn, _ in providers}
             for name, fn, nbytes in providers:

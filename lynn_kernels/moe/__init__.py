@@ -37,8 +37,8 @@ from .triton_route import route_triton
 def route(logits, top_k, renormalize=True):
     """Softmax top-k routing, one Triton program per block of tokens.
 
-    ``p = softmax(logits)`` in fp32 over the experts; the ``top_k`` largest probabilities in descending order, ties
-    to the lowest expert id; with ``renormalize`` (Qwen3.5 always, Qwen3-Next ``norm_topk_prob``) the k weights
+    ``p = softmax(logits)`` in fp32 over the experts; the ``top_k`` largest probabilities in descending order
+    (chosen on the logits, which order them exactly), ties to the lowest expert id; with ``renormalize`` (Qwen3.5 always, Qwen3-Next ``norm_topk_prob``) the k weights
     divided by their sum. As HF's router up to the weights' dtype: HF then casts them to x's dtype, this keeps fp32.
 
     Args:
@@ -90,7 +90,8 @@ def align(ids, num_experts, block_m):
 @runtime.op(reference=reference.moe_experts)
 def moe_experts(x, weights, ids, w13, w2):
     """The routed experts: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``,
-    W4A16: NVFP4 expert weights decoded in registers, x's dtype on the tensor cores, fp32 accumulation.
+    W4A16: NVFP4 expert weights decoded in registers, x's dtype on the tensor cores (an IEEE fp32 dot for fp32
+    x), fp32 accumulation.
 
     Prefill (M > 16): :func:`align` groups the slots by expert, then one grouped GEMM for gate and up (with
     ``silu(gate) * up`` in its epilogue) and one for down (times the routing weight), one row per slot; a decode step

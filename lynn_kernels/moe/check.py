@@ -52,7 +52,7 @@ def check_moe() -> list[dict]:
         m = compare(moe_experts(x, weights, ids, w13, w2), want, baseline=want.to(x.dtype))
         path = "decode" if M <= 16 else "prefill"
         rows.append({"op": "moe.moe_experts", "case": f"M{M} E{E} top{k} H{H} I{I} ({path})", "metrics": m,
-                     "passed": m.cosine >= 0.9999 and m.rel_l2 <= 2e-2})
+                     "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and m.err_ratio <= 2.0})
 
     E, k, M, H, I = 10, 3, 33, 64, 32
     w13, w2 = _weights(E, H, I, gen)
@@ -63,5 +63,5 @@ def check_moe() -> list[dict]:
     want = reference.moe_block(x, router, w13, w2, shared, top_k=k)       # the routing needs bf16 logits
     m = compare(moe_block(x, router, w13, w2, shared, top_k=k), want)
     rows.append({"op": "moe.moe_block", "case": f"M{M} E{E} top{k} + shared expert", "metrics": m,
-                 "passed": m.cosine >= 0.9999 and m.rel_l2 <= 2e-2})
+                 "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3})
     return rows

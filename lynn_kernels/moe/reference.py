@@ -29,14 +29,16 @@ from .spec import SharedExpert
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing: ``logits [M, E]`` -> ``(weights fp32 [M, top_k], ids int32 [M, top_k])``.
 
-    ``p = softmax(logits)`` in fp32 over the E experts; the ``top_k`` largest, in descending order of ``p``, ties
-    to the lowest expert id (a stable sort); with ``renormalize`` the k weights are divided by their sum.
+    ``p = softmax(logits)`` in fp32 over the E experts; the ``top_k`` experts of largest logit (softmax's order,
+    exactly: fp32 ``p`` can tie where the logits do not), ties to the lowest expert id (a stable sort), each weighted
+    by its ``p``; with ``renormalize`` the k weights are divided by their sum.
     """
     spec.check_route(logits, top_k, renormalize)
     spec.check_logits_finite(logits)
     p = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, order = torch.sort(p, dim=-1, descending=True, stable=True)   # stable: equal p keep increasing ids
-    weights, ids = top[:, :top_k], order[:, :top_k]
+    order = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices   # equal logits: increasing ids
+    ids = order[:, :top_k]
+    weights = p.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.contiguous(), ids.to(torch.int32).contiguous()

@@ -221,3 +221,8 @@ def check_block(x, router_weight, w13, w2, shared, top_k, renormalize) -> None:
             raise ValueError(f"shared.gate_weight must have shape [1, H] = (1, {H}), found "
                              f"{tuple(shared.gate_weight.shape)}")
         _need_dtype("shared.gate_weight", shared.gate_weight, FLOAT_DTYPES, "a float dtype")
+        for name, t in (("shared.w13.codes", shared.w13.codes), ("shared.w2.codes", shared.w2.codes),
+                        ("shared.gate_weight", shared.gate_weight)):
+            _need_same_device(name, t, "x", x)
+    for name, t in (("w13.codes", w13.codes), ("w2.codes", w2.codes)):
+        _need_same_device(name, t, "x", x)

@@ -1,7 +1,7 @@
 """The routed experts in Triton: grouped W4A16 GEMMs over NVFP4 expert stacks, deterministic, no host sync.
 
-``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, in three launches (four
-with the align step), each computing the transposed product as :mod:`lynn_kernels.matmul.triton_matmul` does: the
+``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, in three launches (plus
+the align step's one or three for a prefill batch), each computing the transposed product as :mod:`lynn_kernels.matmul.triton_matmul` does: the
 weight tile, decoded from its codes in registers by that module's ``_w_tile``, is the first ``tl.dot`` operand, the
 token rows the second, and each expert's global scale multiplies the fp32 accumulator once, in the epilogue.
 
@@ -297,7 +297,8 @@ def _launch_combine(out_slots, shared_out, out, top_k: int) -> None:
 def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: NVFP4Tensor,
                        w2: NVFP4Tensor, out: torch.Tensor, ws: MoEWorkspace,
                        shared_out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """Launch only (no checks, no host sync, no allocation): ``x2 [M, H]`` (unit stride along H) into ``out [M, H]``
+    """Launch only (no checks, no host sync; the one allocation is the align step's small int32 workspace, made on
+    the stream, so capturing in a CUDA graph works): ``x2 [M, H]`` (unit stride along H) into ``out [M, H]``
     (x's dtype, unit stride along H) with the buffers of :func:`moe_workspace`. ``shared_out`` (fp32 ``[M, H]``,
     contiguous) is added in the combine step (the shared expert's weighted output). ``config`` (``BLOCK_N``,
     ``BLOCK_K``, ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests and experiments)."""

@@ -1,12 +1,13 @@
 """Softmax top-k routing in Triton: one program per block of tokens, the whole expert row in registers.
 
 Per token: fp32 softmax over the E experts (any E up to :data:`MAX_EXPERTS`, masked to a power of two), then top_k
-rounds of "take the largest probability, ties to the lowest id" (a max, then the min id among the lanes equal to
-it), then the optional renormalisation. The ids equal the reference's exactly (equal logits give equal
-probabilities on both sides); the weights agree to a few fp32 ulps (the exponential and the sum order differ).
+rounds of "take the largest logit, ties to the lowest id" (a max, then the min id among the lanes equal to it),
+each taking its probability as the weight, then the optional renormalisation. Selecting on the logits rather than
+on ``p`` gives softmax's order exactly: two fp32 logits one ulp apart can round to the same ``p``. The ids equal the
+reference's exactly; the weights agree to a few fp32 ulps (the exponential and the sum order differ).
 
-Non-finite logits are not checked here (no host sync): NaN probabilities are skipped by the selection, so the ids
-stay distinct and in ``[0, E)`` whatever the input; the public :func:`lynn_kernels.moe.route` raises on them.
+Non-finite logits are not checked here (no host sync): NaN logits sort below every other, so the ids stay distinct
+and in ``[0, E)`` whatever the input; the public :func:`lynn_kernels.moe.route` raises on them.
 """
 
 from __future__ import annotations
@@ -42,16 +43,19 @@ def _route_kernel(
     p = tl.exp(x - tl.max(x, axis=1)[:, None])                                       # padding lanes: exp(-inf) = 0
     p = p / tl.sum(p, axis=1)[:, None]
 
-    # selection score: p in [0, 1]; NaN -> -1 (ids stay valid); taken -> -2; padding lanes -> -3
-    score = tl.where(mask_e[None, :], tl.where(p == p, p, -1.0), -3.0)
+    # select on the logits (softmax keeps their order, and fp32 p can tie where the logits do not); NaN sorts last
+    score = tl.where(x == x, x, float("-inf"))                                       # [BLOCK_M, BLOCK_E]
+    avail = mask_m[:, None] & mask_e[None, :]
     w = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     ids = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     for j in range(TOP_K):
-        best = tl.max(score, axis=1)                                                  # [BLOCK_M]
-        idx = tl.min(tl.where(score == best[:, None], offs_e[None, :], BLOCK_E), axis=1)   # lowest id among equals
-        w = tl.where(offs_k[None, :] == j, best[:, None], w)
+        s = tl.where(avail, score, float("-inf"))
+        best = tl.max(s, axis=1)                                                      # [BLOCK_M]
+        idx = tl.min(tl.where(avail & (s == best[:, None]), offs_e[None, :], BLOCK_E), axis=1)  # lowest id of equals
+        pick = offs_e[None, :] == idx[:, None]
+        w = tl.where(offs_k[None, :] == j, tl.sum(tl.where(pick, p, 0.0), axis=1)[:, None], w)
         ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
-        score = tl.where(offs_e[None, :] == idx[:, None], -2.0, score)
+        avail = avail & (offs_e[None, :] != idx[:, None])
     if RENORMALIZE:
         w = w / tl.sum(w, axis=1)[:, None]                                            # unused columns hold 0
     out = offs_m[:, None] * TOP_K + offs_k[None, :]
