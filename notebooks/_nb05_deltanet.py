@@ -566,9 +566,11 @@ CELLS = [
     form in five kernels, one job each (fla's split): `kkt` (`G` and `A`), `solve` (`(I + A)^{-1}` by 16x16 blocks:
     forward substitution on the four diagonal blocks at once, then the off-diagonal blocks by products),
     `wu` (`W`, `U`), `state` (the sequential scan over chunks, storing the state entering each chunk and the
-    deltas), and `output` (`O`, parallel over chunks again). The triangular inverse is computed and stored in fp32, and
-    the state is kept in fp32; on the GPU, for bf16 inputs, both are rounded to bf16 where they enter a `tl.dot` (fp32
-    accumulation), which costs accuracy (`docs/deltanet.md` quantifies it). Details in `docs/deltanet.md`.
+    deltas), and `output` (`O`, parallel over chunks again). The triangular inverse is computed in fp32, and the
+    state is kept in fp32; on the GPU, for bf16 inputs, both are rounded to bf16 where they enter a `tl.dot` (fp32
+    accumulation), which costs accuracy (`docs/deltanet.md` quantifies it). The buffers that are only ever read as
+    `tl.dot` operands (the inverse, `W`, the new values, the per-chunk states) are therefore stored in that operand
+    dtype: bf16 on the GPU for bf16 inputs, fp32 under the interpreter. Details in `docs/deltanet.md`.
 
     **Validation** at awkward lengths (1 token, one less than a chunk, exactly one chunk, one more), GQA ratios 1
     and 2 (`HV / H`), with an initial state and the in-kernel L2 norm, against the spec and HF's
@@ -738,40 +740,75 @@ CELLS = [
     md(r'''
     ## 6. Profile on the H200, against fla
 
-    Three benchmarks in `lynn_kernels/bench/deltanet.py`, at the real Gated DeltaNet shapes of Qwen3.5-35B-A3B /
-    Qwen3-Next (16 QK heads, 32 value heads, head dim 128), each validated against the fp32 reference before it is
-    timed, with flash-linear-attention (fla) run in the same process on the same inputs when it is installed (a row
-    with a note says when it is not):
+    Three benchmarks in `lynn_kernels/bench/deltanet.py`, at the Gated DeltaNet shape of Qwen3.5-35B-A3B /
+    Qwen3-Next (16 QK heads, 32 value heads, head dim 128, L2 norm in the kernel), each provider validated against
+    the fp32 reference before it is timed, with flash-linear-attention (fla 0.6.0 on the device, from its wheel) run
+    in the same process on the same inputs (without fla installed, a row with a note says so):
 
-    | op | what is timed | derived figure | goal |
+    | op | what is timed | derived figure | goal (kernel time) |
     |---|---|---|---|
-    | `deltanet.chunk` | prefill, B = 1, T = 512 / 4096 / 16384, bf16 in, fp32 state out | TFLOP/s (estimated `2C²(3K + 2V) + 6CKV` per chunk and head) | at least as fast as fla's chunk kernel (0.60 ms at T = 4096) |
-    | `deltanet.recurrent` | one decode step, gates fused, state in place, B = 1 / 8 / 32: kernel time and wall-clock per call | GB/s (the fp32 state read and written dominates) | at most 10 us at B = 1; 50% of the copy bandwidth at B >= 8 |
-    | `deltanet.conv` | the conv + SiLU over the 8192 q/k/v channels: prefill and decode update | GB/s | |
+    | `deltanet.chunk` | prefill, B = 1, T = 512 / 4096 / 16384, bf16 in, fp32 state out | TFLOP/s (estimated `2C²(3K + 2V) + 6CKV` per chunk and head) | at least fla's speed (1.0x) at all three T |
+    | `deltanet.recurrent` | one decode step, gates fused, state in place, B = 1 / 8 / 32 | GB/s (the fp32 state read and written dominates) | at most 10 us at B = 1; 50% of the copy ceiling at B >= 8 |
+    | `deltanet.conv` | the conv + SiLU over the 8192 q/k/v channels: prefill and decode update, against torch eager | GB/s | none |
+
+    Every provider is timed twice, one results row each: `<provider> (kernel)`, the CUDA profiler's kernel time
+    (what a step captured in a CUDA graph pays), and `<provider> (call)`, `do_bench` of the Python call (what an
+    eager loop pays, the host's launch cost included; the device's host CPU is slow). The decode step has a third,
+    `<provider> wall-clock`: back-to-back calls timed with `perf_counter`, Python wrapper included, one sync per 200
+    calls. The 10 us goal was set against a wall-clock figure of 36.6 us for fla's step on another host.
 
     On a GPU the first cell runs a quick pass live. The cells after it read the committed results in
-    `data/bench/h200/deltanet.*.json` (schema `lynn-bench/1`, written by `lynn bench deltanet` with provenance)
-    and draw them as soon as those files exist; until then they say so. Their output depends on the machine and
-    on what is committed, so nbval does not check it.
+    `data/bench/h200/deltanet.*.json` (schema `lynn-bench/1`, written by `lynn bench deltanet` with provenance);
+    their output depends on the machine and on what is committed, so nbval does not check it.
     '''),
     code(r'''
-    from lynn_kernels.bench import load, plots, result_table
+    from lynn_kernels.bench import load, plots
+    from lynn_kernels.bench.report import timed_pairs
 
     BENCH_OPS = ("deltanet.chunk", "deltanet.recurrent", "deltanet.conv")
-    NO_RESULTS = "no committed H200 results yet: run `lynn bench deltanet` on a GPU"
+    NO_RESULTS = "no committed H200 results: run `lynn bench deltanet` on a GPU"
+    WALL = " wall-clock"
 
 
     def committed(op):
-        """The committed H200 results of ``op``, or None when there are none yet."""
+        """The committed H200 results of ``op``, or None when there are none."""
         try:
             return load(op, gpu="h200")
         except FileNotFoundError:
             return None
 
 
-    def timed(doc, prefix=""):
-        """Result rows that carry a timing (rows that only say why a provider was not timed have NaN)."""
-        return [r for r in doc["results"] if r["provider"].startswith(prefix) and math.isfinite(r["median_ms"])]
+    def measured(r):
+        return r is not None and math.isfinite(r["median_ms"])
+
+
+    def us(r):
+        return round(r["median_ms"] * 1e3, 1) if measured(r) else None
+
+
+    def us_text(r):
+        """For tables: one decimal always (the table renderer drops a trailing .0 from a float)."""
+        return f"{r['median_ms'] * 1e3:,.1f}" if measured(r) else None
+
+
+    def providers(doc):
+        """One dict per (shape, provider) in the benchmark's order, its timed rows side by side: "kernel", "call"
+        and, for the decode step, "wall" (the provider's base name, without " (kernel)", " (call)", " wall-clock")."""
+        out = {}
+        for p in timed_pairs(doc):
+            base = p["provider"].removesuffix(WALL)
+            e = out.setdefault((p["shape"], base), {"shape": p["shape"], "provider": base, "dims": p["row"]["dims"]})
+            if p["provider"].endswith(WALL):
+                e["wall"] = p.get("other")
+            else:
+                e.update({k: p[k] for k in ("kernel", "call") if measured(p.get(k))})
+        return [e for e in out.values() if any(measured(e.get(k)) for k in ("kernel", "call", "wall"))]
+
+
+    def find(doc, prefix, **dims):
+        """The first provider whose name starts with `prefix` at the given dims, or None."""
+        return next((e for e in providers(doc) if e["provider"].startswith(prefix)
+                     and all(e["dims"].get(k) == v for k, v in dims.items())), None)
 
 
     def untimed(doc):
@@ -779,10 +816,20 @@ CELLS = [
 
 
     def perf_table(doc):
-        op = doc["op"]
-        cols = ["provider", "shape", "median_ms", "p20_ms", "p80_ms"]
-        cols += ["tflops", "frac_of_ceiling"] if op == "deltanet.chunk" else ["gbps", "frac_of_ceiling"]
-        text = result_table({**doc, "results": timed(doc)}, cols)
+        """Kernel, call (and wall-clock) time per provider; the rate and the share of the ceiling from the kernel
+        time."""
+        chunk, rows = doc["op"] == "deltanet.chunk", []
+        wall = any("wall" in e for e in providers(doc))
+        for e in providers(doc):
+            k = e.get("kernel")
+            row = {"shape": e["shape"], "provider": e["provider"], "kernel us": us_text(k),
+                   "call us": us_text(e.get("call"))}
+            if wall:
+                row["wall-clock us"] = us_text(e.get("wall"))
+            row["TFLOP/s" if chunk else "GB/s"] = (f"{k['tflops']:.1f}" if chunk else round(k["gbps"])) if k else None
+            row["of ceiling"] = f"{k['frac_of_ceiling']:.1%}" if k else None
+            rows.append(row)
+        text = render_table(rows)
         for r in untimed(doc):
             text += f"\n  not timed: {r['provider']} ({r['shape']}): {r['note']}"
         return text
@@ -811,7 +858,7 @@ CELLS = [
             print(header(LIVE[op]) + "  (live, quick)")
             print(perf_table(LIVE[op]) + "\n")
     else:
-        print("no GPU: nothing is timed under the interpreter; below, the committed H200 results (if any)")
+        print("no GPU: nothing is timed under the interpreter; below, the committed H200 results")
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -820,62 +867,107 @@ CELLS = [
         if doc is None:
             print(f"== {op}: {NO_RESULTS}\n")
             continue
+        c = doc["ceilings"]
         print(header(doc))
-        print("ceilings: " + ", ".join(f"{k} {v:,.0f}" for k, v in doc["ceilings"].items() if k != "sizes"))
+        print(f"ceilings: copy {c['copy_gbps']:,.0f} GB/s, read {c['read_gbps']:,.0f} GB/s, bf16 matmul "
+              f"{c['bf16_tflops']:,.0f} TFLOP/s; rates and ceiling shares from the kernel time")
         print(perf_table(doc) + "\n")
+    '''),
+    md(r'''
+    The plots: prefill time against T (left) and decode-step time against the batch (middle), one colour per
+    provider, ours solid and fla dashed, kernel time as lines with filled markers and call time as dotted lines
+    with hollow markers (the decode step adds wall-clock, dash-dot with crosses; our two decode providers run the
+    same kernel, so their kernel lines coincide); the conv's GB/s from the kernel time, against the copy ceiling
+    (right).
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
+    from matplotlib.lines import Line2D
+
     DOCS = {op: COMMITTED[op] or LIVE.get(op) for op in BENCH_OPS}     # the committed results, else a live run
+    TIMINGS = (("kernel", "o", "full", "kernel time (CUDA profiler)"),
+               ("call", "o", "none", "call time (do_bench of the Python call)"),
+               ("wall", "x", "full", "wall-clock (back-to-back calls)"))
+
+
+    def plot_times(ax, doc, x_key, timings):
+        """Microseconds against `x_key`: one colour per provider (ours solid, fla dashed, others dash-dot), one line
+        per timing; one legend entry per provider plus one per timing style."""
+        ents = providers(doc)
+        provs = list(dict.fromkeys(e["provider"] for e in ents))
+        for i, prov in enumerate(provs):
+            pts = sorted((e for e in ents if e["provider"] == prov), key=lambda e: e["dims"][x_key])
+            solid = "-" if prov.startswith("lynn") else "--"
+            for how, marker, fill, _ in TIMINGS:
+                if how not in timings:
+                    continue
+                xy = [(e["dims"][x_key], us(e[how])) for e in pts if measured(e.get(how))]
+                if xy:
+                    ls = {"kernel": solid, "call": ":", "wall": "-."}[how]
+                    ax.plot(*zip(*xy), ls=ls, marker=marker, fillstyle=fill, c=f"C{i}",
+                            label=prov if how == "kernel" else None)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.minorticks_off()
+        xs = sorted({e["dims"][x_key] for e in ents})
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_ylabel("microseconds (log scale)")
+        styles = [Line2D([], [], c="0.4", ls={"kernel": "-", "call": ":", "wall": "-."}[how], marker=marker,
+                         fillstyle=fill, label=label) for how, marker, fill, label in TIMINGS if how in timings]
+        ax.legend(handles=ax.get_legend_handles_labels()[0] + styles, fontsize=7, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.14), frameon=False)
 
 
     def plot_chunk(doc, ax):
-        for prefix, style in (("lynn", "o-"), ("fla", "s--")):
-            rows = sorted(timed(doc, prefix), key=lambda r: r["dims"]["T"])
-            for provider in dict.fromkeys(r["provider"] for r in rows):
-                pts = [r for r in rows if r["provider"] == provider]
-                ax.loglog([r["dims"]["T"] for r in pts], [r["median_ms"] for r in pts], style, label=provider)
-                for r in pts:
-                    ax.annotate(f"{r['tflops']:.0f} TF/s", (r["dims"]["T"], r["median_ms"]), fontsize=7,
-                                textcoords="offset points", xytext=(4, -10))
+        plot_times(ax, doc, "T", ("kernel", "call"))
+        provs = list(dict.fromkeys(e["provider"] for e in providers(doc)))
+        for e in providers(doc):                                   # TFLOP/s (kernel time): ours below, fla above
+            if measured(e.get("kernel")):
+                below = e["provider"].startswith("lynn")
+                ax.annotate(f"{e['kernel']['tflops']:.0f} TF/s", (e["dims"]["T"], us(e["kernel"])), fontsize=7,
+                            c=f"C{provs.index(e['provider'])}", textcoords="offset points",
+                            xytext=(6, -12) if below else (-44, 6))
         ax.set_xlabel("T (tokens, B = 1, 32 value heads, d 128)")
-        ax.set_ylabel("median ms")
         ax.set_title(f"prefill: chunk_gated_delta_rule ({doc['provenance']['gpu']})", fontsize=10)
-        ax.legend(fontsize=7)
 
 
     def plot_recurrent(doc, ax):
-        rows = timed(doc)
-        wall = " wall-clock"
-        bases = list(dict.fromkeys(r["provider"].removesuffix(wall) for r in rows))    # one colour per provider
-        for provider in dict.fromkeys(r["provider"] for r in rows):
-            pts = sorted((r for r in rows if r["provider"] == provider), key=lambda r: r["dims"]["B"])
-            ax.semilogx([r["dims"]["B"] for r in pts], [r["median_ms"] * 1e3 for r in pts],
-                        "--" if provider.endswith(wall) else "-", marker="o",
-                        c=f"C{bases.index(provider.removesuffix(wall))}", label=provider, base=2)
+        plot_times(ax, doc, "B", ("kernel", "call", "wall"))
         ax.axhline(10, c="tab:red", ls=":", lw=1)
-        ax.text(1, 10.5, "goal at B = 1: 10 us", fontsize=7, color="tab:red")
+        ax.text(1, 10.8, "goal at B = 1: 10 us", fontsize=7, color="tab:red")
         ax.set_xlabel("batch B (one decode step)")
-        ax.set_ylabel("microseconds")
-        ax.set_title(f"decode: kernel (solid), wall-clock (dashed) ({doc['provenance']['gpu']})", fontsize=10)
-        ax.legend(fontsize=6)
+        ax.set_title(f"decode step ({doc['provenance']['gpu']})", fontsize=10)
+
+
+    def kernel_rows(doc):
+        """The kernel rows, named by their provider's base name (one bar and one legend entry each), the shapes
+        shortened for the axis (every cell has the 8192 channels and the width 4)."""
+        return {**doc, "results": [{**e["kernel"], "provider": e["provider"],
+                                    "shape": e["shape"].replace(" C8192 W4", "").replace(" ", "\n", 1)}
+                                   for e in providers(doc) if measured(e.get("kernel"))]}
 
 
     present = {op: d for op, d in DOCS.items() if d is not None}
     if not present:
         print(f"nothing to plot: {NO_RESULTS}")
     else:
-        fig, axes = plt.subplots(1, len(present), figsize=(6.5 * len(present), 4.6), squeeze=False)
+        widths = [1.6 if op == "deltanet.conv" else 1 for op in present]
+        fig, axes = plt.subplots(1, len(present), figsize=(6 * sum(widths), 5.8), squeeze=False,
+                                 gridspec_kw={"width_ratios": widths})
         for ax, (op, doc) in zip(axes[0], present.items()):
             if op == "deltanet.chunk":
                 plot_chunk(doc, ax)
             elif op == "deltanet.recurrent":
                 plot_recurrent(doc, ax)
             else:
-                plots.plot_bandwidth({**doc, "results": timed(doc)}, ax=ax,
-                                     title=f"conv + SiLU ({doc['provenance']['gpu']})")
+                plots.plot_bandwidth(kernel_rows(doc), ax=ax,
+                                     title=f"conv + SiLU, kernel time ({doc['provenance']['gpu']})")
         plt.tight_layout()
         plt.show()
+    '''),
+    md(r'''
+    **The goals**, cell by cell, judged on the kernel time (the decode step also on its wall-clock), with the call
+    time beside it; then a verdict per goal, all computed from the rows above:
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -884,33 +976,97 @@ CELLS = [
         out = []
         chunk, rec = docs.get("deltanet.chunk"), docs.get("deltanet.recurrent")
         if chunk is not None:
-            for T in sorted({r["dims"]["T"] for r in timed(chunk)}):
-                ours = next((r for r in timed(chunk, "lynn") if r["dims"]["T"] == T), None)
-                fla = next((r for r in timed(chunk, "fla") if r["dims"]["T"] == T), None)
-                if ours and fla:
-                    out.append({"goal": "prefill at least as fast as fla", "cell": f"T = {T}",
-                                "measured": f"{ours['median_ms']:.3f} ms vs fla {fla['median_ms']:.3f} ms",
-                                "met": ours["median_ms"] <= fla["median_ms"]})
+            for T in sorted({e["dims"]["T"] for e in providers(chunk)}):
+                ours, fla = find(chunk, "lynn", T=T), find(chunk, "fla", T=T)
+                if ours and fla and measured(ours.get("kernel")) and measured(fla.get("kernel")):
+                    k = fla["kernel"]["median_ms"] / ours["kernel"]["median_ms"]
+                    c = fla["call"]["median_ms"] / ours["call"]["median_ms"]
+                    out.append({"goal": "prefill >= 1.0x fla", "cell": f"T = {T}", "judged on": "kernel time",
+                                "measured": f"{k:.3f}x ({us(ours['kernel']):,} vs fla {us(fla['kernel']):,} us)",
+                                "call time": f"{c:.3f}x ({us(ours['call']):,} vs fla {us(fla['call']):,} us)",
+                                "met": k >= 1.0})
                 elif ours:
-                    out.append({"goal": "prefill at least as fast as fla", "cell": f"T = {T}",
-                                "measured": f"{ours['median_ms']:.3f} ms; fla not timed", "met": None})
+                    out.append({"goal": "prefill >= 1.0x fla", "cell": f"T = {T}", "judged on": "kernel time",
+                                "measured": f"{us(ours.get('kernel'))} us; fla not timed", "met": None})
         if rec is not None:
-            for r in timed(rec, "lynn kernel launch"):
-                if r["provider"].endswith("wall-clock"):
+            for B in sorted({e["dims"]["B"] for e in providers(rec)}):
+                ours, public, fla = (find(rec, p, B=B) for p in ("lynn kernel launch", "lynn recurrent", "fla"))
+                if not (ours and measured(ours.get("kernel"))):
                     continue
-                B = r["dims"]["B"]
+                fla_k = f"; fla {us(fla['kernel'])} us" if fla and measured(fla.get("kernel")) else ""
                 if B == 1:
-                    out.append({"goal": "decode step <= 10 us at B = 1", "cell": "B = 1",
-                                "measured": f"{r['median_ms'] * 1e3:.1f} us", "met": r["median_ms"] <= 0.010})
+                    out.append({"goal": "decode step <= 10 us at B = 1", "cell": "B = 1", "judged on": "kernel time",
+                                "measured": f"{us(ours['kernel'])} us{fla_k}",
+                                "call time": f"{us(ours.get('call'))} us", "met": us(ours["kernel"]) <= 10})
+                    if measured(ours.get("wall")):
+                        extra = [f"{who} {us(e['wall'])} us" for who, e in (("public op", public), ("fla", fla))
+                                 if e and measured(e.get("wall"))]
+                        out.append({"goal": "decode step <= 10 us at B = 1", "cell": "B = 1",
+                                    "judged on": "wall-clock", "measured": f"raw launch {us(ours['wall'])} us; "
+                                                                          + "; ".join(extra),
+                                    "met": us(ours["wall"]) <= 10})
                 else:
-                    out.append({"goal": "decode >= 50% of copy bandwidth", "cell": f"B = {B}",
-                                "measured": f"{r['frac_of_ceiling']:.0%} ({r['gbps']:,.0f} GB/s)",
-                                "met": r["frac_of_ceiling"] >= 0.5})
+                    f = ours["kernel"]["frac_of_ceiling"]
+                    fla_f = (f"; fla {fla['kernel']['frac_of_ceiling']:.1%}" if fla and measured(fla.get("kernel"))
+                             else "")
+                    call = ours.get("call")
+                    out.append({"goal": "decode >= 50% of copy at B >= 8", "cell": f"B = {B}",
+                                "judged on": "kernel time",
+                                "measured": f"{f:.1%} ({ours['kernel']['gbps']:,.0f} GB/s){fla_f}",
+                                "call time": f"{call['frac_of_ceiling']:.1%} of copy" if measured(call) else None,
+                                "met": f >= 0.5})
         return out
 
 
+    def verdict(cells):
+        met = [r["cell"] for r in cells if r["met"]]
+        judged = [r for r in cells if r["met"] is not None]
+        if not judged:
+            return "not judged (no fla timing)"
+        if len(met) == len(judged):
+            return "met"
+        if not met:
+            return "not met"
+        short = "; ".join(f"{r['cell']}: {r['measured'].split(' ')[0]}" for r in judged if not r["met"])
+        return f"met at {'; '.join(met)} only (short: {short})"
+
+
     rows = goal_rows(DOCS)
-    print(render_table(rows) if rows else f"no goals to judge: {NO_RESULTS}")
+    if not rows:
+        print(f"no goals to judge: {NO_RESULTS}")
+    else:
+        print(render_table(rows))
+        print()
+        for goal, how in dict.fromkeys((r["goal"], r["judged on"]) for r in rows):
+            print(f"{goal} ({how}): {verdict([r for r in rows if r['goal'] == goal and r['judged on'] == how])}")
+        chunk = DOCS.get("deltanet.chunk")
+        if chunk is not None:
+            ahead = [r["cell"] for r in rows if r["goal"].startswith("prefill") and "call time" in r
+                     and float(r["call time"].split("x")[0]) >= 1.0]
+            print(f"prefill in call time: ours at least fla's speed at {'; '.join(ahead) or 'no T'}")
+        rec = DOCS.get("deltanet.recurrent")
+        ours, fla = (find(rec, p, B=1) for p in ("lynn kernel launch", "fla")) if rec is not None else (None, None)
+        if ours and fla and measured(ours.get("wall")) and measured(fla.get("wall")):
+            print(f"decode at B = 1 on this host: fla's own step takes {us(fla['wall'])} us wall-clock; our raw launch "
+                  f"is {fla['wall']['median_ms'] / ours['wall']['median_ms']:.2f}x faster than fla's call, and "
+                  f"{ours['wall']['median_ms'] / ours['kernel']['median_ms']:.0f}x its own kernel time")
+    '''),
+    md(r'''
+    How to read it (`docs/performance.md` keeps the full record, the per-kernel profile and what was tried):
+
+    * **Prefill, kernel time**: ours and fla's five-kernel pipelines are close. The first H200 run stored the
+      intermediates that only ever enter a `tl.dot` (the inverse, `W`, the new values, the per-chunk states) in
+      fp32; storing them in the operand dtype removed about 1.2 GB of traffic at T = 16384 with unchanged numerics.
+      What is left is the sequential state scan, slower than fla's: fla reads pre-normalised bf16 keys, ours
+      re-normalises `k` and re-applies the decay inside the scan; a sweep of its tiling found nothing worth more
+      than run-to-run noise.
+    * **Prefill, call time**: fla's Python wrapper costs hundreds of microseconds of host time on the device's slow
+      CPU, so at short T our call is well ahead; at T = 16384 the GPU time dominates both.
+    * **Decode step**: the kernel is far under 10 us. The wall-clock of back-to-back Python calls is set by the
+      launch cost on this host, not by the kernel (fla's own step pays the same); a CUDA graph removes it, and
+      that belongs to the decoder.
+    * **Conv**: no goal; the kernel time of the decode update is a couple of microseconds, and the prefill reaches
+      about half of the copy ceiling, an order of magnitude faster than the torch reference.
     '''),
     # ---------------------------------------------------------------------------------------------------------- 7
     md(r'''
@@ -1018,10 +1174,11 @@ CELLS = [
     ## What's next
 
     The validation above says the kernels compute the same numbers as the spec and HF transformers at every shape
-    tried; section 6 will say how fast once `lynn bench deltanet` has run on the H200 and its results are committed.
-    The first knobs then (`docs/deltanet.md`, section 5): the fp32 intermediates (`A`, `(I + A)^{-1}`, `W`, `U`,
-    deltas, per-chunk states: about 6 KB per token and head), fusing the first three of the five chunk kernels, and
-    the `BLOCK_V` of the state scan and of the decode step.
+    tried, and section 6 judges the issue's goals on their H200 benchmark against fla. The next knobs are in the
+    prefill's state scan, the gap to fla's (`docs/deltanet.md`, section 5): normalise `k` once, in the `kkt` kernel,
+    and store it in bf16, so that the sequential loop reads pre-normalised bf16 keys as fla's does; then fuse `kkt`,
+    `solve` and `wu`, which share a grid and inputs. The decode step's wall-clock belongs to the decoder: one CUDA
+    graph for the whole step.
     '''),
 ]
 
