@@ -56,9 +56,9 @@ START_HERE = [
 
     | piece of the decoder | kernel family | notebook |
     |---|---|---|
-    | 4-bit weights, 16-bit activations (NVFP4 W4A16): quantise, dequantise | `nvfp4` | 01 (now) |
+    | 4-bit weights, 16-bit activations (NVFP4 W4A16): quantise, dequantise | `nvfp4` | 01 |
     | projections: packed NVFP4 matvec (decode) and GEMM (prefill) | `matmul` | 02 |
-    | routed experts: grouped MoE over NVFP4 experts | `moe` | 03 (coming) |
+    | routed experts: grouped MoE over NVFP4 experts | `moe` | 03 |
     | gated attention (GQA 16/2, head_dim 256, partial RoPE) | `attention` | 04 |
     | Gated DeltaNet (linear attention with a delta-rule state) | `deltanet` | 05 |
 
@@ -265,7 +265,7 @@ START_HERE = [
     | `00-start-here` | this page: backends, validation tables, benchmark tables |
     | `01-nvfp4` | E2M1 and E4M3 from their bits, the NVFP4 block format, quantisation error, a dequantise kernel built step by step, its H200 profile, a block explorer |
     | `02-packed-matvec` | W4A16 matvec and GEMM that decode NVFP4 in registers (Hopper has no FP4 tensor cores) |
-    | `03-grouped-moe` (coming) | routing and grouped expert GEMMs over stacked NVFP4 experts |
+    | `03-grouped-moe` | MoE routing (ties to the lowest id), the align step, a toy grouped GEMM then the package's NVFP4 expert kernels, parity with HF's Qwen3.5 block, the H200 profile against `torch._grouped_mm`, a load and padding explorer |
     | `04-attention` | gated attention with GQA and partial RoPE, prefill and decode |
     | `05-deltanet` | Gated DeltaNet: recurrent and chunked forms, fp32 state |
 
@@ -1981,7 +1981,7 @@ PACKED_MATVEC = [
     * a leaner host path (a cached launcher, fewer arguments), and CUDA graphs for the decode loop, which pays the
       kernel time only.
 
-    Next notebook: `03-moe` (coming) runs the same decode over many experts at once, in a grouped GEMM.
+    Next notebook: `03-grouped-moe` runs the same decode over many experts at once, in a grouped GEMM.
     '''),
 ]
 
