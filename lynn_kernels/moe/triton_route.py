@@ -45,7 +45,7 @@ def _route_kernel(
 
     # select on the logits (softmax keeps their order, and fp32 p can tie where the logits do not); NaN sorts last
     score = tl.where(x == x, x, float("-inf"))                                       # [BLOCK_M, BLOCK_E]
-    avail = mask_m[:, None] & mask_e[None, :]
+    avail = tl.broadcast_to(mask_e[None, :], (BLOCK_M, BLOCK_E))     # rows past M select too (never stored)
     w = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     ids = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     for j in range(TOP_K):
