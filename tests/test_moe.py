@@ -15,6 +15,8 @@ poisoned (NaN floats, -1 integers), so a row a kernel forgets to write shows up.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -355,17 +357,34 @@ def test_kernel_only_errors():
 # 4. GPU: a Qwen3.5-35B-A3B layer
 
 
+@functools.lru_cache(maxsize=1)
+def _real_experts(E: int, H: int, inter: int):
+    """Real-size expert stacks, drawn on the device (a CPU draw of 800M values takes most of a GPU test's time
+    budget on the device's host) and kept across the parametrised cases of one shape."""
+    gen = torch.Generator(device=DEV).manual_seed(51)
+
+    def q(shape, scale):
+        w = torch.randn(shape, generator=gen, device=DEV) * scale
+        return nvfp4_reference.quantize(w, global_scale=w.abs().amax(dim=(1, 2)) / 2688)
+
+    return q((E, 2 * inter, H), 0.2), q((E, H, inter), 0.5 / inter ** 0.5)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 64, 512])
-def test_moe_qwen35_shape_gpu(M):
-    """E=256, top-8, H=2048, I=512 (shared 512), bf16: prefill and decode paths, vs the reference and a bf16 run."""
-    E, top_k, H, inter = 256, 8, 2048, 512
-    w13, w2 = _experts(E, H, inter, seed=51)
+@pytest.mark.parametrize("E, top_k, M", [(256, 8, 1), (256, 8, 64), (256, 8, 512), (512, 10, 1), (512, 10, 16),
+                                         (512, 10, 512)],
+                         ids=["qwen35-M1", "qwen35-M64", "qwen35-M512", "qwen3next-M1", "qwen3next-M16",
+                              "qwen3next-M512"])
+def test_moe_real_shapes_gpu(E, top_k, M):
+    """Qwen3.5 (E=256, top-8) and Qwen3-Next (E=512, top-10) at H=2048, I=512 (shared 512), bf16: the decode and
+    prefill paths, vs the reference and a plain bf16 run, deterministic; the block with its shared expert."""
+    H, inter = 2048, 512
+    w13, w2 = _real_experts(E, H, inter)
     x = _x(M, H, BF16, seed=52)
     router = (torch.randn(E, H, generator=_gen(53)) * 0.05).to(BF16).to(DEV)
     weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
     got = moe_experts(x, weights, ids, w13, w2)
-    assert_experts_close(got, x, weights, ids, w13, w2, what=f"M={M}")
+    assert_experts_close(got, x, weights, ids, w13, w2, what=f"E={E} M={M}")
     assert bit_mismatches(got, moe_experts(x, weights, ids, w13, w2)) == 0, "not deterministic"
     shared = _shared(H, inter, seed=54)
     got = moe_block(x, router, w13, w2, shared, top_k=top_k)
