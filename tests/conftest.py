@@ -72,3 +72,22 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)
     return _poison
+
+
+@pytest.fixture(scope="session")
+def hf_moe_blocks() -> dict:
+    """HF's sparse MoE blocks on one tiny config (transformers is a dev extra: skipped when absent):
+    ``{name: (block class, config, renormalize)}`` for Qwen3-Next with and without ``norm_topk_prob`` and
+    Qwen3.5-MoE."""
+    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q35 = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+
+    dims = dict(hidden_size=64, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, num_hidden_layers=1)
+    return {
+        "qwen3_next-renorm": (qn.Qwen3NextSparseMoeBlock, Qwen3NextConfig(**dims, norm_topk_prob=True), True),
+        "qwen3_next-raw": (qn.Qwen3NextSparseMoeBlock, Qwen3NextConfig(**dims, norm_topk_prob=False), False),
+        "qwen3_5_moe": (q35.Qwen3_5MoeSparseMoeBlock, Qwen3_5MoeTextConfig(**dims), True),
+    }

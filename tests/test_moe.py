@@ -244,30 +244,16 @@ def test_moe_block(shape, with_shared, dtype, poison_empty):
         assert torch.equal(moe_block(x, router, w13, w2, shared, top_k=top_k, renormalize=False), want)
 
 
-def _hf_configs():
-    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    q35 = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-
-    dims = dict(hidden_size=64, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=32,
-                shared_expert_intermediate_size=48, num_hidden_layers=1)
-    return {
-        "qwen3_next-raw": (qn.Qwen3NextSparseMoeBlock, Qwen3NextConfig(**dims, norm_topk_prob=False), False),
-        "qwen3_5_moe": (q35.Qwen3_5MoeSparseMoeBlock, Qwen3_5MoeTextConfig(**dims), True),
-    }
-
-
 def _dequantized(q):
     return nvfp4_reference.dequantize(q.to("cpu"), FP32)
 
 
 @pytest.mark.parametrize("tokens", [pytest.param(5, id="decode-M5"), pytest.param(18, id="prefill-M18")])
 @pytest.mark.parametrize("model", ["qwen3_next-raw", "qwen3_5_moe"])
-def test_moe_block_matches_hf(model, tokens):
+def test_moe_block_matches_hf(model, tokens, hf_moe_blocks):
     """HF's sparse MoE block in fp32 with our dequantised NVFP4 weights (per-expert global scales) == moe_block on
     fp32 x, to fp32 summation order."""
-    block_cls, cfg, renormalize = _hf_configs()[model]
+    block_cls, cfg, renormalize = hf_moe_blocks[model]
     E, H, inter, inter_s = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, \
         cfg.shared_expert_intermediate_size
     w13, w2 = _experts(E, H, inter, seed=31)

@@ -214,30 +214,15 @@ def test_route_then_align(poison_empty):
 # 3. the references against HF transformers (a dev extra: skipped when absent)
 
 
-def _hf_configs():
-    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    q35 = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-
-    dims = dict(hidden_size=64, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=32,
-                shared_expert_intermediate_size=48, num_hidden_layers=1)
-    return {
-        "qwen3_next-renorm": (qn.Qwen3NextSparseMoeBlock, Qwen3NextConfig(**dims, norm_topk_prob=True), True),
-        "qwen3_next-raw": (qn.Qwen3NextSparseMoeBlock, Qwen3NextConfig(**dims, norm_topk_prob=False), False),
-        "qwen3_5_moe": (q35.Qwen3_5MoeSparseMoeBlock, Qwen3_5MoeTextConfig(**dims), True),
-    }
-
-
 HF_MODELS = ["qwen3_next-renorm", "qwen3_next-raw", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
 @pytest.mark.parametrize("model", HF_MODELS)
-def test_route_reference_matches_hf_router(model, dtype):
+def test_route_reference_matches_hf_router(model, dtype, hf_moe_blocks):
     """HF's router (softmax in fp32, topk, renormalise, cast to the logits' dtype) on its own logits: same ids, and
     our fp32 weights rounded to the logits' dtype are HF's weights bit for bit."""
-    block_cls, cfg, renormalize = _hf_configs()[model]
+    block_cls, cfg, renormalize = hf_moe_blocks[model]
     torch.manual_seed(0)
     router = block_cls(cfg).gate.to(dtype)
     with torch.no_grad():
@@ -265,10 +250,10 @@ def _quantized(shape, seed, per_expert=False):
 
 
 @pytest.mark.parametrize("model", HF_MODELS)
-def test_moe_block_reference_matches_hf(model):
+def test_moe_block_reference_matches_hf(model, hf_moe_blocks):
     """HF's sparse MoE block in fp32, its weights set to our dequantised NVFP4 experts: moe_block agrees to fp32
     summation order (both compute the router, routing, experts and shared expert in fp32 here)."""
-    block_cls, cfg, renormalize = _hf_configs()[model]
+    block_cls, cfg, renormalize = hf_moe_blocks[model]
     E, H, inter, inter_s = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, \
         cfg.shared_expert_intermediate_size
     w13, w13_f = _quantized((E, 2 * inter, H), 1, per_expert=True)
