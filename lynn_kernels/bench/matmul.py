@@ -20,7 +20,7 @@ from ..matmul import nvfp4_linear, reference
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
 from . import register
-from .harness import Ceilings, Result, kernel_ms, rotating, rotation, timed, validated
+from .harness import Ceilings, Result, rotating, rotation, timed, validated
 
 #: (label, N, K): Qwen3.5-35B-A3B / Qwen3-Next projections (REFERENCE.md section 2) and two squares.
 SHAPES = [
@@ -70,4 +70,4 @@ def bench_linear(ceilings: Ceilings, quick: bool = False) -> list[Result]:
     return rows
 
 
-__all__ = ["bench_linear", "kernel_ms", "SHAPES", "MS"]
+__all__ = ["bench_linear", "SHAPES", "MS"]

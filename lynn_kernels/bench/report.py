@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 from .harness import load
 
@@ -114,12 +116,9 @@ def markdown_timed(op: str, gpu: str = "h200") -> str:
 def update(path: str, ops=None) -> list[str]:
     """Replace each op's block (its provenance line and the table under it) in a markdown file by a fresh render;
     returns the ops updated."""
-    import re
-    from pathlib import Path
-
     text = Path(path).read_text()
     done = []
-    for op in ops or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS]:
+    for op in ops or ALL_OPS:
         pattern = re.compile(r"^`" + re.escape(op) + r"` on .*?\n\n(?:\|.*\n?)+", re.M)
         if pattern.search(text):
             text = pattern.sub(lambda _: markdown(op) + "\n", text, count=1)
@@ -130,6 +129,8 @@ def update(path: str, ops=None) -> list[str]:
 
 TIMED_OPS = ("attention.prefill", "attention.decode", "deltanet.chunk", "deltanet.recurrent", "deltanet.conv",
              "moe.block")
+#: Every op with a table in docs/performance.md.
+ALL_OPS = ("nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS)
 
 
 def markdown(op: str, gpu: str = "h200") -> str:
@@ -158,6 +159,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--update"]:
         print("updated:", ", ".join(update(sys.argv[2], sys.argv[3:] or None)))
         sys.exit(0)
-    for name in sys.argv[1:] or ["nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS]:
+    for name in sys.argv[1:] or ALL_OPS:
         print(markdown(name))
         print()
