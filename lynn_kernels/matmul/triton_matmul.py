@@ -45,15 +45,22 @@ MAX_SPLIT_K = 16
 
 
 @triton.jit
-def _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """W[offs_n, k0:k0+BLOCK_K] as (E2M1 values * 2^-14 [BLOCK_N, BLOCK_K], block scales * 2^14 [BLOCK_N, BLOCK_K/16])."""
+def _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K: tl.constexpr):
+    """The raw bytes of W[offs_n, k0:k0+BLOCK_K]: codes (uint8 [BLOCK_N, BLOCK_K/2], two E2M1 nibbles each, the even
+    element in the low nibble) and block scales (E4M3 bits, uint8 [BLOCK_N, BLOCK_K/16])."""
     offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     c = tl.load(codes_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_c[None, :],
-                mask=mask_n[:, None] & (offs_c[None, :] < K // 2), other=0)          # [BLOCK_N, BLOCK_K/2]
+                mask=mask_n[:, None] & (offs_c[None, :] < K // 2), other=0)
     s = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (K // 16) + offs_s[None, :],
-                mask=mask_n[:, None] & (offs_s[None, :] < K // 16), other=0)         # [BLOCK_N, BLOCK_K/16]
+                mask=mask_n[:, None] & (offs_s[None, :] < K // 16), other=0)
+    return c, s
+
+
+@triton.jit
+def _decode_nibbles(c, s, INTERPRET: tl.constexpr):
+    """Code and scale bytes of :func:`_load_codes` -> (even, odd) E2M1 values * 2^-14 (fp32 [BLOCK_N, BLOCK_K/2]) and
+    the block scales * 2^14 (fp32 [BLOCK_N, BLOCK_K/16]): any backend."""
     if INTERPRET:
         s = _e4m3_decode(s)
     else:
@@ -61,7 +68,16 @@ def _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K,
     c16 = c.to(tl.uint16)
     even = (((c16 & 0x7) << 9) | ((c16 & 0x8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
     odd = (((c16 & 0x70) << 5) | ((c16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.interleave(even, odd), s * 16384.0
+    return even, odd, s * 16384.0
+
+
+@triton.jit
+def _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """W[offs_n, k0:k0+BLOCK_K] as (E2M1 values * 2^-14 [BLOCK_N, BLOCK_K], block scales * 2^14 [BLOCK_N, BLOCK_K/16])."""
+    c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
+    even, odd, s = _decode_nibbles(c, s, INTERPRET)
+    return tl.interleave(even, odd), s
 
 
 @triton.jit
@@ -122,19 +138,37 @@ def _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr,
     """The scaled weight tile [BLOCK_N, BLOCK_K] in ``DOT_DTYPE`` for ``tl.dot``: ``e2m1 * scale`` exactly, times
     ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`)."""
     if PACKED_DECODE:
-        offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        c = tl.load(codes_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_c[None, :],
-                    mask=mask_n[:, None] & (offs_c[None, :] < K // 2), other=0)      # [BLOCK_N, BLOCK_K/2]
-        s = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (K // 16) + offs_s[None, :],
-                    mask=mask_n[:, None] & (offs_s[None, :] < K // 16), other=0)     # [BLOCK_N, BLOCK_K/16]
-        s = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)  # * 2^119
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
-        even, odd = _e2m1_bf16x2_scaled(c, s)
+        c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)          # [BLOCK_N, BLOCK_K/2]
+        even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
         return tl.interleave(even, odd)
     else:
         w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
         return _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+
+
+@triton.jit
+def _per_byte_scales(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GPU: E4M3 scale bytes [BLOCK_N, BLOCK_K/16] -> bf16 ``scale * 2^119`` per code byte [BLOCK_N, BLOCK_K/2], the
+    operand of :func:`_e2m1_bf16x2_scaled`."""
+    s = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)  # * 2^119
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def _w_halves(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The scaled weight tile split into its even and odd columns, fp32 ``[BLOCK_N, BLOCK_K/2]`` each:
+    ``W[n, k0 + 2i]`` and ``W[n, k0 + 2i + 1]`` (times ``2^-7`` with ``PACKED_DECODE``), exact. For consumers that
+    multiply on the FMA units rather than ``tl.dot``: the two nibbles of a byte stay in the thread that loaded it, with
+    no interleave and no change of layout."""
+    c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
+    if PACKED_DECODE:
+        even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
+        return even.to(tl.float32), odd.to(tl.float32)
+    else:
+        even, odd, s = _decode_nibbles(c, s, INTERPRET)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+        return even * s, odd * s
 
 
 @triton.jit

@@ -125,7 +125,9 @@ def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True
     """A Qwen3-Next / Qwen3.5 sparse MoE block: router logits, :func:`route`, :func:`moe_experts`, plus the shared
     expert ``sigmoid(x @ gate_weight^T) * down(silu(gate(x)) * up(x))``; all summed in fp32, rounded once.
 
-    The logits are the fp32 product rounded to x's dtype (HF's router is a linear in x's dtype), as the reference.
+    The logits are rounded to x's dtype (HF's router is a linear in x's dtype): the fp32 product rounded once in the
+    reference and under the interpreter; on the GPU, for bf16 / fp16 x and router weight, HF's ``F.linear`` itself
+    (fp32 accumulation, one rounding; the sum's order is cuBLAS's).
     No host sync: the router cannot produce out-of-range ids, and non-finite x gives a non-finite output where the
     reference raises.
 

@@ -1,7 +1,10 @@
 """The routed experts in Triton: grouped W4A16 GEMMs over NVFP4 expert stacks, deterministic, no host sync.
 
-``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, in three launches (plus
-the align step's one or three for a prefill batch), each computing the transposed product as :mod:`lynn_kernels.matmul.triton_matmul` does: the
+``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``. Two paths, chosen by
+the batch size alone (never by the routing, which stays on the device):
+
+**Prefill** (``M > DECODE_MAX_M``): the align step (:func:`~.triton_align.launch_align`, one or three launches),
+then three launches, each computing the transposed product as :mod:`lynn_kernels.matmul.triton_matmul` does: the
 weight tile, decoded from its codes in registers by that module's ``_w_tile``, is the first ``tl.dot`` operand, the
 token rows the second, and each expert's global scale multiplies the fp32 accumulator once, in the epilogue.
 
@@ -13,23 +16,33 @@ token rows the second, and each expert's global scale multiplies the fp32 accumu
   by exactly one program;
 * ``_moe_combine_kernel``: ``out[t] = sum_{j = 0..top_k-1} out_slots[t * top_k + j]`` (+ the shared expert's row), in
   that order, rounded once to x's dtype. With ``top_k = 1`` and no shared expert the down kernel writes ``out``
-  itself. No float atomics anywhere, so two runs give the same bits.
+  itself.
 
-How a program finds its rows (the two GEMM kernels share it, :func:`_row_block`):
+Row block ``b`` is rows ``[b * BLOCK_M, (b + 1) * BLOCK_M)`` of ``sorted_slots``, expert ``block_expert[b]`` (the
+program exits at ``-1``); the grid is sized by the static bound ``spec.max_padded``; ``h`` is ``[P_max, I]`` in
+sorted order (:func:`_row_block`). In dense mode (``DENSE``, the shared expert) row block ``b`` is tokens
+``[b * BLOCK_M, (b + 1) * BLOCK_M)`` of expert 0.
 
-* prefill (``M > DECODE_MAX_M``): after :func:`~.triton_align.launch_align`, row block ``b`` is rows
-  ``[b * BLOCK_M, (b + 1) * BLOCK_M)`` of ``sorted_slots``, expert ``block_expert[b]`` (the program exits at ``-1``);
-  the grid is sized by the static bound ``spec.max_padded``; ``h`` is ``[P_max, I]`` in sorted order;
-* decode (``DIRECT``, ``M <= DECODE_MAX_M``): no align; program ``m`` handles slot ``m`` alone (expert
-  ``ids.view(-1)[m]``, one real row of a 16-row ``tl.dot`` tile: the decode of the weight is the work, the MMA is
-  nearly free), ``h`` is ``[M * top_k, I]`` in slot order;
-* dense (``DENSE``, the shared expert): row block ``b`` is tokens ``[b * BLOCK_M, (b + 1) * BLOCK_M)``, expert 0.
+**Decode** (``M <= DECODE_MAX_M``): no align, no combine, two launches. Each slot is one row of x against one
+expert, so a tensor-core tile would be 15/16 padding and the work is the weight decode itself: these kernels
+multiply on the FMA units instead, on the weight tile split into its even and odd columns (``_w_halves``: the two
+nibbles of a byte stay in the thread that loaded them, no interleave, no layout change for a ``tl.dot`` operand),
+with per-lane fp32 partial sums reduced once at the end.
 
-Numerics: the weight tile is exact in the dot dtype (bf16 for bf16 x on the GPU, fp32 under the interpreter); the
-intermediate ``h`` is rounded to x's dtype (bf16 / fp16; fp32 for fp32 x) on every backend, the interpreter stores it
-as fp32 holding that value, so the CPU tests check the GPU's roundings; everything after is fp32 until the single
-output rounding. Global scales: one per tensor (``()``) or one per expert (``[E]``); per-shard (separate gate and up)
-or per-row scales raise.
+* ``_moe_decode_gate_up_kernel``, grid ``(M * top_k, cdiv(I, BLOCK_N))``: slot ``s``'s gate and up rows against x
+  row ``s // top_k``, ``h[s] = silu(gate) * up`` rounded as above (``h`` is ``[M * top_k, I]`` in slot order);
+* ``_moe_decode_down_kernel``, grid ``(M, cdiv(H, BLOCK_N))``: token ``t``'s ``top_k`` slots at once (a
+  ``[top_k, BLOCK_N, BLOCK_K]`` weight tile per step, so the experts' loads overlap), each ``h[s]`` against its
+  expert's ``w2`` rows, times the global scale and the routing weight, summed over the slots in fp32 in a fixed
+  order (+ the shared expert's row) and rounded once: the combine step, in the same program.
+
+No float atomics anywhere, so two runs give the same bits.
+
+Numerics: the decoded weights are exact (bf16 for bf16 x on the GPU, fp32 otherwise); the intermediate ``h`` is
+rounded to x's dtype (bf16 / fp16; fp32 for fp32 x) on every backend, the interpreter stores it as fp32 holding that
+value, so the CPU tests check the GPU's roundings; everything after is fp32 until the single output rounding. Global
+scales: one per tensor (``()``) or one per expert (``[E]``); per-shard (separate gate and up) or per-row scales
+raise.
 """
 
 from __future__ import annotations
@@ -38,12 +51,13 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .. import runtime
 from ..matmul.checks import GEMV_MAX_M
-from ..matmul.triton_matmul import _constexprs, _w_tile
+from ..matmul.triton_matmul import _constexprs, _w_halves, _w_tile
 from ..nvfp4 import NVFP4Tensor
 from ..runtime import cast_output, kernel_view, round_to_bf16, to_float32
 from . import spec
@@ -51,12 +65,14 @@ from .spec import SharedExpert
 from .triton_align import MAX_EXPERTS, launch_align
 from .triton_route import launch_route
 
-#: Largest batch that takes the decode path (one program per slot, no align): the matmul GEMV's limit.
+#: Largest batch that takes the decode path (FMA kernels, one slot per program, no align): the matmul GEMV's limit.
 DECODE_MAX_M = GEMV_MAX_M
 
-#: GPU tiles of the two GEMM kernels (not yet tuned: starting points from the matmul GEMV / small-M GEMM configs).
+#: GPU tiles of the prefill GEMM kernels (starting points from the matmul's small-M GEMM configs).
 PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-DECODE_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+#: GPU tiles of the two decode kernels (FMA, one slot or token per program): see ``docs/moe.md`` section 4.
+DECODE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+DECODE_DOWN_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,16 +80,10 @@ COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 
 @triton.jit
-def _row_block(sorted_ptr, expert_ptr, pid_m, S,
-               DIRECT: tl.constexpr, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
+def _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
     """Expert (``-1``: nothing to do), rows of ``h``, their slots and which rows are real, of row block ``pid_m``."""
     offs = tl.arange(0, BLOCK_M)
-    if DIRECT:                                     # slot pid_m alone, in row 0 of the tile
-        e = tl.load(expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m + offs
-        slot = rows
-        valid = offs == 0
-    elif DENSE:                                    # token rows, one expert
+    if DENSE:                                    # token rows, one expert
         e = (pid_m * 0).to(tl.int64)
         rows = pid_m * BLOCK_M + offs
         slot = rows
@@ -87,16 +97,28 @@ def _row_block(sorted_ptr, expert_ptr, pid_m, S,
 
 
 @triton.jit
+def _round_h(h, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The intermediate ``h`` (fp32) as stored: rounded to x's dtype. The GPU rounds when it stores the dot dtype;
+    the interpreter stores fp32, so it rounds here and the CPU tests see the GPU's values."""
+    if INTERPRET:
+        if X_DTYPE == tl.bfloat16:
+            h = round_to_bf16(h, INTERPRET)
+        elif X_DTYPE == tl.float16:
+            h = h.to(tl.float16).to(tl.float32)
+    return h.to(H_DTYPE)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, h_ptr,
     S, H, I, stride_xm, G_STRIDE,
-    TOP_K: tl.constexpr, DIRECT: tl.constexpr, DENSE: tl.constexpr,
+    TOP_K: tl.constexpr, DENSE: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DIRECT, DENSE, BLOCK_M)
+    e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE, BLOCK_M)
     if e < 0:
         return
     token = slot // TOP_K
@@ -120,12 +142,7 @@ def _moe_gate_up_kernel(
     g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)         # undo the packed decode's 2^-7
     gate = acc_gate * g
     h = gate * tl.sigmoid(gate) * (acc_up * g)                                     # [BLOCK_N, BLOCK_M]
-    if INTERPRET:            # the GPU rounds h to the dot dtype when storing; the interpreter stores fp32: round here
-        if X_DTYPE == tl.bfloat16:
-            h = round_to_bf16(h, INTERPRET)
-        elif X_DTYPE == tl.float16:
-            h = h.to(tl.float16).to(tl.float32)
-    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None], h.to(DOT_DTYPE),
+    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None], _round_h(h, X_DTYPE, DOT_DTYPE, INTERPRET),
              mask=mask_n[:, None] & valid[None, :])
 
 
@@ -133,13 +150,13 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, weights_ptr, out_ptr,
     S, H, I, stride_om, G_STRIDE,
-    DIRECT: tl.constexpr, DENSE: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    DENSE: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DIRECT, DENSE, BLOCK_M)
+    e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE, BLOCK_M)
     if e < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,6 +176,83 @@ def _moe_down_kernel(
     y = acc * g * w[None, :]
     tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None], cast_output(y, OUT_DTYPE, INTERPRET),
              mask=mask_n[:, None] & valid[None, :])
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, ids_ptr, h_ptr,
+    H, I, stride_xm, G_STRIDE,
+    TOP_K: tl.constexpr, DENSE: tl.constexpr, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+    PACKED_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if DENSE:                                                      # the shared expert: slot = token, expert 0
+        e = (slot * 0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    codes_e = codes_ptr + e * (2 * I) * (H // 2)
+    scales_e = scales_ptr + e * (2 * I) * (H // 16)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)          # per-lane partial sums, reduced once
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_x = k0 + 2 * tl.arange(0, BLOCK_K // 2)                        # x's even and odd columns
+        x_even = to_float32(tl.load(x_row + offs_x, mask=offs_x < H, other=0), X_DTYPE, INTERPRET)
+        x_odd = to_float32(tl.load(x_row + offs_x + 1, mask=offs_x < H, other=0), X_DTYPE, INTERPRET)
+        w_even, w_odd = _w_halves(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, PACKED_DECODE,
+                                  INTERPRET)
+        acc_gate += w_even * x_even[None, :] + w_odd * x_odd[None, :]
+        w_even, w_odd = _w_halves(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, PACKED_DECODE,
+                                  INTERPRET)
+        acc_up += w_even * x_even[None, :] + w_odd * x_odd[None, :]
+    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)
+    gate = tl.sum(acc_gate, axis=1) * g
+    h = gate * tl.sigmoid(gate) * (tl.sum(acc_up, axis=1) * g)                 # [BLOCK_N]
+    tl.store(h_ptr + slot.to(tl.int64) * I + offs_n, _round_h(h, X_DTYPE, H_DTYPE, INTERPRET), mask=mask_n)
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    h_ptr, codes_ptr, scales_ptr, g_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr,
+    H, I, stride_om, G_STRIDE,
+    TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, DENSE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_j = tl.arange(0, TOP_K_P2)                      # token t's slots, all at once: their loads overlap
+    mask_j = offs_j < TOP_K
+    slots = t * TOP_K + offs_j
+    if DENSE:
+        e = (offs_j * 0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + slots, mask=mask_j, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    # rows e * H + n of the stack [E * H, I / 2]: one [TOP_K_P2 * BLOCK_N, BLOCK_K] weight tile per step
+    rows = tl.reshape(e[:, None] * H + offs_n[None, :], (TOP_K_P2 * BLOCK_N,))
+    mask_rows = tl.reshape(mask_j[:, None] & mask_n[None, :], (TOP_K_P2 * BLOCK_N,))
+    h_rows = h_ptr + slots[:, None].to(tl.int64) * I
+    acc = tl.zeros((TOP_K_P2, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_h = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        mask_h = mask_j[:, None] & (offs_h[None, :] < I)
+        h_even = tl.load(h_rows + offs_h[None, :], mask=mask_h, other=0).to(tl.float32)       # [TOP_K_P2, BK/2]
+        h_odd = tl.load(h_rows + offs_h[None, :] + 1, mask=mask_h, other=0).to(tl.float32)
+        w_even, w_odd = _w_halves(codes_ptr, scales_ptr, rows, mask_rows, k0, I, TOP_K_P2 * BLOCK_N, BLOCK_K,
+                                  PACKED_DECODE, INTERPRET)
+        acc += (tl.reshape(w_even, (TOP_K_P2, BLOCK_N, BLOCK_K // 2)) * h_even[:, None, :]
+                + tl.reshape(w_odd, (TOP_K_P2, BLOCK_N, BLOCK_K // 2)) * h_odd[:, None, :])
+    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)                  # [TOP_K_P2]
+    w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)  # 0 past top_k
+    y = tl.sum(tl.sum(acc, axis=2) * (g * w)[:, None], axis=0)          # the combine: a fixed reduction order
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + t.to(tl.int64) * H + offs_n, mask=mask_n, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, cast_output(y, OUT_DTYPE, INTERPRET), mask=mask_n)
 
 
 @triton.jit
@@ -192,7 +286,7 @@ class MoEWorkspace(NamedTuple):
     block_expert: torch.Tensor      #: int32 [P_max // block_m] (prefill)
     num_padded: torch.Tensor        #: int32 [1] (prefill)
     h: torch.Tensor                 #: [P_max or M * top_k, I] in the dot dtype (:func:`intermediate_dtype`)
-    out_slots: torch.Tensor         #: fp32 [M * top_k, H] (unused when top_k = 1 without a shared expert)
+    out_slots: torch.Tensor         #: fp32 [M * top_k, H] (prefill; unused when top_k = 1 without a shared expert)
 
 
 def block_m_for(M: int, top_k: int, num_experts: int) -> int:
@@ -212,15 +306,15 @@ def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype:
     """Allocate the buffers :func:`launch_moe_experts` needs for ``x [M, H]``, ``ids [M, top_k]``, ``w2 [E, H, I]``."""
     S = M * top_k
     i32 = dict(dtype=torch.int32, device=device)
-    if M <= DECODE_MAX_M:
-        sorted_slots, block_expert, rows = torch.empty(0, **i32), torch.empty(0, **i32), S
+    if M <= DECODE_MAX_M:                         # no align; the down kernel sums the slots itself
+        sorted_slots, block_expert, rows, slot_rows = torch.empty(0, **i32), torch.empty(0, **i32), S, 0
     else:
         block_m = block_m_for(M, top_k, num_experts)
-        rows = spec.max_padded(S, num_experts, block_m)
+        rows, slot_rows = spec.max_padded(S, num_experts, block_m), S
         sorted_slots, block_expert = torch.empty(rows, **i32), torch.empty(rows // block_m, **i32)
     return MoEWorkspace(sorted_slots, block_expert, torch.empty(1, **i32),
                         torch.empty((rows, I), dtype=intermediate_dtype(x_dtype), device=device),
-                        torch.empty((S, H), dtype=torch.float32, device=device))
+                        torch.empty((slot_rows, H), dtype=torch.float32, device=device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,15 +326,16 @@ def _flags(x_dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
     return {"X_DTYPE": c["X_DTYPE"], **dot}, dot
 
 
-def _tiles(n: int, k: int, decode: bool, config: dict | None) -> dict:
-    """``BLOCK_N``, ``BLOCK_K`` and launch options (``config`` overrides them); under the interpreter the largest
-    tiles the shape can use (its cost is per program and loop step)."""
+def _tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tuple[dict, int, int]:
+    """(``BLOCK_N`` / ``BLOCK_K`` constexprs, ``num_warps``, ``num_stages``): ``gpu_config`` on the GPU, under the
+    interpreter the largest tiles the shape can use (its cost is per program and loop step); ``config`` overrides."""
     if runtime.INTERPRET:
         meta = {"BLOCK_N": max(16, min(128, runtime.next_power_of_2(n))),
                 "BLOCK_K": max(16, min(256, runtime.next_power_of_2(k))), "num_warps": 4}
     else:
-        meta = dict(DECODE_CONFIG if decode else PREFILL_CONFIG)
-    return {**meta, **(config or {})}
+        meta = dict(gpu_config)
+    meta.update(config or {})
+    return meta, meta.pop("num_warps"), meta.pop("num_stages", 1)
 
 
 def _g_stride(name: str, w: NVFP4Tensor, stacked: bool) -> int:
@@ -256,26 +351,47 @@ def _g_stride(name: str, w: NVFP4Tensor, stacked: bool) -> int:
                      f"are not supported: requantize with one scale per expert, or use the reference backend")
 
 
-def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, h, dest,
-                direct: bool, dense: bool, block_m: int, config: dict | None = None) -> None:
-    """gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out`` itself)."""
+def _launch_decode(x2, weights, ids, top_k, w13, w2, g13, g2, h, out, shared_out, dense: bool,
+                   config: dict | None = None) -> None:
+    """The decode path: gate_up over the ``M * top_k`` slots (one slot per program), then down + combine over the
+    M tokens into ``out`` (x's dtype, or fp32 for the shared expert), adding ``shared_out`` (fp32) if given."""
     M, H = x2.shape
     I = w2.shape[-1]
-    decode = M <= DECODE_MAX_M
+    c = _constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
+    flags = {"PACKED_DECODE": c["PACKED_DECODE"], "INTERPRET": c["INTERPRET"]}
+    meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIG, config)
+    _moe_decode_gate_up_kernel[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
+        kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, ids, h,
+        H, I, x2.stride(0), g13,
+        TOP_K=top_k, DENSE=dense, X_DTYPE=c["X_DTYPE"], H_DTYPE=c["DOT_DTYPE"], **flags, **meta,
+        num_warps=warps, num_stages=stages)
+    meta, warps, stages = _tiles(H, I, DECODE_DOWN_CONFIG, config)
+    _moe_decode_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
+        h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, ids, kernel_view(weights),
+        out if shared_out is None else shared_out, kernel_view(out), H, I, out.stride(0), g2,
+        TOP_K=top_k, TOP_K_P2=runtime.next_power_of_2(top_k), DENSE=dense, HAS_SHARED=shared_out is not None,
+        W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
+        OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **flags, **meta, num_warps=warps, num_stages=stages)
+
+
+def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, h, dest,
+                dense: bool, block_m: int, config: dict | None = None) -> None:
+    """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
+    itself)."""
+    M, H = x2.shape
+    I = w2.shape[-1]
     up_flags, down_flags = _flags(x2.dtype, runtime.INTERPRET)
-    meta = _tiles(I, H, decode, config)
-    warps, stages = meta.pop("num_warps"), meta.pop("num_stages", 1)
+    meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config)
     _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, sorted_slots, experts, h,
         S, H, I, x2.stride(0), g13,
-        TOP_K=top_k, DIRECT=direct, DENSE=dense, **up_flags, BLOCK_M=block_m, **meta,
+        TOP_K=top_k, DENSE=dense, **up_flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)
-    meta = _tiles(H, I, decode, config)
-    warps, stages = meta.pop("num_warps"), meta.pop("num_stages", 1)
+    meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config)
     _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), g2,
-        DIRECT=direct, DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
+        DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **down_flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)
 
@@ -311,16 +427,15 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     ids = ids.contiguous()
     weights = weights.contiguous()
     g13, g2 = _g_stride("w13", w13, True), _g_stride("w2", w2, True)
-    direct = M <= DECODE_MAX_M
-    if direct:
-        block_m, n_blocks, experts, sorted_slots = 16, S, ids.view(-1), ids.view(-1)   # sorted_slots unused
-    else:
-        block_m = block_m_for(M, top_k, E)
-        launch_align(ids, E, block_m, ws.sorted_slots, ws.block_expert, ws.num_padded)
-        n_blocks, experts, sorted_slots = ws.block_expert.numel(), ws.block_expert, ws.sorted_slots
+    if M <= DECODE_MAX_M:
+        _launch_decode(x2, weights.view(-1), ids.view(-1), top_k, w13, w2, g13, g2, ws.h, out, shared_out, False,
+                       config)
+        return out
+    block_m = block_m_for(M, top_k, E)
+    launch_align(ids, E, block_m, ws.sorted_slots, ws.block_expert, ws.num_padded)
     to_out = top_k == 1 and shared_out is None
-    _launch_ffn(x2, weights.view(-1), experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, ws.h,
-                out if to_out else ws.out_slots, direct, False, block_m, config)
+    _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, w13, w2,
+                g13, g2, ws.h, out if to_out else ws.out_slots, False, block_m, config)
     if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
@@ -356,17 +471,22 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
     ``[M]`` (the sigmoid of the shared expert gate) and ``h [M, Is]`` (:func:`intermediate_dtype`): the two GEMM
     kernels in dense mode (token rows, one expert)."""
     M = x2.shape[0]
+    g13, g2 = _g_stride("shared.w13", shared.w13, False), _g_stride("shared.w2", shared.w2, False)
+    if M <= DECODE_MAX_M:
+        _launch_decode(x2, gate, gate, 1, shared.w13, shared.w2, g13, g2, h, dest, None, True)
+        return dest
     block_m = max(16, min(64, runtime.next_power_of_2(M)))
-    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, shared.w13, shared.w2,
-                _g_stride("shared.w13", shared.w13, False), _g_stride("shared.w2", shared.w2, False), h, dest,
-                False, True, block_m)
+    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, shared.w13, shared.w2, g13, g2, h, dest,
+                True, block_m)
     return dest
 
 
 def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor,
                      shared: SharedExpert | None = None, *, top_k: int, renormalize: bool = True) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.moe.moe_block`: checks shapes, dtypes and devices (no host sync), then the
-    router logits (fp32 product rounded to x's dtype, as the reference), the routing kernel, the shared expert
+    router logits (on the GPU, for bf16 / fp16 x and router, HF's own ``F.linear``: cuBLAS accumulates in fp32 and
+    rounds once, as the reference's fp32 product rounded to x's dtype, up to the order of the sum; otherwise that
+    product), the routing kernel, the shared expert
     (dense mode of the expert kernels) and the routed experts, summed in the combine step and rounded once."""
     spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
     tensors = [("x", x), ("router_weight", router_weight), ("w13.codes", w13.codes), ("w2.codes", w2.codes)]
@@ -390,14 +510,16 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13: NVFP4Ten
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(x.shape)
-    xf = x2.float()
-    logits = (xf @ router_weight.float().t()).to(x.dtype)                       # [M, E], as HF's router
+    if runtime.INTERPRET or x.dtype == torch.float32 or router_weight.dtype != x.dtype:
+        logits = (x2.float() @ router_weight.float().t()).to(x.dtype)           # [M, E], the reference's product
+    else:        # HF's router itself: one GEMM in x's dtype (fp32 accumulation, one rounding), no fp32 copies
+        logits = F.linear(x2, router_weight)
     weights = torch.empty((M, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((M, top_k), dtype=torch.int32, device=x.device)
     launch_route(logits, top_k, renormalize, weights, ids)
     shared_out = None
     if shared is not None:
-        gate = torch.sigmoid(xf @ shared.gate_weight.float().t()).view(-1)      # fp32 [M]
+        gate = torch.sigmoid(x2.float() @ shared.gate_weight.float().t()).view(-1)   # fp32 [M]
         h = torch.empty((M, shared.w2.shape[-1]), dtype=intermediate_dtype(x.dtype), device=x.device)
         shared_out = torch.empty((M, H), dtype=torch.float32, device=x.device)
         launch_shared_expert(x2, shared, gate, h, shared_out)
