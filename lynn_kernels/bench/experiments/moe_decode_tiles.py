@@ -1,84 +1,197 @@
-"""Experiment (GPU only): the MoE decode path's tiles, by kernel time, at the Qwen shapes.
+"""Experiment (GPU only): tiles of the MoE decode kernels (``M <= 16``, FMA on the weight halves) by per-kernel CUDA
+time, at the Qwen3.5 shape (256 experts, top-8, 2048 -> 512), M = 1, 4, 16.
 
-The decode path (``M <= 16``: one program per slot, no align) ran at 360 GB/s at M = 1 on the first H200 run
-(``docs/moe.md`` section 4): 8 slots x 8 tiles = 64 programs on 132 SMs. This sweeps ``BLOCK_N`` (more programs),
-``BLOCK_K``, warps and stages of both expert GEMMs through ``launch_moe_experts(config=...)``, validates every
-config against the fp32 reference, and reports the gate_up + down + combine kernel time and the active experts'
-weight bytes per second.
+The first decode path (a 16-row ``tl.dot`` tile holding one real row per slot) ran its gate_up at 360 GB/s at M = 1
+(``docs/moe.md`` section 4). The FMA kernels replaced it; this sweeps their ``BLOCK_N`` (how many programs),
+``BLOCK_K`` (bytes in flight per step) and warps. Config ``i`` of each kernel's list runs in the same call (the
+module's ``DECODE_UP_CONFIG`` / ``DECODE_DOWN_CONFIG`` are set to ``UP[i]`` / ``DOWN[i]``); the profiler times each
+kernel alone, so each list is ranked on its own. Every config is validated against the fp32 reference first. The
+kernels are compiled by worker processes in parallel first (the device's host takes 10-20 s per compile).
+
+It also records two facts the M = 1 block depends on: how often the GPU's bf16 router GEMM (``F.linear``, what
+``moe_block`` now runs) differs from the fp32 product rounded to bf16, and whether the top-k ids differ; and the
+per-kernel profile of ``moe_block`` at M = 1 for both Qwen shapes with the best tiles.
 
 Run: ``PYTHONPATH=. python -m lynn_kernels.bench.experiments.moe_decode_tiles`` (JSON under $OUT or out/).
-Not yet run: written after the first H200 session's device time was spent.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
+import multiprocessing as mp
 import os
 
 import torch
+import torch.nn.functional as F
 
-from ..harness import kernel_ms
-from ...moe import reference
+from ...moe import moe_block, reference, triton_experts
 from ...moe.triton_experts import launch_moe_experts, moe_workspace
 from ...nvfp4 import quantize
 from ...validate import compare
+from ..harness import kernel_ms
 
-SHAPES = [("Qwen3.5-35B-A3B", 256, 8), ("Qwen3-Next-80B-A3B", 512, 10)]
 H, I = 2048, 512
-#: 10 configs (each compile costs 10-20 s on the device's host): BLOCK_N x BLOCK_K at 4 warps, then warps and depth
-CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=3) for n, k in itertools.product((16, 32, 64), (128, 256))]
-CONFIGS += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3) for n, k, w in
-            ((32, 256, 2), (32, 256, 8), (32, 512, 4), (16, 256, 2))]
+UP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3) for n, k, w in
+      ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 4),
+       (32, 512, 8), (8, 512, 2))]
+DOWN = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3) for n, k, w in
+        ((4, 128, 4), (4, 256, 4), (4, 512, 4), (8, 128, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4), (16, 256, 8),
+         (2, 512, 4), (8, 256, 8))]
 
 
-def main() -> list[dict]:
+def _set(i: int) -> None:
+    triton_experts.DECODE_UP_CONFIG, triton_experts.DECODE_DOWN_CONFIG = UP[i], DOWN[i]
+
+
+def _experts(E: int, gen):
+    w13 = quantize(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05)
+    w2 = quantize(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05)
+    return w13, w2
+
+
+def _compile(i: int) -> str:
+    """Worker: compile config i of both kernels at the real H, I and top-8 (E does not reach the kernels)."""
+    _set(i)
+    gen = torch.Generator(device="cuda").manual_seed(i)
+    w13, w2 = _experts(8, gen)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.arange(8, device="cuda", dtype=torch.int32)[None]
+    w = torch.full((1, 8), 0.125, device="cuda")
+    out = torch.empty(1, H, device="cuda", dtype=torch.bfloat16)
+    try:
+        launch_moe_experts(x, w, ids, w13, w2, out, moe_workspace(1, 8, 8, H, I, torch.bfloat16, x.device))
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as exc:                                   # reported again, per config, by the timing pass
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def per_kernel_us(fn, n: int = 30) -> dict[str, float]:
+    """Mean CUDA time per call of each kernel ``fn`` launches, by kernel name."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    acc = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name[:60]] += e.time_range.elapsed_us() / n
+    return dict(acc)
+
+
+def _pick(times: dict[str, float], key: str) -> float:
+    return sum(v for k, v in times.items() if key in k)
+
+
+def sweep(gen) -> list[dict]:
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for label, E, top_k in SHAPES:
-        w13 = quantize(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05)
-        w2 = quantize(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05)
-        for m in (1, 4, 16):
-            sets = []
-            for _ in range(16):                                  # different experts per call: past the L2
-                x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-                ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:top_k] for _ in range(m)])
-                w = torch.softmax(torch.randn(m, top_k, device="cuda", generator=gen), -1)
-                sets.append((x, w, ids.to(torch.int32)))
-            x0, w0, ids0 = sets[0]
-            want = reference.moe_experts(x0, w0, ids0, w13, w2)
-            active = m * top_k * 3 * I * H * 9 // 16                 # weight bytes the step must read (distinct)
-            out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
-            ws = moe_workspace(m, top_k, E, H, I, torch.bfloat16, x0.device)
-            for cfg in CONFIGS:
-                row = dict(shape=label, M=m, **cfg)
-                try:
-                    out.fill_(float("nan"))
-                    launch_moe_experts(x0, w0, ids0, w13, w2, out, ws, config=cfg)
-                    row["cosine"] = compare(out, want).cosine
-                    i = iter(itertools.cycle(sets))
+    E, top_k = 256, 8
+    w13, w2 = _experts(E, gen)
+    for m in (1, 4, 16):
+        sets = []
+        for _ in range(16):                                      # different experts per call: past the L2
+            x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:top_k] for _ in range(m)])
+            w = torch.softmax(torch.randn(m, top_k, device="cuda", generator=gen), -1)
+            sets.append((x, w, ids.to(torch.int32)))
+        x0, w0, ids0 = sets[0]
+        want = reference.moe_experts(x0, w0, ids0, w13, w2)
+        slots = m * top_k
+        up_bytes, down_bytes = slots * 2 * I * H * 9 // 16, slots * H * I * 9 // 16   # per slot (duplicates count)
+        out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+        ws = moe_workspace(m, top_k, E, H, I, torch.bfloat16, x0.device)
+        for i in range(len(UP)):
+            _set(i)
+            row = dict(M=m, config=i, up=str(UP[i]), down=str(DOWN[i]))
+            try:
+                out.fill_(float("nan"))
+                launch_moe_experts(x0, w0, ids0, w13, w2, out, ws)
+                row["cosine"] = compare(out, want).cosine
+                it = itertools.cycle(sets)
 
-                    def call():
-                        x, w, ids = next(i)
-                        return launch_moe_experts(x, w, ids, w13, w2, out, ws, config=cfg)
+                def call():
+                    x, w, ids = next(it)
+                    return launch_moe_experts(x, w, ids, w13, w2, out, ws)
 
-                    row["kernel_us"] = kernel_ms(call) * 1e3
-                    row["gbps"] = active / row["kernel_us"] / 1e3
-                except Exception as exc:                       # a config that does not compile is a result too
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                rows.append(row)
-                print(row, flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
+                t = per_kernel_us(call)
+                row["up_us"], row["down_us"] = _pick(t, "decode_gate_up"), _pick(t, "decode_down")
+                row["up_gbps"], row["down_gbps"] = up_bytes / row["up_us"] / 1e3, down_bytes / row["down_us"] / 1e3
+            except Exception as exc:                           # a config that fails is a result too
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
+def router_check(gen) -> list[dict]:
+    """F.linear (bf16, cuBLAS) vs the fp32 product rounded to bf16: differing logits and differing top-k ids."""
+    rows = []
+    for E, top_k in ((256, 8), (512, 10)):
+        r = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+        for m in (1, 4, 16, 64, 512, 4096):
+            x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+            a = F.linear(x, r)
+            b = (x.float() @ r.float().t()).to(torch.bfloat16)
+            ia = torch.sort(a.float(), -1, descending=True, stable=True).indices[:, :top_k]
+            ib = torch.sort(b.float(), -1, descending=True, stable=True).indices[:, :top_k]
+            rows.append(dict(E=E, M=m, logits_differ=int((a != b).sum()), logits=a.numel(),
+                             tokens_with_other_ids=int((ia != ib).any(-1).sum())))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def block_profile(gen, best: dict[int, int]) -> list[dict]:
+    """moe_block at M = 1 with the best tiles at M = 1: per-kernel time and total kernel time, both shapes."""
+    triton_experts.DECODE_UP_CONFIG = UP[best["up"]]
+    triton_experts.DECODE_DOWN_CONFIG = DOWN[best["down"]]
+    rows = []
+    for E, top_k in ((256, 8), (512, 10)):
+        w13, w2 = _experts(E, gen)
+        r = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+        xs = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(16)]
+        it = itertools.cycle(xs)
+        call = lambda: moe_block(next(it), r, w13, w2, top_k=top_k)   # noqa: E731
+        m = compare(moe_block(xs[0], r, w13, w2, top_k=top_k), reference.moe_block(xs[0], r, w13, w2, top_k=top_k))
+        rows.append(dict(E=E, top_k=top_k, cosine=m.cosine, kernel_us=kernel_ms(call) * 1e3,
+                         per_kernel_us=per_kernel_us(call)))
+        print(rows[-1], flush=True)
+        del w13, w2
+    return rows
+
+
+def main() -> dict:
+    with mp.get_context("spawn").Pool(min(8, len(UP))) as pool:
+        compiled = pool.map(_compile, range(len(UP)))
+    print("compiled:", compiled, flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = sweep(gen)
+    ok = [r for r in rows if "up_us" in r and r["cosine"] > 0.9999]
+    best = {}
+    for m in (1, 4, 16):
+        cand = [r for r in ok if r["M"] == m]
+        if cand:
+            best[m] = {"up": min(cand, key=lambda r: r["up_us"])["config"],
+                       "down": min(cand, key=lambda r: r["down_us"])["config"]}
+    result = {"compiled": compiled, "sweep": rows, "best": best, "router": router_check(gen)}
+    if 1 in best:
+        result["block_m1"] = block_profile(gen, best[1])
+    return result
+
+
 if __name__ == "__main__":
-    results = main()
+    res = main()
     path = os.path.join(os.environ.get("OUT", "out"), "moe_decode_tiles.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    json.dump(results, open(path, "w"), indent=1)
-    ok = [r for r in results if "kernel_us" in r and r["cosine"] > 0.9999]
-    for key in sorted({(r["shape"], r["M"]) for r in ok}):
-        best = min((r for r in ok if (r["shape"], r["M"]) == key), key=lambda r: r["kernel_us"])
-        print(key, best)
+    json.dump(res, open(path, "w"), indent=1)
+    print("\nM  best up (us, GB/s)                    best down (us, GB/s)")
+    for m, b in res["best"].items():
+        u = next(r for r in res["sweep"] if r["M"] == m and r["config"] == b["up"])
+        d = next(r for r in res["sweep"] if r["M"] == m and r["config"] == b["down"])
+        print(f"{m:<3}{UP[b['up']]} {u['up_us']:.1f} {u['up_gbps']:.0f}   {DOWN[b['down']]} {d['down_us']:.1f} "
+              f"{d['down_gbps']:.0f}")
+    for r in res.get("block_m1", []):
+        print(f"moe_block M=1 E={r['E']}: {r['kernel_us']:.1f} us kernel, cos {r['cosine']:.6f}")
