@@ -33,12 +33,16 @@ from ...validate import compare
 from ..harness import kernel_ms
 
 H, I = 2048, 512
+#: run 1 (commit c08e11a) swept configs 0-9 at M = 1, 4, 16; run 2 adds 10-15 (fewer warps, taller tiles: each
+#: thread holds more weight rows per x value it converts)
 UP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3) for n, k, w in
       ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 4),
-       (32, 512, 8), (8, 512, 2))]
+       (32, 512, 8), (8, 512, 2), (32, 256, 2), (32, 512, 4), (64, 256, 4), (16, 256, 1), (32, 256, 1),
+       (16, 512, 2))]
 DOWN = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3) for n, k, w in
         ((4, 128, 4), (4, 256, 4), (4, 512, 4), (8, 128, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4), (16, 256, 8),
-         (2, 512, 4), (8, 256, 8))]
+         (2, 512, 4), (8, 256, 8), (8, 128, 2), (16, 128, 2), (4, 128, 2), (8, 64, 4), (4, 64, 2), (16, 64, 4))]
+MS = (1, 16)
 
 
 def _set(i: int) -> None:
@@ -91,7 +95,7 @@ def sweep(gen) -> list[dict]:
     rows = []
     E, top_k = 256, 8
     w13, w2 = _experts(E, gen)
-    for m in (1, 4, 16):
+    for m in MS:
         sets = []
         for _ in range(16):                                      # different experts per call: past the L2
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -136,8 +140,8 @@ def router_check(gen) -> list[dict]:
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             a = F.linear(x, r)
             b = (x.float() @ r.float().t()).to(torch.bfloat16)
-            ia = torch.sort(a.float(), -1, descending=True, stable=True).indices[:, :top_k]
-            ib = torch.sort(b.float(), -1, descending=True, stable=True).indices[:, :top_k]
+            ia = torch.sort(a.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+            ib = torch.sort(b.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
             rows.append(dict(E=E, M=m, logits_differ=int((a != b).sum()), logits=a.numel(),
                              tokens_with_other_ids=int((ia != ib).any(-1).sum())))
             print(rows[-1], flush=True)
@@ -163,20 +167,40 @@ def block_profile(gen, best: dict[int, int]) -> list[dict]:
     return rows
 
 
+def kernel_info() -> list[dict]:
+    """Registers, spills and PTX instruction counts of every compiled decode kernel (from Triton's in-process
+    cache), to see what the FMA loop costs per weight."""
+    rows = []
+    for kern in (triton_experts._moe_decode_gate_up_kernel, triton_experts._moe_decode_down_kernel):
+        for cache in getattr(kern, "device_caches", {}).values():
+            for key, ck in cache[0].items():
+                ptx = ck.asm.get("ptx", "")
+                ops = collections.Counter(line.split()[0].split(".")[0] for line in ptx.splitlines()
+                                          if line.startswith("\t") and line.strip() and line.strip()[0].isalpha())
+                rows.append(dict(kernel=kern.fn.__name__, key=str(key)[-200:], n_regs=getattr(ck, "n_regs", None),
+                                 n_spills=getattr(ck, "n_spills", None), shared=ck.metadata.shared,
+                                 num_warps=ck.metadata.num_warps, ptx_ops=dict(ops.most_common(25))))
+    return rows
+
+
 def main() -> dict:
-    with mp.get_context("spawn").Pool(min(8, len(UP))) as pool:
+    with mp.get_context("spawn").Pool(min(16, len(UP))) as pool:
         compiled = pool.map(_compile, range(len(UP)))
     print("compiled:", compiled, flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = sweep(gen)
     ok = [r for r in rows if "up_us" in r and r["cosine"] > 0.9999]
     best = {}
-    for m in (1, 4, 16):
+    for m in MS:
         cand = [r for r in ok if r["M"] == m]
         if cand:
             best[m] = {"up": min(cand, key=lambda r: r["up_us"])["config"],
                        "down": min(cand, key=lambda r: r["down_us"])["config"]}
     result = {"compiled": compiled, "sweep": rows, "best": best, "router": router_check(gen)}
+    try:
+        result["kernels"] = kernel_info()
+    except Exception as exc:                                   # introspection of Triton internals: best effort
+        result["kernels"] = f"{type(exc).__name__}: {exc}"
     if 1 in best:
         result["block_m1"] = block_profile(gen, best[1])
     return result
