@@ -15,7 +15,8 @@ import torch
 from lynn_kernels import runtime, use_reference
 from lynn_kernels.moe import SharedExpert, align, max_padded, reference, route
 from lynn_kernels.moe.triton_align import align_triton, launch_align
-from lynn_kernels.moe.triton_route import MAX_EXPERTS, route_triton
+from lynn_kernels.matmul.triton_matmul import _counter
+from lynn_kernels.moe.triton_route import MAX_EXPERTS, launch_router, route_triton
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import compare
 
@@ -127,6 +128,34 @@ def test_route_kernel_keeps_ids_valid_on_nan_logits():
 def test_route_empty_batch():
     w, ids = route(_logits(0, 16), 4)
     assert tuple(w.shape) == tuple(ids.shape) == (0, 4)
+
+
+#: (M, E, top_k, H): the decode batches (M <= 16) that take the fused router; E not a power of two, H not a multiple
+#: of the H tile, several E tiles and H slices (split order), Qwen3.5 / Qwen3-Next routing widths
+ROUTER_CASES = [
+    pytest.param(1, 7, 2, 80, id="M1-E7-k2-H80"),
+    pytest.param(5, 60, 4, 144, id="M5-E60-k4-H144"),
+    pytest.param(16, 256, 8, 64, id="M16-E256-k8-H64"),
+    pytest.param(3, 512, 10, 48, id="M3-E512-k10-H48"),
+    pytest.param(16, 33, 1, 1040, id="M16-E33-k1-H1040"),
+]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+@pytest.mark.parametrize("M, E, top_k, H", ROUTER_CASES)
+def test_fused_router(M, E, top_k, H, dtype, poison_empty):
+    """``launch_router`` (logits GEMM + routing in one launch, M <= 16) equals ``reference.route`` of the reference's
+    logits (the fp32 product rounded to x's dtype), twice in a row: the last program resets the ticket counter."""
+    x = (torch.randn(M, H, generator=_gen(M + H)) * 0.5).to(dtype).to(runtime.DEVICE)
+    r = (torch.randn(E, H, generator=_gen(E)) * 0.5).to(dtype).to(runtime.DEVICE)
+    want = reference.route((x.float() @ r.float().t()).to(dtype), top_k)
+    for _ in range(2):
+        w = torch.full((M, top_k), float("nan"), device=runtime.DEVICE)
+        ids = torch.full((M, top_k), -1, dtype=torch.int32, device=runtime.DEVICE)
+        got = launch_router(x, r, top_k, True, w, ids)
+        assert got[0] is w and got[1] is ids
+        _assert_route((w, ids), want, M, top_k)
+    assert int(_counter(x.device, 1)[0]) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -59,20 +59,24 @@ from .. import runtime
 from ..matmul.checks import GEMV_MAX_M
 from ..matmul.triton_matmul import _constexprs, _w_halves, _w_tile
 from ..nvfp4 import NVFP4Tensor
-from ..runtime import cast_output, kernel_view, round_to_bf16, to_float32
+from ..runtime import cast_output, kernel_view, to_float32
 from . import spec
 from .spec import SharedExpert
 from .triton_align import MAX_EXPERTS, launch_align
-from .triton_route import launch_route
+from .triton_route import ROUTER_MAX_M, launch_route, launch_router, round_as
 
 #: Largest batch that takes the decode path (FMA kernels, one slot per program, no align): the matmul GEMV's limit.
 DECODE_MAX_M = GEMV_MAX_M
 
 #: GPU tiles of the prefill GEMM kernels (starting points from the matmul's small-M GEMM configs).
 PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-#: GPU tiles of the two decode kernels (FMA, one slot or token per program): see ``docs/moe.md`` section 4.
-DECODE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
-DECODE_DOWN_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+#: GPU tiles of the two decode kernels (FMA, one slot or token per program), ``(M <= 2, M > 2)``: the best of 16 by
+#: kernel time at M = 1, and at M = 4 / 16, on the H200 (``bench/experiments/moe_decode_tiles.py``, docs/moe.md
+#: section 4). Fewer, wider programs pay at M = 1; at M >= 4 there are programs enough and smaller tiles win.
+DECODE_UP_CONFIGS = ({"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3},
+                     {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3})
+DECODE_DOWN_CONFIGS = ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
+                       {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,10 +105,7 @@ def _round_h(h, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, INTERPRET: tl.cons
     """The intermediate ``h`` (fp32) as stored: rounded to x's dtype. The GPU rounds when it stores the dot dtype;
     the interpreter stores fp32, so it rounds here and the CPU tests see the GPU's values."""
     if INTERPRET:
-        if X_DTYPE == tl.bfloat16:
-            h = round_to_bf16(h, INTERPRET)
-        elif X_DTYPE == tl.float16:
-            h = h.to(tl.float16).to(tl.float32)
+        h = round_as(h, X_DTYPE, INTERPRET)
     return h.to(H_DTYPE)
 
 
@@ -359,13 +360,14 @@ def _launch_decode(x2, weights, ids, top_k, w13, w2, g13, g2, h, out, shared_out
     I = w2.shape[-1]
     c = _constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
     flags = {"PACKED_DECODE": c["PACKED_DECODE"], "INTERPRET": c["INTERPRET"]}
-    meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIG, config)
+    batch = M > 2
+    meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIGS[batch], config)
     _moe_decode_gate_up_kernel[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, ids, h,
         H, I, x2.stride(0), g13,
         TOP_K=top_k, DENSE=dense, X_DTYPE=c["X_DTYPE"], H_DTYPE=c["DOT_DTYPE"], **flags, **meta,
         num_warps=warps, num_stages=stages)
-    meta, warps, stages = _tiles(H, I, DECODE_DOWN_CONFIG, config)
+    meta, warps, stages = _tiles(H, I, DECODE_DOWN_CONFIGS[batch], config)
     _moe_decode_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, ids, kernel_view(weights),
         out if shared_out is None else shared_out, kernel_view(out), H, I, out.stride(0), g2,
@@ -510,13 +512,16 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13: NVFP4Ten
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(x.shape)
-    if runtime.INTERPRET or x.dtype == torch.float32 or router_weight.dtype != x.dtype:
-        logits = (x2.float() @ router_weight.float().t()).to(x.dtype)           # [M, E], the reference's product
-    else:        # HF's router itself: one GEMM in x's dtype (fp32 accumulation, one rounding), no fp32 copies
-        logits = F.linear(x2, router_weight)
     weights = torch.empty((M, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((M, top_k), dtype=torch.int32, device=x.device)
-    launch_route(logits, top_k, renormalize, weights, ids)
+    if M <= ROUTER_MAX_M and router_weight.dtype == x.dtype:      # logits and routing in one launch
+        launch_router(x2, router_weight.contiguous(), top_k, renormalize, weights, ids)
+    else:
+        if runtime.INTERPRET or x.dtype == torch.float32 or router_weight.dtype != x.dtype:
+            logits = (x2.float() @ router_weight.float().t()).to(x.dtype)       # [M, E], the reference's product
+        else:    # HF's router itself: one GEMM in x's dtype (fp32 accumulation, one rounding), no fp32 copies
+            logits = F.linear(x2, router_weight)
+        launch_route(logits, top_k, renormalize, weights, ids)
     shared_out = None
     if shared is not None:
         gate = torch.sigmoid(x2.float() @ shared.gate_weight.float().t()).view(-1)   # fp32 [M]

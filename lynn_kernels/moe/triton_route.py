@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import kernel_view, to_float32
+from ..matmul.triton_matmul import _constexprs, _counter
+from ..runtime import kernel_view, round_to_bf16, to_float32
 from . import spec
 
 #: Largest expert count the kernel holds in registers (Qwen3-Next has 512).
@@ -25,21 +26,21 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr,
-    M, E, stride_lm,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_e = tl.arange(0, BLOCK_E)
+def round_as(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (bf16 / fp16, ties to even; fp32 unchanged), returned as fp32."""
+    if DTYPE == tl.bfloat16:
+        return round_to_bf16(x, INTERPRET)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _route_rows(x, offs_e, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 logits ``[BLOCK_M, BLOCK_E]`` (``-inf`` past E) -> (weights fp32, ids int32), ``[BLOCK_M, BLOCK_K]``."""
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_e = offs_e < E
-    x = tl.load(logits_ptr + offs_m[:, None].to(tl.int64) * stride_lm + offs_e[None, :],
-                mask=mask_m[:, None] & mask_e[None, :], other=0)
-    x = tl.where(mask_e[None, :], to_float32(x, DTYPE, INTERPRET), float("-inf"))    # [BLOCK_M, BLOCK_E]
     p = tl.exp(x - tl.max(x, axis=1)[:, None])                                       # padding lanes: exp(-inf) = 0
     p = p / tl.sum(p, axis=1)[:, None]
 
@@ -58,10 +59,86 @@ def _route_kernel(
         avail = avail & (offs_e[None, :] != idx[:, None])
     if RENORMALIZE:
         w = w / tl.sum(w, axis=1)[:, None]                                            # unused columns hold 0
+    return w, ids
+
+
+@triton.jit
+def _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
     out = offs_m[:, None] * TOP_K + offs_k[None, :]
     mask_out = mask_m[:, None] & (offs_k[None, :] < TOP_K)
     tl.store(weights_ptr + out, w, mask=mask_out)
     tl.store(ids_ptr + out, ids, mask=mask_out)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr,
+    M, E, stride_lm,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_m = offs_m < M
+    mask_e = offs_e < E
+    x = tl.load(logits_ptr + offs_m[:, None].to(tl.int64) * stride_lm + offs_e[None, :],
+                mask=mask_m[:, None] & mask_e[None, :], other=0)
+    x = tl.where(mask_e[None, :], to_float32(x, DTYPE, INTERPRET), float("-inf"))    # [BLOCK_M, BLOCK_E]
+    w, ids = _route_rows(x, offs_e, mask_e, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_K)
+    _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K, BLOCK_K)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, r_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr,
+    M, E, H, stride_xm, stride_re,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, X_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr, ROUTE_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Router logits and routing in one launch, for at most 16 tokens: program ``(i, s)`` computes the fp32 logits
+    of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
+    ``part[s]``; the last program to take a ticket adds the slices in order, rounds the logits to x's dtype (as a
+    GEMM in that dtype does) and runs :func:`_route_rows` on them."""
+    pid_e = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    offs_m = tl.arange(0, 16)
+    mask_m = offs_m < M
+    n_chunks = tl.cdiv(H, BLOCK_H)
+    per_split = tl.cdiv(n_chunks, n_split)
+    acc = tl.zeros((BLOCK_E, 16), dtype=tl.float32)
+    for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
+        offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
+                    mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_h[:, None],
+                     mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
+        acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE), to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE),
+                     acc, input_precision=PRECISION)                                 # [BLOCK_E, 16]
+    tl.store(part_ptr + pid_h * (M * E) + offs_m[None, :] * E + offs_e[:, None], acc,
+             mask=mask_e[:, None] & mask_m[None, :])
+    tl.debug_barrier()                                   # every thread's partial is written before the ticket
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) * n_split - 1:       # the last program: all partial logits are in
+        offs_all = tl.arange(0, ALL_E)
+        mask_all = offs_all < E
+        for m0 in range(0, M, ROUTE_M):
+            rows = m0 + tl.arange(0, ROUTE_M)
+            mask = (rows[:, None] < M) & mask_all[None, :]
+            logits = tl.zeros((ROUTE_M, ALL_E), dtype=tl.float32)
+            for s in range(0, n_split):                  # in split order: the same sum on every run
+                logits += tl.load(part_ptr + s * (M * E) + rows[:, None] * E + offs_all[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")
+            logits = tl.where(mask_all[None, :], round_as(logits, X_DTYPE, INTERPRET), float("-inf"))
+            w, ids = _route_rows(logits, offs_all, mask_all, TOP_K, RENORMALIZE, ROUTE_M, ALL_E, BLOCK_K)
+            _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K)
+        tl.atomic_xchg(count_ptr, 0)                     # ready for the next call
 
 
 def _block_m(M: int, block_e: int) -> int:
@@ -98,4 +175,42 @@ def launch_route(logits: torch.Tensor, top_k: int, renormalize: bool, weights: t
         TOP_K=top_k, RENORMALIZE=renormalize, DTYPE=runtime.TORCH_TO_TL[logits.dtype],
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=max(2, runtime.next_power_of_2(top_k)),
         num_warps=4, **runtime.kernel_flags())
+    return weights, ids
+
+
+#: Largest token count :func:`launch_router` takes (its GEMM pads the token rows to one 16-row tile).
+ROUTER_MAX_M = 16
+#: GPU tiles of the router GEMM: 16 experts x 512 of H per program, H split so that E = 256 gives 64 programs.
+ROUTER_CONFIG = {"BLOCK_E": 16, "BLOCK_H": 512, "num_warps": 4}
+
+
+def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
+                  weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch only (no checks, no host sync): the router logits ``x2 @ router_weight^T`` (``x2 [M, H]`` with
+    ``M <= ROUTER_MAX_M``, ``router_weight [E, H]`` in x's dtype, both unit stride along H), rounded to x's dtype,
+    and their routing, in one launch, into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``. The fp32
+    partial logits go to a small workspace; the ticket counter is the matmul's shared zeroed buffer (one stream at a
+    time)."""
+    M, H = x2.shape
+    E = router_weight.shape[0]
+    if M == 0:
+        return weights, ids
+    c = _constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
+    all_e = max(16, runtime.next_power_of_2(E))
+    if runtime.INTERPRET:
+        meta = {"BLOCK_E": max(16, min(128, all_e)), "BLOCK_H": max(16, min(512, runtime.next_power_of_2(H))),
+                "num_warps": 4}
+    else:
+        meta = dict(ROUTER_CONFIG)
+    warps = meta.pop("num_warps")
+    n_e = runtime.cdiv(E, meta["BLOCK_E"])
+    chunks = runtime.cdiv(H, meta["BLOCK_H"])
+    split = runtime.cdiv(chunks, runtime.cdiv(chunks, max(1, min(chunks, 64 // n_e)))) if n_e < 64 else 1
+    part = torch.empty((split, M, E), dtype=torch.float32, device=x2.device)
+    _router_kernel[(n_e, split)](
+        kernel_view(x2), kernel_view(router_weight), part, _counter(x2.device, 1), weights, ids,
+        M, E, H, x2.stride(0), router_weight.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
+        PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(16, 4096 // all_e)),
+        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), **meta, num_warps=warps, INTERPRET=c["INTERPRET"])
     return weights, ids

@@ -4,7 +4,7 @@ time, at the Qwen3.5 shape (256 experts, top-8, 2048 -> 512), M = 1, 4, 16.
 The first decode path (a 16-row ``tl.dot`` tile holding one real row per slot) ran its gate_up at 360 GB/s at M = 1
 (``docs/moe.md`` section 4). The FMA kernels replaced it; this sweeps their ``BLOCK_N`` (how many programs),
 ``BLOCK_K`` (bytes in flight per step) and warps. Config ``i`` of each kernel's list runs in the same call (the
-module's ``DECODE_UP_CONFIG`` / ``DECODE_DOWN_CONFIG`` are set to ``UP[i]`` / ``DOWN[i]``); the profiler times each
+module's ``DECODE_UP_CONFIGS`` / ``DECODE_DOWN_CONFIGS`` are set to ``UP[i]`` / ``DOWN[i]``); the profiler times each
 kernel alone, so each list is ranked on its own. Every config is validated against the fp32 reference first. The
 kernels are compiled by worker processes in parallel first (the device's host takes 10-20 s per compile).
 
@@ -12,7 +12,8 @@ It also records two facts the M = 1 block depends on: how often the GPU's bf16 r
 ``moe_block`` now runs) differs from the fp32 product rounded to bf16, and whether the top-k ids differ; and the
 per-kernel profile of ``moe_block`` at M = 1 for both Qwen shapes with the best tiles.
 
-Run: ``PYTHONPATH=. python -m lynn_kernels.bench.experiments.moe_decode_tiles`` (JSON under $OUT or out/).
+Run: ``PYTHONPATH=. python -m lynn_kernels.bench.experiments.moe_decode_tiles [--profile-only]`` (JSON under $OUT
+or out/; ``--profile-only``: just the M = 1 block profile with the shipped tiles).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ MS = (1, 16)
 
 
 def _set(i: int) -> None:
-    triton_experts.DECODE_UP_CONFIG, triton_experts.DECODE_DOWN_CONFIG = UP[i], DOWN[i]
+    triton_experts.DECODE_UP_CONFIGS, triton_experts.DECODE_DOWN_CONFIGS = (UP[i], UP[i]), (DOWN[i], DOWN[i])
 
 
 def _experts(E: int, gen):
@@ -149,9 +151,11 @@ def router_check(gen) -> list[dict]:
 
 
 def block_profile(gen, best: dict[int, int]) -> list[dict]:
-    """moe_block at M = 1 with the best tiles at M = 1: per-kernel time and total kernel time, both shapes."""
-    triton_experts.DECODE_UP_CONFIG = UP[best["up"]]
-    triton_experts.DECODE_DOWN_CONFIG = DOWN[best["down"]]
+    """moe_block at M = 1 (the shipped tiles, or the best at M = 1 of this sweep): per-kernel time and total kernel
+    time, both shapes."""
+    if best:
+        _set(best["up"])
+        triton_experts.DECODE_DOWN_CONFIGS = (DOWN[best["down"]],) * 2
     rows = []
     for E, top_k in ((256, 8), (512, 10)):
         w13, w2 = _experts(E, gen)
@@ -184,6 +188,8 @@ def kernel_info() -> list[dict]:
 
 
 def main() -> dict:
+    if "--profile-only" in sys.argv:            # the shipped tiles: moe_block at M = 1, per kernel
+        return {"block_m1": block_profile(torch.Generator(device="cuda").manual_seed(0), {}), "best": {}}
     with mp.get_context("spawn").Pool(min(16, len(UP))) as pool:
         compiled = pool.map(_compile, range(len(UP)))
     print("compiled:", compiled, flush=True)
