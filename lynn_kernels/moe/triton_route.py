@@ -1,10 +1,14 @@
 """Softmax top-k routing in Triton: one program per block of tokens, the whole expert row in registers.
 
 Per token: fp32 softmax over the E experts (any E up to :data:`MAX_EXPERTS`, masked to a power of two), then top_k
-rounds of "take the largest logit, ties to the lowest id" (a max, then the min id among the lanes equal to it),
-each taking its probability as the weight, then the optional renormalisation. Selecting on the logits rather than
+rounds of "take the largest logit, ties to the lowest id" (one max over int64 keys that pack the logit's order above
+the id's complement), each taking its probability as the weight, then the optional renormalisation. Selecting on the logits rather than
 on ``p`` gives softmax's order exactly: two fp32 logits one ulp apart can round to the same ``p``. The ids equal the
 reference's exactly; the weights agree to a few fp32 ulps (the exponential and the sum order differ).
+
+For a decode batch (``M <= ROUTER_MAX_M``) ``_router_kernel`` also computes the logits: programs over blocks of
+experts and slices of H write fp32 partial logits, and the last program to take a ticket adds them in slice order,
+rounds them to x's dtype and routes, so the router is one launch.
 
 Non-finite logits are not checked here (no host sync): NaN logits sort below every other, so the ids stay distinct
 and in ``[0, E)`` whatever the input; the public :func:`lynn_kernels.moe.route` raises on them.
@@ -39,24 +43,31 @@ def round_as(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _route_rows(x, offs_e, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 logits ``[BLOCK_M, BLOCK_E]`` (``-inf`` past E) -> (weights fp32, ids int32), ``[BLOCK_M, BLOCK_K]``."""
+    """fp32 logits ``[BLOCK_M, BLOCK_E]`` (``-inf`` past E) -> (weights fp32, ids int32), ``[BLOCK_M, BLOCK_K]``.
+
+    Each of the ``TOP_K`` rounds is one reduction: a max over int64 keys ``(order-preserving int of the logit) << 32
+    | (BLOCK_E - 1 - id)``, so the largest logit wins and, among equal logits, the lowest id. The weight is
+    recomputed from the winning logit with the same operations as ``p``, so it has ``p``'s bits."""
     offs_k = tl.arange(0, BLOCK_K)
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])                                       # padding lanes: exp(-inf) = 0
-    p = p / tl.sum(p, axis=1)[:, None]
+    row_max = tl.max(x, axis=1)
+    denom = tl.sum(tl.exp(x - row_max[:, None]), axis=1)                            # padding lanes: exp(-inf) = 0
 
     # select on the logits (softmax keeps their order, and fp32 p can tie where the logits do not); NaN sorts last
-    score = tl.where(x == x, x, float("-inf"))                                       # [BLOCK_M, BLOCK_E]
-    avail = tl.broadcast_to(mask_e[None, :], (BLOCK_M, BLOCK_E))     # rows past M select too (never stored)
+    bits = tl.where(x == x, x, float("-inf")).to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                             # fp32 order as int32 order
+    key = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e[None, :]).to(tl.int64)
+    key = tl.where(mask_e[None, :], key, -9223372036854775807 - 1)                   # padding never wins
     w = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     ids = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     for j in range(TOP_K):
-        s = tl.where(avail, score, float("-inf"))
-        best = tl.max(s, axis=1)                                                      # [BLOCK_M]
-        idx = tl.min(tl.where(avail & (s == best[:, None]), offs_e[None, :], BLOCK_E), axis=1)  # lowest id of equals
-        pick = offs_e[None, :] == idx[:, None]
-        w = tl.where(offs_k[None, :] == j, tl.sum(tl.where(pick, p, 0.0), axis=1)[:, None], w)
+        best = tl.max(key, axis=1)                                                    # [BLOCK_M]
+        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        top = (best >> 32).to(tl.int32)
+        top = tl.where(top >= 0, top, top ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)  # the winning logit
+        p = tl.exp(top - row_max) / denom                                             # p[idx], the same bits
+        w = tl.where(offs_k[None, :] == j, p[:, None], w)
         ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
-        avail = avail & (offs_e[None, :] != idx[:, None])
+        key = tl.where(offs_e[None, :] == idx[:, None], -9223372036854775807 - 1, key)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=1)[:, None]                                            # unused columns hold 0
     return w, ids
@@ -211,6 +222,6 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
         kernel_view(x2), kernel_view(router_weight), part, _counter(x2.device, 1), weights, ids,
         M, E, H, x2.stride(0), router_weight.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
-        PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(16, 4096 // all_e)),
+        PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
         BLOCK_K=max(2, runtime.next_power_of_2(top_k)), **meta, num_warps=warps, INTERPRET=c["INTERPRET"])
     return weights, ids
