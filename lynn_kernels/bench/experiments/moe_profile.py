@@ -1,7 +1,8 @@
 """Experiment (GPU only): per-kernel CUDA time of one ``moe_block`` call (Qwen3.5 shape: 256 experts, top-8,
 2048 -> 512; M = 1, 16, 4096), to see where the block's time goes.
 
-Recorded run: commit 9373b79bdce1, H200, torch 2.11 / triton 3.6, 2026-11-29, output in
+Recorded run: commit c2c8d10 (the FMA decode kernels and the fused router; the first run, commit 9373b79, is in
+``docs/moe.md`` section 4), H200, torch 2.11 / triton 3.6, 2026-11-29, output in
 ``data/bench/h200/moe_profile.txt`` (us per call, by kernel). Run: ``PYTHONPATH=. python -m
 lynn_kernels.bench.experiments.moe_profile``.
 """
