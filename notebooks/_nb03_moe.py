@@ -510,13 +510,19 @@ CELLS = [
     * `h = silu(gate) * up` is rounded once to x's dtype; everything else is fp32 up to the single output rounding;
     * `BLOCK_M` follows the expected rows per expert (16, 32 or 64: `block_m_for`), and the grid is sized by the
       static bound `P_max`;
-    * **decode path** (`M <= 16`, `DIRECT`): no align step at all. Program `m` handles slot `m` alone: expert
-      `ids.view(-1)[m]`, one real row of a 16-row tile. At batch 1 the work is decoding the weight, the MMA is
-      nearly free, and skipping align saves a launch and the padding;
-    * `moe_block` adds the router logits, the routing kernel and the shared expert (the same two GEMM kernels in a
-      dense mode: token rows, one expert), summed in the combine kernel.
+    * **decode path** (`M <= 16`): no align step and no combine launch. A slot is one row of x against one expert:
+      on tensor cores it would be 1 row of a 16-row tile, and the work is decoding the weight. So the decode kernels
+      multiply on the FMA units, on the weight tile split into its even and odd columns (`_w_halves`: a byte's two
+      nibbles stay in the thread that loaded it). `_moe_decode_gate_up_kernel` runs one program per (slot, block of
+      I); `_moe_decode_down_kernel` one per (token, block of H), with all `top_k` slots of the token in one
+      `[top_k, BLOCK_N, BLOCK_K]` tile per step so their loads overlap, summed in a fixed order: the combine is
+      done in the same program;
+    * `moe_block` adds the router (for `M <= 16` the logits GEMM and the routing are **one launch**: programs over
+      expert blocks and H slices write fp32 partial logits, and the last one to take a ticket adds them in order
+      and routes) and the shared expert (the same kernels in a dense mode: token rows, one expert), added before
+      the single rounding.
 
-    How a program finds its rows, shared by both GEMM kernels:
+    How a prefill program finds its rows, shared by both prefill GEMM kernels:
     '''),
     code(r'''
     # NBVAL_IGNORE_OUTPUT
@@ -539,26 +545,35 @@ CELLS = [
     '''),
     md(r'''
     **Grids at the Qwen3.5 shape** (E = 256, top-8, H = 2048, I = 512), from the package's own rules and its GPU
-    tile configs (`BLOCK_N` 64 for both paths): the decode path launches one row block per slot; the prefill path
-    launches `P_max / BLOCK_M` row blocks, of which those past `num_padded` exit at once.
+    tile configs: the decode path launches one gate_up program per (slot, block of I) and one down program per
+    (token, block of H); the prefill path launches `P_max / BLOCK_M` row blocks, of which those past `num_padded`
+    exit at once.
     '''),
     code(r'''
     grid_rows = []
     for M_ in (1, 4, 16, 17, 512, 4096):
         S_ = M_ * TOP_K
-        decode = M_ <= triton_experts.DECODE_MAX_M
-        cfg = triton_experts.DECODE_CONFIG if decode else triton_experts.PREFILL_CONFIG
-        bm = 16 if decode else triton_experts.block_m_for(M_, TOP_K, E)
-        blocks = S_ if decode else spec.max_padded(S_, E, bm) // bm
-        grid_rows.append({"M": M_, "path": "decode (no align)" if decode else "prefill (align)", "slots": S_,
-                          "BLOCK_M": bm, "row blocks": blocks, "rows per block used": 1 if decode else bm,
-                          "gate_up programs": blocks * triton.cdiv(I, cfg["BLOCK_N"]),
-                          "down programs": blocks * triton.cdiv(H, cfg["BLOCK_N"])})
+        if M_ <= triton_experts.DECODE_MAX_M:
+            up = triton_experts.DECODE_UP_CONFIGS[M_ > 2]
+            down = triton_experts.DECODE_DOWN_CONFIGS[M_ > 2]
+            grid_rows.append({"M": M_, "path": "decode (FMA, no align)", "slots": S_, "BLOCK_M": "-",
+                              "gate_up programs": S_ * triton.cdiv(I, up["BLOCK_N"]),
+                              "down programs": M_ * triton.cdiv(H, down["BLOCK_N"]),
+                              "BLOCK_N up / down": f"{up['BLOCK_N']} / {down['BLOCK_N']}"})
+        else:
+            cfg = triton_experts.PREFILL_CONFIG
+            bm = triton_experts.block_m_for(M_, TOP_K, E)
+            blocks = spec.max_padded(S_, E, bm) // bm
+            grid_rows.append({"M": M_, "path": "prefill (align, tl.dot)", "slots": S_, "BLOCK_M": bm,
+                              "gate_up programs": blocks * triton.cdiv(I, cfg["BLOCK_N"]),
+                              "down programs": blocks * triton.cdiv(H, cfg["BLOCK_N"]),
+                              "BLOCK_N up / down": f"{cfg['BLOCK_N']} / {cfg['BLOCK_N']}"})
     print(render_table(grid_rows))
     '''),
     md(r'''
-    At M = 1 the gate_up kernel has only 64 programs for the H200's 132 SMs, each decoding a 64 x 2048 tile of the
-    gate and of the up rows: too few to pull the bandwidth out of the GPU. Section 6 shows what that costs.
+    The first decode path ran the prefill kernels with one real row per 16-row tile: at M = 1 its gate_up had 64
+    programs for the H200's 132 SMs and read its 9.4 MB at 360 GB/s. The FMA kernels launch 512 gate_up programs
+    at M = 1; section 6 shows what that bought.
     '''),
     # ---------------------------------------------------------------------------------------------------------- 5
     md(r'''
@@ -724,7 +739,7 @@ CELLS = [
     weight decode to the output and round only `h` and the result.
 
     `lynn check moe` runs its own small cases (routing and align exactly, both expert paths, the block) with the same
-    helper; on the H200 it passed 10/10 compiled (`data/bench/h200/lynn-check-moe.txt`). Its `err_ratio` divides by
+    helper; on the H200 it passed 11/11 compiled (`data/bench/h200/lynn-check-moe.txt`). Its `err_ratio` divides by
     the error of the exact answer rounded once to bf16 (the best a bf16 output can be), hence about 1.3 rather than
     0.4. Here, under this machine's backend:
     '''),
@@ -764,7 +779,7 @@ CELLS = [
     **0.8x its throughput**; both at the Qwen3.5 and Qwen3-Next shapes, M in {1, 4, 16, 64, 512, 4096}.
 
     On a GPU the next cell runs the quick benchmark live. The cells after it read the committed results,
-    `data/bench/h200/moe.block.json` (so far only the `--quick` run: the Qwen3.5 shape at M = 1 and 4096) and
+    `data/bench/h200/moe.block.json` (the full run: both Qwen shapes, M in {1, 4, 16, 64, 512, 4096}) and
     `moe_profile.txt`; their output depends on the machine and on what is committed, so nbval does not check it.
     '''),
     code(r'''
@@ -860,10 +875,12 @@ CELLS = [
     def role(name):
         if name.startswith("_align"):
             return "align (3 kernels)"
-        if name.startswith("_"):
-            return name.removeprefix("_").removesuffix("_kernel").replace("moe_", "")
-        if any(s in name for s in ("gem", "cutlass", "cublas", "splitK")):   # names are cut at 50 characters
-            return "router logits GEMM (fp32)"
+        if name == "_router_kernel":
+            return "router logits + route (1 launch)"
+        if name.startswith("_"):           # the decode and prefill kernels of one role share a column
+            return name.removeprefix("_").removesuffix("_kernel").replace("moe_", "").replace("decode_", "")
+        if any(s in name for s in ("gem", "nvjet", "cutlass", "cublas", "splitK")):   # names are cut at 60
+            return "router logits GEMM (cuBLAS)"
         return "casts, elementwise (torch)"
 
 
@@ -885,7 +902,8 @@ CELLS = [
     if not PROF:
         print("no committed profile yet (data/bench/h200/moe_profile.txt)")
     else:
-        ORDER = ["gate_up", "down", "combine", "route", "align (3 kernels)", "router logits GEMM (fp32)"]
+        ORDER = ["gate_up", "down", "combine", "router logits + route (1 launch)", "route", "align (3 kernels)",
+                 "router logits GEMM (cuBLAS)"]
         roles = sorted(dict.fromkeys(r for per_m in PROF.values() for r in per_m),
                        key=lambda r: ORDER.index(r) if r in ORDER else len(ORDER))
         table = []
@@ -944,23 +962,22 @@ CELLS = [
     print(render_table(goal_rows, ["shape", "M", "goal", "measured", "verdict"]))
     '''),
     md(r'''
-    **Where it stands** (the committed quick run of 2026-11-29, commit 9373b79):
+    **Where it stands** (the committed full run of 2026-11-29, commit c2c8d10):
 
-    * **M = 1, not met.** The block's kernels take 47.0 us against the pipeline's 92.5 us (1.97x), and the calls
-      214 us against 701 us (3.27x); the goal is 5x. 47 us is 7.5% of the read ceiling, some 13x the 3.5 us byte
-      floor of section 1. The gate_up kernel is more than half of it: 64 programs on 132 SMs reading at about
-      360 GB/s. More programs (a smaller `BLOCK_N`, or split-K as in the matmul GEMV) come first; then computing
-      the router logits in bf16 instead of casting to fp32 (the casts and the fp32 GEMM: about 9 us of the 47),
-      and grouping the decode slots by expert so an expert hit by two tokens is read once (the decode path re-reads
-      it: at M = 16 its GEMMs take 193 us). The call time adds the host's launch cost: a graph-captured decode
-      step pays the kernel time.
-    * **M = 4096, met.** 1.817 ms against 1.766 ms of kernel time: 0.97x the pipeline's throughput (113 vs 117
-      TFLOP/s), against a goal of 0.8x; by call time 1.06x. Of our 1.817 ms, the fp32 router GEMM takes 98 us and
-      the combine 87 us: the first knobs after the untuned GEMM tiles.
-    * **Not measured yet**: the Qwen3-Next shape (512 experts, top-10) and M in {4, 16, 64, 512}: the full run
-      overran its time limit. The goals cannot be called met until it runs.
+    * **M = 1, not met at either shape.** Qwen3.5: 22.1 us of kernels against the pipeline's 93.6 us (4.24x; the
+      calls 226.6 against 564.2 us, 2.49x). Qwen3-Next: 34.6 against 108.8 us (3.14x; calls 3.11x). The first
+      version (commit 9373b79) took 47.0 us at the Qwen3.5 shape. Three changes made up the difference. The FMA
+      decode kernels took gate_up from 26.1 to 8.5 us. Down and the combine became one kernel (6.9 + 1.5 to
+      7.1 us). The router logits and the routing became one launch (6.1 + 2.4 + 3.2 to 6.5 us). 22 us is 15.8% of
+      the read ceiling. The decode kernels are bound by the decode arithmetic, not by memory: at M = 16, with
+      programs to spare, gate_up decodes weights at about 1.6 TB/s worth of NVFP4 bytes, and no tile in the sweeps
+      did better.
+    * **M = 4096, met at both shapes.** Qwen3.5: 121.0 against 115.7 TFLOP/s (1.05x). Qwen3-Next: 98.5 against
+      108.3 TFLOP/s (0.91x). The goal is 0.8x.
+    * **In between** (no goal): by kernel time the block is 1.30-2.80x faster than the pipeline at M = 4 to 512, at
+      both shapes.
 
-    `docs/moe.md` section 4 and `docs/performance.md` keep the same record.
+    `docs/moe.md` section 4 and `docs/performance.md` keep the same record, with what was tried.
     '''),
     # ---------------------------------------------------------------------------------------------------------- 7
     md(r'''
@@ -986,7 +1003,7 @@ CELLS = [
         lines = [render_table([stats])]
         if M <= triton_experts.DECODE_MAX_M:
             lines.append(f"M = {M} <= {triton_experts.DECODE_MAX_M}: the kernel takes the decode path (no align, "
-                         f"one program per slot); if it aligned:")
+                         f"FMA kernels over the slots); if it aligned:")
         chosen = triton_experts.block_m_for(M, top_k, E)
         for bm in dict.fromkeys((block_m, chosen)):
             rows = padded_rows(counts, bm)
