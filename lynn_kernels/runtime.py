@@ -178,6 +178,17 @@ def round_to_bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def round_to_dtype(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (bf16 / fp16, nearest even; fp32 unchanged) and held as fp32."""
+    if DTYPE == tl.bfloat16:
+        return round_to_bf16(x, INTERPRET)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def min_nan_to_bound(x, bound, INTERPRET: tl.constexpr):
     """``min(x, bound)`` with NaN mapped to ``bound``: one ``fminf`` on the GPU; the interpreter's numpy minimum
     propagates NaN, so it compares instead."""

@@ -12,22 +12,11 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, round_to_bf16, to_float32
+from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
 
 #: Widest row held in registers.
 MAX_D = 16384
-
-
-@triton.jit
-def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x`` rounded to ``DTYPE`` (nearest even) and held as fp32."""
-    if DTYPE == tl.bfloat16:
-        return round_to_bf16(x, INTERPRET)
-    elif DTYPE == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
 
 
 @triton.jit
@@ -51,8 +40,8 @@ def _gated_rmsnorm_kernel(
                    Z_DTYPE, INTERPRET)
     w = to_float32(tl.load(w_ptr + offs_d, mask=mask_d, other=0), W_DTYPE, INTERPRET)   # [BLOCK_D]
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)                           # [BLOCK_R]
-    normed = _round_to(x * rstd[:, None], X_DTYPE, INTERPRET)                         # HF: .to(input_dtype)
-    h = _round_to(w[None, :] * normed, WX_DTYPE, INTERPRET)                           # weight * normed
+    normed = round_to_dtype(x * rstd[:, None], X_DTYPE, INTERPRET)                         # HF: .to(input_dtype)
+    h = round_to_dtype(w[None, :] * normed, WX_DTYPE, INTERPRET)                           # weight * normed
     y = h * (z * tl.sigmoid(z))                                                       # gate in fp32
     tl.store(y_ptr + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], cast_output(y, X_DTYPE, INTERPRET),
              mask=mask)

@@ -59,11 +59,11 @@ from .. import runtime
 from ..matmul.checks import GEMV_MAX_M
 from ..matmul.triton_matmul import _constexprs, _w_halves, _w_tile
 from ..nvfp4 import NVFP4Tensor
-from ..runtime import cast_output, kernel_view, to_float32
+from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
 from .spec import SharedExpert
 from .triton_align import MAX_EXPERTS, launch_align
-from .triton_route import ROUTER_MAX_M, launch_route, launch_router, round_as
+from .triton_route import ROUTER_MAX_M, launch_route, launch_router
 
 #: Largest batch that takes the decode path (FMA kernels, one slot per program, no align): the matmul GEMV's limit.
 DECODE_MAX_M = GEMV_MAX_M
@@ -105,7 +105,7 @@ def _round_h(h, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, INTERPRET: tl.cons
     """The intermediate ``h`` (fp32) as stored: rounded to x's dtype. The GPU rounds when it stores the dot dtype;
     the interpreter stores fp32, so it rounds here and the CPU tests see the GPU's values."""
     if INTERPRET:
-        h = round_as(h, X_DTYPE, INTERPRET)
+        h = round_to_dtype(h, X_DTYPE, INTERPRET)
     return h.to(H_DTYPE)
 
 

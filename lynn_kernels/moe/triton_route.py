@@ -22,22 +22,11 @@ import triton.language as tl
 
 from .. import runtime
 from ..matmul.triton_matmul import _constexprs, _counter
-from ..runtime import kernel_view, round_to_bf16, to_float32
+from ..runtime import kernel_view, round_to_dtype, to_float32
 from . import spec
 
 #: Largest expert count the kernel holds in registers (Qwen3-Next has 512).
 MAX_EXPERTS = 1024
-
-
-@triton.jit
-def round_as(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x`` rounded to ``DTYPE`` (bf16 / fp16, ties to even; fp32 unchanged), returned as fp32."""
-    if DTYPE == tl.bfloat16:
-        return round_to_bf16(x, INTERPRET)
-    elif DTYPE == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
 
 
 @triton.jit
@@ -146,7 +135,7 @@ def _router_kernel(
             for s in range(0, n_split):                  # in split order: the same sum on every run
                 logits += tl.load(part_ptr + s * (M * E) + rows[:, None] * E + offs_all[None, :], mask=mask,
                                   other=0.0, cache_modifier=".cg")
-            logits = tl.where(mask_all[None, :], round_as(logits, X_DTYPE, INTERPRET), float("-inf"))
+            logits = tl.where(mask_all[None, :], round_to_dtype(logits, X_DTYPE, INTERPRET), float("-inf"))
             w, ids = _route_rows(logits, offs_all, mask_all, TOP_K, RENORMALIZE, ROUTE_M, ALL_E, BLOCK_K)
             _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K)
         tl.atomic_xchg(count_ptr, 0)                     # ready for the next call
