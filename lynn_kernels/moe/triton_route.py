@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..matmul.triton_matmul import _constexprs, _counter
+from ..matmul.triton_matmul import _constexprs, _counter, split_k_for
 from ..runtime import kernel_view, round_to_dtype, to_float32
 from . import spec
 
@@ -204,8 +204,7 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
         meta = dict(ROUTER_CONFIG)
     warps = meta.pop("num_warps")
     n_e = runtime.cdiv(E, meta["BLOCK_E"])
-    chunks = runtime.cdiv(H, meta["BLOCK_H"])
-    split = runtime.cdiv(chunks, runtime.cdiv(chunks, max(1, min(chunks, 64 // n_e)))) if n_e < 64 else 1
+    split = split_k_for(n_e, H, meta["BLOCK_H"], 32)               # about 64 programs, no empty H slice
     part = torch.empty((split, M, E), dtype=torch.float32, device=x2.device)
     _router_kernel[(n_e, split)](
         kernel_view(x2), kernel_view(router_weight), part, _counter(x2.device, 1), weights, ids,
