@@ -1,0 +1,25 @@
+"""lynn_model: the Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (Qwen3.6) hybrid decoder on the ops of ``lynn_kernels``.
+
+A few short files, read in this order: :mod:`.config` (the dataclass, presets), :mod:`.model` (the modules),
+:mod:`.cache` (paged KV cache, Gated DeltaNet states), :mod:`.loader` (HF folders, bf16 and NVFP4),
+:mod:`.generate` (sampling, the tokenizer), :mod:`.quantize` (``lynn quantize``).
+
+Example::
+
+    import lynn_model
+    model = lynn_model.from_pretrained("path/to/Qwen3.5-35B-A3B-NVFP4")          # NVFP4 stays NVFP4
+    out = lynn_model.generate(model, input_ids, 64, temperature=0.7, top_p=0.9, seed=0)
+    with lynn_kernels.use_reference():                                             # every op on its reference
+        logits = model.forward(input_ids)
+"""
+
+import lynn_kernels  # noqa: F401, I001  (chooses the Triton backend before any kernel module is imported)
+
+from .cache import Batch, Cache, CacheFull
+from .config import PRESETS, Config, ConfigError, preset
+from .generate import Stats, TextStream, Tokenizer, generate, sample
+from .loader import LoadError, from_pretrained
+from .model import Model
+
+__all__ = ["Batch", "Cache", "CacheFull", "Config", "ConfigError", "PRESETS", "preset", "Model", "from_pretrained",
+           "LoadError", "generate", "sample", "Stats", "Tokenizer", "TextStream"]

@@ -1,0 +1,274 @@
+"""The hybrid decoder (Qwen3-Next, Qwen3.5, Qwen3.5-MoE / Qwen3.6) on the kernels of :mod:`lynn_kernels`.
+
+Every layer runs on packed tokens ``[T, H]``: the new tokens of ``N`` sequences one after another, described by a
+:class:`~lynn_model.cache.Batch` (positions, offsets, cache slots). A call is a *prefill* (any number of new tokens
+per sequence, fresh or continuing) or a *decode* step (one new token per sequence, each with a cached past)::
+
+    embed -> [ norm -> Gated DeltaNet | gated attention -> + -> norm -> MoE | MLP -> + ] x L -> norm -> lm_head
+
+Module and tensor names follow HF's (``layers.3.self_attn.q_proj``), so the loader maps a checkpoint one to one.
+``with lynn_kernels.use_reference():`` runs every op on its torch reference. Math and dtypes: docs/decoder.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lynn_kernels import NVFP4Tensor, deltanet, moe, nvfp4_linear, rmsnorm
+from lynn_kernels.attention import decode_attention, flash_attention, qk_norm_rope, split_q_gate
+
+from .cache import Batch, Cache
+from .config import Config
+
+
+def _placeholder(*shape) -> torch.Tensor:
+    """An unloaded tensor: shape only (the loader replaces it)."""
+    return torch.empty(shape, device="meta")
+
+
+class Linear(nn.Module):
+    """``y = x @ W^T``, no bias: ``W`` float (``F.linear``, cuBLAS on a GPU) or an :class:`NVFP4Tensor`
+    (:func:`lynn_kernels.nvfp4_linear`, decoded in registers). ``x [..., in]`` -> ``[..., out]`` in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: torch.Tensor | NVFP4Tensor = _placeholder(out_features, in_features)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, NVFP4Tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, NVFP4Tensor):
+            return nvfp4_linear(x, self.weight)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        kind = "nvfp4" if self.quantized else str(self.weight.dtype).replace("torch.", "")
+        return f"{self.in_features} -> {self.out_features}, {kind}"
+
+
+class Norm(nn.Module):
+    """HF's zero-centred RMSNorm: ``rmsnorm(x) * (1 + w)`` in fp32, one rounding (``lynn_kernels.rmsnorm``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = _placeholder(dim), eps
+
+    def forward(self, x, residual=None):
+        """``x [..., D]``; with ``residual``: returns ``(rmsnorm(x + residual), x + residual)``."""
+        return rmsnorm(x, self.weight, self.eps, residual=residual)
+
+
+class Attention(nn.Module):
+    """Gated full attention: q / k / v projections, q / k norm + partial RoPE (+ the cache write), flash prefill or
+    split-KV decode over the paged cache, the output gate ``sigmoid(gate)`` fused, then ``o_proj``."""
+
+    def __init__(self, c: Config, layer: int):
+        super().__init__()
+        self.layer, self.hq, self.hkv, self.d = layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rotary_dim, self.theta, self.eps = c.rotary_dim, c.rope_theta, c.rms_norm_eps
+        h = c.hidden_size
+        self.q_proj = Linear(h, 2 * self.hq * self.d)         # per head [query | gate]
+        self.k_proj = Linear(h, self.hkv * self.d)
+        self.v_proj = Linear(h, self.hkv * self.d)
+        self.o_proj = Linear(self.hq * self.d, h)
+        self.q_norm, self.k_norm = Norm(self.d, self.eps), Norm(self.d, self.eps)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = split_q_gate(self.q_proj(x), self.hq, self.d)               # views [T, Hq, D]
+        k = self.k_proj(x).view(t, self.hkv, self.d)
+        v = self.v_proj(x).view(t, self.hkv, self.d)
+        kc = vc = None
+        if cache is not None:
+            kc, vc = cache.k[self.layer], cache.v[self.layer]
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
+                            v=v if cache is not None else None, rotary_dim=self.rotary_dim, rope_theta=self.theta,
+                            eps=self.eps, k_cache=kc, v_cache=vc,
+                            slot_mapping=batch.kv_slots if cache is not None else None)
+        if batch.decode:
+            o = decode_attention(q, kc, vc, batch.seq_lens, batch.block_table, gate=gate)
+        elif batch.has_prefix:              # continue cached sequences: keys = the cached prefix + the new ones
+            ka = kc.view(-1, self.hkv, self.d)[batch.kv_gather]
+            va = vc.view(-1, self.hkv, self.d)[batch.kv_gather]
+            o = flash_attention(q, ka, va, gate=gate, cu_seqlens=batch.cu_seqlens, prefix_lens=batch.prefix_lens_t)
+        else:
+            o = flash_attention(q, k, v, gate=gate, cu_seqlens=batch.cu_seqlens)
+        return self.o_proj(o.view(t, self.hq * self.d))
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet: projections, causal conv + SiLU over ``[q | k | v]``, the gated delta rule (chunked for a
+    prefill, recurrent with fused gates for a decode step) on an fp32 state, gated RMSNorm, ``out_proj``."""
+
+    def __init__(self, c: Config, layer: int):
+        super().__init__()
+        self.layer, self.eps = layer, c.rms_norm_eps
+        self.nk, self.nv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        h, kw = c.hidden_size, c.linear_conv_kernel_dim
+        self.in_proj_qkv = Linear(h, c.conv_dim)
+        self.in_proj_z = Linear(h, self.nv * self.dv)
+        self.in_proj_b = Linear(h, self.nv)
+        self.in_proj_a = Linear(h, self.nv)
+        self.conv_weight = _placeholder(c.conv_dim, kw)      # HF conv1d.weight [C, 1, K], squeezed at load
+        self.dt_bias, self.A_log = _placeholder(self.nv), _placeholder(self.nv)
+        self.norm_weight = _placeholder(self.dv)              # plain w (not 1 + w)
+        self.out_proj = Linear(self.nv * self.dv, h)
+
+    def _split(self, y: torch.Tensor) -> tuple:
+        """Views q, k ``[..., nk, dk]`` and v ``[..., nv, dv]`` of the conv output ``y [..., C]`` (no copy)."""
+        nq = self.nk * self.dk
+        return (y[..., :nq].unflatten(-1, (self.nk, self.dk)), y[..., nq:2 * nq].unflatten(-1, (self.nk, self.dk)),
+                y[..., 2 * nq:].unflatten(-1, (self.nv, self.dv)))
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
+        t = x.shape[0]
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        if batch.decode:                                       # [B, ...]: one token per sequence
+            conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
+            y = deltanet.causal_conv1d_update(qkv, conv, self.conv_weight)            # rolls conv in place
+            q, k, v = self._split(y[:, None])                              # [B, 1, heads, d]
+            o, _ = deltanet.recurrent_gated_delta_rule_gates(
+                q, k, v, self.A_log, a.view(t, 1, self.nv), self.dt_bias, b.view(t, 1, self.nv),
+                initial_state=state, use_qk_l2norm=True, out_state=state)
+            if not isinstance(batch.rows, slice):             # gathered rows: write the new states back
+                cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state
+            z = z.view(t, 1, self.nv, self.dv)
+        else:                                                  # [1, T, ...]: the packed sequences
+            conv0 = state0 = None
+            if cache is not None:
+                conv0, state0 = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
+            y, conv1 = deltanet.causal_conv1d(qkv[None], self.conv_weight, conv0, cu_seqlens=batch.cu_seqlens)
+            q, k, v = self._split(y)                                       # [1, T, heads, d]
+            g, beta = deltanet.gates(self.A_log, a[None], self.dt_bias, b[None])        # fp32 [1, T, nv]
+            o, state1 = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0,
+                                                        output_final_state=cache is not None, use_qk_l2norm=True,
+                                                        cu_seqlens=batch.cu_seqlens)
+            if cache is not None:
+                cache.conv[self.layer][batch.rows] = conv1
+                cache.state[self.layer][batch.rows] = state1
+            z = z.view(1, t, self.nv, self.dv)
+        o = deltanet.gated_rmsnorm(o, z, self.norm_weight, eps=self.eps)
+        return self.out_proj(o.reshape(t, self.nv * self.dv))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU ``down(silu(gate(x)) * up(x))`` (Qwen3.5 dense layers, Qwen3-Next ``mlp_only_layers``)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(hidden, inter), Linear(hidden, inter)
+        self.down_proj = Linear(inter, hidden)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Router (bf16), softmax top-k, the routed experts and the gated shared expert: one ``moe.moe_block`` call.
+
+    ``w13`` ``[E, 2I, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, I]``: NVFP4 (a global scale per expert and
+    shard) or float; ``shared`` a :class:`lynn_kernels.moe.SharedExpert` or None."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
+        e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        self.router = _placeholder(e, h)
+        self.w13, self.w2 = _placeholder(e, 2 * i, h), _placeholder(e, h, i)
+        self.shared: moe.SharedExpert | None = None
+
+    def forward(self, x):
+        return moe.moe_block(x, self.router, self.w13, self.w2, self.shared, top_k=self.top_k,
+                             renormalize=self.renormalize)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Config, i: int):
+        super().__init__()
+        self.kind = c.layer_types[i]
+        if self.kind == "full_attention":
+            self.self_attn = Attention(c, i)
+        else:
+            self.linear_attn = GatedDeltaNet(c, i)
+        self.mlp = SparseMoE(c) if c.ffn_types[i] == "moe" else MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.kind == "full_attention" else self.linear_attn
+
+
+class Model(nn.Module):
+    """The decoder. Build it with :func:`lynn_model.from_pretrained` (or :func:`lynn_model.loader.random_model`).
+
+    * ``forward(input_ids [B, T]) -> logits [B, T, vocab]``: a full forward of B fresh sequences, no cache (the
+      parity path);
+    * ``step(tokens, cache, slots, new_lens)``: prefill or decode ``N`` cached sequences in one packed call.
+    """
+
+    def __init__(self, config: Config, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        c = config
+        self.embed_tokens = _placeholder(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = Norm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def _trunk(self, ids: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
+        """``ids [T]`` -> the final-normed hidden states ``[T, H]``; residual adds fused into the norms."""
+        h = F.embedding(ids, self.embed_tokens)
+        x = self.layers[0].input_layernorm(h)
+        for i, layer in enumerate(self.layers):
+            x, h = layer.post_attention_layernorm(layer.mixer(x, batch, cache), residual=h)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = nxt(layer.mlp(x), residual=h)
+        return x
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` (run dtype) of ``B`` fresh sequences of ``T`` tokens, without a cache."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+            raise ValueError(f"input_ids must be an int64 [B, T] tensor, got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+        bsz, t = input_ids.shape
+        _check_ids(input_ids, self.config.vocab_size)
+        batch = Batch.uncached([t] * bsz, self.device)
+        x = self._trunk(input_ids.reshape(-1).to(self.device), batch, None)
+        return self.lm_head(x).view(bsz, t, -1)
+
+    def new_cache(self, max_batch: int, max_tokens: int, page_size: int = 16) -> Cache:
+        """A :class:`Cache` for this model (its dtype and device)."""
+        return Cache(self.config, max_batch=max_batch, max_tokens=max_tokens, page_size=page_size,
+                     dtype=self.dtype, device=self.device)
+
+    def step(self, tokens: torch.Tensor, cache: Cache, slots: list[int], new_lens: list[int], *,
+             all_logits: bool = False) -> torch.Tensor:
+        """Run ``new_lens[b]`` new tokens of each sequence ``slots[b]`` (packed in ``tokens``, int64 ``[T]``) and
+        advance the cache. Returns the logits of each sequence's last token ``[N, vocab]`` (``all_logits``: every
+        row, ``[T, vocab]``). A decode step when every sequence adds one token to a non-empty past."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
+            raise ValueError(f"tokens must be an int64 [T] tensor, got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.numel() != sum(new_lens):
+            raise ValueError(f"tokens has {tokens.numel()} entries; new_lens {new_lens} sum to {sum(new_lens)}")
+        _check_ids(tokens, self.config.vocab_size)
+        batch = cache.plan(list(slots), list(new_lens))
+        x = self._trunk(tokens.to(self.device), batch, cache)
+        cache.advance(list(slots), list(new_lens))
+        return self.lm_head(x if all_logits else x[batch.last_rows])
+
+
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}), found min {int(ids.min())}, max {int(ids.max())}")
