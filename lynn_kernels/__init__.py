@@ -14,6 +14,8 @@ from .matmul import NVFP4Linear, nvfp4_linear, quantize_linears
 from . import attention
 from .attention import decode_attention, flash_attention, qk_norm_rope
 from . import deltanet
+from . import norm
+from .norm import rmsnorm
 
 __version__ = "0.1.0"
 
@@ -21,4 +23,4 @@ __all__ = ["runtime", "backend", "device_summary", "use_reference", "Metrics", "
            "nvfp4", "NVFP4Tensor", "quantize", "dequantize",
            "matmul", "NVFP4Linear", "nvfp4_linear", "quantize_linears",
            "attention", "flash_attention", "decode_attention", "qk_norm_rope",
-           "deltanet"]
+           "deltanet", "norm", "rmsnorm"]

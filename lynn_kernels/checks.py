@@ -103,6 +103,13 @@ def check_moe() -> list[dict]:
     return rows()
 
 
+@register("norm")
+def check_norm() -> list[dict]:
+    from .norm.check import check_norm as rows
+
+    return rows()
+
+
 def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
     chosen = [f for f in CHECKS if not families or f in families]
     unknown = set(families or []) - set(CHECKS)

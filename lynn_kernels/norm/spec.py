@@ -1,0 +1,120 @@
+"""Argument checks shared by the RMSNorm reference and kernel, so a bad argument raises the same error, naming the
+tensor, on every backend: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, value, layout or
+device (as in the rest of the project).
+
+Layout: ``x [..., D]`` (any leading dims; the last dim contiguous, any row stride, or it is copied), ``weight [D]``,
+``residual`` the shape and dtype of ``x``. The outputs ``out`` / ``residual_out``, when given, are contiguous tensors
+of x's shape and dtype; ``residual_out`` may be ``residual`` (or ``x``) itself for an in-place update of the residual
+stream, ``out`` must share no memory with any input or with ``residual_out``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import runtime
+
+#: dtypes of ``x``, ``residual`` and the outputs.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Widest row the kernel holds in registers (Qwen3-Next / Qwen3.5 hidden sizes are 1024..8192).
+MAX_D = 16384
+
+
+def _need_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _need_like_x(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    """Shape, dtype and device of ``x``."""
+    _need_tensor(name, t)
+    if tuple(t.shape) != tuple(x.shape):
+        raise ValueError(f"{name} must have the shape of x [..., D] = {tuple(x.shape)}, found {tuple(t.shape)}")
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; {name} must have x's dtype")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all tensors must share a device")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` that ``t``'s elements occupy (empty for an empty tensor)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return start, start + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def check_rmsnorm(x, weight, eps, residual=None, out=None, residual_out=None) -> int:
+    """All arguments of :func:`lynn_kernels.norm.rmsnorm`; returns D."""
+    _need_tensor("x", x)
+    _need_tensor("weight", weight)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; expected one of {_dtype_names(FLOAT_DTYPES)}")
+    if not weight.dtype.is_floating_point:
+        raise TypeError(f"weight has dtype {weight.dtype}; expected a floating-point dtype")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [..., D] with D >= 1, found shape {tuple(x.shape)}")
+    D = x.shape[-1]
+    if tuple(weight.shape) != (D,):
+        raise ValueError(f"weight must have shape [D] = ({D},) (x's last dim), found {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}; all tensors must share a device")
+    if isinstance(eps, (torch.Tensor, bool)) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a positive finite Python number, got {type(eps).__name__} {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):                        # eps = 0 gives NaN on an all-zero row
+        raise ValueError(f"eps must be a positive finite Python number (an all-zero row of x divides by "
+                         f"sqrt(eps)), got {eps!r}")
+    if residual is not None:
+        _need_like_x("residual", residual, x)
+    if residual_out is not None:
+        if residual is None:
+            raise ValueError("residual_out is given without residual: there is no sum x + residual to write")
+        _need_like_x("residual_out", residual_out, x)
+        if not residual_out.is_contiguous():
+            raise ValueError(f"residual_out must be contiguous (it is written in place), found strides "
+                             f"{tuple(residual_out.stride())}")
+        for name, t in (("residual", residual), ("x", x)):   # the same elements in place are fine, a shift is not
+            if _overlap(residual_out, t) and not _same_view(residual_out, t):
+                raise ValueError(f"residual_out overlaps {name} without being the same view of it; pass {name} "
+                                 f"itself for an in-place update, or a separate tensor")
+        if _overlap(residual_out, weight):
+            raise ValueError("residual_out shares memory with weight; it must be residual, x or a separate tensor")
+    if out is not None:
+        _need_like_x("out", out, x)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous (it is written in place), found strides {tuple(out.stride())}")
+        for name, t in (("x", x), ("residual", residual), ("weight", weight), ("residual_out", residual_out)):
+            if t is not None and _overlap(out, t):
+                raise ValueError(f"out shares memory with {name}; out must be a separate tensor")
+    return D
+
+
+def check_devices(**tensors) -> None:
+    """Every given tensor is on the device the kernels run on (the reference backend skips this)."""
+    for name, t in tensors.items():
+        if t is not None:
+            runtime.check_device(name, t)
+
+
+def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel takes any row stride but needs the last dim contiguous."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
