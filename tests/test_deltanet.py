@@ -445,7 +445,218 @@ def test_qwen3_5_layer_matches_hf(device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 6. errors a user can act on
+# 6. packed sequences (cu_seqlens): one prefill of several prompts, no padding
+
+#: Sequence lengths of a packed batch: chunk boundaries inside and across sequences, an empty sequence, one alone.
+PACKED_LENGTHS = [pytest.param([1, 63, 65, 130], id="1-63-65-130"), pytest.param([5, 0, 70], id="5-0-70"),
+                  pytest.param([100], id="single-100")]
+
+
+def _cu(lens, device=None):
+    """int32 ``[N+1]`` offsets of sequences of these lengths."""
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=device or runtime.DEVICE)
+
+
+def _spans(lens):
+    """``(n, start, end)`` of each packed sequence."""
+    cu = _cu(lens, "cpu").tolist()
+    return [(n, a, b) for n, (a, b) in enumerate(zip(cu, cu[1:]))]
+
+
+def _packed_rule_inputs(lens, dtype, l2norm, H=2, HV=4, K=16, V=16, seed=0):
+    """q, k, v, g, beta of the packed sequences ``[1, T, ...]``, an initial state ``[N, HV, K, V]`` and cu_seqlens."""
+    q, k, v, g, beta, _ = make_inputs(1, sum(lens), H, HV, K, V, dtype, seed=seed, l2norm=l2norm)
+    h0 = make_inputs(len(lens), 1, H, HV, K, V, seed=seed + 1)[5]
+    return q, k, v, g, beta, h0, _cu(lens)
+
+
+def _run_alone(fn, lens, xs, h0, **kwargs):
+    """``fn`` on each sequence alone (B = 1 calls: ``xs`` sliced along T, state row ``n``); outputs concatenated
+    along T, final states stacked."""
+    outs, states = [], []
+    for n, a, b in _spans(lens):
+        o, s = fn(*(x[:, a:b] for x in xs), initial_state=None if h0 is None else h0[n:n + 1], **kwargs)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), torch.cat(states)
+
+
+#: (lengths, H, HV, with initial states, use_qk_l2norm, dtype): the longest batch with the fewest heads (interpreter
+#: time grows with chunks x heads)
+PACKED_CHUNK_CASES = [
+    pytest.param([1, 63, 65, 130], 1, 2, True, True, BF16, id="1-63-65-130-gqa2-init-l2-bf16"),
+    pytest.param([1, 63, 65, 130], 1, 2, False, True, FP32, id="1-63-65-130-gqa2-l2-fp32"),
+    pytest.param([5, 0, 70], 2, 4, True, False, FP32, id="5-0-70-gqa2-init-fp32"),
+    pytest.param([5, 0, 70], 2, 2, False, True, BF16, id="5-0-70-gqa1-l2-bf16"),
+    pytest.param([100], 2, 4, True, True, FP32, id="single-100-gqa2-init-l2-fp32"),
+    pytest.param([100], 2, 4, False, False, BF16, id="single-100-gqa2-bf16"),
+]
+
+
+@pytest.mark.parametrize("lens, H, HV, init, l2norm, dtype", PACKED_CHUNK_CASES)
+def test_chunk_kernel_packed(lens, H, HV, init, l2norm, dtype, poison_empty):
+    """Packed sequences == the reference (each sequence on its own, chunks counted from its start) == the kernel run
+    on each sequence alone; every state row written, an empty sequence's included."""
+    q, k, v, g, beta, h0, cu = _packed_rule_inputs(lens, dtype, l2norm, H=H, HV=HV)
+    h0 = h0 if init else None
+    o, ht = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm=l2norm, cu_seqlens=cu)
+    assert o.dtype == dtype and o.shape == v.shape and ht.shape == (len(lens), HV, 16, 16)
+    o_ref, ht_ref = reference.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, h0, True,
+                                                     l2norm, cu_seqlens=cu)
+    _assert_output(o, o_ref, "packed o", chunk_dots=True)
+    _assert_state(ht, ht_ref, "packed")
+    o_alone, ht_alone = _run_alone(deltanet.chunk_gated_delta_rule, lens, (q, k, v, g, beta), h0,
+                                   output_final_state=True, use_qk_l2norm=l2norm)
+    if runtime.INTERPRET:       # the same programs on the same chunks: the same bits
+        assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)
+    else:
+        _assert_output(o, o_alone.float(), "packed o vs alone", chunk_dots=True)
+        _assert_state(ht, ht_alone, "packed vs alone")
+
+
+def test_chunk_packed_state_in_place(poison_empty):
+    """``out_state=initial_state`` with packed sequences: the ``[N, HV, K, V]`` cache rows are updated in place, an
+    empty sequence's row kept; without ``output_final_state`` nothing is returned."""
+    q, k, v, g, beta, h0, cu = _packed_rule_inputs([3, 0, 66], FP32, True, H=1, HV=2)
+    _, want = reference.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, True, True, cu_seqlens=cu)
+    assert deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)[1] is None
+    state = h0.clone()
+    _, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True,
+                                           out_state=state, cu_seqlens=cu)
+    assert s is state and torch.equal(state[1], h0[1])
+    _assert_state(state, want, "in place")
+
+
+def test_chunk_packed_all_empty():
+    """No tokens at all (``cu = [0, 0, 0]``): each state row passes through, zeros without an initial state."""
+    q, k, v, g, beta, h0, cu = _packed_rule_inputs([0, 0], FP32, True)
+    o, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert o.shape == (1, 0, 4, 16) and torch.equal(s, h0)
+    _, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    assert s.shape == (2, 4, 16, 16) and not s.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("state", ["none", "W-1", "W"])
+@pytest.mark.parametrize("lens", PACKED_LENGTHS + [pytest.param([2], id="single-2")])
+def test_causal_conv1d_packed(lens, state, dtype, poison_empty):
+    """Each packed sequence convolved on its own (no window crosses a boundary); the final state rows are the raw
+    last inputs of each sequence, from its initial state where it is shorter than the state (single-2, 5-0-70)."""
+    W, C = 4, 40
+    width = {"none": None, "W-1": W - 1, "W": W}[state]
+    x, w, _ = _conv_inputs(1, sum(lens), C, W, dtype, None)
+    s0 = None if width is None else _conv_inputs(len(lens), 1, C, W, dtype, width, seed=1)[2]
+    cu = _cu(lens)
+    y, s1 = deltanet.causal_conv1d(x, w, s0, cu_seqlens=cu)
+    y_ref, s1_ref = reference.causal_conv1d(x, w, s0, cu_seqlens=cu)
+    assert y.shape == x.shape and s1.shape == (len(lens), C, width or W - 1) and s1.dtype == dtype
+    _assert_conv(y, y_ref, "y")
+    assert torch.equal(s1, s1_ref), "the final conv state is the raw last inputs, bit for bit"
+    y_alone, s1_alone = _run_alone(lambda x_n, initial_state: deltanet.causal_conv1d(x_n, w, initial_state), lens,
+                                   (x,), s0)
+    if runtime.INTERPRET:       # the same sums in the same order
+        assert torch.equal(y, y_alone)
+    else:
+        _assert_conv(y, y_alone, "y vs alone")
+    assert torch.equal(s1, s1_alone)
+
+
+def test_packed_prefill_then_batched_decode(poison_empty, device):
+    """A decoder's step: one packed prefill of three prompts (one empty) through the conv and the chunked rule, then
+    one decode step of all three as a batch of B = N from the returned state rows (conv update + fused-gate
+    recurrent step), equals each prompt plus its next token run alone through the references."""
+    lens, H, HV, D, W = [5, 0, 70], 1, 2, 16, 4
+    N, T, C = len(lens), sum(lens), (2 * H + HV) * D
+    gen = torch.Generator().manual_seed(3)
+    mixed, mixed1 = torch.randn(1, T, C, generator=gen).to(device), torch.randn(N, C, generator=gen).to(device)
+    a, b = torch.randn(1, T, HV, generator=gen).to(device), torch.randn(1, T, HV, generator=gen).to(device)
+    a1, b1 = torch.randn(N, 1, HV, generator=gen).to(device), torch.randn(N, 1, HV, generator=gen).to(device)
+    A_log, dt_bias = torch.rand(HV, generator=gen).to(device), torch.randn(HV, generator=gen).to(device)
+    conv_w = (torch.randn(C, W, generator=gen) * 0.5).to(device)
+    cu = _cu(lens)
+
+    def split(x):
+        q, k, v = torch.split(x, [H * D, H * D, HV * D], dim=-1)
+        return q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), v.unflatten(-1, (HV, D))
+
+    x, conv_state = deltanet.causal_conv1d(mixed, conv_w, cu_seqlens=cu)                 # conv_state [N, C, W - 1]
+    g, beta = deltanet.gates(A_log, a, dt_bias, b)
+    o, state = deltanet.chunk_gated_delta_rule(*split(x), g, beta, output_final_state=True, use_qk_l2norm=True,
+                                               cu_seqlens=cu)                            # state [N, HV, D, D]
+    x1 = deltanet.causal_conv1d_update(mixed1, conv_state, conv_w)                        # [N, C]
+    o1, _ = deltanet.recurrent_gated_delta_rule_gates(*split(x1[:, None]), A_log, a1, dt_bias, b1,
+                                                      initial_state=state, use_qk_l2norm=True, out_state=state)
+    for n, start, end in _spans(lens):
+        xs, _ = reference.causal_conv1d(torch.cat([mixed[:, start:end], mixed1[None, n:n + 1]], dim=1), conv_w)
+        want, want_s = reference.recurrent_gated_delta_rule_gates(
+            *split(xs), A_log, torch.cat([a[:, start:end], a1[n:n + 1]], dim=1), dt_bias,
+            torch.cat([b[:, start:end], b1[n:n + 1]], dim=1), None, None, True, True)
+        _assert_output(torch.cat([o[:, start:end], o1[n:n + 1]], dim=1), want, f"sequence {n}", chunk_dots=True)
+        _assert_state(state[n:n + 1], want_s, f"sequence {n}")
+
+
+def _cu_bad(values, dtype=torch.int32, device="cpu"):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+#: (cu_seqlens for T = 4 tokens, rows of the initial state, batch rows of the inputs, message, error)
+CU_SEQLENS_ERRORS = [
+    pytest.param([0, 1, 4], 2, 1, "cu_seqlens must be a torch.Tensor, got list", TypeError, id="list"),
+    pytest.param(_cu_bad([0, 1, 4], torch.int64), 2, 1, "cu_seqlens has dtype torch.int64; expected torch.int32",
+                 TypeError, id="int64"),
+    pytest.param(_cu_bad([0, 1, 4], FP32), 2, 1, "cu_seqlens has dtype torch.float32", TypeError, id="float"),
+    pytest.param(_cu_bad([[0, 1, 4]]), 2, 1, r"cu_seqlens must be 1-D \[N\+1\]", ValueError, id="2d"),
+    pytest.param(_cu_bad([0]), 2, 1, r"cu_seqlens must be 1-D \[N\+1\] offsets of N >= 1 sequences, found shape "
+                 r"\(1,\)", ValueError, id="one-entry"),
+    pytest.param(_cu_bad([1, 2, 4]), 2, 1, r"cu_seqlens must start at 0, found \[1, 2, 4\]", ValueError,
+                 id="not-from-0"),
+    pytest.param(_cu_bad([0, 3, 1, 4]), 3, 1, r"cu_seqlens must never decrease .* cu\[2\]=1 < cu\[1\]=3", ValueError,
+                 id="decreasing"),
+    pytest.param(_cu_bad([0, 1, 3]), 2, 1, r"cu_seqlens must end at T = \w\.shape\[1\] = 4, found cu\[-1\]=3",
+                 ValueError, id="short"),
+    pytest.param(_cu_bad([0, 1, 5]), 2, 1, r"cu_seqlens must end at T = \w\.shape\[1\] = 4, found cu\[-1\]=5",
+                 ValueError, id="long"),
+    pytest.param(_cu_bad([0, 1, 4]), 2, 2, r"with cu_seqlens, \w must hold the packed sequences as one row "
+                 r"\(B = 1, \[1, T, \.\.\.\]\), found B=2", ValueError, id="batch-2"),
+    pytest.param(_cu_bad([0, 1, 4]), 3, 1, r"initial_state must have shape \[N, .*\(2, ", ValueError,
+                 id="state-rows"),
+    pytest.param(_cu_bad([0, 1, 4], device="meta"), 2, 1, r"cu_seqlens is on meta but \w is on", ValueError,
+                 id="device"),
+]
+
+
+@pytest.mark.parametrize("op", ["chunk", "chunk-reference", "conv", "conv-reference"])
+@pytest.mark.parametrize("cu, rows, B, match, error", CU_SEQLENS_ERRORS)
+def test_cu_seqlens_errors(op, cu, rows, B, match, error):
+    """The same checks, naming cu_seqlens (or the state), on both ops and both backends."""
+    if isinstance(cu, torch.Tensor) and cu.device.type != "meta":
+        cu = cu.to(runtime.DEVICE)
+    if op.startswith("chunk"):
+        q, k, v, g, beta, _ = make_inputs(B, 4, 2, 4, 16, 16)
+        h0 = torch.zeros(rows, 4, 16, 16, device=runtime.DEVICE)
+        fn = deltanet.chunk_gated_delta_rule if op == "chunk" else reference.chunk_gated_delta_rule
+        args = (q, k, v, g, beta, None, h0)
+    else:
+        x, w = torch.zeros(B, 4, 8, device=runtime.DEVICE), torch.zeros(8, 4, device=runtime.DEVICE)
+        fn = deltanet.causal_conv1d if op == "conv" else reference.causal_conv1d
+        args = (x, w, torch.zeros(rows, 8, 3, device=runtime.DEVICE))
+    with pytest.raises(error, match=match):
+        fn(*args, cu_seqlens=cu)
+
+
+def test_cu_seqlens_out_state_rows():
+    q, k, v, g, beta, h0, cu = _packed_rule_inputs([1, 3], FP32, True)
+    with pytest.raises(ValueError, match=r"out_state must have shape \[N, HV, K, V\] \(one row per sequence of "
+                                         r"cu_seqlens\) = \(2, 4, 16, 16\), found \(1, 4, 16, 16\)"):
+        deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, out_state=h0[:1].clone(), cu_seqlens=cu)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. errors a user can act on
 
 
 def _rule_args(**over):
@@ -563,7 +774,7 @@ def test_gated_rmsnorm_needs_positive_eps(fn, device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 7. the check table and GPU-only checks
+# 8. the check table and GPU-only checks
 
 
 def test_check_deltanet_passes():

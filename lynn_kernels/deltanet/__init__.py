@@ -4,19 +4,23 @@ Public ops (names, argument order and return values are a contract; each has a t
 signature in :mod:`.reference`; layouts in :mod:`.spec`, math in docs/deltanet.md):
 
 * ``chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-  use_qk_l2norm=False, *, out_state=None) -> (o, final_state)``: prefill, chunks of 64 (WY / UT form);
-* ``recurrent_gated_delta_rule(...)``, same arguments: token by token (decode; any T);
+  use_qk_l2norm=False, *, out_state=None, cu_seqlens=None) -> (o, final_state)``: prefill, chunks of 64 (WY / UT
+  form), of one sequence per batch row or of ``N`` packed sequences (``cu_seqlens``);
+* ``recurrent_gated_delta_rule(...)``, same arguments but ``cu_seqlens``: token by token (decode; any T);
 * ``recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale=None, initial_state=None,
   output_final_state=False, use_qk_l2norm=False, *, out_state=None)``: the decode step with the gates
   ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` computed in the same kernel (one launch);
 * ``gates(A_log, a, dt_bias, b) -> (g, beta)``: those gates in torch, for the chunked path;
-* ``causal_conv1d(x, weight, initial_state=None) -> (y, final_state)`` and
+* ``causal_conv1d(x, weight, initial_state=None, *, cu_seqlens=None) -> (y, final_state)`` and
   ``causal_conv1d_update(x, conv_state, weight) -> y`` (rolls ``conv_state`` in place);
 * ``gated_rmsnorm(x, z, weight, eps=1e-6)``.
 
 Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g, beta ``[B, T, HV]``; the recurrent state
 ``[B, HV, K, V]`` is always fp32; o ``[B, T, HV, V]`` in v's dtype. ``final_state`` is ``None`` unless
 ``output_final_state`` (or ``out_state``, which receives it; it may be ``initial_state`` for an in-place step).
+Packed sequences (``cu_seqlens``, int32 ``[N+1]``, for a prefill of several prompts without padding): the inputs are
+one row ``[1, T, ...]`` holding the ``N`` sequences one after another, and every state has one row per sequence
+(``[N, HV, K, V]``, conv ``[N, C, S]``), so the decode steps that follow run them as a batch of ``B = N``.
 Bad arguments raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or device), naming the
 tensor, on every backend (the checks live in :mod:`.spec`).
 
@@ -46,7 +50,7 @@ from .triton_recurrent import recurrent_gated_delta_rule_gates_triton, recurrent
 
 @runtime.op(reference=reference.chunk_gated_delta_rule)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm=False, *, out_state=None):
+                           use_qk_l2norm=False, *, out_state=None, cu_seqlens=None):
     """The gated delta rule over a whole prompt in chunks of 64 tokens (WY / UT form, five kernels): prefill.
 
     Per value head, with state ``S [K, V]`` (fp32), token by token: ``S = exp(g_t) S``; ``d = beta_t (v_t - S^T
@@ -64,14 +68,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         beta: ``[B, T, HV]`` delta-rule step size (in ``(0, 1)`` for Qwen: ``sigmoid(b)``), any float dtype.
         scale: multiplies q (after the L2 norm); default ``K ** -0.5``.
         initial_state: ``[B, HV, K, V]`` **fp32** (``S^T q`` is the output: K rows, V columns), or None (zeros).
-        output_final_state: return the state after the last token.
+            With ``cu_seqlens``: ``[N, HV, K, V]``, one row per sequence.
+        output_final_state: return the state after the last token (of each sequence).
         use_qk_l2norm: L2-normalise q and k in the kernel (``x * rsqrt(sum(x^2) + 1e-6)``, HF / fla), as Qwen does.
-        out_state: contiguous fp32 ``[B, HV, K, V]`` that receives the final state (may be ``initial_state``
-            itself for an in-place update); implies a returned final state.
+        out_state: contiguous fp32 ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``) that receives the
+            final state (may be ``initial_state`` itself for an in-place update); implies a returned final state.
+        cu_seqlens: int32 ``[N+1]`` offsets of packed sequences, ``0 = cu[0] <= ... <= cu[N] = T`` (sequence ``n`` is
+            tokens ``cu[n]:cu[n+1]``, possibly none), on q's device; or None. Then q, k are ``[1, T, H, K]``, v
+            ``[1, T, HV, V]``, g, beta ``[1, T, HV]``, and each sequence runs on its own from its row of
+            ``initial_state``, as if called alone: its chunks of 64 start at its first token (fla's convention). Read
+            to the host once (the chunk table and the grids depend on it).
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[B, HV, K, V]`` (``out_state``
-        when given) or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[B, HV, K, V]`` (``[N, HV, K, V]``
+        with ``cu_seqlens``; ``out_state`` when given) or None.
 
     Example::
 
@@ -80,9 +90,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         g, beta = F.logsigmoid(torch.randn(1, 100, 4)), torch.rand(1, 100, 4)
         o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)
         # o [1, 100, 4, 64] float32, state [1, 4, 64, 64] float32
+        cu = torch.tensor([0, 30, 100], dtype=torch.int32)                         # the same tokens as two prompts
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True,
+                                          cu_seqlens=cu)                           # state [2, 4, 64, 64]
     """
     return chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                                         out_state=out_state)
+                                         out_state=out_state, cu_seqlens=cu_seqlens)
 
 
 @runtime.op(reference=reference.recurrent_gated_delta_rule)
@@ -90,7 +103,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                use_qk_l2norm=False, *, out_state=None):
     """The gated delta rule token by token, in one kernel: decode (T = 1) or any T, sequentially.
 
-    Same arguments and result as :func:`chunk_gated_delta_rule`. Each program keeps its slice of the fp32 state in
+    Same arguments (but no ``cu_seqlens``) and result as :func:`chunk_gated_delta_rule`. Each program keeps its slice of the fp32 state in
     registers over the tokens (read once, written once per call); all arithmetic is fp32, no ``tl.dot``.
 
     Example (one decode step after a prefill, the state updated in place)::
@@ -129,27 +142,36 @@ def recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale=None, 
 
 
 @runtime.op(reference=reference.causal_conv1d)
-def causal_conv1d(x, weight, initial_state=None):
+def causal_conv1d(x, weight, initial_state=None, *, cu_seqlens=None):
     """Depthwise causal conv1d + SiLU over a prompt (no bias), summed in fp32.
 
     ``y[b, t, c] = silu(sum_j weight[c, j] * x[b, t - W + 1 + j, c])``, inputs before ``t = 0`` from
     ``initial_state`` (or zeros).
 
     Args:
-        x: ``[B, T, C]`` bf16 / fp16 / fp32, last dim contiguous (or it is copied).
+        x: ``[B, T, C]`` bf16 / fp16 / fp32, last dim contiguous (or it is copied). With ``cu_seqlens``: ``[1, T, C]``,
+            the ``N`` sequences one after another.
         weight: ``[C, W]``, any float dtype, ``2 <= W <= 8`` (an ``nn.Conv1d`` weight ``[C, 1, W]`` needs
             ``.squeeze(1)``).
         initial_state: ``[B, C, S]`` in x's dtype, ``S >= W - 1``, the last ``S`` raw inputs, oldest first; or None.
+            With ``cu_seqlens``: ``[N, C, S]``, one row per sequence.
+        cu_seqlens: int32 ``[N+1]`` offsets of packed sequences, ``0 = cu[0] <= ... <= cu[N] = T`` (sequence ``n`` is
+            tokens ``cu[n]:cu[n+1]``, possibly none), on x's device; or None. Each sequence is convolved on its own:
+            its window starts from its own row of ``initial_state``, never from the sequence before it. Read to the
+            host once (it sizes the grid).
 
     Returns:
-        ``(y [B, T, C]`` in x's dtype, ``final_state [B, C, S]`` in x's dtype: the last ``S`` raw inputs, bit for
-        bit, ``S = W - 1`` without an initial state).
+        ``(y [B, T, C]`` in x's dtype, ``final_state [B, C, S]`` (``[N, C, S]`` with ``cu_seqlens``) in x's dtype:
+        the last ``S`` raw inputs of each sequence, bit for bit, taken from its initial state where the sequence is
+        shorter than ``S``; ``S = W - 1`` without an initial state).
 
     Example::
 
         y, conv_state = causal_conv1d(x, conv_weight)              # x [1, 100, 8192] bf16, conv_weight [8192, 4]
+        cu = torch.tensor([0, 30, 100], dtype=torch.int32, device=x.device)       # two prompts of 30 and 70 tokens
+        y, conv_state = causal_conv1d(x, conv_weight, cu_seqlens=cu)               # conv_state [2, 8192, 3]
     """
-    return causal_conv1d_triton(x, weight, initial_state)
+    return causal_conv1d_triton(x, weight, initial_state, cu_seqlens=cu_seqlens)
 
 
 @runtime.op(reference=reference.causal_conv1d_update)

@@ -2,7 +2,8 @@
 (WY / UT) form, the gates, the causal conv and the gated RMSNorm.
 
 Each function takes the same arguments in the same order as its kernel in :mod:`lynn_kernels.deltanet` and returns
-the same thing. Layouts are in :mod:`.spec`; docs/deltanet.md derives the chunked form.
+the same thing. Layouts are in :mod:`.spec`; docs/deltanet.md derives the chunked form. With ``cu_seqlens`` (packed
+sequences) the spec is a loop: each sequence run on its own, as a batch of one, from its own row of the state.
 """
 
 from __future__ import annotations
@@ -70,8 +71,24 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     return _finish(o, S, v, output_final_state, out_state)
 
 
+def _per_sequence(fn, dims: spec.Dims, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                  out_state):
+    """``fn`` on each packed sequence ``cu[n]:cu[n+1]`` alone (B = 1, state row ``n``): the spec of ``cu_seqlens``."""
+    outs, states = [], []
+    for n, (a, b) in enumerate(zip(dims.cu, dims.cu[1:])):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, s = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, h0, True, use_qk_l2norm)
+        outs.append(o)
+        states.append(s)
+    o, state = torch.cat(outs, dim=1), torch.cat(states)             # [1, T, HV, V], [N, HV, K, V]
+    if out_state is not None:
+        out_state.copy_(state)
+        state = out_state
+    return o, (state if output_final_state or out_state is not None else None)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm=False, *, out_state=None):
+                           use_qk_l2norm=False, *, out_state=None, cu_seqlens=None):
     """The same result as :func:`recurrent_gated_delta_rule`, computed in chunks of 64 (the WY / UT form).
 
     Inside a chunk, with ``G`` the cumulative sum of ``g`` from the chunk start and ``S0`` the state before it::
@@ -83,8 +100,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         S  = exp(G_last) S0 + (exp(G_last - G) k)^T v'
 
     Only differences of cumulative sums are exponentiated (every exponent is <= 0 when g <= 0).
+
+    With ``cu_seqlens`` (int32 ``[N+1]``; q ``[1, T, H, K]``, states ``[N, HV, K, V]``) each sequence is run alone,
+    its chunks of 64 counted from its own first token (fla's convention).
     """
-    dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state)
+    dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state, cu_seqlens)
+    if dims.cu is not None:
+        return _per_sequence(chunk_gated_delta_rule, dims, q, k, v, g, beta, scale, initial_state,
+                             output_final_state, use_qk_l2norm, out_state)
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, dims, scale, use_qk_l2norm)
     pad = (-dims.T) % CHUNK                                           # zero q/k/v/beta and g=0 past the end
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -132,16 +155,27 @@ def recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale=None, 
                                       out_state=out_state)
 
 
-def causal_conv1d(x, weight, initial_state=None):
+def causal_conv1d(x, weight, initial_state=None, *, cu_seqlens=None):
     """Depthwise causal conv1d then SiLU over ``x [B, T, C]`` with ``weight [C, W]`` (no bias), in fp32.
 
     ``y[t, c] = silu(sum_w weight[c, w] * x[t - W + 1 + w, c])``, the inputs before ``t = 0`` taken from
     ``initial_state [B, C, S]`` (its last column is the newest) or zeros. Returns ``(y [B, T, C]`` in x's dtype,
     ``final_state [B, C, S])``: the last ``S`` inputs (``S = W - 1`` without an initial state), raw, in x's dtype.
+
+    With ``cu_seqlens`` (int32 ``[N+1]``; x ``[1, T, C]``, states ``[N, C, S]``) each sequence is convolved alone.
     """
-    B, T, C, W, S = spec.check_conv(x, weight, initial_state)
+    B, T, C, W, S, cu = spec.check_conv(x, weight, initial_state, cu_seqlens)
+    if cu is not None:
+        ys, states = [], []
+        for n, (a, b) in enumerate(zip(cu, cu[1:])):
+            y, s = causal_conv1d(x[:, a:b], weight, None if initial_state is None else initial_state[n:n + 1])
+            ys.append(y)
+            states.append(s)
+        return torch.cat(ys, dim=1), torch.cat(states)               # [1, T, C], [N, C, S]
     prev = (initial_state if initial_state is not None
             else torch.zeros(B, C, S, dtype=x.dtype, device=x.device))
+    if T == 0:                                                       # nothing to convolve: the state passes through
+        return x.clone(), prev.clone(memory_format=torch.contiguous_format)
     full = torch.cat([prev.transpose(1, 2), x], dim=1)               # [B, S + T, C], oldest first
     windows = full[:, S - (W - 1):].float().unfold(1, W, 1)           # [B, T, C, W]
     y = F.silu((windows * weight.float()).sum(-1))

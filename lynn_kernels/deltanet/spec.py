@@ -13,12 +13,17 @@ Layouts (as HF transformers and fla, "head last"):
 * ``g, beta`` ``[B, T, HV]``    log-decay (``<= 0``) and the delta-rule step size;
 * state     ``[B, HV, K, V]``   fp32, ``S^T q`` is the output (``K`` rows, ``V`` columns);
 * conv: ``x [B, T, C]``, ``weight [C, W]``, conv state ``[B, C, S]`` with ``S >= W - 1`` (oldest input first).
+
+Packed sequences (``cu_seqlens``, int32 ``[N+1]``, ``0 = cu[0] <= ... <= cu[N] = T``): the inputs hold ``B = 1`` row
+of ``T`` tokens, sequence ``n`` is tokens ``cu[n]:cu[n+1]`` (it may be empty), and every state has one row per
+sequence: ``[N, HV, K, V]``, conv ``[N, C, S]``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -51,6 +56,29 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+@functools.lru_cache(maxsize=256)
+def packed_blocks(cu: tuple[int, ...], block: int, device: torch.device, empty_block: bool = False):
+    """The block table of packed sequences at offsets ``cu`` (host ints), for kernels that give each program
+    ``block`` tokens of one sequence. Returns int32 tensors on ``device``, built once per layout (a host-to-device
+    copy of a fresh tensor waits for the stream; the kernels only read them):
+
+    * ``cu`` ``[N+1]``: the offsets;
+    * ``index`` ``[NB, 2]``: row ``i`` is (sequence ``n``, block ``j`` of it, tokens ``cu[n] + j * block`` up to
+      ``min(cu[n] + (j + 1) * block, cu[n+1])``), sequences in order;
+    * ``first`` ``[N+1]``: the row of ``index`` where sequence ``n``'s blocks start (``first[N] = NB``).
+
+    A sequence of ``L`` tokens has ``cdiv(L, block)`` blocks; with ``empty_block`` an empty one still gets one
+    block, holding no token (the conv kernel writes each sequence's final state from its first block).
+    """
+    index, first = [], [0]
+    for n, (a, b) in enumerate(zip(cu, cu[1:])):
+        blocks = -(-(b - a) // block)
+        index.extend((n, j) for j in range(max(blocks, 1) if empty_block else blocks))
+        first.append(len(index))
+    as_int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    return as_int32(cu), as_int32(index).reshape(-1, 2), as_int32(first)
+
+
 def check_devices(**tensors) -> None:
     """Every given tensor is on the device the kernels run on (the reference backend skips this)."""
     for name, t in tensors.items():
@@ -69,11 +97,18 @@ class Dims:
     HV: int
     K: int
     V: int
+    #: ``cu_seqlens`` read to the host (``N+1`` offsets of the packed sequences), or None (``B`` sequences).
+    cu: tuple[int, ...] | None = None
 
     @property
     def group(self) -> int:
         """Value heads per query/key head."""
         return self.HV // self.H
+
+    @property
+    def N(self) -> int:
+        """Rows of the recurrent state: one per sequence (``B``, or the packed sequences of ``cu_seqlens``)."""
+        return self.B if self.cu is None else len(self.cu) - 1
 
 
 def _need_tensor(name: str, t) -> None:
@@ -103,11 +138,12 @@ def _need_head_dim(what: str, name: str, d: int) -> None:
 
 
 def check_state(name: str, s, dims: Dims, ref: torch.Tensor) -> None:
-    """A recurrent state: fp32 ``[B, HV, K, V]`` on ``ref``'s device."""
+    """A recurrent state: fp32 ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``) on ``ref``'s device."""
     if s is None:
         return
     _need_tensor(name, s)
-    _need_shape(name, s, (dims.B, dims.HV, dims.K, dims.V), "[B, HV, K, V]")
+    layout = "[B, HV, K, V]" if dims.cu is None else "[N, HV, K, V] (one row per sequence of cu_seqlens)"
+    _need_shape(name, s, (dims.N, dims.HV, dims.K, dims.V), layout)
     if s.dtype != torch.float32:
         raise TypeError(f"{name} has dtype {s.dtype}; the recurrent state is always float32 "
                         f"(a bf16/fp16 state measurably hurts accuracy)")
@@ -153,8 +189,40 @@ def check_qkv(q, k, v) -> Dims:
     return Dims(B, T, H, HV, K, V)
 
 
-def check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state=None) -> Dims:
-    """All arguments of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``; returns the sizes."""
+def _show_offsets(cu: list[int]) -> str:
+    return str(cu if len(cu) <= 12 else cu[:6] + ["..."] + cu[-3:])
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int, name: str, ref: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens``: int32 ``[N+1]`` offsets of ``N >= 1`` packed sequences, ``0 = cu[0] <= ... <= cu[N] = T``
+    (empty sequences allowed), on ``ref``'s device, with the inputs' ``B = 1``. Reads the offsets to the host (one
+    sync) and returns them."""
+    _need_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens has dtype {cu_seqlens.dtype}; expected torch.int32 sequence offsets [N+1]")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1] offsets of N >= 1 sequences, found shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    _need_same_device("cu_seqlens", cu_seqlens, name, ref)
+    if B != 1:
+        raise ValueError(f"with cu_seqlens, {name} must hold the packed sequences as one row (B = 1, "
+                         f"[1, T, ...]), found B={B}")
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, found {_show_offsets(cu)}")
+    drop = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+    if drop is not None:
+        raise ValueError(f"cu_seqlens must never decrease (sequence n is tokens cu[n]:cu[n+1]), found "
+                         f"cu[{drop}]={cu[drop]} < cu[{drop - 1}]={cu[drop - 1]} in {_show_offsets(cu)}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens must end at T = {name}.shape[1] = {T}, found cu[-1]={cu[-1]} in "
+                         f"{_show_offsets(cu)}")
+    return tuple(cu)
+
+
+def check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state=None, cu_seqlens=None) -> Dims:
+    """All arguments of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``; returns the sizes (with
+    ``cu_seqlens`` read to the host, ``dims.cu``)."""
     dims = check_qkv(q, k, v)
     for name, t in (("g", g), ("beta", beta)):
         _need_tensor(name, t)
@@ -162,6 +230,8 @@ def check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state=None) -> 
         _need_float(name, t)
         _need_same_device(name, t, "q", q)
     check_scale(scale)
+    if cu_seqlens is not None:
+        dims = replace(dims, cu=check_cu_seqlens(cu_seqlens, dims.B, dims.T, "q", q))
     check_state("initial_state", initial_state, dims, q)
     check_state("out_state", out_state, dims, q)
     return dims
@@ -178,8 +248,9 @@ def check_gates(A_log, a, dt_bias, b, dims: Dims, ref: torch.Tensor) -> None:
         _need_same_device(name, t, "q", ref)
 
 
-def check_conv(x, weight, initial_state) -> tuple[int, int, int, int, int]:
-    """``x [B, T, C]``, ``weight [C, W]``, ``initial_state [B, C, S]`` (``S >= W - 1``); returns B, T, C, W, S."""
+def check_conv(x, weight, initial_state, cu_seqlens=None) -> tuple[int, int, int, int, int, tuple[int, ...] | None]:
+    """``x [B, T, C]``, ``weight [C, W]``, ``initial_state [B, C, S]`` (``S >= W - 1``; ``[N, C, S]`` with
+    ``cu_seqlens``); returns B, T, C, W, S and the offsets read to the host (or None)."""
     _need_tensor("x", x)
     _need_tensor("weight", weight)
     if x.dim() != 3:
@@ -189,17 +260,20 @@ def check_conv(x, weight, initial_state) -> tuple[int, int, int, int, int]:
     _check_conv_weight(weight, C, x)
     W = weight.shape[1]
     S = W - 1
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, "x", x)
     if initial_state is not None:
         _need_tensor("initial_state", initial_state)
-        if initial_state.dim() != 3 or tuple(initial_state.shape[:2]) != (B, C) or initial_state.shape[2] < W - 1:
-            raise ValueError(f"initial_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} "
-                             f"conv, found {tuple(initial_state.shape)}")
+        N, rows = (B, "B") if cu is None else (len(cu) - 1, "N")
+        if initial_state.dim() != 3 or tuple(initial_state.shape[:2]) != (N, C) or initial_state.shape[2] < W - 1:
+            per = "" if cu is None else f" over the N={N} sequences of cu_seqlens"
+            raise ValueError(f"initial_state must have shape [{rows}, C, S] = ({N}, {C}, S >= {W - 1}) for a "
+                             f"width-{W} conv{per}, found {tuple(initial_state.shape)}")
         if initial_state.dtype != x.dtype:
             raise TypeError(f"initial_state has dtype {initial_state.dtype} but x has {x.dtype}; the conv state "
                             f"holds raw inputs in x's dtype")
         _need_same_device("initial_state", initial_state, "x", x)
         S = initial_state.shape[2]
-    return B, T, C, W, S
+    return B, T, C, W, S, cu
 
 
 def check_conv_update(x, conv_state, weight) -> tuple[int, int, int, int]:

@@ -9,6 +9,8 @@
 
 The math is in docs/deltanet.md and :func:`.reference.chunk_gated_delta_rule`. Intermediates live in fp32 buffers
 padded to whole chunks (so every buffer access is in bounds without a mask); the carried state is fp32 in registers.
+Packed sequences (``cu_seqlens``, constexpr ``IS_VARLEN``): chunks restart at every sequence start; kernels 1-3 and 5
+run over a host-built chunk table (:func:`.spec.packed_blocks`) and kernel 4 runs one program per sequence and head.
 ``tl.dot`` operands are bf16 on the GPU for bf16/fp16 inputs and tf32-free fp32 otherwise (fp32 under the
 interpreter). The triangular inverse is *computed* in IEEE fp32 (kernel 2) and stored in fp32, but with bf16
 operands it is rounded to bf16 where it multiplies k and v (kernel 3), and the fp32 state is rounded to bf16 where
@@ -58,6 +60,14 @@ def _l2norm_rows(x):
 
 
 @triton.jit
+def _packed_chunk(pid_c, cu_ptr, idx_ptr, BT: tl.constexpr):
+    """Packed sequences: the first input row and the end of chunk ``pid_c``, row ``pid_c`` of the chunk table
+    ``idx [NC, 2]`` = (sequence ``n``, chunk ``j`` of it): rows ``cu[n] + j * BT`` up to (not with) ``cu[n+1]``."""
+    i_n = tl.load(idx_ptr + 2 * pid_c)
+    return tl.load(cu_ptr + i_n) + tl.load(idx_ptr + 2 * pid_c + 1) * BT, tl.load(cu_ptr + i_n + 1)
+
+
+@triton.jit
 def _load_vec(ptr, offs_t, mask_t, stride_t, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """``ptr[offs_t * stride_t]`` as fp32, zeros where masked (g or beta of one head)."""
     x = tl.load(ptr + offs_t.to(tl.int64) * stride_t, mask=mask_t, other=0)
@@ -77,17 +87,22 @@ _TUNE = [triton.Config({}, num_warps=4, num_stages=2), triton.Config({}, num_war
 @runtime.autotune(configs=_TUNE, key=["K", "BT"])
 @triton.jit
 def _chunk_kkt_kernel(
-    k_ptr, g_ptr, beta_ptr, gcum_ptr, a_ptr,
+    k_ptr, g_ptr, beta_ptr, gcum_ptr, a_ptr, cu_ptr, idx_ptr,
     T, T_PAD, HV, GROUP,
     stride_kb, stride_kt, stride_kh, stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh,
     K: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
-    L2NORM: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b, pid_hv = pid_bh // HV, pid_bh % HV
-    offs_t = pid_c * BT + tl.arange(0, BT)
-    mask_t = offs_t < T
+    if IS_VARLEN:
+        t0, t_end = _packed_chunk(pid_c, cu_ptr, idx_ptr, BT)
+    else:
+        t0, t_end = pid_c * BT, T
+    offs_t = t0 + tl.arange(0, BT)                       # input rows
+    mask_t = offs_t < t_end
     offs_k = tl.arange(0, BLOCK_K)
     k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
     k = _load_rows(k_base, offs_t, mask_t, stride_kt, offs_k, offs_k < K, IN_DTYPE, INTERPRET)   # [BT, BLOCK_K]
@@ -98,7 +113,7 @@ def _chunk_kkt_kernel(
     beta = _load_vec(beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh, offs_t, mask_t, stride_bt,
                      BETA_DTYPE, INTERPRET)
     gcum = tl.cumsum(g, axis=0)                          # G: log of the decay since the chunk start
-    row = pid_bh.to(tl.int64) * T_PAD + offs_t           # rows of the padded [B*HV, T_PAD, ...] buffers
+    row = pid_bh.to(tl.int64) * T_PAD + pid_c * BT + tl.arange(0, BT)   # rows of the padded [B*HV, T_PAD, ...] buffers
     tl.store(gcum_ptr + row, gcum)
 
     a = _dot(k * beta[:, None], tl.trans(k), DOT)                                                # [BT, BT]
@@ -181,23 +196,27 @@ def _chunk_solve_kernel(a_ptr, ai_ptr, T_PAD, BT: tl.constexpr):
 @runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
 @triton.jit
 def _chunk_wu_kernel(
-    k_ptr, v_ptr, beta_ptr, gcum_ptr, ai_ptr, w_ptr, u_ptr,
+    k_ptr, v_ptr, beta_ptr, gcum_ptr, ai_ptr, w_ptr, u_ptr, cu_ptr, idx_ptr,
     T, T_PAD, HV, GROUP,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bb, stride_bt, stride_bh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
-    L2NORM: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b, pid_hv = pid_bh // HV, pid_bh % HV
-    offs_t = pid_c * BT + tl.arange(0, BT)
-    mask_t = offs_t < T
+    if IS_VARLEN:
+        t0, t_end = _packed_chunk(pid_c, cu_ptr, idx_ptr, BT)
+    else:
+        t0, t_end = pid_c * BT, T
+    offs_t = t0 + tl.arange(0, BT)
+    mask_t = offs_t < t_end
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     offs_v = tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
-    row = pid_bh.to(tl.int64) * T_PAD + offs_t
+    row = pid_bh.to(tl.int64) * T_PAD + pid_c * BT + tl.arange(0, BT)
     ai = tl.load(ai_ptr + row[:, None] * BT + tl.arange(0, BT)[None, :])                         # [BT, BT]
     gcum = tl.load(gcum_ptr + row)                                                               # [BT]
     beta = _load_vec(beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh, offs_t, mask_t, stride_bt,
@@ -222,16 +241,32 @@ def _chunk_wu_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr,
+    k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, cu_ptr, first_ptr,
     T, T_PAD, NT, HV, GROUP,
     stride_kb, stride_kt, stride_kh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr,
-    STORE_FINAL: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+    STORE_FINAL: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """Program ``(pid_v, n * HV + hv)`` scans the chunks of sequence ``n`` (a batch row, or packed sequence ``n``:
+    rows ``cu[n]:cu[n+1]``, chunks ``first[n]:first[n+1]`` of the buffers of head ``hv``) from state row ``n``."""
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
+    pid_n, pid_hv = pid_bh // HV, pid_bh % HV
+    if IS_VARLEN:                                            # B = 1: every sequence is in row 0 of k and the buffers
+        bos = tl.load(cu_ptr + pid_n)
+        eos = tl.load(cu_ptr + pid_n + 1)
+        c0 = tl.load(first_ptr + pid_n)                      # the sequence's first chunk in the buffers
+        nt = tl.load(first_ptr + pid_n + 1) - c0             # its chunks (none for an empty sequence)
+        i_buf = pid_hv
+        k_base = k_ptr + (pid_hv // GROUP) * stride_kh
+    else:
+        bos = 0
+        eos = T
+        c0 = 0
+        nt = NT
+        i_buf = pid_bh
+        k_base = k_ptr + pid_n.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -243,20 +278,19 @@ def _chunk_state_kernel(
         s = tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0)
     else:
         s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
-    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
-    for c in range(NT):
-        tl.store(h_ptr + (pid_bh.to(tl.int64) * NT + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
+    for c in range(nt):
+        tl.store(h_ptr + (i_buf.to(tl.int64) * NT + c0 + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
                  mask=mask_kv)                                                       # state entering c
-        offs_t = c * BT + tl.arange(0, BT)
-        row = pid_bh.to(tl.int64) * T_PAD + offs_t
+        offs_t = bos + c * BT + tl.arange(0, BT)                                     # input rows
+        row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)         # buffer rows
         w = tl.load(w_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :], other=0.0)  # [BT, BLOCK_K]
         u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :], other=0.0)  # [BT, BLOCK_V]
         v_new = u - _dot(w, s, DOT)                                                           # the chunk's deltas
         tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
                  mask=mask_v[None, :])
         gcum = tl.load(gcum_ptr + row)                                                        # [BT]
-        g_last = tl.load(gcum_ptr + pid_bh.to(tl.int64) * T_PAD + c * BT + BT - 1)           # rows past T repeat it
-        k = _load_rows(k_base, offs_t, offs_t < T, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)
+        g_last = tl.load(gcum_ptr + i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + BT - 1)   # rows past the end: same
+        k = _load_rows(k_base, offs_t, offs_t < eos, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)
         if L2NORM:
             k = _l2norm_rows(k)
         k = k * tl.exp(g_last - gcum)[:, None]                     # decay from each token to the chunk end
@@ -272,23 +306,28 @@ def _chunk_state_kernel(
 @runtime.autotune(configs=_TUNE, key=["K", "V", "BT", "BLOCK_V"])
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, k_ptr, gcum_ptr, h_ptr, vnew_ptr, o_ptr,
+    q_ptr, k_ptr, gcum_ptr, h_ptr, vnew_ptr, o_ptr, cu_ptr, idx_ptr,
     T, T_PAD, NT, HV, GROUP, scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ob, stride_ot, stride_oh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, L2NORM: tl.constexpr,
-    DOT: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_v = tl.program_id(2)
     pid_b, pid_hv = pid_bh // HV, pid_bh % HV
-    offs_t = pid_c * BT + tl.arange(0, BT)
-    mask_t = offs_t < T
+    if IS_VARLEN:
+        t0, t_end = _packed_chunk(pid_c, cu_ptr, idx_ptr, BT)
+    else:
+        t0, t_end = pid_c * BT, T
+    offs_t = t0 + tl.arange(0, BT)
+    mask_t = offs_t < t_end
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
-    row = pid_bh.to(tl.int64) * T_PAD + offs_t
+    row = pid_bh.to(tl.int64) * T_PAD + pid_c * BT + tl.arange(0, BT)
     q = _load_rows(q_ptr + pid_b.to(tl.int64) * stride_qb + (pid_hv // GROUP) * stride_qh, offs_t, mask_t,
                    stride_qt, offs_k, mask_k, IN_DTYPE, INTERPRET)                              # [BT, BLOCK_K]
     k = _load_rows(k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh, offs_t, mask_t,
@@ -331,17 +370,20 @@ def block_v(V: int) -> tuple[int, int]:
 
 
 def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                  use_qk_l2norm=False, *, out_state=None):
-    """Host side of :func:`lynn_kernels.deltanet.chunk_gated_delta_rule`: check, allocate, launch five kernels."""
-    dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state)
-    check_devices(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, out_state=out_state)
+                                  use_qk_l2norm=False, *, out_state=None, cu_seqlens=None):
+    """Host side of :func:`lynn_kernels.deltanet.chunk_gated_delta_rule`: check, allocate, launch five kernels
+    (reads ``cu_seqlens`` to the host once: the chunk table and the grids depend on it)."""
+    dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state, cu_seqlens)
+    check_devices(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, out_state=out_state,
+                  cu_seqlens=cu_seqlens)
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
     dev = q.device
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=dev)
     want_state = output_final_state or out_state is not None
     final = None
     if want_state:
-        final = out_state if out_state is not None else torch.empty((B, HV, K, V), dtype=torch.float32, device=dev)
+        final = (out_state if out_state is not None
+                 else torch.empty((dims.N, HV, K, V), dtype=torch.float32, device=dev))
     if T == 0:                                        # nothing to scan: the state passes through
         if final is not None and initial_state is not None:
             final.copy_(initial_state)
@@ -355,15 +397,26 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
 
 def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state, use_qk_l2norm: bool,
                  o: torch.Tensor, final: torch.Tensor | None, config: dict | None = None) -> None:
-    """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [B, HV, K, V]`` (or no final state).
+    """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [N, HV, K, V]`` (or no final state).
     ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``) and the
-    output's ``out_block_v``, for experiments and tests of one tiling."""
+    output's ``out_block_v``, for experiments and tests of one tiling.
+
+    Packed sequences (``dims.cu``, host offsets; B = 1): the chunks of every sequence, counted from its own first
+    token, are numbered one after another (:func:`.spec.packed_blocks`, built once per layout); the per-chunk kernels
+    run over that table and the padded buffers hold chunk ``i`` at rows ``64 i``, the state scan runs one program per
+    sequence and head. Without: chunk ``c`` of batch row ``b`` and head ``hv`` at rows ``64 c`` of buffer row
+    ``b * HV + hv``."""
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     h0 = initial_state.contiguous() if initial_state is not None else None
     dev = q.device
     BT = CHUNK
-    NT = runtime.cdiv(T, BT)
+    packed = dims.cu is not None
+    if packed:
+        cu_t, chunks, first = spec.packed_blocks(dims.cu, BT, dev)
+        NT = chunks.shape[0]                              # chunks of all sequences (sequence n: first[n]:first[n+1])
+    else:
+        NT = runtime.cdiv(T, BT)
     T_PAD = NT * BT
     BH = B * HV
     DOT = dot_dtype(q.dtype)
@@ -377,6 +430,8 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     w = torch.empty((BH, T_PAD, K), **ops)
     v_new = torch.empty((BH, T_PAD, V), **ops)
     h = torch.empty((BH, NT, K, V), **ops)
+    if not packed:
+        cu_t = chunks = first = gcum                      # never read
 
     in_dtype = runtime.TORCH_TO_TL[q.dtype]
     flags = runtime.kernel_flags()
@@ -390,26 +445,27 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     if "state_stages" in config:
         state_launch["num_stages"] = config["state_stages"]
     qv, kv, vv, gv, bv = (kernel_view(x) for x in (q, k, v, g, beta))
-    common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, BT=BT, BLOCK_K=BLOCK_K, **flags)
+    common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, IS_VARLEN=packed, BT=BT, BLOCK_K=BLOCK_K,
+                  **flags)
 
     _chunk_kkt_kernel[(NT, BH)](
-        kv, gv, bv, gcum, a, T, T_PAD, HV, dims.group,
+        kv, gv, bv, gcum, a, cu_t, chunks, T, T_PAD, HV, dims.group,
         k.stride(0), k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], **common)
     _chunk_solve_kernel[(NT, BH)](a, ai, T_PAD, BT=BT)
     _chunk_wu_kernel[(NT, BH)](
-        kv, vv, bv, gcum, ai, w, u, T, T_PAD, HV, dims.group,
+        kv, vv, bv, gcum, ai, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
-    _chunk_state_kernel[(runtime.cdiv(V, BLOCK_V_STATE), BH)](
-        kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum,
+    _chunk_state_kernel[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
+        kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t, first,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
         V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
         **state_launch, **common)                         # w, k [64, K] and the state tile in registers
     _chunk_output_kernel[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
-        qv, kv, gcum, h, v_new, kernel_view(o), T, T_PAD, NT, HV, dims.group, scale,
+        qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         V=V, OUT_DTYPE=runtime.TORCH_TO_TL[o.dtype], BLOCK_V=BLOCK_V_OUT, **common)

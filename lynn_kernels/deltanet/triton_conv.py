@@ -1,5 +1,5 @@
-"""Depthwise causal conv1d + SiLU in Triton: a prefill kernel over ``[B, T, C]`` and a one-token update that rolls
-the conv state in place.
+"""Depthwise causal conv1d + SiLU in Triton: a prefill kernel over ``[B, T, C]`` (or packed sequences, ``cu_seqlens``)
+and a one-token update that rolls the conv state in place.
 
 The conv state ``[B, C, S]`` (``S >= W - 1``) holds the last ``S`` raw inputs, oldest first, in x's dtype: HF's
 cache keeps ``S = W``, causal-conv1d and vLLM keep ``S = W - 1``; both work. The state is copied as raw bits, never
@@ -19,28 +19,43 @@ from . import spec
 
 @triton.jit
 def _causal_conv1d_kernel(
-    x_ptr, w_ptr, h0_ptr, y_ptr, ht_ptr,
+    x_ptr, w_ptr, h0_ptr, y_ptr, ht_ptr, cu_ptr, idx_ptr,
     T, C, S0, S1,
     stride_xb, stride_xt, stride_wc, stride_ww, stride_h0b, stride_h0c, stride_h0s,
     W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, HAS_INIT: tl.constexpr,
-    STORE_FINAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """``S0``: columns of the initial state; ``S1``: columns of the final state (``[B, C, S1]``, contiguous)."""
+    """``S0``: columns of the initial state; ``S1``: columns of the final state (``[B, C, S1]``, contiguous).
+
+    ``IS_VARLEN`` (B = 1, packed sequences): program ``pid_t`` takes row ``pid_t`` of the block table ``idx [NB, 2]``
+    (sequence ``n``, block ``j`` of it; :func:`.spec.packed_blocks`); sequence ``n`` is rows ``cu[n]:cu[n+1]`` of x
+    and y and row ``n`` of both states. Otherwise block ``pid_t`` of batch row ``pid_b``, state row ``pid_b``."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_b = tl.program_id(2)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    if IS_VARLEN:
+        i_n = tl.load(idx_ptr + 2 * pid_t)                   # the sequence: its row of the states
+        i_blk = tl.load(idx_ptr + 2 * pid_t + 1)             # the block within it
+        bos = tl.load(cu_ptr + i_n)
+        eos = tl.load(cu_ptr + i_n + 1)
+    else:
+        i_n = pid_b
+        i_blk = pid_t
+        bos = 0
+        eos = T
+    offs_l = i_blk * BLOCK_T + tl.arange(0, BLOCK_T)         # positions in the sequence
+    offs_t = bos + offs_l                                    # rows of x and y
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_t = offs_t < T
+    mask_t = offs_t < eos
     mask_c = offs_c < C
     x_base = x_ptr + pid_b.to(tl.int64) * stride_xb
-    h0_base = h0_ptr + pid_b.to(tl.int64) * stride_h0b
+    h0_base = h0_ptr + i_n.to(tl.int64) * stride_h0b
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(W):
-        src = offs_t - (W - 1) + j                                   # input position; < 0 reads the initial state
+        src = offs_l - (W - 1) + j                                   # input position; < 0 reads the initial state
         in_x = mask_t & (src >= 0)
-        xs = tl.load(x_base + src[:, None].to(tl.int64) * stride_xt + offs_c[None, :],
+        xs = tl.load(x_base + (bos + src)[:, None].to(tl.int64) * stride_xt + offs_c[None, :],
                      mask=in_x[:, None] & mask_c[None, :], other=0)
         xs = to_float32(xs, X_DTYPE, INTERPRET)                                       # [BLOCK_T, BLOCK_C]
         if HAS_INIT:
@@ -56,19 +71,19 @@ def _causal_conv1d_kernel(
              cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :])
 
     if STORE_FINAL:
-        if pid_t == 0:                                       # one program per channel block copies the last S1 inputs
+        if i_blk == 0:                      # the first block of each sequence and channel block: the last S1 inputs
             offs_s = tl.arange(0, BLOCK_S)
             mask_s = offs_s < S1
-            pos = T - S1 + offs_s                            # [BLOCK_S]: position in the sequence, < 0 in the state
+            pos = (eos - bos) - S1 + offs_s                  # [BLOCK_S]: position in the sequence, < 0 in the state
             from_x = mask_s & (pos >= 0)
-            vals = tl.load(x_base + pos[None, :].to(tl.int64) * stride_xt + offs_c[:, None],
+            vals = tl.load(x_base + (bos + pos)[None, :].to(tl.int64) * stride_xt + offs_c[:, None],
                            mask=mask_c[:, None] & from_x[None, :], other=0)         # [BLOCK_C, BLOCK_S], raw bits
             if HAS_INIT:
                 from_h = mask_s & (pos < 0)
                 h_vals = tl.load(h0_base + offs_c[:, None] * stride_h0c + (S0 + pos)[None, :] * stride_h0s,
                                  mask=mask_c[:, None] & from_h[None, :], other=0)
                 vals = tl.where(from_h[None, :], h_vals, vals)   # a select, not a sum: -0.0 and NaN bits survive
-            tl.store(ht_ptr + (pid_b.to(tl.int64) * C + offs_c[:, None]) * S1 + offs_s[None, :], vals,
+            tl.store(ht_ptr + (i_n.to(tl.int64) * C + offs_c[:, None]) * S1 + offs_s[None, :], vals,
                      mask=mask_c[:, None] & mask_s[None, :])
 
 
@@ -111,17 +126,21 @@ def _conv_blocks(C: int) -> int:
     return min(256, max(16, runtime.next_power_of_2(C)))
 
 
-def causal_conv1d_triton(x, weight, initial_state=None):
-    """Host side of :func:`lynn_kernels.deltanet.causal_conv1d`."""
-    B, T, C, W, S = spec.check_conv(x, weight, initial_state)
-    spec.check_devices(x=x, weight=weight, initial_state=initial_state)
+def causal_conv1d_triton(x, weight, initial_state=None, *, cu_seqlens=None):
+    """Host side of :func:`lynn_kernels.deltanet.causal_conv1d` (reads ``cu_seqlens`` to the host once)."""
+    B, T, C, W, S, cu = spec.check_conv(x, weight, initial_state, cu_seqlens)
+    spec.check_devices(x=x, weight=weight, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    N = B if cu is None else len(cu) - 1
     y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
-    final = torch.empty((B, C, S), dtype=x.dtype, device=x.device)
-    return launch_causal_conv1d(x, weight, initial_state, y, final), final
+    final = torch.empty((N, C, S), dtype=x.dtype, device=x.device)
+    return launch_causal_conv1d(x, weight, initial_state, y, final, cu), final
 
 
-def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch.Tensor | None) -> torch.Tensor:
-    """Launch only, into contiguous ``y [B, T, C]`` and ``final [B, C, S]`` (or none)."""
+def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch.Tensor | None,
+                         cu: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Launch only, into contiguous ``y [B, T, C]`` and ``final [B, C, S]`` (or none). ``cu``: the offsets of packed
+    sequences as host ints (x ``[1, T, C]``, states ``[N, C, S]``), or None; their block table is built once per
+    layout (:func:`.spec.packed_blocks`)."""
     B, T, C = x.shape
     W = weight.shape[1]
     x = spec.last_dim_contiguous(x)
@@ -130,15 +149,21 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
     h0 = initial_state if initial_state is not None else x
     BLOCK_T = 64 if runtime.INTERPRET else 32
     BLOCK_C = _conv_blocks(C)
-    grid = (max(1, runtime.cdiv(T, BLOCK_T)), runtime.cdiv(C, BLOCK_C), B)
     xv = kernel_view(x)
+    if cu is None:
+        cu_t = index = xv                                    # never read
+        grid = (max(1, runtime.cdiv(T, BLOCK_T)), runtime.cdiv(C, BLOCK_C), B)
+    else:                                                    # every sequence, even an empty one, gets a block
+        cu_t, index, _ = spec.packed_blocks(cu, BLOCK_T, x.device, empty_block=True)
+        grid = (index.shape[0], runtime.cdiv(C, BLOCK_C), 1)
     _causal_conv1d_kernel[grid](
         xv, kernel_view(weight), kernel_view(h0), kernel_view(y), kernel_view(final) if final is not None else xv,
-        T, C, S0, S1,
+        cu_t, index, T, C, S0, S1,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), h0.stride(0), h0.stride(1), h0.stride(2),
         W=W, X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
-        HAS_INIT=initial_state is not None, STORE_FINAL=final is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-        BLOCK_S=max(2, runtime.next_power_of_2(max(S1, 1))), **runtime.kernel_flags())
+        HAS_INIT=initial_state is not None, STORE_FINAL=final is not None, IS_VARLEN=cu is not None,
+        BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_S=max(2, runtime.next_power_of_2(max(S1, 1))),
+        **runtime.kernel_flags())
     return y
 
 
