@@ -3,7 +3,8 @@
 * ``lynn check [FAMILY ...]``  validate every kernel against its reference on this device and print the table;
 * ``lynn bench [OP ...]``      run the GPU benchmarks and write JSON under data/bench/<gpu>/;
 * ``lynn lab``                 open JupyterLab on notebooks/;
-* ``lynn info``                what this process runs on.
+* ``lynn info``                what this process runs on;
+* ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md).
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_quantize(args) -> int:
+    from lynn_model.quantize import format_summary, quantize_checkpoint
+
+    try:
+        summary = quantize_checkpoint(args.src, args.dst, format=args.format, recipe=args.recipe,
+                                      ignore=args.ignore or (), quantize_linear_attn=args.quantize_linear_attn,
+                                      overwrite=args.overwrite, progress=not args.quiet)
+    except (ValueError, OSError) as err:
+        print(f"lynn quantize: error: {err}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lynn", description="Lynn workbench: Triton kernels for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("info", help="show the device and backend")
     p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("quantize", help="write an NVFP4 (W4A16) copy of a bf16/fp16/fp32 HF checkpoint",
+                       description="Quantise the Linear weights of a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE HF model "
+                                   "folder to NVFP4 (weights only) and write a folder vLLM, SGLang and lynn_model "
+                                   "read. SRC is never modified. See docs/nvfp4.md, 'lynn quantize'.")
+    p.add_argument("src", metavar="SRC", help="HF model folder (config.json + safetensors)")
+    p.add_argument("dst", metavar="DST", help="output folder (new, or empty, or replaced with --overwrite)")
+    p.add_argument("--format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
+                   help="on-disk layout (default: compressed-tensors)")
+    p.add_argument("--recipe", choices=["modelopt", "compressed-tensors"], default=None,
+                   help="whose rounding to reproduce bit for bit (default: the format's own)")
+    p.add_argument("--ignore", metavar="REGEX", action="append",
+                   help="keep modules whose name (without .weight) matches REGEX unquantised; repeatable")
+    p.add_argument("--quantize-linear-attn", action="store_true",
+                   help="also quantise the Gated DeltaNet in_proj_qkv / in_proj_z (in_proj_qkvz) / out_proj")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DST")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or notes on stderr")
+    p.set_defaults(func=_cmd_quantize)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

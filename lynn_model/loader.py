@@ -181,7 +181,7 @@ class QuantConfig:
 
 def _check_modelopt_algo(q: dict, where: str) -> None:
     algo = q.get("quant_algo")
-    if algo not in (None, "NVFP4", "MIXED_PRECISION"):
+    if algo not in (None, "NVFP4", "W4A16_NVFP4", "MIXED_PRECISION"):
         raise LoadError(f"{where}: quant_algo = {algo!r}; the loader reads NVFP4 (and MIXED_PRECISION whose "
                         f"layers are NVFP4 or unquantised)")
 
@@ -670,3 +670,56 @@ def _build(asm: Assembler, m: Module, get, device, config: Config) -> None:
         else:
             value = NVFP4Tensor.from_modelopt(codes, scales, g, prefix=prefix)
     asm.put(m.name, value, m.target)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models without a checkpoint
+
+
+def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype = torch.bfloat16, device=None,
+                 seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt") -> Model:
+    """A model of ``config`` with random weights drawn on ``device`` (benchmarks, shapes without a checkpoint):
+    projections ``N(0, 1 / in_features)``, norms near their identity, decays as HF initialises them; quantised on the
+    device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float)."""
+    if weights not in ("nvfp4", "bf16"):
+        raise ValueError(f"weights = {weights!r}: expected 'nvfp4' or 'bf16'")
+    device = runtime.DEVICE if device is None else torch.device(device)
+    model = Model(config, dtype)
+    asm = Assembler(model, weights, keep, recipe)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, t in targets(config).items():
+        if name.endswith(".A_log"):
+            value = torch.rand(t.shape, generator=gen, device=device).mul(15).add(1).log()
+        elif name.endswith(".dt_bias"):
+            value = torch.ones(t.shape, device=device)
+        elif t.kind == "tensor" and len(t.shape) == 1:
+            value = torch.randn(t.shape, generator=gen, device=device) * 0.1 + (1.0 if name.endswith("linear_attn.norm") else 0)
+        else:
+            fan_in = t.shape[-1] if t.kind == "linear" else 1
+            value = torch.randn(t.shape, generator=gen, device=device, dtype=dtype) * (fan_in ** -0.5)
+        asm.put(name, value.to(dtype), t)
+    asm.finish()
+    return model.eval()
+
+
+def dequantize_model(model: Model, dtype: torch.dtype | None = None) -> Model:
+    """A copy of ``model`` with every NVFP4 weight dequantised (to ``dtype``, default the model's): the same
+    values in a float format, for checking the NVFP4 kernels against the float path."""
+    import copy
+
+    dtype = dtype or model.dtype
+
+    def deq(w):
+        return lynn_kernels.dequantize(w, dtype) if isinstance(w, NVFP4Tensor) else w
+
+    out = copy.deepcopy(model)
+    from .model import Linear, SparseMoE
+
+    for m in out.modules():
+        if isinstance(m, Linear):
+            m.weight = deq(m.weight)
+        if isinstance(m, SparseMoE):
+            m.w13, m.w2 = deq(m.w13), deq(m.w2)
+            if m.shared is not None:
+                m.shared = moe.SharedExpert(deq(m.shared.w13), deq(m.shared.w2), m.shared.gate_weight)
+    return out
