@@ -807,3 +807,15 @@ def test_gpu_decode_step(B):
                                                               b, None, h0, True, True)
     assert compare(o, o_ref).rel_l2 <= 1e-2 and compare(state, s_ref).rel_l2 <= 1e-4
     assert not math.isnan(compare(o, o_ref).cosine)
+
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_reference_output_has_v_dtype(op, dtype):
+    """The references return o in v's dtype, as the kernels do (they once returned fp32 for 16-bit inputs)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, 2, 16, generator=g).to(dtype)
+    v = torch.randn(1, 9, 4, 16, generator=g).to(dtype)
+    decay, beta = -torch.rand(1, 9, 4, generator=g), torch.rand(1, 9, 4, generator=g)
+    o, _ = getattr(reference, op)(q, q, v, decay, beta)
+    assert o.dtype == dtype and o.shape == v.shape

@@ -22,7 +22,7 @@ def register(op: str):
 
 
 def _load_families() -> None:
-    from . import attention, deltanet, matmul, moe, nvfp4  # noqa: F401  (each module registers its benchmarks)
+    from . import attention, decoder, deltanet, matmul, moe, nvfp4  # noqa: F401  (each module registers its benchmarks)
 
 
 def available() -> list[str]:
@@ -41,7 +41,9 @@ def run(ops: list[str] | None = None, quick: bool = False, command: str | None =
     written = {}
     for name in chosen:
         results = BENCHMARKS[name](ceilings, quick=quick)
-        written[name] = str(save(name, results, ceilings, command=command, root=root))
+        extra = getattr(BENCHMARKS[name], "extra", None)     # a benchmark's own figures (e.g. build time, memory)
+        written[name] = str(save(name, results, ceilings, command=command, root=root,
+                                 extra={"info": extra} if extra else None))
     return written
 
 

@@ -37,9 +37,10 @@ def _start_state(initial_state, dims: spec.Dims, device) -> torch.Tensor:
     return initial_state.float().clone()
 
 
-def _finish(o: torch.Tensor, state: torch.Tensor, v: torch.Tensor, output_final_state: bool, out_state):
-    """``o [B, HV, T, V]`` -> ``[B, T, HV, V]`` in v's dtype; the state returned (and written to ``out_state``)."""
-    o = o.transpose(1, 2).contiguous().to(v.dtype)
+def _finish(o: torch.Tensor, state: torch.Tensor, dtype: torch.dtype, output_final_state: bool, out_state):
+    """``o [B, HV, T, V]`` -> ``[B, T, HV, V]`` in ``dtype`` (the input v's); the state returned (and written to
+    ``out_state``)."""
+    o = o.transpose(1, 2).contiguous().to(dtype)
     if out_state is not None:
         out_state.copy_(state)
         state = out_state
@@ -60,6 +61,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     then returned even without ``output_final_state``).
     """
     dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state)
+    dtype = v.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, dims, scale, use_qk_l2norm)
     S = _start_state(initial_state, dims, v.device)                    # [B, HV, K, V]
     o = torch.empty_like(v)
@@ -68,7 +70,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])) * beta[:, :, t, None]
         S = S + k[:, :, t, :, None] * delta[:, :, None, :]
         o[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
-    return _finish(o, S, v, output_final_state, out_state)
+    return _finish(o, S, dtype, output_final_state, out_state)
 
 
 def _per_sequence(fn, dims: spec.Dims, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
@@ -108,6 +110,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if dims.cu is not None:
         return _per_sequence(chunk_gated_delta_rule, dims, q, k, v, g, beta, scale, initial_state,
                              output_final_state, use_qk_l2norm, out_state)
+    dtype = v.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, dims, scale, use_qk_l2norm)
     pad = (-dims.T) % CHUNK                                           # zero q/k/v/beta and g=0 past the end
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -135,7 +138,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         k_decayed = k[:, :, c] * (g_last - G[:, :, c, :, None]).exp()
         S = S * g_last.exp() + k_decayed.transpose(-1, -2) @ v_new
     o = o.flatten(2, 3)[:, :, :dims.T]
-    return _finish(o, S, v, output_final_state, out_state)
+    return _finish(o, S, dtype, output_final_state, out_state)
 
 
 def gates(A_log, a, dt_bias, b):

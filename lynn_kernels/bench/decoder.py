@@ -1,0 +1,248 @@
+"""The whole decoder (``lynn_model``) at real shapes, random weights: batch-1 decode at a long context and a prefill.
+
+* ``lynn nvfp4 (eager)``: ``lynn_model.loader.random_model(preset, weights="nvfp4")`` quantised on the GPU (the LM
+  head, router and gates stay bf16), run step by step from Python, as :func:`lynn_model.generate` does;
+* ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
+  same process (Qwen3.5-35B-A3B only: the 80B model in bf16 does not fit beside ours).
+
+Decode: the context is prefilled once, then each step is timed from the host (CUDA events around one
+``model.step`` / one HF forward): what a user of the eager decoder waits for. ``(kernel)`` rows add the GPU time of
+one step's kernels from the CUDA profiler: what a CUDA-graph replay of the same step would pay. Bytes per decode
+token: every weight a step reads (all non-expert weights, the ``top_k`` routed experts and the shared expert of each
+layer, the LM head; one embedding row), the KV cache read and the Gated DeltaNet states read and written; held
+against the read ceiling. Prefill: tokens per second of one call; FLOPs ``2 x active parameters x tokens``.
+The first ``lynn_model`` forward is validated against the reference path on the same weights (a short prompt),
+so no speed is reported for a wrong decoder.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from . import register
+from .harness import Ceilings, Result, derive, kernel_ms, validated
+
+SHAPES = [("qwen3.5-35b-a3b", True), ("qwen3-next-80b-a3b", False)]
+CONTEXT, PREFILL, STEPS = 4096, 2048, 24
+QUICK_SHAPES = SHAPES[:1]
+
+
+def _log(msg: str) -> None:
+    print(f"[decoder] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+def _nbytes(w) -> int:
+    from ..nvfp4 import NVFP4Tensor
+
+    if isinstance(w, NVFP4Tensor):
+        return w.nbytes
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+
+
+def decode_bytes(model, context: int) -> int:
+    """Bytes one batch-1 decode step reads (weights, KV cache, Gated DeltaNet states) and writes (states)."""
+    from lynn_model.model import Linear, SparseMoE
+
+    c, total = model.config, model.embed_tokens.shape[1] * model.embed_tokens.element_size()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            total += _nbytes(m.weight)
+        elif isinstance(m, SparseMoE):
+            total += _nbytes(m.router) + (_nbytes(m.w13) + _nbytes(m.w2)) * c.num_experts_per_tok // c.num_experts
+            if m.shared is not None:
+                total += _nbytes(m.shared.w13) + _nbytes(m.shared.w2) + _nbytes(m.shared.gate_weight)
+    kv = 2 * context * c.num_key_value_heads * c.head_dim * 2 * len(c.attention_layers)
+    state = 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * len(c.linear_layers)
+    return total + kv + state
+
+
+def active_params(model) -> int:
+    """Parameters one token multiplies by (routed experts counted ``top_k / E``), for prefill FLOPs."""
+    from lynn_model.model import Linear, SparseMoE
+
+    c, n = model.config, 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            n += m.in_features * m.out_features
+        elif isinstance(m, SparseMoE):
+            n += c.num_experts * c.hidden_size + 3 * c.moe_intermediate_size * c.hidden_size * c.num_experts_per_tok
+            n += 3 * c.shared_expert_intermediate_size * c.hidden_size
+    return n
+
+
+def _events_ms(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def _row(op, provider, shape, dims, times, ceilings, bytes_=0, flops=0, ceiling=None, note="", validation=None):
+    times = sorted(times)
+    med = statistics.median(times)
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return derive(Result(op, provider, shape, dims, med, q(0.2), q(0.8), bytes=bytes_, flops=flops, ceiling=ceiling,
+                         note=note, validation=validation), ceilings)
+
+
+def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
+    import lynn_kernels
+    import lynn_model
+    from lynn_model.loader import random_model
+
+    from ..validate import compare
+
+    cfg = lynn_model.preset(name)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    weights_gb = torch.cuda.memory_allocated() / 1e9
+    _log(f"{name}: random NVFP4 model built in {build_s:.1f} s, {weights_gb:.1f} GB")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + STEPS + 8,), device="cuda", generator=gen)
+
+    # validate the kernel path against the reference path on the same weights before timing anything
+    with torch.no_grad():
+        got = model.forward(ids[None, :80])
+        with lynn_kernels.use_reference():
+            want = model.forward(ids[None, :80])
+    val = validated(compare(got, want), min_cosine=0.999)
+    _log(f"{name}: kernel path vs reference path on 80 tokens: cosine {val['cosine']:.6f}")
+
+    rows, info = [], {"build_s": build_s, "weights_gb": weights_gb}
+    dims = {"B": 1, "T": PREFILL}
+    cache = model.new_cache(max_batch=1, max_tokens=CONTEXT + STEPS + 64)
+    with torch.no_grad():
+        def prefill():
+            s = cache.add()
+            model.step(ids[:PREFILL], cache, [s], [PREFILL])
+            cache.release(s)
+
+        prefill()                                                # compile + autotune
+        times = _events_ms(prefill, 5)
+    flops = 2 * active_params(model) * PREFILL
+    rows.append(_row("decoder.prefill", "lynn nvfp4 (eager)", cfg.name, dims, times, ceilings, flops=flops,
+                     ceiling="bf16_tflops", note=f"{PREFILL * 1e3 / statistics.median(times):,.0f} tok/s",
+                     validation=val))
+    _log(f"{name}: prefill {PREFILL}: {statistics.median(times):.1f} ms")
+
+    with torch.no_grad():
+        s = cache.add()
+        model.step(ids[:CONTEXT], cache, [s], [CONTEXT])
+        pos = {"i": CONTEXT}
+
+        def step():
+            model.step(ids[pos["i"]:pos["i"] + 1], cache, [s], [1])
+            pos["i"] += 1
+
+        step()
+        times = _events_ms(step, STEPS // 2)
+        k_ms = kernel_ms(step, n=STEPS // 4)
+    nbytes = decode_bytes(model, CONTEXT)
+    dims = {"B": 1, "context": CONTEXT}
+    med = statistics.median(times)
+    rows.append(_row("decoder.decode", "lynn nvfp4 (eager)", cfg.name, dims, times, ceilings, bytes_=nbytes,
+                     ceiling="read_gbps", note=f"{1e3 / med:.1f} tok/s; host-timed step", validation=val))
+    rows.append(_row("decoder.decode", "lynn nvfp4 (kernel)", cfg.name, dims, [k_ms], ceilings, bytes_=nbytes,
+                     ceiling="read_gbps", note=f"{1e3 / k_ms:.1f} tok/s if replayed as a graph; CUDA profiler "
+                                              f"kernel time of one step, median of {STEPS // 4}", validation=val))
+    info.update(peak_gb=torch.cuda.max_memory_allocated() / 1e9, bytes_per_token=nbytes,
+                cache_gb=cache.nbytes() / 1e9)
+    _log(f"{name}: decode at {CONTEXT}: {med:.2f} ms/token host, {k_ms:.2f} ms kernels")
+    del model, cache
+    torch.cuda.empty_cache()
+    return rows, info
+
+
+def _hf(name: str, ceilings: Ceilings) -> list[Result]:
+    import lynn_model
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    cfg = lynn_model.preset(name)
+    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf().items() if k != "model_type"})
+    t0 = time.perf_counter()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3_5MoeForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    _log(f"HF {name}: bf16 model built in {time.perf_counter() - t0:.1f} s")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (1, CONTEXT + STEPS + 8), device="cuda", generator=gen)
+    rows = []
+    with torch.no_grad():
+        def prefill():
+            model(input_ids=ids[:, :PREFILL], use_cache=True)
+
+        prefill()
+        times = _events_ms(prefill, 3)
+        rows.append(_row("decoder.prefill", "HF transformers bf16 (eager)", cfg.name, {"B": 1, "T": PREFILL}, times,
+                         ceilings, flops=2 * _hf_active(cfg) * PREFILL, ceiling="bf16_tflops",
+                         note=f"{PREFILL * 1e3 / statistics.median(times):,.0f} tok/s; attn "
+                              f"{model.config._attn_implementation}"))
+        out = model(input_ids=ids[:, :CONTEXT], use_cache=True)
+        cache, pos = getattr(out, "cache", None) or out.past_key_values, {"i": CONTEXT}
+
+        def step():
+            model(input_ids=ids[:, pos["i"]:pos["i"] + 1], past_key_values=cache, use_cache=True)
+            pos["i"] += 1
+
+        step()
+        times = _events_ms(step, 8)
+    weights = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * 2
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2
+    nbytes = weights + experts * cfg.num_experts_per_tok // cfg.num_experts \
+        - (cfg.vocab_size - 1) * cfg.hidden_size * 2 \
+        + 2 * CONTEXT * cfg.num_key_value_heads * cfg.head_dim * 2 * len(cfg.attention_layers) \
+        + 2 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * \
+        len(cfg.linear_layers)
+    rows.append(_row("decoder.decode", "HF transformers bf16 (eager)", cfg.name, {"B": 1, "context": CONTEXT},
+                     times, ceilings, bytes_=nbytes, ceiling="read_gbps",
+                     note=f"{1e3 / statistics.median(times):.1f} tok/s; host-timed step"))
+    _log(f"HF {name}: decode {statistics.median(times):.1f} ms/token")
+    del model, cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _hf_active(cfg) -> int:
+    h = cfg.hidden_size
+    attn = h * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim + \
+        cfg.num_attention_heads * cfg.head_dim * h
+    gdn = h * (cfg.conv_dim + cfg.linear_num_value_heads * (cfg.linear_value_head_dim + 2)) + \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim * h
+    moe = cfg.num_experts * h + 3 * h * (cfg.moe_intermediate_size * cfg.num_experts_per_tok +
+                                         cfg.shared_expert_intermediate_size) + h
+    return attn * len(cfg.attention_layers) + gdn * len(cfg.linear_layers) + moe * cfg.num_hidden_layers + \
+        cfg.vocab_size * h
+
+
+@register("decoder")
+def bench_decoder(ceilings: Ceilings, quick: bool = False) -> list[Result]:
+    rows = []
+    for name, with_hf in (QUICK_SHAPES if quick else SHAPES):
+        ours, info = _ours(name, ceilings)
+        bench_decoder.extra[name] = info
+        rows += ours
+        if with_hf:
+            rows += _hf(name, ceilings)
+    return rows
+
+
+bench_decoder.extra = {}           # per shape: build time, GB of weights, peak memory, bytes per token (saved as "info")
