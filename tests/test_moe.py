@@ -1,5 +1,7 @@
 """MoE experts and block: the grouped NVFP4 kernels (``moe_experts``, ``moe_block``, the launch functions) against the
-torch references, against a plain bf16 computation, and against HF transformers' own Qwen3-Next / Qwen3.5 MoE blocks.
+torch references, against a plain bf16 computation, and against HF transformers' own Qwen3-Next / Qwen3.5 MoE blocks;
+the same kernels over float (bf16 / fp32) expert weights (section 4) and with per-shard gate / up global scales
+(section 5, one scale per row of w13, built by ``stack_w13`` / ``fuse_w13``).
 
 Tolerances (the reference is fp32 from the dequantised weights, rounded once to x's dtype):
 
@@ -22,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels import runtime, use_reference
-from lynn_kernels.moe import SharedExpert, moe_block, moe_experts, reference, route
+from lynn_kernels.moe import SharedExpert, fuse_w13, moe_block, moe_experts, reference, route, stack_w13
 from lynn_kernels.moe import triton_experts
 from lynn_kernels.moe.triton_experts import (DECODE_MAX_M, block_m_for, launch_moe_experts, moe_block_triton,
                                              moe_experts_triton, moe_workspace)
+from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import bit_mismatches, compare
 
@@ -68,12 +71,17 @@ def _x(M, H, dtype, seed=0):
     return torch.randn(M, H, generator=_gen(seed)).to(dtype).to(DEV)
 
 
+def _dense(w, dtype):
+    """An expert weight as a ``dtype`` tensor: NVFP4 dequantised, a float one cast."""
+    return nvfp4_reference.dequantize(w, dtype) if isinstance(w, NVFP4Tensor) else w.to(dtype)
+
+
 def _plain_baseline(x, weights, ids, w13, w2):
     """The experts computed plainly in x's 16-bit dtype (as HF does in a bf16 / fp16 model), from the same
-    dequantised weights."""
+    dequantised (or float) weights."""
     dt = x.dtype
     xb, out = x, torch.zeros(x.shape, dtype=dt, device=x.device)
-    w13b, w2b = nvfp4_reference.dequantize(w13, dt), nvfp4_reference.dequantize(w2, dt)
+    w13b, w2b = _dense(w13, dt), _dense(w2, dt)
     for e in range(w13b.shape[0]):
         t, j = torch.where(ids == e)
         if t.numel():
@@ -93,7 +101,8 @@ def assert_experts_close(got, x, weights, ids, w13, w2, what=""):
         assert m.rel_l2 < 1e-5 and m.cosine > 0.99999, f"{what}: {m}"
         return m
     assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, f"{what}: {m}"
-    exact = reference.moe_experts(x.float(), weights, ids, w13, w2)
+    exact = reference.moe_experts(x.float(), weights, ids, *(w if isinstance(w, NVFP4Tensor) else w.float()
+                                                             for w in (w13, w2)))
     m = compare(got, exact, baseline=_plain_baseline(x, weights, ids, w13, w2))
     assert m.cosine > 0.9999 and m.err_ratio < 1.0, f"{what} vs fp32: {m}"
     return m
@@ -211,11 +220,8 @@ def test_paths_and_block_m(monkeypatch):
 # 2. moe_block against the reference and against HF transformers
 
 
-def _shared(H, inter_s, seed, per_row=False):
+def _shared(H, inter_s, seed):
     s13 = _quantized((2 * inter_s, H), seed)
-    if per_row:
-        s13 = nvfp4_reference.quantize(torch.randn(2 * inter_s, H, generator=_gen(seed)),
-                                       global_scale=torch.full((2 * inter_s,), 1e-3)).to(DEV)
     s2 = _quantized((H, inter_s), seed + 1, scale=0.5 / inter_s ** 0.5)
     return SharedExpert(s13, s2, (torch.randn(1, H, generator=_gen(seed + 2)) * 0.1).to(DEV))
 
@@ -322,15 +328,19 @@ def test_moe_experts_errors(make_args, error, match, backend):
 
 
 def test_kernel_only_errors():
-    """Limits of the kernels (the reference takes any global-scale layout)."""
-    per_row = nvfp4_reference.quantize(torch.randn(4, 32, 32), global_scale=torch.full((4, 32), 1e-3)).to(DEV)
-    with pytest.raises(ValueError, match=r"w13.global_scale has shape \(4, 32\); the grouped expert kernels take "
-                                         r"\(\) or \[E\].*per-shard"):
-        moe_experts(_X, _WEIGHTS, _IDS, per_row, _W2)
-    reference.moe_experts(_X, _WEIGHTS, _IDS, per_row, _W2)                  # fine there
+    """Limits of the kernels (the reference takes any global-scale layout; the kernels take per-row scales for w13,
+    section 5, but not for w2)."""
+    per_row = nvfp4_reference.quantize(torch.randn(4, 32, 16), global_scale=torch.full((4, 32), 1e-3)).to(DEV)
+    with pytest.raises(ValueError, match=r"w2.global_scale has shape \(4, 32\); the grouped expert kernels take "
+                                         r"\(\) or \[E\] for the down projection.*per-row global scales are "
+                                         r"supported for w13 only"):
+        moe_experts(_X, _WEIGHTS, _IDS, _W13, per_row)
+    reference.moe_experts(_X, _WEIGHTS, _IDS, _W13, per_row)                  # fine there
     router = torch.randn(4, 32).to(DEV)
-    with pytest.raises(ValueError, match=r"shared.w13.global_scale has shape \(32,\).*take \(\)"):
-        moe_block(_X, router, _W13, _W2, _shared(32, 16, seed=43, per_row=True), top_k=2)
+    s = _shared(32, 16, seed=43)
+    s2 = nvfp4_reference.quantize(torch.randn(32, 16), global_scale=torch.full((32,), 1e-3)).to(DEV)
+    with pytest.raises(ValueError, match=r"shared.w2.global_scale has shape \(32,\).*take \(\) for the down"):
+        moe_block(_X, router, _W13, _W2, SharedExpert(s.w13, s2, s.gate_weight), top_k=2)
     with pytest.raises(ValueError, match="x is on meta"):
         moe_experts_triton(_X.to("meta"), _WEIGHTS, _IDS, _W13, _W2)
     with pytest.raises(ValueError, match="router_weight is on meta"):
@@ -340,7 +350,304 @@ def test_kernel_only_errors():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. GPU: a Qwen3.5-35B-A3B layer
+# 4. float (bf16 / fp32) expert weights: the same kernels, weight tiles loaded as they are
+
+
+def _float_experts(E, H, inter, dtype, seed=0):
+    """Plain float ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in ``dtype`` (the scales of :func:`_experts`)."""
+    w13 = torch.randn(E, 2 * inter, H, generator=_gen(seed + 1)) * 0.2
+    w2 = torch.randn(E, H, inter, generator=_gen(seed + 2)) * (0.5 / inter ** 0.5)
+    return w13.to(dtype).to(DEV), w2.to(dtype).to(DEV)
+
+
+def _float_shared(H, inter_s, dtype, seed):
+    s13, s2 = _float_experts(1, H, inter_s, dtype, seed)
+    return SharedExpert(s13[0], s2[0], (torch.randn(1, H, generator=_gen(seed + 3)) * 0.1).to(DEV))
+
+
+def _fcase(M, top_k, E, H, inter, dtype, experts=None, name=""):
+    path = "decode" if M <= DECODE_MAX_M else f"prefill-bm{block_m_for(M, top_k, E)}"
+    return pytest.param(M, top_k, E, H, inter, dtype, experts,
+                        id=f"{str(dtype)[6:]}-M{M}-k{top_k}-E{E}-H{H}-I{inter}-{path}{'-' + name if name else ''}")
+
+
+#: Decode at M = 1, 3, 16 and prefill past 16 (every BLOCK_M the cases reach), bf16 and fp32 (fp16 once).
+FLOAT_CASES = [
+    *(_fcase(1, 2, 4, 64, 32, dt) for dt in (BF16, FP32)),
+    *(_fcase(3, 3, 7, 80, 48, dt) for dt in (BF16, FP32)),
+    *(_fcase(16, 2, 5, 64, 64, dt) for dt in (BF16, FP32)),
+    *(_fcase(40, 2, 6, 80, 48, dt, experts=[0, 2, 5], name="experts-1-3-4-empty") for dt in (BF16, FP32)),
+    _fcase(17, 1, 7, 64, 32, BF16, name="top1"),
+    _fcase(64, 2, 3, 64, 32, FP32),
+    _fcase(20, 2, 5, 64, 32, FP16),
+]
+
+
+@pytest.mark.parametrize("M, top_k, E, H, inter, dtype, experts", FLOAT_CASES)
+def test_moe_experts_float_weights(M, top_k, E, H, inter, dtype, experts, poison_empty):
+    """Float weights of x's dtype through the decode and prefill kernels, against the reference (which uses them as
+    they are) and, for 16-bit x, against a plain computation in x's dtype."""
+    w13, w2 = _float_experts(E, H, inter, dtype, seed=M + E)
+    weights, ids = _routing(M, top_k, E, seed=M, experts=experts)
+    x = _x(M, H, dtype, seed=M + 1)
+    assert_experts_close(moe_experts(x, weights, ids, w13, w2), x, weights, ids, w13, w2)
+
+
+FLOAT_BLOCK_CASES = [  # x shape, routed kind, shared kind (None: no shared expert)
+    pytest.param((1, 3, 80), "float", "float", id="decode-M3-shared"),
+    pytest.param((2, 9, 80), "float", None, id="prefill-M18-noshared"),
+    pytest.param((2, 9, 80), "float", "float", id="prefill-M18-shared"),
+    pytest.param((1, 3, 80), "float", "nvfp4", id="decode-M3-nvfp4-shared"),
+    pytest.param((2, 9, 80), "nvfp4", "float", id="prefill-M18-float-shared"),
+]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+@pytest.mark.parametrize("shape, routed, shared_kind", FLOAT_BLOCK_CASES)
+def test_moe_block_float_weights(shape, routed, shared_kind, dtype, poison_empty):
+    """The block with float routed experts and / or a float shared expert (each FFN of one kind, the two FFNs not
+    necessarily of the same), against the reference."""
+    E, top_k, H, inter, inter_s = 7, 2, shape[-1], 48, 32
+    w13, w2 = _float_experts(E, H, inter, dtype, seed=71) if routed == "float" else _experts(E, H, inter, seed=71)
+    shared = {None: None, "float": _float_shared(H, inter_s, dtype, seed=72),
+              "nvfp4": _shared(H, inter_s, seed=72)}[shared_kind]
+    router = (torch.randn(E, H, generator=_gen(73)) * 0.3).to(dtype).to(DEV)
+    x = torch.randn(shape, generator=_gen(74)).to(dtype).to(DEV)
+    got = moe_block(x, router, w13, w2, shared, top_k=top_k)
+    want = reference.moe_block(x, router, w13, w2, shared, top_k=top_k)
+    assert got.dtype == dtype and tuple(got.shape) == shape and bool(torch.isfinite(got).all())
+    m = compare(got, want)
+    assert (m.rel_l2 < 1e-5) if dtype == FP32 else (m.cosine > 0.9999 and m.rel_l2 < 4e-3), m
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+@pytest.mark.parametrize("tokens", [pytest.param(5, id="decode-M5"), pytest.param(18, id="prefill-M18")])
+@pytest.mark.parametrize("model", ["qwen3_next-raw", "qwen3_5_moe"])
+def test_moe_block_float_weights_match_hf(model, tokens, dtype, hf_moe_blocks):
+    """HF's sparse MoE block holding our float weights (the bf16 baseline a decoder checks parity with). fp32: equal
+    to fp32 summation order. bf16: against HF's block in fp32 on the same bf16 weights and x, closer than HF's own
+    bf16 block (which rounds every intermediate to bf16; ours rounds ``h`` and the output only)."""
+    block_cls, cfg, renormalize = hf_moe_blocks[model]
+    E, H, inter, inter_s = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, \
+        cfg.shared_expert_intermediate_size
+    w13, w2 = _float_experts(E, H, inter, dtype, seed=81)
+    shared = _float_shared(H, inter_s, dtype, seed=83)
+    router = torch.randn(E, H, generator=_gen(85)).to(dtype)
+    block = block_cls(cfg).eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(router.float())
+        block.experts.gate_up_proj.copy_(w13.cpu().float())
+        block.experts.down_proj.copy_(w2.cpu().float())
+        block.shared_expert.gate_proj.weight.copy_(shared.w13[:inter_s].cpu().float())
+        block.shared_expert.up_proj.weight.copy_(shared.w13[inter_s:].cpu().float())
+        block.shared_expert.down_proj.weight.copy_(shared.w2.cpu().float())
+        block.shared_expert_gate.weight.copy_(shared.gate_weight.cpu())
+        x = torch.randn(1, tokens, H, generator=_gen(87)).to(dtype)
+        exact = block(x.float())                                # HF in fp32 on the dtype-exact values
+        hf = block.to(dtype)(x) if dtype != FP32 else exact      # HF in x's dtype
+    got = moe_block(x.to(DEV), router.to(DEV), w13, w2, shared, top_k=cfg.num_experts_per_tok,
+                    renormalize=renormalize)
+    assert got.shape == x.shape and got.dtype == dtype
+    if dtype == FP32:
+        m = compare(got, exact)
+        assert m.rel_l2 < 1e-5, m
+    else:
+        m = compare(got, exact, baseline=hf)
+        assert m.cosine > 0.9999 and m.err_ratio < 1.0, m
+        m = compare(got, hf)
+        assert m.cosine > 0.999, m
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. per-shard global scales: an expert's gate_proj and up_proj with their own global scales (ModelOpt)
+
+#: up's global scale over gate's: not a power of two, so no exponent shift could hide a merged scale.
+SHARD_RATIO = 2.7
+
+
+def _shards(E, H, inter, seed):
+    """Per-expert gate_proj / up_proj ``[I, H]`` NVFP4, each with its own global scale, up's ``SHARD_RATIO`` times
+    gate's (and the up weights that much larger, so both use their E4M3 range)."""
+    gates, ups = [], []
+    for e in range(E):
+        w = torch.randn(2, inter, H, generator=_gen(seed + e)).to(DEV) * 0.2
+        g = w[0].abs().amax() / 2688
+        gates.append(nvfp4_reference.quantize(w[0], global_scale=g))
+        ups.append(nvfp4_reference.quantize(w[1] * SHARD_RATIO, global_scale=g * SHARD_RATIO))
+    return gates, ups
+
+
+def _shard_dense(gates, ups) -> torch.Tensor:
+    """fp32 ``[E, 2I, H]``: each shard dequantised with its own global scale, then concatenated (not via w13)."""
+    return torch.stack([torch.cat([nvfp4_reference.dequantize(g, FP32), nvfp4_reference.dequantize(u, FP32)])
+                        for g, u in zip(gates, ups)])
+
+
+@pytest.mark.parametrize("M, dtype", [pytest.param(1, FP32, id="decode-M1-fp32"),
+                                      pytest.param(3, BF16, id="decode-M3-bf16"),
+                                      pytest.param(16, FP32, id="decode-M16-fp32"),
+                                      pytest.param(40, FP32, id="prefill-M40-fp32"),
+                                      pytest.param(40, BF16, id="prefill-M40-bf16")])
+def test_moe_experts_per_shard_scales(M, dtype, poison_empty):
+    """``stack_w13`` of gate / up with different global scales (one per row of w13): the kernels against a reference
+    that dequantises each shard with its own scale; a merged scale would be far off."""
+    E, top_k, H, inter = 5, 2, 64, 48
+    gates, ups = _shards(E, H, inter, seed=91)
+    w13 = stack_w13(gates, ups)
+    _, w2 = _experts(E, H, inter, seed=92)
+    assert tuple(w13.global_scale.shape) == (E, 2 * inter)
+    ratio = ups[0].global_scale / gates[0].global_scale
+    assert not float(torch.log2(ratio)).is_integer()
+    weights, ids = _routing(M, top_k, E, seed=M)
+    x = _x(M, H, dtype, seed=M + 2)
+    got = moe_experts(x, weights, ids, w13, w2)
+    assert bool(torch.isfinite(got).all())
+    want = reference.moe_experts(x.float(), weights, ids, _shard_dense(gates, ups), _dense(w2, FP32))
+    m = compare(got, want.to(dtype))
+    assert (m.rel_l2 < 1e-5) if dtype == FP32 else (m.cosine > 0.9999 and m.rel_l2 < 4e-3), m
+    assert_experts_close(got, x, weights, ids, w13, w2)          # the reference reads w13's per-row scales too
+    merged = NVFP4Tensor(w13.codes, w13.scales, w13.global_scale[:, :1].expand(E, 2 * inter).contiguous())
+    assert compare(got, reference.moe_experts(x, weights, ids, merged, w2)).rel_l2 > 0.1
+
+
+@pytest.mark.parametrize("shape", [pytest.param((1, 3, 64), id="decode-M3"),
+                                   pytest.param((2, 9, 64), id="prefill-M18")])
+def test_moe_block_per_shard_scales(shape, poison_empty):
+    """Routed and shared experts both with per-shard scales (``stack_w13``, ``fuse_w13``), fp32, against the block
+    computed from each shard dequantised with its own scale."""
+    E, top_k, H, inter, inter_s = 6, 2, shape[-1], 32, 48
+    gates, ups = _shards(E, H, inter, seed=101)
+    w13, w2 = stack_w13(gates, ups), _experts(E, H, inter, seed=102)[1]
+    (s_gate,), (s_up,) = _shards(1, H, inter_s, seed=103)
+    s13 = fuse_w13(s_gate, s_up)
+    assert tuple(s13.global_scale.shape) == (2 * inter_s,)
+    s2 = _quantized((H, inter_s), 104, scale=0.5 / inter_s ** 0.5)
+    gate_weight = (torch.randn(1, H, generator=_gen(105)) * 0.1).to(DEV)
+    router = (torch.randn(E, H, generator=_gen(106)) * 0.3).to(DEV)
+    x = torch.randn(shape, generator=_gen(107)).to(DEV)
+    got = moe_block(x, router, w13, w2, SharedExpert(s13, s2, gate_weight), top_k=top_k)
+    dense_shared = SharedExpert(_shard_dense([s_gate], [s_up])[0], _dense(s2, FP32), gate_weight)
+    want = reference.moe_block(x, router, _shard_dense(gates, ups), _dense(w2, FP32), dense_shared, top_k=top_k)
+    m = compare(got, want)
+    assert bool(torch.isfinite(got).all()) and m.rel_l2 < 1e-5, m
+
+
+@pytest.mark.parametrize("M", [pytest.param(4, id="decode-M4"), pytest.param(30, id="prefill-M30")])
+@pytest.mark.parametrize("kind", ["bf16-weights", "per-shard"])
+def test_launch_float_and_per_shard_reuse_a_poisoned_workspace(kind, M, poison_empty):
+    """The launch layer with float weights or per-row w13 scales: a NaN / -1 workspace and output serve two
+    routings; ``BLOCK_K`` 32: several K steps, the last one partial (H = 80, I = 48)."""
+    E, top_k, H, inter = 5, 2, 80, 48
+    if kind == "bf16-weights":
+        w13, w2 = _float_experts(E, H, inter, BF16, seed=111)
+    else:
+        w13, w2 = stack_w13(*_shards(E, H, inter, seed=111)), _experts(E, H, inter, seed=112)[1]
+    x = _x(M, H, BF16, seed=113)
+    ws = moe_workspace(M, top_k, E, H, inter, BF16, DEV)
+    out = torch.full((M, H), float("nan"), dtype=BF16, device=DEV)
+    for seed, experts in ((114, None), (115, [1, 4])):
+        weights, ids = _routing(M, top_k, E, seed=seed, experts=experts)
+        assert launch_moe_experts(x, weights, ids, w13, w2, out, ws, config={"BLOCK_K": 32}) is out
+        assert_experts_close(out, x, weights, ids, w13, w2, what=f"seed {seed}")
+
+
+def test_stack_w13_layouts():
+    """The shortest exact global-scale layout: one per tensor, per expert, or per row; codes and block scales
+    concatenated untouched; float lists concatenated; compressed-tensors' own G kept per row too."""
+    E, inter, H = 3, 16, 32
+    gates, ups = _shards(E, H, inter, seed=121)
+    w13 = stack_w13(gates, ups)
+    for e in range(E):
+        assert torch.equal(w13.codes[e], torch.cat([gates[e].codes, ups[e].codes]))
+        assert torch.equal(w13.scales[e].view(torch.uint8),
+                           torch.cat([gates[e].scales, ups[e].scales]).view(torch.uint8))
+        assert torch.equal(w13.global_scale[e, :inter], gates[e].global_scale.expand(inter))
+        assert torch.equal(w13.global_scale[e, inter:], ups[e].global_scale.expand(inter))
+    same = stack_w13(gates, [NVFP4Tensor(u.codes, u.scales, g.global_scale) for g, u in zip(gates, ups)])
+    assert torch.equal(same.global_scale, torch.stack([g.global_scale for g in gates]))        # [E]
+    one = torch.tensor(1e-3, device=DEV)
+    shared_g = [[NVFP4Tensor(w.codes, w.scales, one) for w in ws] for ws in (gates, ups)]
+    assert stack_w13(*shared_g).global_scale.dim() == 0                                         # ()
+    s13 = fuse_w13(gates[0], ups[0])
+    assert tuple(s13.shape) == (2 * inter, H) and tuple(s13.global_scale.shape) == (2 * inter,)
+    ct = [nvfp4_reference.quantize(torch.randn(inter, H, generator=_gen(122 + i)) * (1 + i),
+                                   recipe="compressed-tensors") for i in range(2)]
+    f = fuse_w13(*ct)
+    assert tuple(f.recip_global_scale.shape) == (2 * inter,)
+    assert torch.equal(f.recip_global_scale, torch.cat([c.recip_global_scale.expand(inter) for c in ct]))
+    fg, fu = _float_experts(2, H, inter // 2, BF16, seed=123)[0].unbind(0)
+    assert torch.equal(stack_w13([fg], [fu])[0], torch.cat([fg, fu]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. errors for float weights and the w13 helpers
+
+_FW13, _FW2 = _float_experts(4, 32, 16, FP32, seed=131)
+
+
+MIXED_ERRORS = [
+    pytest.param(_with(w13=_FW13), TypeError, r"w13 must be an NVFP4Tensor \[E, 2I, H\], as w2 is \(both weights of "
+                 r"an FFN are of one kind.*found a float32 tensor", id="float-w13-nvfp4-w2"),
+    pytest.param(_with(w2=_FW2), TypeError, r"w2 must be an NVFP4Tensor \[E, H, I\], as w13 is.*found a float32 tensor",
+                 id="nvfp4-w13-float-w2"),
+    pytest.param(_with(w13=_FW13.to(BF16), w2=_FW2.to(BF16)), TypeError,
+                 r"w13 has dtype bfloat16; float expert weights must have x's dtype \(float32\)",
+                 id="float-not-x-dtype"),
+    pytest.param(_with(w13=_FW13, w2=_FW2.to(BF16)), TypeError,
+                 r"w2 has dtype bfloat16; float expert weights must have x's dtype \(float32\)",
+                 id="float-dtypes-differ"),
+    pytest.param(_with(w13=_FW13.int(), w2=_FW2.int()), TypeError, "w13 has dtype int32", id="int-weights"),
+    pytest.param(_with(w13=[_FW13], w2=_FW2), TypeError, r"w13 must be an NVFP4Tensor \[E, 2I, H\].*or a float "
+                 r"torch.Tensor of x's dtype, found list", id="w13-list"),
+    pytest.param(_with(w13=_FW13[0], w2=_FW2), ValueError, r"w13 must be a 3-D tensor \[E, 2I, H\]", id="float-w13-2d"),
+    pytest.param(lambda: (_X, _WEIGHTS, _IDS, torch.zeros(4, 6, 32), torch.zeros(4, 32, 3)), ValueError,
+                 r"need an even H and I.*I=3", id="float-odd-I"),
+]
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+@pytest.mark.parametrize("make_args, error, match", MIXED_ERRORS)
+def test_float_weight_errors(make_args, error, match, backend):
+    with use_reference(backend == "reference"), pytest.raises(error, match=match):
+        moe_experts(*make_args())
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_float_shared_errors(backend):
+    router = torch.randn(4, 32).to(DEV)
+    s = _float_shared(32, 16, FP32, seed=132)
+    q = _shared(32, 16, seed=133)
+    with use_reference(backend == "reference"):
+        with pytest.raises(TypeError, match=r"shared.w13 must be an NVFP4Tensor \[2I, H\], as shared.w2 is"):
+            moe_block(_X, router, _W13, _W2, SharedExpert(s.w13, q.w2, s.gate_weight), top_k=2)
+        with pytest.raises(TypeError, match=r"shared.w2 has dtype bfloat16; float expert weights must have x's dtype"):
+            moe_block(_X, router, _W13, _W2, SharedExpert(s.w13, s.w2.to(BF16), s.gate_weight), top_k=2)
+        with pytest.raises(TypeError, match=r"w2 must be an NVFP4Tensor \[E, H, I\], as w13 is"):
+            moe_block(_X, router, _W13, _FW2, s, top_k=2)
+
+
+def test_stack_w13_errors():
+    gates, ups = _shards(2, 32, 16, seed=141)
+    fg, fu = _FW13[0, :16], _FW13[0, 16:]
+    with pytest.raises(TypeError, match="gates and ups must all be NVFP4Tensors or all float torch.Tensors"):
+        stack_w13(gates, [fu, fu])
+    with pytest.raises(TypeError, match="gate and up must both be NVFP4Tensors or both float torch.Tensors"):
+        fuse_w13(gates[0], fu)
+    with pytest.raises(ValueError, match="gates and ups must list the same experts, found 2 and 1"):
+        stack_w13(gates, ups[:1])
+    with pytest.raises(ValueError, match=r"gate and up must have one shape \[..., I, H\], found \(16, 32\) and "
+                                         r"\(8, 32\)"):
+        fuse_w13(fg, fu[:8])
+    with pytest.raises(TypeError, match=r"float gates and ups must share one dtype"):
+        stack_w13([fg], [fu.to(BF16)])
+    with pytest.raises(ValueError, match=r"gates\[0\] must be 2-D \[I, H\]"):
+        stack_w13([_FW13], [_FW13])
+    with pytest.raises(TypeError, match="gates must be a non-empty list"):
+        stack_w13(_FW13, _FW13)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. GPU: a Qwen3.5-35B-A3B layer
 
 
 @functools.lru_cache(maxsize=1)

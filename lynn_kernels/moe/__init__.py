@@ -8,9 +8,13 @@ signature in :mod:`.reference`; layouts and checks in :mod:`.spec`):
 * ``align(ids, num_experts, block_m) -> (sorted_slots, block_expert, num_padded)``: the slots grouped by expert and
   padded to ``block_m`` for a grouped GEMM (contract: :func:`.reference.align`);
 * ``moe_experts(x, weights, ids, w13, w2) -> out [M, H]``: the routed experts, grouped NVFP4 GEMMs
-  (:mod:`.triton_experts`);
+  (:mod:`.triton_experts`), or the same kernels over plain float weights (the bf16 baseline);
 * ``moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True) -> [..., H]``: router, routing,
   experts and the :class:`SharedExpert`, summed and rounded once.
+
+Loader helpers (:mod:`.spec`): ``stack_w13(gates, ups) -> w13 [E, 2I, H]`` and ``fuse_w13(gate, up) -> [2I, H]``
+build ``w13`` from a checkpoint's separate gate_proj / up_proj weights (NVFP4 or float), each keeping its own global
+scale (per-shard scales become one global scale per row, which the kernels apply exactly).
 
 Bad arguments raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or device), naming the
 tensor, on every backend. The public ops ``route``, ``align`` and ``moe_experts`` also check values (finite logits,
@@ -27,7 +31,7 @@ Example (a decode batch of 4 tokens over Qwen3.5's 256 experts)::
 
 from .. import runtime
 from . import reference, spec
-from .spec import SharedExpert, max_padded
+from .spec import SharedExpert, fuse_w13, max_padded, stack_w13
 from .triton_align import align_triton
 from .triton_experts import moe_block_triton, moe_experts_triton
 from .triton_route import route_triton
@@ -91,7 +95,8 @@ def align(ids, num_experts, block_m):
 def moe_experts(x, weights, ids, w13, w2):
     """The routed experts: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``,
     W4A16: NVFP4 expert weights decoded in registers, x's dtype on the tensor cores (an IEEE fp32 dot for fp32
-    x), fp32 accumulation.
+    x), fp32 accumulation. With float weights (x's dtype) the same kernels load the weight tiles as they are: the
+    unquantised baseline (an HF bf16 checkpoint), to show what NVFP4 buys and to check parity.
 
     Prefill (M > 16): :func:`align` groups the slots by expert, then one grouped GEMM for gate and up (with
     ``silu(gate) * up`` in its epilogue) and one for down (times the routing weight), one row per slot; a decode step
@@ -104,8 +109,13 @@ def moe_experts(x, weights, ids, w13, w2):
         weights: ``[M, top_k]`` routing weights (fp32 from :func:`route`; any float dtype).
         ids: ``[M, top_k]`` int32 / int64 expert ids in ``[0, E)`` (checked here with one host sync, skipped while a
             CUDA graph is being captured).
-        w13: NVFP4 ``[E, 2I, H]``: gate rows ``0..I-1``, then up rows; global scale ``()`` or per expert ``[E]``.
-        w2: NVFP4 ``[E, H, I]``; global scale ``()`` or ``[E]``.
+        w13: ``[E, 2I, H]``: gate rows ``0..I-1``, then up rows. NVFP4 with global scale ``()``, per expert ``[E]``
+            or per row ``[E, 2I]``: the form of per-shard scales (an expert's gate_proj and up_proj quantised with
+            different global scales, as ModelOpt checkpoints may be): every gate row holds the gate's scale, every
+            up row the up's, and the kernels multiply the gate and the up accumulators each by its own, exactly.
+            :func:`stack_w13` builds it from per-expert gate / up weights. Or a float tensor of x's dtype.
+        w2: ``[E, H, I]``, of w13's kind (both NVFP4 or both float: mixing raises ``TypeError``); NVFP4 with global
+            scale ``()`` or ``[E]``. Float weights are read in place when contiguous (else copied on every call).
 
     Returns:
         ``[M, H]`` in x's dtype.
@@ -135,8 +145,9 @@ def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True
         x: ``[..., H]`` bf16 / fp16 / fp32.
         router_weight: ``[E, H]`` float, unquantised (HF ``mlp.gate.weight``).
         w13, w2: the experts, as :func:`moe_experts`.
-        shared: a :class:`SharedExpert` (NVFP4 ``w13 [2 Is, H]``, ``w2 [H, Is]`` with one global scale each, and
-            ``gate_weight [1, H]``) or None.
+        shared: a :class:`SharedExpert` (``w13 [2 Is, H]`` and ``w2 [H, Is]``, both NVFP4 or both float of x's dtype,
+            not necessarily of the routed experts' kind; NVFP4 global scales ``()``, and for ``w13`` also per row
+            ``[2 Is]``, the per-shard form :func:`fuse_w13` builds; and ``gate_weight [1, H]``) or None.
         top_k: experts per token; ``renormalize``: Qwen3.5 always, Qwen3-Next ``config.norm_topk_prob``.
 
     Returns:
@@ -149,4 +160,5 @@ def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True
     return moe_block_triton(x, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
 
 
-__all__ = ["route", "align", "moe_experts", "moe_block", "SharedExpert", "max_padded", "reference", "spec"]
+__all__ = ["route", "align", "moe_experts", "moe_block", "SharedExpert", "stack_w13", "fuse_w13", "max_padded",
+           "reference", "spec"]

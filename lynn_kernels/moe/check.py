@@ -1,6 +1,7 @@
 """``lynn check`` rows for the MoE family: routing and align exactly, the experts and the block against the fp32
 reference, on small awkward cases (an expert with no tokens, E not a power of two, top-k 1, the decode and the
-prefill paths).
+prefill paths), bf16 expert weights (the unquantised baseline through the same kernels), and NVFP4 experts whose
+gate and up halves have their own global scales (per-shard, ``stack_w13`` / ``fuse_w13``).
 
 Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``; ``err_ratio`` is the kernel's error over the error
 of the exact answer rounded to bf16 (about 1: as good as a bf16 output can be).
@@ -13,7 +14,7 @@ import torch
 from .. import runtime
 from ..nvfp4 import quantize
 from ..validate import compare
-from .spec import SharedExpert
+from .spec import SharedExpert, fuse_w13, stack_w13
 
 
 def _weights(E: int, H: int, I: int, gen: torch.Generator):
@@ -23,6 +24,18 @@ def _weights(E: int, H: int, I: int, gen: torch.Generator):
         return quantize((torch.randn(shape, generator=gen) * 0.1).to(dev))
 
     return q(E, 2 * I, H), q(E, H, I)
+
+
+def _per_shard_w13(E: int, H: int, I: int, gen: torch.Generator):
+    """``w13`` from per-expert gate / up NVFP4 weights with their own global scales (up's 2.7x gate's)."""
+    dev = runtime.DEVICE
+    gates, ups = [], []
+    for _ in range(E):
+        w = (torch.randn(2, I, H, generator=gen) * 0.1).to(dev)
+        g = w[0].abs().amax() / 2688
+        gates.append(quantize(w[0], global_scale=g))
+        ups.append(quantize(w[1] * 2.7, global_scale=g * 2.7))
+    return stack_w13(gates, ups) if E > 1 else fuse_w13(gates[0], ups[0])
 
 
 def check_moe() -> list[dict]:
@@ -66,4 +79,27 @@ def check_moe() -> list[dict]:
         path = "decode" if M <= 16 else "prefill"
         rows.append({"op": "moe.moe_block", "case": f"M{M} E{E} top{k} + shared expert ({path})", "metrics": m,
                      "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3})
+
+    bf16 = torch.bfloat16
+    for M in (3, 33):          # bf16 weights: the same kernels, the tiles loaded as they are
+        w13b = (torch.randn(E, 2 * I, H, generator=gen) * 0.1).to(bf16).to(dev)
+        w2b = (torch.randn(E, H, I, generator=gen) * 0.1).to(bf16).to(dev)
+        x = torch.randn(M, H, generator=gen).to(bf16).to(dev)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32).to(dev)
+        weights = torch.softmax(torch.randn(M, k, generator=gen), -1).to(dev)
+        want = reference.moe_experts(x.float(), weights, ids, w13b.float(), w2b.float())
+        m = compare(moe_experts(x, weights, ids, w13b, w2b), want, baseline=want.to(bf16))
+        path = "decode" if M <= 16 else "prefill"
+        rows.append({"op": "moe.moe_experts", "case": f"M{M} E{E} top{k} H{H} I{I} bf16 weights ({path})",
+                     "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and m.err_ratio <= 2.0})
+
+    w13s, s13 = _per_shard_w13(E, H, I, gen), _per_shard_w13(1, H, 48, gen)
+    shared_s = SharedExpert(s13, sw2[0], shared.gate_weight)
+    for M in (3, 33):          # per-shard gate / up global scales, routed and shared, applied per row
+        x = torch.randn(M, H, generator=gen).to(bf16).to(dev)
+        want = reference.moe_block(x, router, w13s, w2, shared_s, top_k=k)
+        m = compare(moe_block(x, router, w13s, w2, shared_s, top_k=k), want)
+        path = "decode" if M <= 16 else "prefill"
+        rows.append({"op": "moe.moe_block", "case": f"M{M} E{E} top{k} per-shard gate/up scales + shared ({path})",
+                     "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3})
     return rows

@@ -85,11 +85,17 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_slots, block_expert, padded.sum().reshape(1).to(torch.int32)
 
 
+def _fp32(w) -> torch.Tensor:
+    """An expert weight in fp32: NVFP4 dequantised (every row with its own global scale, so per-shard gate / up
+    scales apply exactly), a float tensor as it is."""
+    return nvfp4_reference.dequantize(w, torch.float32) if spec.is_nvfp4(w) else w.float()
+
+
 def _ffn(xf: torch.Tensor, w13, w2) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` in fp32; ``w13 [2I, H]`` (gate rows first), ``w2 [H, I]``, NVFP4."""
-    h = xf @ nvfp4_reference.dequantize(w13, torch.float32).t()     # [T, 2I]
+    """``down(silu(gate(x)) * up(x))`` in fp32; ``w13 [2I, H]`` (gate rows first), ``w2 [H, I]``, NVFP4 or float."""
+    h = xf @ _fp32(w13).t()                                           # [T, 2I]
     gate, up = h.chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ nvfp4_reference.dequantize(w2, torch.float32).t()
+    return (F.silu(gate) * up) @ _fp32(w2).t()
 
 
 def _experts_fp32(xf, weights, ids, w13, w2) -> torch.Tensor:
@@ -103,11 +109,12 @@ def _experts_fp32(xf, weights, ids, w13, w2) -> torch.Tensor:
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2) -> torch.Tensor:
     """The routed experts: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
-    ``e = ids[t, j]``, in fp32 from the dequantised weights, rounded once to x's dtype.
+    ``e = ids[t, j]``, in fp32 from the dequantised (or float) weights, rounded once to x's dtype.
 
     Shapes: ``x [M, H]`` bf16 / fp16 / fp32; ``weights [M, top_k]`` (fp32 from :func:`route`); ``ids [M, top_k]``
-    int32 / int64 in ``[0, E)``; ``w13`` NVFP4 ``[E, 2I, H]`` (gate rows, then up rows); ``w2`` NVFP4
-    ``[E, H, I]``. Returns ``[M, H]`` in x's dtype.
+    int32 / int64 in ``[0, E)``; ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``, both NVFP4 (any
+    global-scale layout: ``()``, ``[E]``, per row ``[E, 2I]`` / ``[E, H]``) or both float tensors of x's dtype.
+    Returns ``[M, H]`` in x's dtype.
     """
     _, _, E = spec.check_experts(x, weights, ids, w13, w2)
     spec.check_ids_in_range(ids, E)

@@ -1,4 +1,5 @@
-"""The routed experts in Triton: grouped W4A16 GEMMs over NVFP4 expert stacks, deterministic, no host sync.
+"""The routed experts in Triton: grouped W4A16 GEMMs over NVFP4 expert stacks (or float ones), deterministic, no
+host sync.
 
 ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``. Two paths, chosen by
 the batch size alone (never by the routing, which stays on the device):
@@ -38,11 +39,18 @@ with per-lane fp32 partial sums reduced once at the end.
 
 No float atomics anywhere, so two runs give the same bits.
 
-Numerics: the decoded weights are exact (bf16 for bf16 x on the GPU, fp32 otherwise); the intermediate ``h`` is
-rounded to x's dtype (bf16 / fp16; fp32 for fp32 x) on every backend, the interpreter stores it as fp32 holding that
-value, so the CPU tests check the GPU's roundings; everything after is fp32 until the single output rounding. Global
-scales: one per tensor (``()``) or one per expert (``[E]``); per-shard (separate gate and up) or per-row scales
-raise.
+**Weights**, one constexpr switch in the same kernels: NVFP4 codes decoded in registers (above), or, with
+``FLOAT_W``, plain float tensors of x's dtype (the unquantised baseline) whose tiles are loaded as they are
+(:func:`_weight_tile`, :func:`_weight_halves`) and which have no global scale. NVFP4 global scales: one per tensor
+(``()``) or one per expert (``[E]``), and for ``w13`` also one per row (``G_PER_ROW``: ``[E, 2I]``, or ``[2 Is]`` for
+the shared expert), the layout :func:`~.spec.stack_w13` gives separate gate / up (per-shard) scales: the gate
+accumulator is multiplied by its rows' scales and the up accumulator by theirs, in the epilogue, exactly.
+Per-row ``w2`` scales raise.
+
+Numerics: the weight tiles are exact (the decoded NVFP4 values, or the float weights as stored: bf16 for bf16 x on the
+GPU, fp32 otherwise); the intermediate ``h`` is rounded to x's dtype (bf16 / fp16; fp32 for fp32 x) on every backend,
+the interpreter stores it as fp32 holding that value, so the CPU tests check the GPU's roundings; everything after is
+fp32 until the single output rounding.
 """
 
 from __future__ import annotations
@@ -58,7 +66,6 @@ import triton.language as tl
 from .. import runtime
 from ..matmul.checks import GEMV_MAX_M
 from ..matmul.triton_matmul import _constexprs, _w_halves, _w_tile
-from ..nvfp4 import NVFP4Tensor
 from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
 from .spec import SharedExpert
@@ -110,10 +117,87 @@ def _round_h(h, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
+def _expert(w_ptr, scales_ptr, e, N, K, FLOAT_W: tl.constexpr):
+    """Expert ``e`` of a stack ``[E, N, K]``: the bases of its codes ``[N, K/2]`` and block scales ``[N, K/16]``, or
+    with ``FLOAT_W`` of its float rows ``[N, K]`` (the scales pointer is then unused)."""
+    if FLOAT_W:
+        w_e = w_ptr + e * N * K
+        scales_e = scales_ptr
+    else:
+        w_e = w_ptr + e * N * (K // 2)
+        scales_e = scales_ptr + e * N * (K // 16)
+    return w_e, scales_e
+
+
+@triton.jit
+def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """W[offs_n, k0:k0+BLOCK_K] of one expert ``[N, K]`` in ``DOT_DTYPE``, the first ``tl.dot`` operand: float
+    weights (x's dtype) loaded as they are, or NVFP4 decoded by the matmul's ``_w_tile`` (times ``2^-7`` with
+    ``PACKED_DECODE``)."""
+    if FLOAT_W:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+                    mask=mask_n[:, None] & (offs_k[None, :] < K), other=0)
+        return to_float32(w, X_DTYPE, INTERPRET).to(DOT_DTYPE)                        # [BLOCK_N, BLOCK_K]
+    else:
+        return _w_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE, PACKED_DECODE,
+                       INTERPRET)
+
+
+@triton.jit
+def _weight_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   X_DTYPE: tl.constexpr, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """The same tile for the FMA kernels, as its even and odd columns, fp32 ``[BLOCK_N, BLOCK_K/2]`` each: float
+    weights loaded as one tile and split, or NVFP4 by the matmul's ``_w_halves``."""
+    if FLOAT_W:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+                    mask=mask_n[:, None] & (offs_k[None, :] < K), other=0)
+        w = to_float32(w, X_DTYPE, INTERPRET)                                         # [BLOCK_N, BLOCK_K]
+        return tl.split(tl.reshape(w, (BLOCK_N, BLOCK_K // 2, 2)))
+    else:
+        return _w_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, PACKED_DECODE, INTERPRET)
+
+
+@triton.jit
+def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, FLOAT_W: tl.constexpr,
+                G_PER_ROW: tl.constexpr, PACKED_DECODE: tl.constexpr):
+    """The global scales of expert ``e``'s gate rows ``offs_n`` and up rows ``I + offs_n``, fp32 ``[BLOCK_N]`` each,
+    times ``2^7`` with ``PACKED_DECODE`` (undoing the packed decode's ``2^-7``): 1 for float weights; one per row
+    with ``G_PER_ROW`` (``g[e * 2I + row]``: per-shard gate / up scales); else one, ``g[e * G_STRIDE]``."""
+    unit = 128.0 if PACKED_DECODE else 1.0
+    if FLOAT_W:
+        g_gate = tl.full((BLOCK_N,), 1.0, tl.float32)
+        g_up = g_gate
+    elif G_PER_ROW:
+        g_rows = g_ptr + e * (2 * I) + offs_n
+        g_gate = tl.load(g_rows, mask=mask_n, other=0.0) * unit
+        g_up = tl.load(g_rows + I, mask=mask_n, other=0.0) * unit
+    else:
+        g_gate = tl.full((BLOCK_N,), 1.0, tl.float32) * (tl.load(g_ptr + e * G_STRIDE) * unit)
+        g_up = g_gate
+    return g_gate, g_up
+
+
+@triton.jit
+def _w2_global(g_ptr, offs, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr):
+    """``g[offs]`` (one expert's, or ``[TOP_K_P2]`` experts') times ``2^7`` with ``PACKED_DECODE``; 1 for float
+    weights (``g_ptr`` unused)."""
+    if FLOAT_W:
+        g = (offs * 0).to(tl.float32) + 1.0
+    else:
+        g = tl.load(g_ptr + offs) * (128.0 if PACKED_DECODE else 1.0)
+    return g
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, h_ptr,
     S, H, I, stride_xm, G_STRIDE,
-    TOP_K: tl.constexpr, DENSE: tl.constexpr,
+    TOP_K: tl.constexpr, DENSE: tl.constexpr, FLOAT_W: tl.constexpr, G_PER_ROW: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -125,8 +209,7 @@ def _moe_gate_up_kernel(
     token = slot // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
-    codes_e = codes_ptr + e * (2 * I) * (H // 2)                   # expert e of [E, 2I, H/2]
-    scales_e = scales_ptr + e * (2 * I) * (H // 16)
+    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, 2 * I, H, FLOAT_W)     # expert e of [E, 2I, H]
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -134,15 +217,16 @@ def _moe_gate_up_kernel(
         xt = tl.load(x_ptr + token[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
                      mask=(offs_k[:, None] < H) & valid[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
-        wt = _w_tile(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET)                                     # gate rows [BLOCK_N, BLOCK_K]
+        wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
+                          FLOAT_W, PACKED_DECODE, INTERPRET)                       # gate rows [BLOCK_N, BLOCK_K]
         acc_gate = tl.dot(wt, xt, acc_gate, input_precision=PRECISION)
-        wt = _w_tile(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET)                                     # up rows
+        wt = _weight_tile(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
+                          FLOAT_W, PACKED_DECODE, INTERPRET)                       # up rows
         acc_up = tl.dot(wt, xt, acc_up, input_precision=PRECISION)
-    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)         # undo the packed decode's 2^-7
-    gate = acc_gate * g
-    h = gate * tl.sigmoid(gate) * (acc_up * g)                                     # [BLOCK_N, BLOCK_M]
+    g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW,
+                               PACKED_DECODE)                                      # [BLOCK_N] each
+    gate = acc_gate * g_gate[:, None]
+    h = gate * tl.sigmoid(gate) * (acc_up * g_up[:, None])                         # [BLOCK_N, BLOCK_M]
     tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None], _round_h(h, X_DTYPE, DOT_DTYPE, INTERPRET),
              mask=mask_n[:, None] & valid[None, :])
 
@@ -151,8 +235,8 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, weights_ptr, out_ptr,
     S, H, I, stride_om, G_STRIDE,
-    DENSE: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    DENSE: tl.constexpr, FLOAT_W: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -162,17 +246,16 @@ def _moe_down_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
-    codes_e = codes_ptr + e * H * (I // 2)                         # expert e of [E, H, I/2]
-    scales_e = scales_ptr + e * H * (I // 16)
+    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, H, I, FLOAT_W)           # expert e of [E, H, I]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + offs_k[:, None],
                      mask=(offs_k[:, None] < I) & valid[None, :], other=0).to(DOT_DTYPE)   # [BLOCK_K, BLOCK_M]
-        wt = _w_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET)                                     # [BLOCK_N, BLOCK_K]
+        wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
+                          FLOAT_W, PACKED_DECODE, INTERPRET)                       # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, ht, acc, input_precision=PRECISION)
-    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)
+    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, PACKED_DECODE)
     w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)   # routing weight [BLOCK_M]
     y = acc * g * w[None, :]
     tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None], cast_output(y, OUT_DTYPE, INTERPRET),
@@ -183,7 +266,8 @@ def _moe_down_kernel(
 def _moe_decode_gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, ids_ptr, h_ptr,
     H, I, stride_xm, G_STRIDE,
-    TOP_K: tl.constexpr, DENSE: tl.constexpr, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
+    TOP_K: tl.constexpr, DENSE: tl.constexpr, FLOAT_W: tl.constexpr, G_PER_ROW: tl.constexpr,
+    X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
     PACKED_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -195,23 +279,22 @@ def _moe_decode_gate_up_kernel(
     x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
-    codes_e = codes_ptr + e * (2 * I) * (H // 2)
-    scales_e = scales_ptr + e * (2 * I) * (H // 16)
+    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, 2 * I, H, FLOAT_W)
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)          # per-lane partial sums, reduced once
     acc_up = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_x = k0 + 2 * tl.arange(0, BLOCK_K // 2)                        # x's even and odd columns
         x_even = to_float32(tl.load(x_row + offs_x, mask=offs_x < H, other=0), X_DTYPE, INTERPRET)
         x_odd = to_float32(tl.load(x_row + offs_x + 1, mask=offs_x < H, other=0), X_DTYPE, INTERPRET)
-        w_even, w_odd = _w_halves(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, PACKED_DECODE,
-                                  INTERPRET)
+        w_even, w_odd = _weight_halves(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, X_DTYPE,
+                                       FLOAT_W, PACKED_DECODE, INTERPRET)
         acc_gate += w_even * x_even[None, :] + w_odd * x_odd[None, :]
-        w_even, w_odd = _w_halves(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, PACKED_DECODE,
-                                  INTERPRET)
+        w_even, w_odd = _weight_halves(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, X_DTYPE,
+                                       FLOAT_W, PACKED_DECODE, INTERPRET)
         acc_up += w_even * x_even[None, :] + w_odd * x_odd[None, :]
-    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)
-    gate = tl.sum(acc_gate, axis=1) * g
-    h = gate * tl.sigmoid(gate) * (tl.sum(acc_up, axis=1) * g)                 # [BLOCK_N]
+    g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW, PACKED_DECODE)
+    gate = tl.sum(acc_gate, axis=1) * g_gate
+    h = gate * tl.sigmoid(gate) * (tl.sum(acc_up, axis=1) * g_up)             # [BLOCK_N]
     tl.store(h_ptr + slot.to(tl.int64) * I + offs_n, _round_h(h, X_DTYPE, H_DTYPE, INTERPRET), mask=mask_n)
 
 
@@ -220,8 +303,8 @@ def _moe_decode_down_kernel(
     h_ptr, codes_ptr, scales_ptr, g_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr,
     H, I, stride_om, G_STRIDE,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, DENSE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    FLOAT_W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PACKED_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -234,7 +317,7 @@ def _moe_decode_down_kernel(
         e = tl.load(ids_ptr + slots, mask=mask_j, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
-    # rows e * H + n of the stack [E * H, I / 2]: one [TOP_K_P2 * BLOCK_N, BLOCK_K] weight tile per step
+    # rows e * H + n of the stack [E * H, I]: one [TOP_K_P2 * BLOCK_N, BLOCK_K] weight tile per step
     rows = tl.reshape(e[:, None] * H + offs_n[None, :], (TOP_K_P2 * BLOCK_N,))
     mask_rows = tl.reshape(mask_j[:, None] & mask_n[None, :], (TOP_K_P2 * BLOCK_N,))
     h_rows = h_ptr + slots[:, None].to(tl.int64) * I
@@ -244,11 +327,11 @@ def _moe_decode_down_kernel(
         mask_h = mask_j[:, None] & (offs_h[None, :] < I)
         h_even = tl.load(h_rows + offs_h[None, :], mask=mask_h, other=0).to(tl.float32)       # [TOP_K_P2, BK/2]
         h_odd = tl.load(h_rows + offs_h[None, :] + 1, mask=mask_h, other=0).to(tl.float32)
-        w_even, w_odd = _w_halves(codes_ptr, scales_ptr, rows, mask_rows, k0, I, TOP_K_P2 * BLOCK_N, BLOCK_K,
-                                  PACKED_DECODE, INTERPRET)
+        w_even, w_odd = _weight_halves(codes_ptr, scales_ptr, rows, mask_rows, k0, I, TOP_K_P2 * BLOCK_N, BLOCK_K,
+                                       X_DTYPE, FLOAT_W, PACKED_DECODE, INTERPRET)
         acc += (tl.reshape(w_even, (TOP_K_P2, BLOCK_N, BLOCK_K // 2)) * h_even[:, None, :]
                 + tl.reshape(w_odd, (TOP_K_P2, BLOCK_N, BLOCK_K // 2)) * h_odd[:, None, :])
-    g = tl.load(g_ptr + e * G_STRIDE) * (128.0 if PACKED_DECODE else 1.0)                  # [TOP_K_P2]
+    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, PACKED_DECODE)                            # [TOP_K_P2]
     w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)  # 0 past top_k
     y = tl.sum(tl.sum(acc, axis=2) * (g * w)[:, None], axis=0)          # the combine: a fixed reduction order
     if HAS_SHARED:
@@ -319,12 +402,13 @@ def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def _flags(x_dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
-    """Constexprs of (gate_up, down), from the matmul's: the dot in x's dtype on the GPU, fp32 for fp32 x and under
-    the interpreter; the packed bf16x2 decode for bf16 x on the GPU."""
+def _flags(x_dtype: torch.dtype, float_w: bool, interpret: bool) -> dict:
+    """Constexprs of the expert kernels, from the matmul's: the dot in x's dtype on the GPU, fp32 for fp32 x and
+    under the interpreter; float weights (``FLOAT_W``) or NVFP4, with the packed bf16x2 decode for bf16 x on the
+    GPU."""
     c = _constexprs(x_dtype, None, x_dtype, interpret)
-    dot = {k: c[k] for k in ("DOT_DTYPE", "PRECISION", "PACKED_DECODE", "INTERPRET")}
-    return {"X_DTYPE": c["X_DTYPE"], **dot}, dot
+    return {"FLOAT_W": float_w, "X_DTYPE": c["X_DTYPE"], "DOT_DTYPE": c["DOT_DTYPE"], "PRECISION": c["PRECISION"],
+            "PACKED_DECODE": c["PACKED_DECODE"] and not float_w, "INTERPRET": c["INTERPRET"]}
 
 
 def _tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tuple[dict, int, int]:
@@ -339,62 +423,82 @@ def _tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tuple[dict,
     return meta, meta.pop("num_warps"), meta.pop("num_stages", 1)
 
 
-def _g_stride(name: str, w: NVFP4Tensor, stacked: bool) -> int:
-    """0 for one global scale, 1 for one per expert; anything else raises."""
+class _Weights(NamedTuple):
+    """One weight's kernel arguments: codes, block scales and global scale (for float weights the tensor itself
+    three times: its rows, and two pointers never read), and how the global scale is laid out."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    g: torch.Tensor
+    g_stride: int                   #: 0: one scale (or none), 1: one per expert
+    g_per_row: bool                 #: one per row of w13 (per-shard gate / up scales)
+
+
+def _weights(name: str, w, stacked: bool, w13: bool) -> _Weights:
+    """The kernel arguments of ``w`` (``stacked``: an ``[E, N, K]`` stack). Every global-scale layout an
+    NVFP4Tensor allows is taken for ``w13`` (``()``, ``[E]``, per row); ``w2`` takes ``()`` or ``[E]`` and raises
+    on the others."""
+    if not spec.is_nvfp4(w):
+        v = kernel_view(w if w.is_contiguous() else w.contiguous())
+        return _Weights(v, v, v, 0, False)
     g = w.global_scale
+    args = (w.codes, w.scales.view(torch.uint8), g)
     if g.dim() == 0:
-        return 0
+        return _Weights(*args, 0, False)
     if stacked and g.dim() == 1:
-        return 1
+        return _Weights(*args, 1, False)
+    if w13:                                             # [E, 2I] or [2 Is]: one per row
+        return _Weights(*args, 0, True)
     want = "() or [E]" if stacked else "()"
-    raise ValueError(f"{name}.global_scale has shape {tuple(g.shape)}; the grouped expert kernels take {want} "
-                     f"(one scale per tensor or per expert): per-shard (separate gate / up) or per-row global scales "
-                     f"are not supported: requantize with one scale per expert, or use the reference backend")
+    raise ValueError(f"{name}.global_scale has shape {tuple(g.shape)}; the grouped expert kernels take {want} for "
+                     f"the down projection (one scale per tensor{' or per expert' if stacked else ''}); per-row "
+                     f"global scales are supported for w13 only: requantize with one scale per expert, or use the "
+                     f"reference backend")
 
 
-def _launch_decode(x2, weights, ids, top_k, w13, w2, g13, g2, h, out, shared_out, dense: bool,
-                   config: dict | None = None) -> None:
+def _launch_decode(x2, weights, ids, top_k, w13: _Weights, w2: _Weights, float_w: bool, h, out, shared_out,
+                   dense: bool, config: dict | None = None) -> None:
     """The decode path: gate_up over the ``M * top_k`` slots (one slot per program), then down + combine over the
     M tokens into ``out`` (x's dtype, or fp32 for the shared expert), adding ``shared_out`` (fp32) if given."""
     M, H = x2.shape
-    I = w2.shape[-1]
-    c = _constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
-    flags = {"PACKED_DECODE": c["PACKED_DECODE"], "INTERPRET": c["INTERPRET"]}
+    I = h.shape[-1]
+    f = _flags(x2.dtype, float_w, runtime.INTERPRET)
+    flags = {k: f[k] for k in ("FLOAT_W", "X_DTYPE", "PACKED_DECODE", "INTERPRET")}
     batch = M > 2
     meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIGS[batch], config)
     _moe_decode_gate_up_kernel[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
-        kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, ids, h,
-        H, I, x2.stride(0), g13,
-        TOP_K=top_k, DENSE=dense, X_DTYPE=c["X_DTYPE"], H_DTYPE=c["DOT_DTYPE"], **flags, **meta,
+        kernel_view(x2), w13.codes, w13.scales, w13.g, ids, h,
+        H, I, x2.stride(0), w13.g_stride,
+        TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, H_DTYPE=f["DOT_DTYPE"], **flags, **meta,
         num_warps=warps, num_stages=stages)
     meta, warps, stages = _tiles(H, I, DECODE_DOWN_CONFIGS[batch], config)
     _moe_decode_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
-        h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, ids, kernel_view(weights),
-        out if shared_out is None else shared_out, kernel_view(out), H, I, out.stride(0), g2,
+        h, w2.codes, w2.scales, w2.g, ids, kernel_view(weights),
+        out if shared_out is None else shared_out, kernel_view(out), H, I, out.stride(0), w2.g_stride,
         TOP_K=top_k, TOP_K_P2=runtime.next_power_of_2(top_k), DENSE=dense, HAS_SHARED=shared_out is not None,
         W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **flags, **meta, num_warps=warps, num_stages=stages)
 
 
-def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13, w2, g13, g2, h, dest,
-                dense: bool, block_m: int, config: dict | None = None) -> None:
+def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
+                h, dest, dense: bool, block_m: int, config: dict | None = None) -> None:
     """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
     itself)."""
     M, H = x2.shape
-    I = w2.shape[-1]
-    up_flags, down_flags = _flags(x2.dtype, runtime.INTERPRET)
+    I = h.shape[-1]
+    flags = _flags(x2.dtype, float_w, runtime.INTERPRET)
     meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config)
     _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
-        kernel_view(x2), w13.codes, w13.scales.view(torch.uint8), w13.global_scale, sorted_slots, experts, h,
-        S, H, I, x2.stride(0), g13,
-        TOP_K=top_k, DENSE=dense, **up_flags, BLOCK_M=block_m, **meta,
+        kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
+        S, H, I, x2.stride(0), w13.g_stride,
+        TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, **flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)
     meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config)
     _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
-        h, w2.codes, w2.scales.view(torch.uint8), w2.global_scale, sorted_slots, experts, kernel_view(weights),
-        kernel_view(dest), S, H, I, dest.stride(0), g2,
+        h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
+        kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
-        OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **down_flags, BLOCK_M=block_m, **meta,
+        OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)
 
 
@@ -412,14 +516,15 @@ def _launch_combine(out_slots, shared_out, out, top_k: int) -> None:
         num_warps=warps, **runtime.kernel_flags())
 
 
-def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: NVFP4Tensor,
-                       w2: NVFP4Tensor, out: torch.Tensor, ws: MoEWorkspace,
-                       shared_out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, out: torch.Tensor,
+                       ws: MoEWorkspace, shared_out: torch.Tensor | None = None,
+                       config: dict | None = None) -> torch.Tensor:
     """Launch only (no checks, no host sync; the one allocation is the align step's small int32 workspace, made on
     the stream, so capturing in a CUDA graph works): ``x2 [M, H]`` (unit stride along H) into ``out [M, H]``
-    (x's dtype, unit stride along H) with the buffers of :func:`moe_workspace`. ``shared_out`` (fp32 ``[M, H]``,
-    contiguous) is added in the combine step (the shared expert's weighted output). ``config`` (``BLOCK_N``,
-    ``BLOCK_K``, ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests and experiments)."""
+    (x's dtype, unit stride along H) with the buffers of :func:`moe_workspace`. ``w13`` / ``w2``: NVFP4, or float
+    tensors of x's dtype (contiguous, else copied on every call). ``shared_out`` (fp32 ``[M, H]``, contiguous) is
+    added in the combine step (the shared expert's weighted output). ``config`` (``BLOCK_N``, ``BLOCK_K``,
+    ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests and experiments)."""
     M, H = x2.shape
     top_k = ids.shape[1]
     E = w13.shape[0]
@@ -428,16 +533,17 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
         return out
     ids = ids.contiguous()
     weights = weights.contiguous()
-    g13, g2 = _g_stride("w13", w13, True), _g_stride("w2", w2, True)
+    float_w = not spec.is_nvfp4(w13)
+    a13, a2 = _weights("w13", w13, True, True), _weights("w2", w2, True, False)
     if M <= DECODE_MAX_M:
-        _launch_decode(x2, weights.view(-1), ids.view(-1), top_k, w13, w2, g13, g2, ws.h, out, shared_out, False,
+        _launch_decode(x2, weights.view(-1), ids.view(-1), top_k, a13, a2, float_w, ws.h, out, shared_out, False,
                        config)
         return out
     block_m = block_m_for(M, top_k, E)
     launch_align(ids, E, block_m, ws.sorted_slots, ws.block_expert, ws.num_padded)
     to_out = top_k == 1 and shared_out is None
-    _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, w13, w2,
-                g13, g2, ws.h, out if to_out else ws.out_slots, False, block_m, config)
+    _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
+                float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config)
     if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
@@ -445,18 +551,17 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
 
 def _check_kernel_args(x, weights, ids, w13, w2) -> tuple[int, int, int]:
     M, top_k, E = spec.check_experts(x, weights, ids, w13, w2)
-    for name, t in (("x", x), ("weights", weights), ("ids", ids), ("w13.codes", w13.codes), ("w2.codes", w2.codes)):
+    for name, t in (("x", x), ("weights", weights), ("ids", ids), spec.weight_data("w13", w13),
+                    spec.weight_data("w2", w2)):
         runtime.check_device(name, t)
     if E > MAX_EXPERTS:
         raise ValueError(f"w13 has E={E} experts; the align kernel handles at most {MAX_EXPERTS} "
                          f"(use the reference backend)")
-    _g_stride("w13", w13, True)
-    _g_stride("w2", w2, True)
+    _weights("w2", w2, True, False)
     return M, top_k, E
 
 
-def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: NVFP4Tensor,
-                       w2: NVFP4Tensor) -> torch.Tensor:
+def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.moe.moe_experts`: checks shapes, dtypes and devices (not id values: no
     host sync), allocates the workspace and ``out [M, H]`` in x's dtype, launches."""
     M, top_k, E = _check_kernel_args(x, weights, ids, w13, w2)
@@ -473,38 +578,36 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
     ``[M]`` (the sigmoid of the shared expert gate) and ``h [M, Is]`` (:func:`intermediate_dtype`): the two GEMM
     kernels in dense mode (token rows, one expert)."""
     M = x2.shape[0]
-    g13, g2 = _g_stride("shared.w13", shared.w13, False), _g_stride("shared.w2", shared.w2, False)
+    float_w = not spec.is_nvfp4(shared.w13)
+    a13, a2 = _weights("shared.w13", shared.w13, False, True), _weights("shared.w2", shared.w2, False, False)
     if M <= DECODE_MAX_M:
-        _launch_decode(x2, gate, gate, 1, shared.w13, shared.w2, g13, g2, h, dest, None, True)
+        _launch_decode(x2, gate, gate, 1, a13, a2, float_w, h, dest, None, True)
         return dest
     block_m = max(16, min(64, runtime.next_power_of_2(M)))
-    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, shared.w13, shared.w2, g13, g2, h, dest,
-                True, block_m)
+    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, a13, a2, float_w, h, dest, True, block_m)
     return dest
 
 
-def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor,
-                     shared: SharedExpert | None = None, *, top_k: int, renormalize: bool = True) -> torch.Tensor:
+def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shared: SharedExpert | None = None, *,
+                     top_k: int, renormalize: bool = True) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.moe.moe_block`: checks shapes, dtypes and devices (no host sync), then the
     router logits (on the GPU, for bf16 / fp16 x and router, HF's own ``F.linear``: cuBLAS accumulates in fp32 and
     rounds once, as the reference's fp32 product rounded to x's dtype, up to the order of the sum; otherwise that
     product), the routing kernel, the shared expert
     (dense mode of the expert kernels) and the routed experts, summed in the combine step and rounded once."""
     spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
-    tensors = [("x", x), ("router_weight", router_weight), ("w13.codes", w13.codes), ("w2.codes", w2.codes)]
+    tensors = [("x", x), ("router_weight", router_weight), spec.weight_data("w13", w13), spec.weight_data("w2", w2)]
     if shared is not None:
-        tensors += [("shared.w13.codes", shared.w13.codes), ("shared.w2.codes", shared.w2.codes),
+        tensors += [spec.weight_data("shared.w13", shared.w13), spec.weight_data("shared.w2", shared.w2),
                     ("shared.gate_weight", shared.gate_weight)]
-        _g_stride("shared.w13", shared.w13, False)
-        _g_stride("shared.w2", shared.w2, False)
+        _weights("shared.w2", shared.w2, False, False)
     for name, t in tensors:
         runtime.check_device(name, t)
     E, H, I = w13.shape[0], x.shape[-1], w2.shape[-1]
     if E > MAX_EXPERTS:
         raise ValueError(f"w13 has E={E} experts; the routing and align kernels handle at most {MAX_EXPERTS} "
                          f"(use the reference backend)")
-    _g_stride("w13", w13, True)
-    _g_stride("w2", w2, True)
+    _weights("w2", w2, True, False)
     x2 = x.reshape(-1, H)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
