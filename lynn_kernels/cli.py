@@ -4,7 +4,8 @@
 * ``lynn bench [OP ...]``      run the GPU benchmarks and write JSON under data/bench/<gpu>/;
 * ``lynn lab``                 open JupyterLab on notebooks/;
 * ``lynn info``                what this process runs on;
-* ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md).
+* ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md);
+* ``lynn generate --model DIR PROMPT``  stream a continuation from a checkpoint (docs/decoder.md).
 """
 
 from __future__ import annotations
@@ -83,6 +84,49 @@ def _cmd_quantize(args) -> int:
     return 0
 
 
+def _cmd_generate(args) -> int:
+    import time
+
+    import torch
+
+    import lynn_kernels
+    import lynn_model
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    t0 = time.perf_counter()
+    try:
+        tok = lynn_model.Tokenizer.from_pretrained(args.model)
+        with lynn_kernels.use_reference(args.backend == "reference"):
+            model = lynn_model.from_pretrained(args.model, weights=args.weights)
+    except (ValueError, OSError) as err:
+        print(f"lynn generate: error: {err}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+    ids = tok.encode(text)
+    if not ids:
+        print("lynn generate: error: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    stops = sorted(set(tok.stop_ids) | set(model.config.eos_token_ids)) if not args.ignore_eos else []
+    stats = lynn_model.Stats()
+    out = sys.stdout
+    stream = lynn_model.TextStream(tok, lambda s: (out.write(s), out.flush()))
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    if not args.chat:
+        out.write(prompt)
+    with lynn_kernels.use_reference(args.backend == "reference"):
+        lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=seed, stop_ids=stops, stream=stream,
+                            stats=stats)
+    out.write("\n")
+    out.flush()
+    backend = "reference" if args.backend == "reference" else lynn_kernels.backend()
+    print(f"[{model.config.name}: {model.config.family}, {args.weights} weights, backend {backend}, seed {seed}, "
+          f"loaded in {load_s:.1f} s] prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
+          f"{stats.new_tokens} new tokens, decode {stats.decode_tok_s:,.1f} tok/s", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lynn", description="Lynn workbench: Triton kernels for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes on stderr")
     p.set_defaults(func=_cmd_quantize)
+    p = sub.add_parser("generate", help="stream a continuation of a prompt from a HF checkpoint folder",
+                       description="Load a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE folder (bf16 or NVFP4) with lynn_model "
+                                   "and stream text; statistics go to stderr.")
+    p.add_argument("prompt", help="the prompt ('-' reads it from stdin)")
+    p.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: from the clock, printed)")
+    p.add_argument("--weights", choices=["auto", "nvfp4", "bf16"], default="auto")
+    p.add_argument("--backend", choices=["kernels", "reference"], default="kernels",
+                   help="kernels: compiled Triton on a GPU, the interpreter on a CPU; reference: torch")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
+    p.set_defaults(func=_cmd_generate)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

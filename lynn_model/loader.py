@@ -36,7 +36,7 @@ from .model import Model
 WEIGHT_MODES = ("auto", "nvfp4", "bf16")
 #: Projections kept in a float dtype when quantising on load (``weights="nvfp4"``), as published checkpoints keep
 #: them: the LM head, the router, the shared-expert gate, and the tiny Gated DeltaNet gate projections.
-DEFAULT_KEEP = (r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.shared_expert_gate$", r"\.linear_attn\.in_proj_[ab]$")
+DEFAULT_KEEP = (r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.shared_expert_gate$", r"\.linear_attn\.in_proj_(a|b|ba)$")
 NVFP4_SUFFIXES = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
                   "modelopt": ("weight", "weight_scale", "weight_scale_2")}
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -173,7 +173,8 @@ class QuantConfig:
             return QuantConfig("compressed-tensors", pats)
         if method == "modelopt":
             _check_modelopt_algo(qc.get("quantization", qc), "config.json quantization_config")
-            excl = qc.get("exclude_modules") or qc.get("quantization", {}).get("exclude_modules") or []
+            excl = qc.get("exclude_modules") or qc.get("ignore") or qc.get("quantization", {}).get("exclude_modules") \
+                or []                                  # ModelOpt's config.json form names the list "ignore"
             return QuantConfig("modelopt", [("glob", p) for p in excl])
         raise LoadError(f"config.json quantization_config.quant_method = {method!r}: the loader reads "
                         f"'compressed-tensors' and 'modelopt' NVFP4 checkpoints")
@@ -238,17 +239,23 @@ def read_headers(folder: Path) -> list[Entry]:
             if isinstance(e, LoadError):
                 raise
             raise LoadError(f"{f}: cannot read the safetensors header ({e})") from e
-        end = 0
+        if not isinstance(header, dict):
+            raise LoadError(f"{f}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+        end, last = 0, ""
         for name, info in header.items():
             if name == "__metadata__":
                 continue
+            if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+                raise LoadError(f"{name} in {f.name}: corrupt safetensors header (an entry needs dtype, shape and "
+                                f"data_offsets)")
             dtype = _ST_DTYPES.get(info.get("dtype"))
             if dtype is None:
                 raise LoadError(f"{name} in {f.name} has dtype {info.get('dtype')}, which the loader does not read")
-            end = max(end, info["data_offsets"][1])
+            end, last = max((end, last), (info["data_offsets"][1], name))
             entries.append(Entry(name, f, dtype, tuple(info["shape"])))
         if 8 + n + end > size:
-            raise LoadError(f"{f} is truncated: its header describes {8 + n + end} bytes, the file has {size}")
+            raise LoadError(f"{f} is truncated: its header describes {8 + n + end} bytes, the file has {size} "
+                            f"(the data of {last} is cut)")
     return entries
 
 
@@ -498,7 +505,7 @@ class Assembler:
             d = self.shared.setdefault(i, {})
             d[name] = value
             if len(d) == 4:
-                w13 = moe.stack_w13([d["shared_expert.gate_proj"]], [d["shared_expert.up_proj"]])[0]
+                w13 = moe.fuse_w13(d["shared_expert.gate_proj"], d["shared_expert.up_proj"])
                 mlp.shared = moe.SharedExpert(w13, d["shared_expert.down_proj"], d["shared_expert_gate"])
                 del self.shared[i]
         else:

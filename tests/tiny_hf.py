@@ -1,7 +1,8 @@
 """Tiny random HF transformers models of the five decoder classes, saved as checkpoints: the parity oracles.
 
 Every 1-D parameter is perturbed (HF initialises zero-centred norms to 0, the GDN norm and dt_bias to 1), so a wrong
-``(1 + w)`` / ``w`` or gate path shows. The LM head is scaled up so that greedy choices are not near-ties.
+``(1 + w)`` / ``w`` or gate path shows. The LM head and the routers are scaled up so that greedy and routing choices
+are rarely near-ties.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 MM_IDS = dict(image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
 
+#: Router weights are scaled up so that bf16 rounding does not flip expert choices (HF's own bf16 forward flips
+#: some at the default init, which then dominates any comparison of logits or greedy tokens).
+ROUTER_SCALE = 10.0
 #: name -> (family, is_moe); "next" has a dense layer (mlp_only_layers) beside its MoE layers.
 NAMES = ("next", "q35", "q35moe", "q35vl", "q35moevl")
 MOE_NAMES = ("next", "q35moe", "q35moevl")
@@ -58,6 +62,9 @@ def build(name: str, seed: int = 0):
             if p.dim() == 1:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
         m.get_output_embeddings().weight.mul_(8.0)
+        for name, p in m.named_parameters():        # decisive routers: top-k choices far from ties
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
     return m.eval()
 
 

@@ -1,0 +1,239 @@
+"""The decoder against HF transformers on tiny random models of all five classes, and against itself (cache,
+chunked prefill, batching, NVFP4 vs its dequantised weights).
+
+* reference path (every op on its torch reference), fp32, vs HF fp32: logits within 1e-4 relative;
+* kernel path (the interpreter on a CPU, compiled on a GPU), bf16, vs HF eager bf16: the logits' error against HF
+  fp32 no larger than HF bf16's own (error ratio), greedy tokens equal over 32 steps;
+* prefill + decode = one full forward; chunked prefill = one-shot; a batch of 3 different lengths = each alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import lynn_kernels
+import lynn_model
+from lynn_kernels import validate
+from lynn_model import loader
+
+import tiny_hf
+
+ON_GPU = torch.cuda.is_available()
+PROMPT = 70                      # more than one 64-token chunk of the Gated DeltaNet prefill
+FAMILY_OF = {"next": "qwen3_next", "q35": "qwen3_5", "q35moe": "qwen3_5_moe", "q35vl": "qwen3_5",
+             "q35moevl": "qwen3_5_moe"}
+ONE_PER_FAMILY = ("next", "q35", "q35moe")
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory) -> dict:
+    """The five tiny HF checkpoints (fp32 safetensors), built once per session."""
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {name: tiny_hf.save(name, root / name) for name in tiny_hf.NAMES}
+
+
+@pytest.fixture(scope="session")
+def hf_logits(ckpts) -> dict:
+    """HF's logits on the shared prompt: ``{(name, dtype): [1, T, V]}``."""
+    out = {}
+    for name, d in ckpts.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.no_grad():
+                out[name, dtype] = tiny_hf.load(d, dtype)(input_ids=_ids(), use_cache=False).logits.float()
+    return out
+
+
+def _ids(n: int = PROMPT, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", tiny_hf.NAMES)
+def test_reference_path_matches_hf_fp32(ckpts, hf_logits, name):
+    with lynn_kernels.use_reference(), torch.no_grad():
+        model = lynn_model.from_pretrained(ckpts[name], device="cpu")
+        assert model.dtype == torch.float32 and model.config.family == FAMILY_OF[name]
+        got = model.forward(_ids()).float()
+    want = hf_logits[name, torch.float32]
+    m = validate.compare(got, want)
+    assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, m     # measured: rel_l2 ~2e-7
+
+
+@pytest.mark.parametrize("name", tiny_hf.NAMES)
+def test_kernel_path_matches_hf_bf16(ckpts, hf_logits, name):
+    """bf16 on the kernels: as close to HF fp32 as HF's own bf16 forward is (measured on the CPU: error ratios
+    0.94-1.12, cosines 0.99992-0.99998, HF bf16's own 0.99993-0.99998)."""
+    model = lynn_model.from_pretrained(ckpts[name], weights="bf16")
+    with torch.no_grad():
+        got = model.forward(_ids().to(model.device))
+    assert got.dtype == torch.bfloat16
+    m = validate.compare(got, hf_logits[name, torch.float32], baseline=hf_logits[name, torch.bfloat16])
+    assert m.cosine > 0.9998 and m.err_ratio < 1.5, m
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_greedy_tokens_match_hf_bf16(ckpts, name):
+    ids = _ids(9, seed=1)
+    with torch.no_grad():
+        want = tiny_hf.load(ckpts[name], torch.bfloat16).generate(ids, max_new_tokens=32, do_sample=False)
+    model = lynn_model.from_pretrained(ckpts[name], weights="bf16")
+    got = lynn_model.generate(model, ids, 32)
+    assert got.shape == want.shape
+    assert got.tolist() == want.tolist()
+
+
+# -- the cache ----------------------------------------------------------------------------------------------------
+
+
+def _fp32_kernel_model(ckpts, name):
+    return lynn_model.from_pretrained(ckpts[name], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_chunked_prefill_and_decode_equal_one_full_forward(ckpts, name):
+    """fp32 on the kernels: a prefill in two chunks (40 + 27 tokens) then three decode steps give the logits of one
+    full forward of the 70 tokens (chunk vs recurrent rule, flash vs split-KV attention: fp32 rounding only)."""
+    model, ids = _fp32_kernel_model(ckpts, name), _ids()[0].to(lynn_kernels.runtime.DEVICE)
+    with torch.no_grad():
+        full = model.forward(ids[None])[0]
+        cache = model.new_cache(max_batch=1, max_tokens=96)
+        s = cache.add()
+        parts = [model.step(ids[:40], cache, [s], [40], all_logits=True),
+                 model.step(ids[40:67], cache, [s], [27], all_logits=True)]
+        parts += [model.step(ids[j:j + 1], cache, [s], [1]) for j in range(67, 70)]
+    assert cache.lengths[s] == 70
+    m = validate.compare(torch.cat(parts), full)
+    assert m.rel_l2 < 1e-5, m                                                 # measured ~1e-7
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_batch_of_three_lengths_equals_each_alone(ckpts, name):
+    """One packed prefill of 70 / 33 / 5 tokens (varlen: no padding), then two batched decode steps, against each
+    sequence run alone (fp32 on the kernels)."""
+    model = _fp32_kernel_model(ckpts, name)
+    ids = _ids()[0].to(model.device)
+    lens, nxt = [70, 33, 5], torch.tensor([[7, 8, 9], [17, 18, 19]], device=model.device)
+    with torch.no_grad():
+        cache = model.new_cache(max_batch=4, max_tokens=160)
+        slots = [cache.add() for _ in lens]
+        got = [model.step(torch.cat([ids[:n] for n in lens]), cache, slots, lens, all_logits=True)]
+        got += [model.step(nxt[j], cache, slots, [1, 1, 1]) for j in range(2)]
+        alone = []
+        for b, n in enumerate(lens):
+            seq = torch.cat([ids[:n], nxt[:, b]])
+            alone.append(model.forward(seq[None])[0])
+    want = torch.cat([a[:n] for a, n in zip(alone, lens)] + [torch.stack([a[n + j] for a, n in zip(alone, lens)])
+                                                                 for j in range(2)])
+    m = validate.compare(torch.cat(got), want)
+    assert m.rel_l2 < 1e-5, m
+
+
+def test_decode_on_non_consecutive_slots(ckpts):
+    """Sequences in slots 0 and 2 (slot 1 released): the states are gathered and scattered back."""
+    model = _fp32_kernel_model(ckpts, "q35")
+    ids = _ids(12)[0].to(model.device)
+    with torch.no_grad():
+        cache = model.new_cache(max_batch=3, max_tokens=96)
+        a, b, c = cache.add(), cache.add(), cache.add()
+        cache.release(b)
+        model.step(torch.cat([ids[:5], ids[:9]]), cache, [a, c], [5, 9])
+        got = model.step(torch.tensor([3, 4], device=model.device), cache, [c, a], [1, 1])
+        want = torch.stack([model.forward(torch.cat([ids[:9], ids.new_tensor([3])])[None])[0, -1],
+                            model.forward(torch.cat([ids[:5], ids.new_tensor([4])])[None])[0, -1]])
+    assert validate.compare(got, want).rel_l2 < 1e-5
+
+
+def test_cache_full_and_batch_too_large_raise_before_writing(ckpts):
+    model = _fp32_kernel_model(ckpts, "q35")
+    cache = model.new_cache(max_batch=2, max_tokens=32)             # two pages of 16
+    s = cache.add()
+    cache.add()
+    with pytest.raises(lynn_model.CacheFull, match="sequence slots"):
+        cache.add()
+    before = [t.clone() for t in cache.k.values()]
+    with pytest.raises(lynn_model.CacheFull, match="holds 32 tokens"):
+        model.step(torch.zeros(33, dtype=torch.long, device=model.device), cache, [s], [33])
+    assert cache.lengths[s] == 0 and all(torch.equal(x, y) for x, y in zip(before, cache.k.values()))
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        model.step(torch.tensor([512], device=model.device), cache, [s], [1])
+
+
+# -- NVFP4 --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_nvfp4_model_equals_its_dequantised_weights_on_the_references(ckpts, name):
+    """Quantised on load (kernels: packed GEMV / GEMM, grouped NVFP4 experts) against the same NVFP4 values
+    dequantised to fp32 and run on the references (fp32 activations: the products differ only in fp32 rounding)."""
+    model = lynn_model.from_pretrained(ckpts[name], weights="nvfp4", dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, lynn_model.model.Linear)]
+    assert any(m.quantized for m in linears) and not model.lm_head.quantized
+    twin = loader.dequantize_model(model)
+    ids = _ids().to(model.device)
+    with torch.no_grad():
+        got = model.forward(ids)
+        with lynn_kernels.use_reference():
+            want = twin.forward(ids)
+    assert validate.compare(got, want).rel_l2 < 1e-5
+
+
+# -- config -------------------------------------------------------------------------------------------------------
+
+
+def _hf_dict(**changes):
+    d = lynn_model.preset("tiny-qwen3.5-moe").to_hf()
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "top_level", "rope_scaling"])
+def test_config_reads_rope_theta_wherever_releases_put_it(spelling):
+    d = _hf_dict()
+    rp = d.pop("rope_parameters")
+    if spelling == "rope_parameters":
+        d["rope_parameters"] = {**rp, "rope_theta": 5e6}
+    elif spelling == "top_level":
+        d.update(rope_theta=5e6, partial_rotary_factor=0.5, rope_scaling=None)
+    else:
+        d["rope_scaling"] = {"rope_type": "default", "rope_theta": 5e6}
+    c = lynn_model.Config.from_hf(d)
+    assert c.rope_theta == 5e6
+    assert c.rotary_dim == (16 if spelling == "top_level" else 8)
+
+
+def test_config_text_config_and_layer_types_derivation():
+    text = _hf_dict(model_type="qwen3_5_moe_text")
+    del text["layer_types"]
+    text["full_attention_interval"] = 2
+    c = lynn_model.Config.from_hf({"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {}})
+    assert c.family == "qwen3_5_moe" and c.layer_types == ("linear_attention", "full_attention") * 2
+    assert c.ffn_types == ("moe",) * 4 and c.norm_topk_prob
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(head_dim=48), "head_dim"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     "layer_types"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e7}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "default"}), "rope_theta"),
+    (dict(linear_key_head_dim=512), "linear_key_head_dim"),
+    (dict(attn_output_gate=False), "attn_output_gate"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_config_refuses_what_the_kernels_cannot_run(change, field):
+    with pytest.raises(lynn_model.ConfigError, match=field):
+        lynn_model.Config.from_hf(_hf_dict(**change))
+
+
+def test_presets_have_the_published_shapes():
+    nxt, q35 = lynn_model.preset("qwen3-next-80b-a3b"), lynn_model.preset("qwen3.5-35b-a3b")
+    assert (nxt.num_hidden_layers, nxt.num_experts, nxt.num_experts_per_tok, nxt.vocab_size) == (48, 512, 10, 151936)
+    assert (q35.num_hidden_layers, q35.num_experts, q35.num_experts_per_tok, q35.vocab_size) == (40, 256, 8, 248320)
+    assert nxt.attention_layers == tuple(range(3, 48, 4)) and q35.rotary_dim == 64 and q35.conv_dim == 8192
+    assert lynn_model.preset("qwen3.5-9b").ffn_types == ("mlp",) * 32
+    for name, cfg in lynn_model.PRESETS.items():                       # each round-trips through HF's dict
+        assert lynn_model.Config.from_hf(cfg.to_hf(), name=name) == cfg
