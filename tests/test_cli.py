@@ -43,7 +43,7 @@ def test_check_rows_all_pass():
 
 
 def test_check_unknown_family():
-    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['attention', 'deltanet', 'matmul', 'moe', 'nvfp4'\]"):
+    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['attention', 'deltanet', 'matmul', 'moe', 'norm', 'nvfp4'\]"):
         main(["check", "nvfp5"])
 
 
@@ -58,7 +58,8 @@ def test_bench_needs_a_gpu(capsys):
 def test_bench_list(capsys):
     assert main(["bench", "--list"]) == 0
     listed = capsys.readouterr().out.split()
-    assert listed == ["attention.decode", "attention.prefill", "deltanet.chunk", "deltanet.conv",
+    assert listed == ["attention.decode", "attention.prefill", "decoder.qwen3-next-80b-a3b",
+                      "decoder.qwen3.5-35b-a3b", "deltanet.chunk", "deltanet.conv",
                       "deltanet.recurrent", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
 
 
