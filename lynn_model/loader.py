@@ -686,7 +686,8 @@ def _build(asm: Assembler, m: Module, get, device, config: Config) -> None:
 def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype = torch.bfloat16, device=None,
                  seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt") -> Model:
     """A model of ``config`` with random weights drawn on ``device`` (benchmarks, shapes without a checkpoint):
-    projections ``N(0, 1 / in_features)``, norms near their identity, decays as HF initialises them; quantised on the
+    projections ``N(0, 1 / in_features)`` (those that write into the residual stream also times ``1 / sqrt(2 L)``,
+    so the net is stable: bf16 rounding is not amplified layer after layer), norms near their identity, decays as HF initialises them; quantised on the
     device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float)."""
     if weights not in ("nvfp4", "bf16"):
         raise ValueError(f"weights = {weights!r}: expected 'nvfp4' or 'bf16'")
@@ -694,6 +695,7 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
     model = Model(config, dtype)
     asm = Assembler(model, weights, keep, recipe)
     gen = torch.Generator(device=device).manual_seed(seed)
+    depth = (2 * config.num_hidden_layers) ** -0.5
     for name, t in targets(config).items():
         if name.endswith(".A_log"):
             value = torch.rand(t.shape, generator=gen, device=device).mul(15).add(1).log()
@@ -702,8 +704,10 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
         elif t.kind == "tensor" and len(t.shape) == 1:
             value = torch.randn(t.shape, generator=gen, device=device) * 0.1 + (1.0 if name.endswith("linear_attn.norm") else 0)
         else:
-            fan_in = t.shape[-1] if t.kind == "linear" else 1
-            value = torch.randn(t.shape, generator=gen, device=device, dtype=dtype) * (fan_in ** -0.5)
+            std = t.shape[-1] ** -0.5 if t.kind == "linear" else 1.0
+            if name.endswith(("o_proj", "out_proj", "down_proj")):       # what each block adds to the residual
+                std *= depth                                              # stays small: a stable, not chaotic, net
+            value = torch.randn(t.shape, generator=gen, device=device, dtype=dtype) * std
         asm.put(name, value.to(dtype), t)
     asm.finish()
     return model.eval()
