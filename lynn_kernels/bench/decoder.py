@@ -117,6 +117,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     import copy
 
     shallow = copy.copy(model)
+    shallow._modules = dict(model._modules)            # its own module table: the model keeps all its layers
     shallow.layers = model.layers[:4]
     with torch.no_grad():
         got, full_got = shallow.forward(ids[None, :80]), model.forward(ids[None, :80])
@@ -124,6 +125,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
             want, full_want = shallow.forward(ids[None, :80]), model.forward(ids[None, :80])
     val = validated(compare(got, want), min_cosine=0.999)
     val["full_depth_cosine"] = compare(full_got, full_want).cosine
+    assert len(model.layers) == cfg.num_hidden_layers
     _log(f"{name}: kernel vs reference path, 80 tokens: cosine {val['cosine']:.6f} over 4 layers, "
          f"{val['full_depth_cosine']:.6f} over all {cfg.num_hidden_layers}")
 
