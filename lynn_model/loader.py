@@ -158,7 +158,7 @@ class QuantConfig:
         qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
         hf_quant = folder / "hf_quant_config.json"
         if hf_quant.is_file():
-            q = json.loads(hf_quant.read_text()).get("quantization", {})
+            q = _read_json(hf_quant).get("quantization", {})
             _check_modelopt_algo(q, hf_quant.name)
             return QuantConfig("modelopt", [("glob", p) for p in q.get("exclude_modules") or []])
         if not qc:
@@ -199,10 +199,20 @@ class Entry:
     shape: tuple
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise LoadError(f"{path}: expected a JSON object, found a {type(d).__name__}")
+    return d
+
+
 def _shard_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise LoadError(f"{index} has no weight_map")
         files = list(dict.fromkeys(weight_map.values()))
@@ -602,7 +612,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise LoadError(f"no config.json in {folder}")
-    raw = json.loads(cfg_path.read_text())
+    raw = _read_json(cfg_path)
     config = Config.from_hf(raw, name=folder.name)
     quant = QuantConfig.read(folder, raw)
     entries = read_headers(folder)

@@ -177,7 +177,8 @@ def test_validated_refuses_a_wrong_op():
 
 
 def test_bench_registry_lists_every_family():
-    assert bench.available() == ["attention.decode", "attention.prefill", "deltanet.chunk", "deltanet.conv",
+    assert bench.available() == ["attention.decode", "attention.prefill", "decoder.qwen3-next-80b-a3b",
+                                 "decoder.qwen3.5-35b-a3b", "deltanet.chunk", "deltanet.conv",
                                  "deltanet.recurrent", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
 
 

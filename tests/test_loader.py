@@ -967,3 +967,12 @@ def test_from_pretrained_never_modifies_the_folder(ckpt, tmp_path):
     h = tree_hash(session)
     load(session)
     assert tree_hash(session) == h
+
+
+@pytest.mark.parametrize("file, text", [("config.json", "{not json"), ("config.json", "[1, 2]"),
+                                        ("model.safetensors.index.json", "{\"weight_map\": ")])
+def test_corrupt_json_names_the_file(ckpt, tmp_path, file, text):
+    folder = clone(ckpt("q35"), tmp_path / "bad")
+    (folder / file).write_text(text)
+    with pytest.raises(lynn_model.LoadError, match=file.replace(".", r"\.")):
+        load(folder)

@@ -179,6 +179,28 @@ def test_nvfp4_model_equals_its_dequantised_weights_on_the_references(ckpts, nam
     assert validate.compare(got, want).rel_l2 < 1e-5
 
 
+@pytest.mark.parametrize("name, fmt", [("next", "compressed-tensors"), ("q35", "modelopt"),
+                                       ("q35moevl", "compressed-tensors"), ("q35moe", "modelopt")])
+def test_nvfp4_checkpoints_run_on_the_kernels(ckpts, tmp_path, name, fmt):
+    """An NVFP4 folder written by ``lynn quantize`` (both layouts), loaded as stored: on the kernels it equals its
+    dequantised weights on the references (fp32 activations), and stays close to HF's fp32 model of the original
+    weights (the quantisation error only: cosine > 0.99)."""
+    from lynn_model.quantize import quantize_checkpoint
+
+    with lynn_kernels.use_reference():
+        quantize_checkpoint(ckpts[name], tmp_path / "nvfp4", format=fmt, progress=False)
+    model = lynn_model.from_pretrained(tmp_path / "nvfp4", dtype=torch.float32)
+    assert any(m.quantized for m in model.modules() if isinstance(m, lynn_model.model.Linear))
+    ids = _ids(20).to(model.device)
+    with torch.no_grad():
+        got = model.forward(ids)
+        with lynn_kernels.use_reference():
+            want = loader.dequantize_model(model).forward(ids)
+            hf = tiny_hf.load(ckpts[name], torch.float32)(input_ids=ids.cpu(), use_cache=False).logits
+    assert validate.compare(got, want).rel_l2 < 1e-5
+    assert validate.compare(got, hf).cosine > 0.99
+
+
 # -- config -------------------------------------------------------------------------------------------------------
 
 

@@ -49,16 +49,8 @@ def _build(root: Path) -> dict:
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeForCausalLM,
                                                                       Qwen3_5MoeForConditionalGeneration)
 
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-    mrope = dict(rope, mrope_section=[2, 1, 1], mrope_interleaved=True)
-    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
-                  max_position_embeddings=512, tie_word_embeddings=False, hidden_act="silu")
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    vis = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
-               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-    mm_ids = dict(image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
+    from tiny_hf import COMMON as common, MM_IDS as mm_ids, MOE as moe, MROPE as mrope, ROPE as rope, \
+        VISION as vis
 
     torch.manual_seed(0)
     models = {
