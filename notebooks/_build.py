@@ -61,6 +61,7 @@ START_HERE = [
     | routed experts: grouped MoE over NVFP4 experts | `moe` | 03 |
     | gated attention (GQA 16/2, head_dim 256, partial RoPE) | `attention` | 04 |
     | Gated DeltaNet (linear attention with a delta-rule state) | `deltanet` | 05 |
+    | the whole decoder: HF checkpoints, paged cache, prefill / decode, generation | `lynn_model` | 06 |
 
     Decoding one token at batch 1 reads every active weight once, so most of these kernels are judged in **bytes
     per second**, against the bandwidth the GPU reaches on a plain copy.
@@ -268,6 +269,7 @@ START_HERE = [
     | `03-grouped-moe` | MoE routing (ties to the lowest id), the align step, a toy grouped GEMM then the package's NVFP4 expert kernels, parity with HF's Qwen3.5 block, the H200 profile against `torch._grouped_mm`, a load and padding explorer |
     | `04-attention` | gated attention with GQA and partial RoPE, prefill and decode |
     | `05-deltanet` | Gated DeltaNet: recurrent and chunked forms, fp32 state |
+    | `06-decoder` | the hybrid decoder (`lynn_model`): layer pattern and config, a tiny HF checkpoint loaded, each layer against HF's, the paged cache (packed prefill, decode), generation against HF's, the H200 profile (host-bound eager decode) |
 
     Every notebook follows one order: idea and math, reference, kernel, validation table, profile and plot,
     interactive explorer.
