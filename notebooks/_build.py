@@ -1307,14 +1307,18 @@ PACKED_MATVEC = [
 
 
     def check_rows(kernel, fn, cases):
-        """``fn(x, w)`` against the reference on each case; bits are compared where the sums are exact."""
-        return [{"kernel": kernel, "case": name,
-                 "m": compare(fn(x, w), reference.nvfp4_linear(x, w), exact=name.startswith("grid"))}
-                for name, (x, w) in cases.items()]
+        """``fn(x, w)`` against the reference on each case; bits are compared where the sums are exact. The fp32
+        round-off of the randn case depends on the CPU's summation order, so it is shown against a bound."""
+        rows = []
+        for name, (x, w) in cases.items():
+            m = compare(fn(x, w), reference.nvfp4_linear(x, w), exact=name.startswith("grid"))
+            rows.append({"kernel": kernel, "case": name, "cosine": round(m.cosine, 6),
+                         "rel_l2 < 1e-5": m.rel_l2 < 1e-5, "mismatches": m.mismatches})
+        return rows
 
 
     CASES = {"grid 1x32x512": grid_case(1, 32, 512), "randn 2x40x208": randn_case(2, 40, 208)}
-    COLUMNS = ["kernel", "case", "cosine", "max_abs", "rel_l2", "mismatches"]
+    COLUMNS = ["kernel", "case", "cosine", "rel_l2 < 1e-5", "mismatches"]
     print(", ".join(f"{name}: x {tuple(x.shape)}, w {tuple(w.shape)}" for name, (x, w) in CASES.items()))
     '''),
     md(r'''
