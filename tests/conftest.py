@@ -9,20 +9,76 @@ from __future__ import annotations
 import lynn_kernels  # noqa: F401, I001  (must come first: it chooses the Triton backend)
 from lynn_kernels import runtime
 
+import importlib
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 
+# -- oracles -------------------------------------------------------------------------------------------------------
+# The independent implementations the tests compare with (HF transformers, compressed-tensors, ModelOpt) are test
+# extras. A missing one fails its tests: they never skip, so a green run always means the oracles ran. A test names
+# its oracles with ``@pytest.mark.oracle("transformers")``, by using a fixture listed in its module's
+# ``ORACLE_FIXTURES`` (fixture name -> package) or in :data:`ORACLE_FIXTURES` here; the summary counts them.
+
+#: conftest fixtures that load an oracle.
+ORACLE_FIXTURES = {"hf_moe_blocks": "transformers"}
+_oracle_tests: dict[str, set] = {}
+_oracle_outcome: dict[str, str] = {}
+
+
+def oracle(module: str):
+    """Import an oracle module; if it is missing, fail the test (or the fixture) that needs it, never skip."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        pytest.fail(f"oracle {module!r} cannot be imported ({err}); install the test extras: "
+                    f"python -m pip install torch==2.13.0 -e \".[test]\" (oracle tests never skip)", pytrace=False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "oracle(package, ...): the test compares against an oracle package")
+
+
+def _oracles_of(item) -> set:
+    found = {p for m in item.iter_markers("oracle") for p in m.args}
+    fixtures = {**ORACLE_FIXTURES, **getattr(getattr(item, "module", None), "ORACLE_FIXTURES", {})}
+    found |= {fixtures[f] for f in getattr(item, "fixturenames", ()) if f in fixtures}
+    return found
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip ``@pytest.mark.gpu`` tests when no CUDA GPU is visible (compiled Triton only runs there)."""
+    """Skip ``@pytest.mark.gpu`` tests when no CUDA GPU is visible (compiled Triton only runs there); note which
+    tests use an oracle."""
+    for item in items:
+        pkgs = _oracles_of(item)
+        if pkgs:
+            _oracle_tests[item.nodeid] = pkgs
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (compiled Triton); this machine runs the interpreter")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid not in _oracle_tests:
+        return
+    if (report.when == "call") or (report.when == "setup" and not report.passed):
+        _oracle_outcome[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _oracle_outcome:
+        return
+    ran = Counter(_oracle_outcome.values())
+    per = Counter(p for n, o in _oracle_outcome.items() if o == "passed" for p in _oracle_tests[n])
+    terminalreporter.write_line(
+        f"oracle tests: {ran['passed']} passed, {ran['failed']} failed, {ran['skipped']} skipped "
+        f"({', '.join(f'{p} {k}' for p, k in sorted(per.items())) or 'none passed'})")
 
 
 @pytest.fixture
@@ -76,11 +132,11 @@ def poison_empty(monkeypatch):
 
 @pytest.fixture(scope="session")
 def hf_moe_blocks() -> dict:
-    """HF's sparse MoE blocks on one tiny config (transformers is a dev extra: skipped when absent):
+    """HF's sparse MoE blocks on one tiny config (transformers is a test extra: missing, the tests fail):
     ``{name: (block class, config, renormalize)}`` for Qwen3-Next with and without ``norm_topk_prob`` and
     Qwen3.5-MoE."""
-    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    q35 = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    qn = oracle("transformers.models.qwen3_next.modeling_qwen3_next")
+    q35 = oracle("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import oracle
 import torch.nn.functional as F
 
 import lynn_kernels
@@ -112,9 +113,12 @@ def test_reference_decode_matches_sdpa():
     assert (reference.decode_attention(q, kc, vc, ints([0, 1, 2]))[0] == 0).all()     # no keys: zeros
 
 
+ORACLE_FIXTURES = {"hf": "transformers"}
+
+
 @pytest.fixture(scope="module")
 def hf():
-    return pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    return oracle("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
 def _hf_norm_rope(hf, q, k, qw, kw, cos, sin):

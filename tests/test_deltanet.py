@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import oracle
 
 from lynn_kernels import deltanet, runtime, use_reference
 from lynn_kernels.deltanet import reference, triton_chunk, triton_recurrent
@@ -85,11 +86,12 @@ def test_chunk_reference_equals_recurrent_reference(T):
     assert compare(s2, s1).rel_l2 < 1e-5
 
 
+@pytest.mark.oracle("transformers")
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "prenormed"])
 @pytest.mark.parametrize("group", [1, 2], ids=["HV=H", "HV=2H"])
 def test_references_match_hf(group, l2norm):
     """HF's own torch functions (they repeat q/k to the value heads themselves and take ``use_qk_l2norm_in_kernel``)."""
-    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    hf = oracle("transformers.models.qwen3_next.modeling_qwen3_next")
     q, k, v, g, beta, h0 = make_inputs(2, 130, 2, 2 * group, 32, 32, l2norm=l2norm, device="cpu")
     o_hf_c, s_hf_c = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                      use_qk_l2norm_in_kernel=l2norm)
@@ -346,11 +348,12 @@ def test_conv_prefill_then_updates_equals_one_long_prefill(dtype, poison_empty):
     assert torch.equal(state, s_long)
 
 
+@pytest.mark.oracle("transformers")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_conv_matches_hf(dtype):
     """HF keeps ``x`` as ``[B, C, T]`` and a conv state ``[B, C, W]``; the same numbers in our layout. In bf16 HF
     rounds twice (the conv output, then SiLU in bf16), so two bf16 steps apart at most."""
-    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    hf = oracle("transformers.models.qwen3_next.modeling_qwen3_next")
     x, w, _ = _conv_inputs(2, 20, 40, 4, dtype, None)
     want = hf.causal_conv1d_fn(x.transpose(1, 2).cpu(), w.cpu(), None, activation="silu").transpose(1, 2)
     y, _ = deltanet.causal_conv1d(x, w)
@@ -382,9 +385,10 @@ def test_gated_rmsnorm(dtype, w_dtype, shape, poison_empty, make_weight):
         assert compare(y, want).rel_l2 < 1e-6
 
 
+@pytest.mark.oracle("transformers")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_rmsnorm_matches_hf(dtype, make_weight):
-    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    hf = oracle("transformers.models.qwen3_next.modeling_qwen3_next")
     x, z = make_weight((4, 64), dtype, seed=1), make_weight((4, 64), dtype, seed=2)
     norm = hf.Qwen3NextRMSNormGated(64, eps=1e-6).to(dtype)
     with torch.no_grad():
@@ -399,10 +403,11 @@ def test_gated_rmsnorm_matches_hf(dtype, make_weight):
 # 5. a whole Qwen3.5 Gated DeltaNet layer against HF's, prefill then decode
 
 
+@pytest.mark.oracle("transformers")
 def test_qwen3_5_layer_matches_hf(device):
     """HF's ``Qwen3_5GatedDeltaNet`` on 68 tokens == our ops: conv + chunked rule on 66, then two decode steps
     (conv update + fused-gate recurrent step) from the carried states, then the gated norm and out_proj."""
-    m = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    m = oracle("transformers.models.qwen3_5.modeling_qwen3_5")
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32,

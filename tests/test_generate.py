@@ -21,6 +21,9 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+#: fixtures that load an oracle package (tests/conftest.py counts the tests that use them)
+ORACLE_FIXTURES = {"folder": "transformers"}
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):

@@ -48,6 +48,9 @@ SHORT = {"compressed-tensors": "ct", "modelopt": "mo"}
 KEPT_HF = r"(^lm_head|\.mlp\.gate|\.shared_expert_gate|\.linear_attn\.in_proj_(a|b|ba))$"
 KEPT_MODEL = r"(^lm_head|\.mlp\.gate|\.shared_expert_gate|\.linear_attn\.in_proj_[ab])$"
 
+#: fixtures that load an oracle package (tests/conftest.py counts the tests that use them)
+ORACLE_FIXTURES = {"ckpt": "transformers"}
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoints, built once per session on first use

@@ -27,6 +27,9 @@ FAMILY_OF = {"next": "qwen3_next", "q35": "qwen3_5", "q35moe": "qwen3_5_moe", "q
              "q35moevl": "qwen3_5_moe"}
 ONE_PER_FAMILY = ("next", "q35", "q35moe")
 
+#: fixtures that load an oracle package (tests/conftest.py counts the tests that use them)
+ORACLE_FIXTURES = {"ckpts": "transformers", "hf_logits": "transformers"}
+
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory) -> dict:

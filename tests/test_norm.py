@@ -178,6 +178,7 @@ def _hf_norm(cls, D, w_dtype, seed=0):
     return mod
 
 
+@pytest.mark.oracle("transformers")
 @pytest.mark.parametrize("cls", [Qwen3_5RMSNorm, Qwen3NextRMSNorm], ids=["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("w_dtype", [BF16, FP32], ids=["w_bf16", "w_fp32"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -196,6 +197,7 @@ def test_reference_equals_hf(dtype, w_dtype, cls, make_weight):
     assert equal_bits(h, h_want) and equal_bits(y, y_want)
 
 
+@pytest.mark.oracle("transformers")
 @pytest.mark.parametrize("D", [100, 2048])
 def test_kernel_within_one_bf16_ulp_of_hf(D, poison_empty, make_weight):
     hf = _hf_norm(Qwen3_5RMSNorm, D, BF16, seed=1)

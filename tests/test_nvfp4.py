@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import oracle
 
 import lynn_kernels
 from lynn_kernels import nvfp4
@@ -153,10 +154,14 @@ def test_quantize_kernel_matches_reference_per_expert_global(shape, g_dims, dtyp
 # from 1 / g, q = w / (s / G) lands 1 ulp off CT's and an exact E2M1 tie (bf16 weights have many) rounds the other way.
 
 
+#: fixtures that load an oracle package (the summary counts the tests that use them)
+ORACLE_FIXTURES = {"ct": "compressed_tensors", "NVFP4QTensor": "modelopt"}
+
+
 @pytest.fixture(scope="module")
 def ct():
     """compressed-tensors' own NVFP4 pipeline (CPU path): ``quant(w, gs_ct) -> (codes, fp8 scales)``."""
-    pytest.importorskip("compressed_tensors")
+    oracle("compressed_tensors")
     from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
     from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
@@ -273,7 +278,7 @@ def test_compressed_tensors_layout_keeps_weight_global_scale(device):
 @pytest.fixture(scope="module")
 def NVFP4QTensor():
     """ModelOpt's quantiser (its import takes several seconds, so once per module)."""
-    mod = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor")
+    mod = oracle("modelopt.torch.quantization.qtensor.nvfp4_tensor")
     return mod.NVFP4QTensor
 
 

@@ -36,6 +36,9 @@ LAYOUT = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_global
           "modelopt": ("weight", "weight_scale", "weight_scale_2")}
 MODELS = ["next", "q35", "q35moe", "vl", "vl_packed"]
 
+#: fixtures that load an oracle package (tests/conftest.py counts the tests that use them)
+ORACLE_FIXTURES = {"tiny": "transformers", "ct": "compressed_tensors", "modelopt": "modelopt"}
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # tiny checkpoints
@@ -330,6 +333,7 @@ def test_transformers_loads_it(tiny, tmp_path):
         assert torch.equal(logits, ref(input_ids=ids).logits)
 
 
+@pytest.mark.oracle("compressed_tensors")
 def test_compressed_tensors_config_is_cts_own(tiny, tmp_path):
     """Our ``quantization_config`` is what compressed-tensors' ``ModelCompressor.update_config`` writes for its
     NVFP4A16 preset scheme with the same ignore list, and it parses as a ``QuantizationConfig``."""

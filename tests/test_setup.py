@@ -40,3 +40,14 @@ def test_performance_tables_are_the_committed_results():
     doc = (ROOT / "docs" / "performance.md").read_text()
     for op in report.ALL_OPS:
         assert report.markdown(op) in doc, f"docs/performance.md is out of date for {op}"
+
+
+def test_a_missing_oracle_fails_instead_of_skipping():
+    """tests/conftest.py's ``oracle`` import: a missing oracle package is a failure, never a skip."""
+    import pytest
+
+    from conftest import oracle
+
+    with pytest.raises(pytest.fail.Exception, match="never skip"):
+        oracle("lynn_no_such_oracle_package")
+    assert oracle("json").dumps([1]) == "[1]"
