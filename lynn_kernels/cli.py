@@ -102,7 +102,11 @@ def _cmd_generate(args) -> int:
         print(f"lynn generate: error: {err}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+    except Exception as err:                      # no template, or one jinja2 cannot render
+        print(f"lynn generate: error: --chat: {err}", file=sys.stderr)
+        return 2
     ids = tok.encode(text)
     if not ids:
         print("lynn generate: error: the prompt encodes to no tokens", file=sys.stderr)

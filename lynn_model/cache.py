@@ -116,6 +116,7 @@ class Cache:
         self.block_table = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=self.device)
         self.lengths = [0] * max_batch
         self.active = [False] * max_batch
+        self.broken = [False] * max_batch           #: a step failed half-way: the states are undefined
         self._blocks: list[list[int]] = [[] for _ in range(max_batch)]
         self._free = list(range(self.num_blocks - 1, -1, -1))      # a stack: pop() gives block 0 first
 
@@ -145,17 +146,26 @@ class Cache:
                         f"one or build the cache with a larger max_batch")
 
     def release(self, slot: int) -> None:
-        """End a sequence and return its pages to the pool."""
-        self._check_slot(slot)
+        """End a sequence (a broken one too) and return its pages to the pool."""
+        if not isinstance(slot, int) or not 0 <= slot < self.max_batch or not self.active[slot]:
+            raise ValueError(f"slot {slot!r} is not an active sequence of this cache")
         self._free.extend(reversed(self._blocks[slot]))
         self._blocks[slot] = []
-        self.active[slot] = False
+        self.active[slot] = self.broken[slot] = False
         self.lengths[slot] = 0
+
+    def mark_broken(self, slots) -> None:
+        """A step over ``slots`` failed after some layers had written their states: refuse them until released."""
+        for s in slots:
+            self.broken[s] = True
 
     def _check_slot(self, slot) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_batch or not self.active[slot]:
             raise ValueError(f"slot {slot!r} is not an active sequence of this cache (active: "
                              f"{[s for s, a in enumerate(self.active) if a]})")
+        if self.broken[slot]:
+            raise ValueError(f"slot {slot}: an earlier step over it failed half-way, so its states are undefined; "
+                             f"release it (cache.release({slot})) and prefill the sequence again")
 
     # -- one call ------------------------------------------------------------------------------------------------
     def plan(self, slots: list[int], new_lens: list[int]) -> Batch:
@@ -173,8 +183,7 @@ class Cache:
             raise ValueError(f"new_lens must be positive ints, got {new_lens}")
         prefix = [self.lengths[s] for s in slots]
         need = [-(-(p + n) // self.page_size) - len(self._blocks[s]) for s, p, n in zip(slots, prefix, new_lens)]
-        if max(-(-(p + n) // self.page_size) for p, n in zip(prefix, new_lens)) > self.max_blocks or \
-                sum(max(0, x) for x in need) > len(self._free):
+        if sum(max(0, x) for x in need) > len(self._free):
             raise CacheFull(f"the KV cache holds {self.capacity_tokens} tokens ({self.num_blocks} pages of "
                             f"{self.page_size}), {self.free_tokens} free; this call needs "
                             f"{sum(max(0, x) for x in need) * self.page_size} more for sequences of "

@@ -85,10 +85,10 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed, validated again (e.g. ``num_hidden_layers`` for a shorter model)."""
-        if "num_hidden_layers" in changes and "layer_types" not in changes:
+        if "num_hidden_layers" in changes:
             n = changes["num_hidden_layers"]
-            changes["layer_types"] = tuple(self.layer_types[i % len(self.layer_types)] for i in range(n))
-            changes["ffn_types"] = tuple(self.ffn_types[i % len(self.ffn_types)] for i in range(n))
+            changes.setdefault("layer_types", tuple(self.layer_types[i % len(self.layer_types)] for i in range(n)))
+            changes.setdefault("ffn_types", tuple(self.ffn_types[i % len(self.ffn_types)] for i in range(n)))
         return _validated(dataclasses.replace(self, **changes))
 
     # -- from / to config.json ----------------------------------------------------------------------------------
@@ -228,6 +228,8 @@ def _validated(c: Config) -> Config:
 
     need(len(c.layer_types) == c.num_hidden_layers,
          f"layer_types has {len(c.layer_types)} entries; num_hidden_layers = {c.num_hidden_layers}")
+    need(len(c.ffn_types) == c.num_hidden_layers and set(c.ffn_types) <= {"moe", "mlp"},
+         f"ffn_types = {c.ffn_types}: expected 'moe' / 'mlp' for each of the {c.num_hidden_layers} layers")
     bad = sorted(set(c.layer_types) - set(LAYER_KINDS))
     need(not bad, f"layer_types contains {bad}: the decoder runs {list(LAYER_KINDS)}")
     need(c.head_dim in HEAD_DIMS, f"head_dim = {c.head_dim}: the attention kernels take {HEAD_DIMS}")

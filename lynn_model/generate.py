@@ -61,12 +61,12 @@ class Stats:
     def prefill_tok_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
 
+    batch: int = 0                   #: sequences in the call
+
     @property
     def decode_tok_s(self) -> float:
-        """Generated tokens after the first (each needs a decode step) per second of decoding."""
-        return (self.new_tokens - self._batch) / self.decode_s if self.decode_s else 0.0
-
-    _batch: int = 0
+        """Tokens made by decode steps (all but each sequence's first) per second of decoding."""
+        return (self.new_tokens - self.batch) / self.decode_s if self.decode_s else 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -85,7 +85,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         temperature, top_k, top_p: sampling (see :func:`sample`); ``temperature=0.0`` is greedy.
         seed: seeds the sampler (a generator on the model's device), so a seeded call repeats exactly.
         stop_ids: a sequence ends after emitting one of these; the others go on.
-        stream: called after each step with the ``[B]`` new tokens (a finished sequence repeats its stop id).
+        stream: called after each step with ``[B]`` tokens: the new one of each live sequence, ``-1`` for one that
+            has finished. Finished sequences leave the batch: the next steps run the others only.
         stats: filled with the prefill / decode timings.
         max_tokens: the cache's token budget (default: every prompt plus ``max_new_tokens``).
 
@@ -93,21 +94,21 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         int64 ``[B, T + n]`` with ``n <= max_new_tokens`` the steps run (fewer when every sequence stopped); rows of
         a list input are right-padded with their last token.
     """
-    rows = [list(map(int, r)) for r in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
     if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.dtype != torch.int64):
         raise ValueError(f"input_ids must be int64 [B, T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+    rows = [list(map(int, r)) for r in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("input_ids needs at least one prompt, each of at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 0")
     dev = model.device
-    stops = torch.tensor(sorted(set(stop_ids or [])), dtype=torch.long, device=dev)
+    stops = set(int(t) for t in (stop_ids or []))
     gen = None
     if seed is not None:
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
     stats = stats if stats is not None else Stats()
-    stats.prompt_tokens, stats._batch = sum(map(len, rows)), len(rows)
+    stats.prompt_tokens, stats.batch = sum(map(len, rows)), len(rows)
     budget = max_tokens or sum(len(r) + max_new_tokens for r in rows)
     cache = model.new_cache(max_batch=len(rows), max_tokens=budget + 16 * len(rows))
     slots = [cache.add() for _ in rows]
@@ -120,35 +121,41 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         logits = model.step(torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev), cache, slots,
                             [len(r) for r in rows])
         nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
-        done = torch.isin(nxt, stops) if stops.numel() else torch.zeros_like(nxt, dtype=torch.bool)
         _sync(dev)
         stats.prefill_s = time.perf_counter() - t0
-        _emit(out, nxt, stream)
+        live = list(range(len(rows)))                 # rows still generating: only they run the next step
+        live = _emit(out, live, nxt, stops, stream)
+        stats.new_tokens = len(rows)
         steps = 1
         t0 = time.perf_counter()
-        while steps < max_new_tokens and not bool(done.all()):
-            logits = model.step(nxt, cache, slots, [1] * len(rows))
-            new = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
-            nxt = torch.where(done, nxt, new)
-            if stops.numel():
-                done = done | torch.isin(nxt, stops)
-            _emit(out, nxt, stream)
+        while steps < max_new_tokens and live:
+            last = torch.tensor([out[b][-1] for b in live], dtype=torch.long, device=dev)
+            logits = model.step(last, cache, [slots[b] for b in live], [1] * len(live))
+            nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+            stats.new_tokens += len(live)
+            live = _emit(out, live, nxt, stops, stream)
             steps += 1
         _sync(dev)
         stats.decode_s = time.perf_counter() - t0
         stats.decode_steps = steps - 1
-    stats.new_tokens = steps * len(rows)
     return _pack(out)
 
 
-def _emit(out: list[list[int]], nxt: torch.Tensor, stream) -> None:
-    for r, t in zip(out, nxt.tolist()):
-        r.append(int(t))
+def _emit(out: list[list[int]], live: list[int], nxt: torch.Tensor, stops: set, stream) -> list[int]:
+    """Append each live row's new token; returns the rows still live. ``stream`` gets ``[B]`` tokens, ``-1`` for a
+    row that had already finished."""
+    new = nxt.tolist()
+    step = [-1] * len(out)
+    for b, t in zip(live, new):
+        out[b].append(int(t))
+        step[b] = int(t)
     if stream is not None:
-        stream(nxt)
+        stream(torch.tensor(step, dtype=torch.long))
+    return [b for b, t in zip(live, new) if int(t) not in stops]
 
 
 def _pack(out: list[list[int]]) -> torch.Tensor:
+    """Rows right-padded with their last token (a stop id, or the prompt's last for a shorter prompt)."""
     n = max(map(len, out))
     return torch.tensor([r + [r[-1]] * (n - len(r)) for r in out], dtype=torch.long)
 
@@ -234,12 +241,11 @@ class TextStream:
         self.tok, self.write, self.row = tokenizer, write, row
         self.ids: list[int] = []
         self.shown = 0
-        self.stopped = False
 
     def __call__(self, nxt: torch.Tensor) -> None:
-        if self.stopped:
-            return
         t = int(nxt[self.row])
+        if t < 0:                                     # this sequence has finished
+            return
         self.ids.append(t)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):

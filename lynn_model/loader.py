@@ -34,9 +34,13 @@ from .config import Config
 from .model import Model
 
 WEIGHT_MODES = ("auto", "nvfp4", "bf16")
-#: Projections kept in a float dtype when quantising on load (``weights="nvfp4"``), as published checkpoints keep
-#: them: the LM head, the router, the shared-expert gate, and the tiny Gated DeltaNet gate projections.
+#: Projections kept in a float dtype when quantising on load (``weights="nvfp4"``): the LM head, the router, the
+#: shared-expert gate and the tiny Gated DeltaNet gate projections (as every published checkpoint keeps them).
 DEFAULT_KEEP = (r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.shared_expert_gate$", r"\.linear_attn\.in_proj_(a|b|ba)$")
+#: What published NVFP4 checkpoints keep besides: every Gated DeltaNet projection (``keep=PUBLISHED_KEEP`` loads a
+#: bf16 folder the way they are quantised; the default quantises ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj`` too,
+#: for the bytes a decode step reads).
+PUBLISHED_KEEP = DEFAULT_KEEP + (r"\.linear_attn\.",)
 NVFP4_SUFFIXES = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
                   "modelopt": ("weight", "weight_scale", "weight_scale_2")}
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -332,6 +336,10 @@ def plan(config: Config, entries: list[Entry], quant: QuantConfig) -> tuple[dict
                 key = f"{prefix}.{j}.{part}"
                 if key in mods:
                     raise LoadError(f"{prefix} has both packed experts and per-expert tensors ({key})")
+                if key not in want:
+                    ent = pm.parts["gate_up_proj"]
+                    raise LoadError(f"unexpected tensor {ent.name} in {ent.file.name}: layer {prefix.split('.')[2]} "
+                                    f"of this config has no routed experts")
                 want.pop(key)
     missing = [n for n in want if n not in mods]
     if missing:
@@ -439,7 +447,6 @@ class Assembler:
         self.dtype, self.c = model.dtype, model.config
         self.experts: dict[int, dict] = {}
         self.shared: dict[int, dict] = {}
-        self.done: set[str] = set()
 
     # -- conversions ---------------------------------------------------------------------------------------------
     def convert(self, module: str, value, target: Target):
@@ -456,7 +463,6 @@ class Assembler:
     def put(self, module: str, value, target: Target) -> None:
         value = self.convert(module, value, target)
         m, c = self.model, self.c
-        self.done.add(module)
         if module == "model.embed_tokens":
             m.embed_tokens = value
             if c.tie_word_embeddings:
@@ -505,6 +511,7 @@ class Assembler:
             d[(int(em.group(1)), em.group(2))] = value
             if len(d) == 3 * self.c.num_experts:
                 e = self.c.num_experts
+                d = self._one_kind(d)
                 mlp.w13 = moe.stack_w13([d[(j, "gate_proj")] for j in range(e)], [d[(j, "up_proj")] for j in range(e)])
                 downs = [d[(j, "down_proj")] for j in range(e)]
                 mlp.w2 = NVFP4Tensor.stack(downs) if isinstance(downs[0], NVFP4Tensor) else torch.stack(downs)
@@ -515,11 +522,23 @@ class Assembler:
             d = self.shared.setdefault(i, {})
             d[name] = value
             if len(d) == 4:
+                gate = d.pop("shared_expert_gate")
+                d = self._one_kind(d)
+                d["shared_expert_gate"] = gate
                 w13 = moe.fuse_w13(d["shared_expert.gate_proj"], d["shared_expert.up_proj"])
                 mlp.shared = moe.SharedExpert(w13, d["shared_expert.down_proj"], d["shared_expert_gate"])
                 del self.shared[i]
         else:
             getattr(mlp, name).weight = value
+
+    def _one_kind(self, parts: dict) -> dict:
+        """The grouped expert kernels take one kind of weight per FFN: where a checkpoint mixes NVFP4 and float
+        experts (an ``--ignore``d expert), the NVFP4 ones are dequantised to the run dtype (exact in fp32)."""
+        kinds = {isinstance(v, NVFP4Tensor) for v in parts.values()}
+        if len(kinds) == 1:
+            return parts
+        return {k: lynn_kernels.dequantize(v, self.dtype) if isinstance(v, NVFP4Tensor) else v.to(self.dtype)
+                for k, v in parts.items()}
 
     def finish(self) -> None:
         if self.experts or self.shared:

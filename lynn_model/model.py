@@ -171,7 +171,8 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router (bf16), softmax top-k, the routed experts and the gated shared expert: one ``moe.moe_block`` call.
+    """Router (run dtype), softmax top-k, the routed experts and the gated shared expert: one ``moe.moe_block``
+    call.
 
     ``w13`` ``[E, 2I, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, I]``: NVFP4 (a global scale per expert and
     shard) or float; ``shared`` a :class:`lynn_kernels.moe.SharedExpert` or None."""
@@ -263,12 +264,22 @@ class Model(nn.Module):
         if tokens.numel() != sum(new_lens):
             raise ValueError(f"tokens has {tokens.numel()} entries; new_lens {new_lens} sum to {sum(new_lens)}")
         _check_ids(tokens, self.config.vocab_size)
+        if cache.config != self.config or cache.dtype != self.dtype or cache.device != self.device:
+            raise ValueError(f"cache was built for another model ({cache.config.name or cache.config.family}, "
+                             f"{cache.dtype}, {cache.device}); this model is {self.config.name or self.config.family}"
+                             f", {self.dtype}, {self.device}: use model.new_cache(...)")
         batch = cache.plan(list(slots), list(new_lens))
-        x = self._trunk(tokens.to(self.device), batch, cache)
+        try:
+            x = self._trunk(tokens.to(self.device), batch, cache)
+        except BaseException:
+            cache.mark_broken(list(slots))            # some layers already wrote their states
+            raise
         cache.advance(list(slots), list(new_lens))
         return self.lm_head(x if all_logits else x[batch.last_rows])
 
 
 def _check_ids(ids: torch.Tensor, vocab: int) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}), found min {int(ids.min())}, max {int(ids.max())}")
+    if ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}), found min {lo}, max {hi}")

@@ -136,3 +136,22 @@ def test_lynn_generate_streams_text_and_reports_speed(folder, model, capsys):
     assert "backend reference" in cap.err and "prompt 3 tokens" in cap.err and "decode" in cap.err
     assert "tok/s" in cap.err
     assert main(["generate", "--model", str(folder / "missing"), "x"]) == 2
+
+
+def test_a_stopped_sequence_leaves_the_batch(model):
+    """Row 0 stops at its first token; row 1 goes on alone (the same tokens as run alone), the stream shows -1 for
+    the finished row, and the statistics count real tokens only."""
+    rows = [[5, 6, 7, 8], [9, 10]]
+    first0 = _greedy(model, [rows[0]], 1)[0, -1].item()
+    alone1 = _greedy(model, [rows[1]], 5)[0, 2:].tolist()
+    assert first0 not in alone1
+    seen, stats = [], lynn_model.Stats()
+    out = _greedy(model, rows, 5, stop_ids=[first0], stream=lambda t: seen.append(t.tolist()), stats=stats)
+    assert out[0].tolist() == rows[0] + [first0] * 3 and out[1, 2:].tolist() == alone1      # padded to 7
+    assert seen[0] == [first0, alone1[0]] and all(s[0] == -1 for s in seen[1:])
+    assert stats.new_tokens == 1 + 5 and stats.batch == 2 and stats.decode_steps == 4
+
+
+def test_generate_checks_the_tensor_first(model):
+    with pytest.raises(ValueError, match=r"int64 \[B, T\]"):
+        lynn_model.generate(model, torch.tensor([1, 2, 3]), 2)

@@ -979,3 +979,27 @@ def test_corrupt_json_names_the_file(ckpt, tmp_path, file, text):
     (folder / file).write_text(text)
     with pytest.raises(lynn_model.LoadError, match=file.replace(".", r"\.")):
         load(folder)
+
+
+@pytest.mark.parametrize("ignore", [r"experts\.5\.down", r"experts\.7\.", r"shared_expert\.down"])
+def test_mixed_nvfp4_and_float_experts_load(ckpt, tmp_path, ignore):
+    """``lynn quantize --ignore`` can leave some experts (or a shared-expert part) in bf16: that FFN is dequantised
+    to one kind on load (exact), and the model runs."""
+    from lynn_model.quantize import quantize_checkpoint
+
+    with lynn_kernels.use_reference():
+        quantize_checkpoint(ckpt("q35moe"), tmp_path / "mixed", ignore=[ignore], progress=False)
+        model = load(tmp_path / "mixed")
+        want = load(tmp_path / "mixed", weights="bf16", dtype=FP32)         # every weight dequantised
+        ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+        got = model.forward(ids)
+        assert torch.isfinite(got).all()
+        assert lynn_kernels.compare(got, want.forward(ids)).rel_l2 < 1e-5
+
+
+def test_packed_experts_on_a_dense_layer_are_unexpected(ckpt, tmp_path):
+    folder = clone(ckpt("next"), tmp_path / "bad")
+    edit_tensors(folder, lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj": torch.zeros(8, 64, 64),
+                                             "model.layers.1.mlp.experts.down_proj": torch.zeros(8, 64, 32)}))
+    with pytest.raises(lynn_model.LoadError, match="unexpected tensor model.layers.1.mlp.experts.gate_up_proj"):
+        load(folder)

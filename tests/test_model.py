@@ -262,3 +262,46 @@ def test_presets_have_the_published_shapes():
     assert lynn_model.preset("qwen3.5-9b").ffn_types == ("mlp",) * 32
     for name, cfg in lynn_model.PRESETS.items():                       # each round-trips through HF's dict
         assert lynn_model.Config.from_hf(cfg.to_hf(), name=name) == cfg
+
+
+def test_a_failed_step_marks_its_sequences_broken(ckpts, monkeypatch):
+    """A step that raises after some layers wrote their states leaves those sequences refused until released."""
+    model = _fp32_kernel_model(ckpts, "q35")
+    cache = model.new_cache(max_batch=2, max_tokens=64)
+    a, b = cache.add(), cache.add()
+    with torch.no_grad():
+        model.step(torch.arange(5, device=model.device), cache, [a, b], [3, 2])
+
+        def boom(*args, **kw):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(model.layers[3].mlp, "forward", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            model.step(torch.tensor([1, 2], device=model.device), cache, [a, b], [1, 1])
+        monkeypatch.undo()
+        with pytest.raises(ValueError, match="failed half-way"):
+            model.step(torch.tensor([1], device=model.device), cache, [a], [1])
+        cache.release(a)
+        s = cache.add()
+        assert s == a and cache.lengths[s] == 0
+        model.step(torch.tensor([1, 2], device=model.device), cache, [s], [2])
+
+
+def test_a_cache_of_another_model_is_refused(ckpts):
+    model = _fp32_kernel_model(ckpts, "q35")
+    other = lynn_model.Cache(model.config.replace(num_hidden_layers=2), max_batch=1, max_tokens=32,
+                             dtype=torch.float32, device=model.device)
+    other.add()
+    with pytest.raises(ValueError, match="another model"):
+        model.step(torch.tensor([1], device=model.device), other, [0], [1])
+    bf16 = lynn_model.Cache(model.config, max_batch=1, max_tokens=32, dtype=torch.bfloat16, device=model.device)
+    bf16.add()
+    with pytest.raises(ValueError, match="another model"):
+        model.step(torch.tensor([1], device=model.device), bf16, [0], [1])
+
+
+def test_config_checks_ffn_types_length():
+    c = lynn_model.preset("tiny-qwen3.5-moe")
+    assert c.replace(num_hidden_layers=8).ffn_types == ("moe",) * 8
+    with pytest.raises(lynn_model.ConfigError, match="ffn_types"):
+        c.replace(num_hidden_layers=8, layer_types=c.layer_types * 2, ffn_types=c.ffn_types)

@@ -10,7 +10,8 @@ Decode: the context is prefilled once, then each step is timed from the host (CU
 one step's kernels from the CUDA profiler: what a CUDA-graph replay of the same step would pay. Bytes per decode
 token: every weight a step reads (all non-expert weights, the ``top_k`` routed experts and the shared expert of each
 layer, the LM head; one embedding row), the KV cache read and the Gated DeltaNet states read and written; held
-against the read ceiling. Prefill: tokens per second of one call; FLOPs ``2 x active parameters x tokens``.
+against the read ceiling. Prefill: tokens per second of one call; FLOPs ``2 x active parameters x tokens`` (our
+step computes the last token's logits only, HF's forward every token's: the LM head is counted accordingly).
 The first ``lynn_model`` forward is validated against the reference path on the same weights (a short prompt),
 so no speed is reported for a wrong decoder.
 """
@@ -140,7 +141,8 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
 
         prefill()                                                # compile + autotune
         times = _events_ms(prefill, 5)
-    flops = 2 * active_params(model) * PREFILL
+    head = cfg.hidden_size * cfg.vocab_size                  # logits of the last token only (model.step)
+    flops = 2 * (active_params(model) - head) * PREFILL + 2 * head
     rows.append(_row("decoder.prefill", "lynn nvfp4 (eager)", cfg.name, dims, times, ceilings, flops=flops,
                      ceiling="bf16_tflops", note=f"{PREFILL * 1e3 / statistics.median(times):,.0f} tok/s",
                      validation=val))
