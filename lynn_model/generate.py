@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from .cache import Cache
 from .model import Model
 
 
@@ -55,7 +54,6 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def prefill_tok_s(self) -> float:

@@ -637,8 +637,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     entries = read_headers(folder)
     mods, packed = plan(config, entries, quant)
     if dtype is None:
-        dtype = torch.bfloat16 if weights == "bf16" else next(
-            (m.parts["weight"].dtype for n, m in mods.items() if n == "model.embed_tokens"), torch.bfloat16)
+        dtype = torch.bfloat16 if weights == "bf16" else mods["model.embed_tokens"].parts["weight"].dtype
     if dtype not in _FLOATS:
         raise ValueError(f"dtype = {dtype}: expected one of {_FLOATS}")
     device = runtime.DEVICE if device is None else torch.device(device)

@@ -9,8 +9,6 @@ chunked prefill, batching, NVFP4 vs its dequantised weights).
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 

@@ -178,7 +178,6 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
 
 def _hf(name: str, ceilings: Ceilings) -> list[Result]:
     import lynn_model
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
