@@ -5,16 +5,20 @@ Public ops (names and argument order are a contract):
 * ``nvfp4_linear(x, w, bias=None)``: ``x [..., K]`` bf16/fp16/fp32, ``w`` NVFP4 ``[N, K]``, ``bias [N]`` ->
   ``[..., N]`` in x's dtype; the GEMV for M = prod(x.shape[:-1]) <= 16, the GEMM above;
 * ``nvfp4_gemv`` / ``nvfp4_gemm``: the same product through one kernel (the GEMV takes M <= 16);
-* ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``.
+* ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
+* ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
+  either form of ``w``; the packed one reaches the FMA GEMV for ``M <= 4`` (docs/matmul.md).
 """
 
 from .. import runtime
 from . import reference
 from .linear import NVFP4Linear, quantize_linears
+from .packed import PackedNVFP4, pack, unpack
 from .triton_matmul import nvfp4_gemm_triton, nvfp4_gemv_triton, nvfp4_linear_triton
 
 nvfp4_linear = runtime.op(reference=reference.nvfp4_linear)(nvfp4_linear_triton)
 nvfp4_gemv = runtime.op(reference=reference.nvfp4_gemv)(nvfp4_gemv_triton)
 nvfp4_gemm = runtime.op(reference=reference.nvfp4_gemm)(nvfp4_gemm_triton)
 
-__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference"]
+__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference",
+           "PackedNVFP4", "pack", "unpack"]

@@ -9,11 +9,16 @@ from ..nvfp4 import NVFP4Tensor
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The GEMV kernel's row limit (decode batches); larger M goes to the GEMM.
 GEMV_MAX_M = 16
+#: A packed weight's rows limit for the FMA GEMV; up to GEMV_MAX_M rows go to the tensor-core GEMV.
+FMA_MAX_M = 4
 
 
 def check_linear_args(x, w, bias=None) -> None:
-    if not isinstance(w, NVFP4Tensor):
-        raise TypeError(f"w must be an NVFP4Tensor (quantise it with lynn_kernels.quantize), got {type(w).__name__}")
+    from .packed import PackedNVFP4
+
+    if not isinstance(w, (NVFP4Tensor, PackedNVFP4)):
+        raise TypeError(f"w must be an NVFP4Tensor (quantise it with lynn_kernels.quantize) or a PackedNVFP4 "
+                        f"(lynn_kernels.matmul.pack), got {type(w).__name__}")
     if w.dim() != 2:
         raise ValueError(f"w must be a 2-D NVFP4Tensor [N, K], got shape {tuple(w.shape)} "
                          f"(index a stacked tensor, e.g. w[e], for one expert)")

@@ -12,12 +12,15 @@ import torch
 
 from ..nvfp4 import reference as nvfp4_reference
 from .checks import GEMV_MAX_M, check_linear_args
+from .packed import PackedNVFP4, unpack
 
 
 def nvfp4_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]`` (bf16 / fp16 / fp32) times NVFP4 ``w [N, K]`` transposed, plus ``bias [N]`` -> ``[..., N]``
     in ``x.dtype``, computed in fp32 from the dequantised weight."""
     check_linear_args(x, w, bias)
+    if isinstance(w, PackedNVFP4):
+        w = unpack(w)                                                  # exact: the same values
     w32 = nvfp4_reference.dequantize(w, torch.float32)                # [N, K]
     y = x.reshape(-1, x.shape[-1]).float() @ w32.t()
     if bias is not None:

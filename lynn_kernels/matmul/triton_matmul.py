@@ -36,7 +36,9 @@ from .. import runtime
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.triton_quant import _e4m3_decode
 from ..runtime import cast_output, kernel_view, to_float32
-from .checks import GEMV_MAX_M, check_linear_args
+from .checks import FMA_MAX_M, GEMV_MAX_M, check_linear_args
+from .packed import PackedNVFP4
+from .triton_packed import MMA_UNIT, packed_gemv_kernel, packed_w_tile
 
 MAX_SPLIT_K = 16
 
@@ -134,10 +136,14 @@ def _e2m1_bf16x2_scaled(c, s):
 
 @triton.jit
 def _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+            DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+            PACKED_LAYOUT: tl.constexpr = False):
     """The scaled weight tile [BLOCK_N, BLOCK_K] in ``DOT_DTYPE`` for ``tl.dot``: ``e2m1 * scale`` exactly, times
-    ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`)."""
-    if PACKED_DECODE:
+    ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`), times ``2^-19`` from the
+    packed layout (``PACKED_LAYOUT``: ``codes_ptr`` / ``scales_ptr`` are a PackedNVFP4's words and scales)."""
+    if PACKED_LAYOUT:
+        return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K // 8, BLOCK_N, BLOCK_K, DOT_DTYPE)
+    elif PACKED_DECODE:
         c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)          # [BLOCK_N, BLOCK_K/2]
         even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
         return tl.interleave(even, odd)
@@ -214,7 +220,7 @@ def _nvfp4_gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -235,11 +241,12 @@ def _nvfp4_gemv_kernel(
                      mask=(offs_k[:, None] < K) & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET)                                     # [BLOCK_N, BLOCK_K]
+                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT)                      # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
-            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 128.0 if PACKED_DECODE else 1.0, INTERPRET)
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 
+            MMA_UNIT if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def _nvfp4_gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G, M_BUCKET,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -309,11 +316,12 @@ def _nvfp4_gemm_kernel(
                      mask=mask_k[:, None] & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET)                                     # [BLOCK_N, BLOCK_K]
+                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT)                      # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_m * tiles_n + pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
-            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 128.0 if PACKED_DECODE else 1.0, INTERPRET)
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 
+            MMA_UNIT if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -358,22 +366,29 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _prepare(x: torch.Tensor, w: NVFP4Tensor, bias):
+def _prepare(x: torch.Tensor, w, bias):
     check_linear_args(x, w, bias)
     runtime.check_device("x", x)
-    runtime.check_device("w.codes", w.codes)
+    runtime.check_device("w", w.words if isinstance(w, PackedNVFP4) else w.codes)
     n, k = w.shape
     x2 = x.reshape(-1, k)                                   # a view where possible; strides go to the kernel
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     return x2, y
 
 
-def _common_args(x2, bias, y) -> dict:
-    return _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET)
+def _common_args(x2, bias, y, packed: bool = False) -> dict:
+    return _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, packed)
+
+
+def _weight_args(w) -> tuple:
+    """The weight's kernel arguments: codes / scales bytes, or a PackedNVFP4's words / re-encoded scales."""
+    if isinstance(w, PackedNVFP4):
+        return w.words, w.scales, w.global_scale
+    return w.codes, w.scales.view(torch.uint8), w.global_scale
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool) -> dict:
+def _constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: bool = False) -> dict:
     """Constexprs shared by both kernels (cached: this runs on every call). The dot runs in x's dtype on the GPU
     (the weight tile is exact in bf16 and fp16), in fp32 for fp32 x (IEEE, not TF32) and always in fp32 under the
     interpreter."""
@@ -384,7 +399,7 @@ def _constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool) -> dict:
         OUT_DTYPE=runtime.TORCH_TO_TL[y_dtype],
         DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x_dtype],
         PRECISION="ieee" if fp32_dot else "tf32",
-        PACKED_DECODE=not interpret and x_dtype == torch.bfloat16,
+        PACKED_DECODE=not interpret and x_dtype == torch.bfloat16, PACKED_LAYOUT=packed,
         **runtime.kernel_flags(),
     )
 
@@ -405,9 +420,9 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
     _nvfp4_gemv_kernel[(tiles, split)](
-        kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y), kernel_view(y),
+        kernel_view(x2), *_weight_args(w), _bias_arg(bias, y), kernel_view(y),
         part, _counter(x2.device, tiles), m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
-        **_common_args(x2, bias, y), **meta, num_warps=warps)
+        **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps)
     return y
 
 
@@ -439,10 +454,10 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]) * runtime.cdiv(m, meta["BLOCK_M"]), split_of(meta))
 
-    args = (kernel_view(x2), w.codes, w.scales.view(torch.uint8), w.global_scale, _bias_arg(bias, y),
+    args = (kernel_view(x2), *_weight_args(w), _bias_arg(bias, y),
             kernel_view(y), part, count, m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
             m_bucket(m))
-    flags = _common_args(x2, bias, y)
+    flags = _common_args(x2, bias, y, isinstance(w, PackedNVFP4))
     if config is None:
         _nvfp4_gemm_kernel[grid](*args, **flags)
     else:
@@ -452,6 +467,47 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     return y
 
 
+def fma_config(n: int, k: int, sms: int) -> dict:
+    """The FMA GEMV's tile for an ``[N, K]`` weight: ``TW`` words of K per step (all 32 lanes of a warp along K, 4
+    words each, fewer when K is short) and the most rows per program that still gives every SM two programs."""
+    tw = min(128, runtime.next_power_of_2(max(k // 8, 4)))
+    block_n = 4
+    while block_n < 32 and runtime.cdiv(n, 2 * block_n) >= 2 * sms:
+        block_n *= 2
+    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4}
+
+
+def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
+                       pdl: bool = False) -> torch.Tensor:
+    """Launch only: ``x2 [M, K]`` (``M <= FMA_MAX_M``, any strides) times a packed weight into ``y [M, N]`` on the
+    FMA GEMV. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``) replaces :func:`fma_config`; ``pdl`` launches it with
+    programmatic dependent launch (Hopper: the weights load before the wait on the kernel before)."""
+    m, k = x2.shape
+    n = w.shape[0]
+    kw = k // 8
+    meta = {**fma_config(n, k, _sm_count(x2.device)), **(config or {})}
+    warps = meta.pop("num_warps")
+    block_n, tw = meta["BLOCK_N"], meta["TW"]
+    flags = _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, True)
+    use_pdl = bool(pdl) and not runtime.INTERPRET
+    extra = {"launch_pdl": True} if use_pdl else {}
+    packed_gemv_kernel[(runtime.cdiv(n, block_n),)](
+        kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
+        m, n, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+        HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
+        OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=runtime.next_power_of_2(m), BLOCK_N=block_n, TW=tw,
+        EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
+        num_warps=warps, num_stages=1, **extra)
+    return y
+
+
+def _launch_small(x2, w, bias, y):
+    """M <= GEMV_MAX_M: the FMA GEMV for a packed weight and a few rows, else the tensor-core GEMV."""
+    if isinstance(w, PackedNVFP4) and x2.shape[0] <= FMA_MAX_M:
+        return launch_packed_gemv(x2, w, bias, y)
+    return launch_gemv(x2, w, bias, y)
+
+
 def nvfp4_gemv_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.matmul.nvfp4_gemv` (M = prod(x.shape[:-1]) <= 16)."""
     x2, y = _prepare(x, w, bias)
@@ -459,7 +515,7 @@ def nvfp4_gemv_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None
         raise ValueError(f"nvfp4_gemv takes at most {GEMV_MAX_M} rows of x, got M = {x2.shape[0]} "
                          f"(x {tuple(x.shape)}); use nvfp4_gemm or nvfp4_linear")
     if x2.shape[0] > 0:
-        launch_gemv(x2, w, bias, y)
+        _launch_small(x2, w, bias, y)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -475,5 +531,5 @@ def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | No
     """Host side of :func:`lynn_kernels.matmul.nvfp4_linear`: the GEMV for M <= 16, the GEMM above."""
     x2, y = _prepare(x, w, bias)
     if x2.shape[0] > 0:
-        (launch_gemv if x2.shape[0] <= GEMV_MAX_M else launch_gemm)(x2, w, bias, y)
+        (_launch_small if x2.shape[0] <= GEMV_MAX_M else launch_gemm)(x2, w, bias, y)
     return y.reshape(*x.shape[:-1], w.shape[0])

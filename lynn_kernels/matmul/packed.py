@@ -1,0 +1,177 @@
+"""The kernel layout of an NVFP4 weight: :class:`PackedNVFP4`, made once at load time by :func:`pack`.
+
+A checkpoint stores an NVFP4 ``[N, K]`` weight as bytes of two E2M1 codes (the even element in the low nibble) and
+one E4M3 scale byte per 16 elements. That layout is kept on disk and in :class:`~lynn_kernels.nvfp4.NVFP4Tensor`.
+The packed matmul kernels read a second layout, made from it once (docs/matmul.md has the picture):
+
+* **codes**: each int32 word holds the 8 codes of ``K`` positions ``8i .. 8i + 7`` of one row, their bits placed so
+  that four shift-and-mask pairs turn the word into four bf16 pairs ``(element 2p, element 2p + 1)``, each equal to
+  ``e2m1 * 2^-126`` (the sign on bit 15 / 31, the three magnitude bits on 8..6 / 24..22). The five shifts it needs
+  (``<< 3, 4, 5, 6`` and ``>> 6``) are shared by the four pairs (:data:`PAIR_SHIFTS`);
+* **scales**: each E4M3 block scale ``s = 2^e (1 + m/8)`` is re-encoded as the byte ``(e + 10) << 3 | m``, which a
+  shift and an OR turn into an fp32 ``s * 2^75`` (FMA kernel) or ``s * 2^107`` (tensor-core kernels): no table, no
+  subnormal case. A block whose scale is zero has its codes zeroed and a negative scale moves its sign into the
+  codes, so the product is unchanged (the reference dequantises either way to the same values);
+* **global scale**: unchanged, fp32 (per row group, as in the NVFP4Tensor); each kernel folds its powers of two
+  into the one epilogue multiply by it.
+
+The layout is exact: :func:`unpack` recovers an NVFP4Tensor that dequantises to the same values bit for bit (the
+codes and scales themselves are recovered exactly too, except the normalisations above: zeroed codes of a
+zero-scale block, folded signs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import BLOCK, NVFP4Tensor
+
+#: Per bf16 pair ``p`` of a word (elements ``2p`` and ``2p + 1``): the left shift (negative: right) that brings its
+#: sign bits to 15 / 31, and the one that brings its magnitude bits to 8..6 / 24..22. Five distinct shifts in all.
+PAIR_SHIFTS = ((0, -6), (4, 0), (5, 3), (6, 6))
+
+#: Bit position of each element's sign, and of the lowest of its three magnitude bits, in the packed word.
+SIGN_BIT = tuple(pos for s, _ in PAIR_SHIFTS for pos in (15 - s, 31 - s))
+MAG_BIT = tuple(pos for _, m in PAIR_SHIFTS for pos in (6 - m, 22 - m))
+
+#: The re-encoded scale byte ``b`` decodes as ``float32 bits (b << 20) | SCALE_OR[kind]``: ``s * 2^75`` (FMA GEMV)
+#: or ``s * 2^107`` (tensor-core kernels).
+SCALE_OR = {"fma": 0x60000000, "mma": 0x70000000}
+SCALE_EXP = {"fma": 75, "mma": 107}
+SCALE_BIAS = 10          # the byte's exponent field is e + 10, 1..18 for E4M3's 2^-9 .. 2^8
+
+
+class PackedNVFP4:
+    """An NVFP4 ``[N, K]`` weight in the packed kernels' layout (see the module docstring). Build it with
+    :func:`pack` (or :meth:`from_nvfp4`); :meth:`unpack` returns the checkpoint layout.
+
+    ``words`` int32 ``[N, K / 8]``, ``scales`` uint8 ``[N, K / 16]`` (re-encoded), ``global_scale`` fp32 (a scalar
+    or one per group of rows, as in :class:`~lynn_kernels.nvfp4.NVFP4Tensor`).
+    """
+
+    __slots__ = ("words", "scales", "global_scale", "rows_per_g")
+
+    def __init__(self, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, rows_per_g: int):
+        if words.dtype != torch.int32 or words.dim() != 2:
+            raise ValueError(f"words must be int32 [N, K/8], got {words.dtype} {tuple(words.shape)}")
+        n, kw = words.shape
+        if scales.dtype != torch.uint8 or tuple(scales.shape) != (n, kw // 2) or kw % 2:
+            raise ValueError(f"scales must be uint8 [N, K/16] = [{n}, {kw // 2}], got {scales.dtype} "
+                             f"{tuple(scales.shape)}")
+        if global_scale.dtype != torch.float32 or global_scale.numel() * rows_per_g != n:
+            raise ValueError(f"global_scale must be fp32 with one value per {rows_per_g} rows of {n}, got "
+                             f"{global_scale.dtype} {tuple(global_scale.shape)}")
+        if not (words.device == scales.device == global_scale.device):
+            raise ValueError(f"words, scales and global_scale must share a device, got {words.device}, "
+                             f"{scales.device}, {global_scale.device}")
+        self.words = words.contiguous()
+        self.scales = scales.contiguous()
+        self.global_scale = global_scale.reshape(-1).contiguous()
+        self.rows_per_g = int(rows_per_g)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical (dequantised) shape ``[N, K]``."""
+        return torch.Size((self.words.shape[0], self.words.shape[1] * 8))
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.scales.numel() + self.global_scale.numel() * 4
+
+    def rows_per_global(self) -> int:
+        return self.rows_per_g
+
+    def to(self, device) -> "PackedNVFP4":
+        return PackedNVFP4(self.words.to(device), self.scales.to(device), self.global_scale.to(device),
+                           self.rows_per_g)
+
+    def __repr__(self) -> str:
+        return f"PackedNVFP4(shape={tuple(self.shape)}, device={self.device})"
+
+    @classmethod
+    def from_nvfp4(cls, w: NVFP4Tensor) -> "PackedNVFP4":
+        return pack(w)
+
+    def unpack(self) -> NVFP4Tensor:
+        return unpack(self)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        from .. import nvfp4
+
+        return nvfp4.dequantize(self.unpack(), dtype)
+
+
+def _check_packable(w) -> None:
+    if not isinstance(w, NVFP4Tensor):
+        raise TypeError(f"pack takes an NVFP4Tensor, got {type(w).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"pack takes a 2-D NVFP4Tensor [N, K], got shape {tuple(w.shape)}")
+    k = w.shape[1]
+    if k % BLOCK:
+        raise ValueError(f"w has K = {k}; the packed layout needs K a multiple of {BLOCK}")
+
+
+def _scale_bytes(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E4M3 scales -> (re-encoded bytes, is-zero mask, is-negative mask); NaN scales are refused."""
+    bits = scales.view(torch.uint8)
+    if bool(((bits & 0x7F) == 0x7F).any()):
+        raise ValueError("w.scales holds NaN (E4M3 0x7f / 0xff); a packed weight needs finite block scales")
+    mag = bits & 0x7F
+    e, m = (mag >> 3).to(torch.int32), (mag & 7).to(torch.int32)
+    # normal: 2^(e - 7) (1 + m/8); subnormal (e = 0): m/8 * 2^-6, normalised below
+    exp = e - 7
+    sub = e == 0
+    top = torch.where(m >= 4, 2, torch.where(m >= 2, 1, 0))          # floor(log2 m) for m = 1..7
+    sub_exp = top - 9                                               # m/8 * 2^-6 = 2^(top - 9) * (m / 2^top)
+    sub_m = ((m << (3 - top)) & 7)                                  # the bits below m's leading one, as eighths
+    exp = torch.where(sub, sub_exp, exp)
+    m = torch.where(sub, sub_m, m)
+    zero = mag == 0
+    byte = torch.where(zero, 0, ((exp + SCALE_BIAS) << 3) | m).to(torch.uint8)
+    return byte, zero, (bits & 0x80) != 0
+
+
+def pack(w: NVFP4Tensor) -> PackedNVFP4:
+    """The kernel layout of a 2-D NVFP4 weight (exact; see the module docstring). Runs in torch on ``w``'s device:
+    call it once per weight, at load time."""
+    _check_packable(w)
+    n, k = w.shape
+    sbyte, zero, neg = _scale_bytes(w.scales)
+    codes = w.codes.view(torch.uint8).reshape(n, k // BLOCK, BLOCK // 2)
+    codes = torch.where(zero[..., None], 0, codes)                           # a zero scale: the block is zero
+    codes = torch.where(neg[..., None], codes ^ 0x88, codes)                 # a negative scale: flip the signs
+    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, k // 8, 8).to(torch.int64)
+    word = torch.zeros((n, k // 8), dtype=torch.int64, device=w.device)
+    for j in range(8):
+        word |= (nib[..., j] >> 3) << SIGN_BIT[j]
+        word |= (nib[..., j] & 7) << MAG_BIT[j]
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return PackedNVFP4(word, sbyte, w.global_scale.to(torch.float32), w.rows_per_global())
+
+
+def unpack(p: PackedNVFP4) -> NVFP4Tensor:
+    """The checkpoint layout of a packed weight: an NVFP4Tensor that dequantises to the same values exactly."""
+    if not isinstance(p, PackedNVFP4):
+        raise TypeError(f"unpack takes a PackedNVFP4, got {type(p).__name__}")
+    n, k = p.shape
+    word = p.words.to(torch.int64) & 0xFFFFFFFF
+    nib = torch.stack([((word >> SIGN_BIT[j]) & 1) << 3 | ((word >> MAG_BIT[j]) & 7) for j in range(8)], dim=-1)
+    nib = nib.reshape(n, k // 2, 2)
+    codes = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
+    b = p.scales.to(torch.int32)
+    exp, m = (b >> 3) - SCALE_BIAS, b & 7
+    value = torch.where(b == 0, 0.0, torch.ldexp(1.0 + m.to(torch.float32) / 8, exp.to(torch.float32)))
+    scales = value.to(torch.float8_e4m3fn)                                   # exact: every value is an E4M3
+    g = p.global_scale
+    if p.rows_per_g != n:
+        g = g.reshape(-1)
+    else:
+        g = g.reshape(())
+    return NVFP4Tensor(codes, scales, g)

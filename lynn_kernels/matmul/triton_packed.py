@@ -1,0 +1,178 @@
+"""Packed-layout W4A16 kernels: the decode GEMV on the FMA units, and the packed weight tile for the tensor-core
+kernels of :mod:`.triton_matmul`. The layout is :mod:`.packed`'s; the design and its measurements are in
+docs/matmul.md.
+
+The decode of one int32 word (8 codes) is 13 integer operations in all: five shifts shared by the four bf16 pairs,
+an AND and an AND-OR per pair (:func:`decode_word`). Each pair becomes two fp32 values ``e2m1 * 2^-126`` by a
+shift and a mask (a bf16 is the top half of an fp32). The GEMV multiplies them by ``x * 2^64`` (so the products
+are normal fp32: ``e2m1 * x * 2^-62``, exact), adds each word's 8 products, and scales each word's sum by its block
+scale ``s * 2^75`` with one more FMA; the epilogue multiplies by ``global_scale * 2^-13`` once per output. Every
+step is exact but the fp32 additions, as in the reference.
+
+The range this buys: ``|x|`` below ``2^64`` (``x * 2^64`` stays finite) and products above ``2^-64`` stay normal;
+beyond, fp32 itself would be the limit of the reference too (``e2m1 * scale * x`` near fp32's ends).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..runtime import cast_output, to_float32
+
+X_PRESCALE = tl.constexpr(18446744073709551616.0)     # 2^64
+FMA_UNIT = tl.constexpr(1.0 / 8192.0)                 # 2^-13: undoes 2^64 * 2^-126 * 2^75
+MMA_UNIT = tl.constexpr(524288.0)                     # 2^19: undoes 2^-126 * 2^107
+
+
+@triton.jit
+def _shift(q, S: tl.constexpr):
+    if S > 0:
+        return q << S
+    elif S < 0:
+        return q >> (-S)
+    else:
+        return q
+
+
+@triton.jit
+def _pair(q, SIGN: tl.constexpr, MAG: tl.constexpr):
+    """One bf16 pair of a packed word: sign bits to 15 / 31, magnitude bits to 8..6 / 24..22."""
+    return (_shift(q, SIGN) & 0x80008000) | (_shift(q, MAG) & 0x01C001C0)
+
+
+@triton.jit
+def _halves(t):
+    """A bf16 pair -> (low, high) as fp32 (a bf16 is the top half of an fp32)."""
+    return (t << 16).to(tl.float32, bitcast=True), (t & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def decode_word(q):
+    """Packed words (uint32, any shape) -> the 8 elements ``e2m1 * 2^-126`` as fp32, in K order ``0 .. 7``."""
+    e0, e1 = _halves(_pair(q, 0, -6))
+    e2, e3 = _halves(_pair(q, 4, 0))
+    e4, e5 = _halves(_pair(q, 5, 3))
+    e6, e7 = _halves(_pair(q, 6, 6))
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def decode_scale(b, OR: tl.constexpr):
+    """Re-encoded scale bytes -> fp32 ``s * 2^75`` (``OR = 0x60000000``) or ``s * 2^107`` (``0x70000000``)."""
+    return ((b.to(tl.uint32) << 20) | OR).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split8(x, BLOCK_M: tl.constexpr, TW: tl.constexpr):
+    """``x [BLOCK_M, TW, 8]`` -> its 8 slices ``x[:, :, j]`` in order (``[BLOCK_M, TW]`` each)."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_M, TW, 4, 2)))       # j = 2u + c
+    e_lo, e_hi = tl.split(tl.reshape(even, (BLOCK_M, TW, 2, 2)))    # u = 2a + b: b = 0 -> j = 0, 4; b = 1 -> 2, 6
+    o_lo, o_hi = tl.split(tl.reshape(odd, (BLOCK_M, TW, 2, 2)))
+    x0, x4 = tl.split(e_lo)
+    x2, x6 = tl.split(e_hi)
+    x1, x5 = tl.split(o_lo)
+    x3, x7 = tl.split(o_hi)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N: tl.constexpr, TW: tl.constexpr):
+    """The inverse of :func:`_split8`: 8 tensors ``[BLOCK_N, TW]`` -> ``[BLOCK_N, TW * 8]`` in K order."""
+    even = tl.reshape(tl.join(tl.join(e0, e4), tl.join(e2, e6)), (BLOCK_N, TW, 4))
+    odd = tl.reshape(tl.join(tl.join(e1, e5), tl.join(e3, e7)), (BLOCK_N, TW, 4))
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, TW * 8))
+
+
+@triton.jit
+def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """The packed weight ``W[offs_n, k0 : k0 + BLOCK_K]`` as a ``DOT_DTYPE`` tile equal to ``e2m1 * s * 2^-19``
+    (exact: six significant bits, a normal number), for ``tl.dot``; the epilogue multiplies by ``2^19``."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    q = tl.load(words_ptr + offs_n[:, None].to(tl.int64) * KW + offs_w[None, :],
+                mask=mask_n[:, None] & (offs_w[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
+    b = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (KW // 2) + offs_s[None, :],
+                mask=mask_n[:, None] & (offs_s[None, :] < KW // 2), other=0)
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
+    w = tl.reshape(_join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8), (BLOCK_N, BLOCK_K // 16, 16))
+    s = decode_scale(b, 0x70000000)
+    return tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _load_words(wrow, srow, k0, offs, offs_s, mask_w, KW, EVEN: tl.constexpr):
+    if EVEN:
+        q = tl.load(wrow + (k0 + offs)[None, :], eviction_policy="evict_first")
+        b = tl.load(srow + (k0 // 2 + offs_s)[None, :], eviction_policy="evict_first")
+    else:
+        q = tl.load(wrow + (k0 + offs)[None, :], mask=mask_w & ((k0 + offs)[None, :] < KW), other=0,
+                    eviction_policy="evict_first")
+        b = tl.load(srow + (k0 // 2 + offs_s)[None, :], mask=mask_w & ((k0 // 2 + offs_s)[None, :] < KW // 2),
+                    other=0, eviction_policy="evict_first")
+    return q.to(tl.uint32, bitcast=True), b
+
+
+@triton.jit
+def packed_gemv_kernel(
+    x_ptr, words_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr,
+    M, N, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
+    HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M`` (a few decode rows) on the FMA units: one program per
+    ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights) of each row per step. Each
+    thread owns 16-byte runs (4 words, 32 weights) of its rows; the next step's weights load while this one is
+    multiplied."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)            # words of a step
+    offs_s = tl.arange(0, TW // 2)                                              # their block scales
+    wrow = words_ptr + rows[:, None].to(tl.int64) * KW
+    srow = scales_ptr + rows[:, None].to(tl.int64) * (KW // 2)
+    mask_w = mask_n[:, None]
+    offs_m = tl.arange(0, BLOCK_M)
+    xrow = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
+    EVEN: tl.constexpr = EVEN_N and EVEN_K
+    q, b = _load_words(wrow, srow, 0, offs, offs_s, mask_w, KW, EVEN)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                     # the weights are in flight; x comes from the kernel before
+    acc = tl.zeros((BLOCK_M, BLOCK_N, TW), dtype=tl.float32)
+    for k0 in range(0, KW, TW):
+        if EVEN:        # the last step reloads its own words (an L2 hit) instead of a masked load
+            q_next, b_next = _load_words(wrow, srow, tl.minimum(k0 + TW, KW - TW), offs, offs_s, mask_w, KW, EVEN)
+        else:
+            q_next, b_next = _load_words(wrow, srow, k0 + TW, offs, offs_s, mask_w, KW, EVEN)
+        kx = 8 * (k0 + offs)[None, :, None] + tl.arange(0, 8)[None, None, :]          # [1, TW, 8]
+        if EVEN_K:
+            xt = tl.load(xrow + kx * stride_xk, mask=offs_m[:, None, None] < M, other=0)
+        else:
+            xt = tl.load(xrow + kx * stride_xk, mask=(offs_m[:, None, None] < M) & (kx < 8 * KW), other=0)
+        xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE                  # [BLOCK_M, TW, 8]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, BLOCK_M, TW)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
+        p = e0[None] * x0[:, None]
+        p = tl.fma(e1[None], x1[:, None], p)
+        p = tl.fma(e2[None], x2[:, None], p)
+        p = tl.fma(e3[None], x3[:, None], p)
+        p = tl.fma(e4[None], x4[:, None], p)
+        p = tl.fma(e5[None], x5[:, None], p)
+        p = tl.fma(e6[None], x6[:, None], p)
+        p = tl.fma(e7[None], x7[:, None], p)                                  # [BLOCK_M, BLOCK_N, TW]
+        s = decode_scale(b, 0x60000000)                                        # [BLOCK_N, TW / 2]
+        s = tl.reshape(tl.join(s, s), (BLOCK_N, TW))                           # words 2i, 2i + 1 share scale i
+        acc = tl.fma(p, s[None], acc)
+        q, b = q_next, b_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = tl.sum(acc, axis=2)                                                   # [BLOCK_M, BLOCK_N]
+    g = tl.load(g_ptr + rows // ROWS_PER_G, mask=mask_n, other=0.0)
+    out = out * (g * FMA_UNIT)[None, :]
+    if HAS_BIAS:
+        out += to_float32(tl.load(bias_ptr + rows, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)[None, :]
+    mask = (offs_m[:, None] < M) & mask_n[None, :]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + rows[None, :], cast_output(out, OUT_DTYPE, INTERPRET),
+             mask=mask)
