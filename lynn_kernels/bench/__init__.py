@@ -22,7 +22,7 @@ def register(op: str):
 
 
 def _load_families() -> None:
-    from . import attention, decoder, deltanet, matmul, moe, nvfp4  # noqa: F401  (each module registers its benchmarks)
+    from . import attention, decoder, deltanet, matmul, matmul_graph, moe, nvfp4  # noqa: F401  (each module registers its benchmarks)
 
 
 def available() -> list[str]:

@@ -64,11 +64,11 @@ def decode_scale(b, OR: tl.constexpr):
 
 
 @triton.jit
-def _split8(x, BLOCK_M: tl.constexpr, TW: tl.constexpr):
-    """``x [BLOCK_M, TW, 8]`` -> its 8 slices ``x[:, :, j]`` in order (``[BLOCK_M, TW]`` each)."""
-    even, odd = tl.split(tl.reshape(x, (BLOCK_M, TW, 4, 2)))       # j = 2u + c
-    e_lo, e_hi = tl.split(tl.reshape(even, (BLOCK_M, TW, 2, 2)))    # u = 2a + b: b = 0 -> j = 0, 4; b = 1 -> 2, 6
-    o_lo, o_hi = tl.split(tl.reshape(odd, (BLOCK_M, TW, 2, 2)))
+def _split8(x, TW: tl.constexpr):
+    """``x [TW, 8]`` -> its 8 columns ``x[:, j]`` in order (``[TW]`` each)."""
+    even, odd = tl.split(tl.reshape(x, (TW, 4, 2)))        # j = 2u + c
+    e_lo, e_hi = tl.split(tl.reshape(even, (TW, 2, 2)))     # u = 2a + b: b = 0 -> j = 0, 4; b = 1 -> j = 2, 6
+    o_lo, o_hi = tl.split(tl.reshape(odd, (TW, 2, 2)))
     x0, x4 = tl.split(e_lo)
     x2, x6 = tl.split(e_hi)
     x1, x5 = tl.split(o_lo)
@@ -115,6 +115,38 @@ def _load_words(wrow, srow, k0, offs, offs_s, mask_w, KW, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, m, M, k0, offs, stride_xm, stride_xk, KW,
+              TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One x row's share of a step: ``acc [BLOCK_N, TW] += s * sum_j e_j * x[m, 8 w + j]`` (fp32 FMAs)."""
+    kx = 8 * (k0 + offs)[:, None] + tl.arange(0, 8)[None, :]                   # [TW, 8]
+    ptr = x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk
+    if EVEN_K:
+        xt = tl.load(ptr, mask=(kx >= 0) & (m < M), other=0)
+    else:
+        xt = tl.load(ptr, mask=(kx < 8 * KW) & (m < M), other=0)
+    xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, TW)
+    p = e0 * x0[None, :]
+    p = tl.fma(e1, x1[None, :], p)
+    p = tl.fma(e2, x2[None, :], p)
+    p = tl.fma(e3, x3[None, :], p)
+    p = tl.fma(e4, x4[None, :], p)
+    p = tl.fma(e5, x5[None, :], p)
+    p = tl.fma(e6, x6[None, :], p)
+    p = tl.fma(e7, x7[None, :], p)
+    return tl.fma(p, s, acc)
+
+
+@triton.jit
+def _row_out(acc, m, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr,
+             BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    out = tl.sum(acc, axis=1) * g
+    if HAS_BIAS:
+        out += to_float32(tl.load(bias_ptr + rows, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)
+    tl.store(y_ptr + (tl.full((), m, tl.int64) * stride_ym) + rows, cast_output(out, OUT_DTYPE, INTERPRET), mask=mask_n & (m < M))
+
+
+@triton.jit
 def packed_gemv_kernel(
     x_ptr, words_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr,
     M, N, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
@@ -122,10 +154,10 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M`` (a few decode rows) on the FMA units: one program per
+    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows) on the FMA units: one program per
     ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights) of each row per step. Each
     thread owns 16-byte runs (4 words, 32 weights) of its rows; the next step's weights load while this one is
-    multiplied."""
+    multiplied. One accumulator per x row, each in the weight tile's own layout."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
@@ -134,45 +166,42 @@ def packed_gemv_kernel(
     wrow = words_ptr + rows[:, None].to(tl.int64) * KW
     srow = scales_ptr + rows[:, None].to(tl.int64) * (KW // 2)
     mask_w = mask_n[:, None]
-    offs_m = tl.arange(0, BLOCK_M)
-    xrow = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
     EVEN: tl.constexpr = EVEN_N and EVEN_K
     q, b = _load_words(wrow, srow, 0, offs, offs_s, mask_w, KW, EVEN)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                     # the weights are in flight; x comes from the kernel before
-    acc = tl.zeros((BLOCK_M, BLOCK_N, TW), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     for k0 in range(0, KW, TW):
         if EVEN:        # the last step reloads its own words (an L2 hit) instead of a masked load
             q_next, b_next = _load_words(wrow, srow, tl.minimum(k0 + TW, KW - TW), offs, offs_s, mask_w, KW, EVEN)
         else:
             q_next, b_next = _load_words(wrow, srow, k0 + TW, offs, offs_s, mask_w, KW, EVEN)
-        kx = 8 * (k0 + offs)[None, :, None] + tl.arange(0, 8)[None, None, :]          # [1, TW, 8]
-        if EVEN_K:
-            xt = tl.load(xrow + kx * stride_xk, mask=offs_m[:, None, None] < M, other=0)
-        else:
-            xt = tl.load(xrow + kx * stride_xk, mask=(offs_m[:, None, None] < M) & (kx < 8 * KW), other=0)
-        xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE                  # [BLOCK_M, TW, 8]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, BLOCK_M, TW)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
-        p = e0[None] * x0[:, None]
-        p = tl.fma(e1[None], x1[:, None], p)
-        p = tl.fma(e2[None], x2[:, None], p)
-        p = tl.fma(e3[None], x3[:, None], p)
-        p = tl.fma(e4[None], x4[:, None], p)
-        p = tl.fma(e5[None], x5[:, None], p)
-        p = tl.fma(e6[None], x6[:, None], p)
-        p = tl.fma(e7[None], x7[:, None], p)                                  # [BLOCK_M, BLOCK_N, TW]
         s = decode_scale(b, 0x60000000)                                        # [BLOCK_N, TW / 2]
         s = tl.reshape(tl.join(s, s), (BLOCK_N, TW))                           # words 2i, 2i + 1 share scale i
-        acc = tl.fma(p, s[None], acc)
+        acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 0, M, k0, offs, stride_xm, stride_xk,
+                         KW, TW, EVEN_K, X_DTYPE, INTERPRET)
+        if BLOCK_M > 1:
+            acc1 = _row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 1, M, k0, offs, stride_xm,
+                             stride_xk, KW, TW, EVEN_K, X_DTYPE, INTERPRET)
+        if BLOCK_M > 2:
+            acc2 = _row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 2, M, k0, offs, stride_xm,
+                             stride_xk, KW, TW, EVEN_K, X_DTYPE, INTERPRET)
+            acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 3, M, k0, offs, stride_xm,
+                             stride_xk, KW, TW, EVEN_K, X_DTYPE, INTERPRET)
         q, b = q_next, b_next
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    out = tl.sum(acc, axis=2)                                                   # [BLOCK_M, BLOCK_N]
-    g = tl.load(g_ptr + rows // ROWS_PER_G, mask=mask_n, other=0.0)
-    out = out * (g * FMA_UNIT)[None, :]
-    if HAS_BIAS:
-        out += to_float32(tl.load(bias_ptr + rows, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)[None, :]
-    mask = (offs_m[:, None] < M) & mask_n[None, :]
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + rows[None, :], cast_output(out, OUT_DTYPE, INTERPRET),
-             mask=mask)
+    g = tl.load(g_ptr + rows // ROWS_PER_G, mask=mask_n, other=0.0) * FMA_UNIT
+    _row_out(acc0, 0, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, INTERPRET)
+    if BLOCK_M > 1:
+        _row_out(acc1, 1, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                 INTERPRET)
+    if BLOCK_M > 2:
+        _row_out(acc2, 2, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                 INTERPRET)
+        _row_out(acc3, 3, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                 INTERPRET)
