@@ -76,10 +76,28 @@ def check_matmul() -> list[dict]:
             # baseline: the same product rounded through a bf16 weight, the copy cuBLAS would multiply
             base = (x.float() @ reference.nvfp4_reference.dequantize(w, torch.bfloat16).float().t()
                     + bias.float()).to(dtype)
-            metrics = compare(fn(x, w, bias), want, baseline=base)
+            got = fn(x, w, bias)
+            metrics = compare(got, want, baseline=base)
             rows.append({"op": f"matmul.{name}", "case": label, "metrics": metrics,
-                         "passed": metrics.cosine > 0.99999 and metrics.rel_l2 < 1e-2})
+                         "passed": metrics.rel_l2 <= MATMUL_MAX_REL_L2[dtype] and _within_one_flip(got, want)})
     return rows
+
+
+#: The matmul rows' bound per output dtype: the kernels add the same fp32 products as the reference in another
+#: order, so an output element differs at most by a flipped last rounding, and only a few do. Measured rel_l2:
+#: fp32 3.7e-7 (H200) / 3.3e-7 (interpreter); fp16 9.1e-6 / 1.2e-5; bf16 3.4e-7 / 0 (one flip on the H200, of a
+#: small element; one flip of a typical element of the 37-wide M=1 case would be 4e-4).
+MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1e-3}
+
+
+def _within_one_flip(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Every element of a 16-bit ``got`` within one ulp of ``want`` (``eps * |want|``), plus ``1e-5 * max|want|``
+    for the fp32 summation-order noise where the output is near zero; fp32 outputs are bounded by rel_l2 alone."""
+    if got.dtype == torch.float32:
+        return True
+    g, w = got.double(), want.double()
+    tol = torch.finfo(got.dtype).eps * w.abs() + 1e-5 * w.abs().max()
+    return bool(((g - w).abs() <= tol).all())
 
 
 @register("attention")

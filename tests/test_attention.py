@@ -40,17 +40,33 @@ def ints(values, dtype=I32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=runtime.DEVICE)
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+#: A 16-bit output's error over that of the fp32 answer rounded once to its dtype (``exact=`` of assert_close):
+#: the interpreter computes in fp32 and rounds once (measured 1.0); compiled, the 16-bit tensor-core products of
+#: the probabilities add a little (H200: lynn check 1.17, Qwen shapes 1.26-1.35 in the benchmark, SDPA 1.35).
+MAX_ERR_RATIO = 1.05 if runtime.INTERPRET else 3.0
+
+
+def f32(*ts):
+    """fp32 copies of the floating tensors (None and integer tensors as they are): the inputs of the exact answer."""
+    return [None if t is None else (t.float() if t.is_floating_point() else t) for t in ts]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str = "", exact: torch.Tensor | None = None) -> None:
     """Kernel (fp32 math, one rounding) against the reference (the same). Interpreter: fp32 within summation-order
-    noise, 16-bit outputs within one ulp. Compiled: 16-bit tensor-core products of the probabilities add ~2^-9."""
+    noise, 16-bit outputs within one ulp. A 16-bit output is also bounded by ``MAX_ERR_RATIO`` against ``exact``,
+    the reference on fp32 copies of the inputs; compiled, that ratio is its only bound, and ``exact`` is required."""
     assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), what
     assert not torch.isnan(got).any(), f"NaN in the output (an element left unwritten?) {what}"
+    if got.dtype != FP32 and exact is not None:
+        m = lynn_kernels.compare(got, exact, baseline=exact.to(got.dtype))
+        assert m.err_ratio <= MAX_ERR_RATIO, f"{what}: {m}"
     if got.dtype == FP32:
         tol = dict(atol=2e-5, rtol=2e-5)
     elif runtime.INTERPRET:
         tol = dict(atol=1e-5, rtol=2**-7)
     else:
-        tol = dict(atol=2e-2, rtol=2e-2)
+        assert exact is not None, f"a compiled 16-bit output is bounded by its error ratio: pass exact= {what}"
+        return
     torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{what}\n{m}")
 
 
@@ -230,8 +246,10 @@ def test_flash_attention_matches_reference(lens, hq, hkv, d, dtype, prefix, gate
     cu_arg = cu if len(lens) > 1 or prefix else None
     got = flash_attention(q, k, v, causal=causal, gate=g, cu_seqlens=cu_arg, prefix_lens=pre)
     want = reference.flash_attention(q, k, v, causal=causal, gate=g, cu_seqlens=cu_arg, prefix_lens=pre)
+    exact = reference.flash_attention(*f32(q, k, v), causal=causal, gate=f32(g)[0], cu_seqlens=cu_arg,
+                                      prefix_lens=pre)
     assert got.dtype == dtype and tuple(got.shape) == tuple(q.shape)
-    assert_close(got, want)
+    assert_close(got, want, exact=exact)
 
 
 @pytest.mark.parametrize("config,hq", [
@@ -256,7 +274,8 @@ def test_flash_attention_reads_strided_q_and_gate_views(poison_empty):
     assert q.stride(1) == 64 and gate.data_ptr() == q.data_ptr() + 32 * qg.element_size()
     k, v = randn((21, 2, 32), BF16, 6), randn((21, 2, 32), BF16, 7)
     assert_close(flash_attention(q, k, v, gate=gate), reference.flash_attention(q.contiguous(), k, v,
-                                                                                gate=gate.contiguous()))
+                                                                                gate=gate.contiguous()),
+                 exact=reference.flash_attention(*f32(q, k, v), gate=gate.float()))
 
 
 def test_flash_attention_empty_batch_and_scale(poison_empty):
@@ -319,7 +338,7 @@ def test_decode_attention_matches_reference_paged_and_contiguous(lens, hq, hkv, 
     q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs(lens, hq, hkv, d, dtype, s_max, page, gate)
     got = decode_attention(q, kc, vc, seq_lens, gate=g, num_splits=splits)
     want = reference.decode_attention(q, kc, vc, seq_lens, gate=g)
-    assert_close(got, want)
+    assert_close(got, want, exact=reference.decode_attention(*f32(q, kc, vc), seq_lens, gate=f32(g)[0]))
     if lens[0] == 0:
         assert (got[0] == 0).all(), "a sequence with no cached keys attends to nothing: zeros"
     got_paged = decode_attention(q, kp, vp, seq_lens, table, gate=g, num_splits=splits)
@@ -362,7 +381,8 @@ def test_decode_page_smaller_than_key_block(poison_empty):
     q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([150, 64], 8, 2, 32, BF16, 192, page=16)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     decode_mod.launch_decode(q, kp, vp, seq_lens, table, g, out, 2, 0.2, config={"BLOCK_N": 64})
-    assert_close(out, reference.decode_attention(q, kc, vc, seq_lens, scale=0.2, gate=g))
+    assert_close(out, reference.decode_attention(q, kc, vc, seq_lens, scale=0.2, gate=g),
+                 exact=reference.decode_attention(*f32(q, kc, vc), seq_lens, scale=0.2, gate=g.float()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,8 +411,10 @@ def test_qk_norm_rope_matches_reference(t, hq, hkv, d, rot, dtype, tables, poiso
         extra = {"cos": cos.to(dtype), "sin": sin.to(dtype)}
     got = qk_norm_rope(q, k, qw, kw, pos, rotary_dim=rot, **extra)
     want = reference.qk_norm_rope(q, k, qw, kw, pos, rotary_dim=rot, **extra)
+    exact = reference.qk_norm_rope(q.float(), k.float(), qw, kw, pos, rotary_dim=rot,
+                                   **{n: t.float() if torch.is_tensor(t) else t for n, t in extra.items()})
     for i, name in enumerate(("q_out", "k_out")):
-        assert_close(got[i], want[i], name)
+        assert_close(got[i], want[i], name, exact=exact[i])
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
@@ -417,8 +439,9 @@ def test_qk_norm_rope_writes_the_cache(layout, poison_empty):
                        slot_mapping=slots)
     want = reference.qk_norm_rope(q, k, qw, kw, pos, v=v, rotary_dim=8, rope_theta=1e6, k_cache=kc_ref,
                                   v_cache=vc_ref, slot_mapping=slots)
-    assert_close(got[0], want[0], "q_out")
-    assert_close(got[1], want[1], "k_out")
+    exact = reference.qk_norm_rope(q.float(), k.float(), qw, kw, pos, rotary_dim=8, rope_theta=1e6)
+    assert_close(got[0], want[0], "q_out", exact=exact[0])
+    assert_close(got[1], want[1], "k_out", exact=exact[1])
     flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
     kept = slots[slots >= 0]
     assert bit_mismatches(flat_k[kept], got[1][slots >= 0]) == 0
@@ -662,11 +685,12 @@ def test_gpu_every_prefill_config_compiles_and_agrees(d):
     q, k, v, g, cu, pre = _prefill_inputs([300, 1, 77], 16, 2, d, BF16, prefix=[0, 5, 129])
     lay = check_prefill(q, k, v, g, cu, pre)
     want = reference.flash_attention(q, k, v, gate=g, cu_seqlens=cu, prefix_lens=pre)
+    exact = reference.flash_attention(*f32(q, k, v), gate=g.float(), cu_seqlens=cu, prefix_lens=pre)
     for cfg in prefill_mod._prune(prefill_mod.PREFILL_CONFIGS, {"HEAD_DIM": d}):
         out = torch.full_like(q, math.nan)
         config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         prefill_mod.launch_prefill(q, k, v, g, out, lay.cu_q_t, lay.cu_k_t, lay.max_q, True, d ** -0.5, config)
-        assert_close(out, want, str(config))
+        assert_close(out, want, str(config), exact=exact)
 
 
 @pytest.mark.gpu
@@ -674,9 +698,10 @@ def test_gpu_every_prefill_config_compiles_and_agrees(d):
 def test_gpu_every_decode_config_compiles_and_agrees(d):
     q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([0, 1, 700, 1024], 16, 2, d, BF16, 1024, page=16)
     want = reference.decode_attention(q, kc, vc, seq_lens, gate=g)
+    exact = reference.decode_attention(*f32(q, kc, vc), seq_lens, gate=g.float())
     for cfg in decode_mod._prune(decode_mod.DECODE_CONFIGS, {"HEAD_DIM": d}):
         config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         for splits in (1, 5):
             out = torch.full_like(q, math.nan)
             decode_mod.launch_decode(q, kp, vp, seq_lens, table, g, out, splits, d ** -0.5, config=config)
-            assert_close(out, want, f"{config} {splits} splits")
+            assert_close(out, want, f"{config} {splits} splits", exact=exact)

@@ -172,14 +172,35 @@ def test_validated_refuses_a_wrong_op():
     with pytest.raises(AssertionError, match="validation failed before timing"):
         harness.validated(compare(torch.tensor([1.0, 2.0, 3.5]), ref, exact=True), exact=True)
     with pytest.raises(AssertionError, match="validation failed before timing"):
-        harness.validated(compare(-ref, ref))                  # cosine -1 < 0.9999
+        harness.validated(compare(-ref, ref))                  # rel_l2 2 > 2^-7
     assert harness.validated(compare(ref * 1.000001, ref))["passed"] is True
+
+
+def test_validated_bounds_per_dtype_and_by_error_ratio():
+    """Without a baseline the bound is the dtype's (two bf16 / fp16 unit roundoffs, 1e-6 for fp32); with one it is
+    MAX_ERR_RATIO times the baseline's error, whatever the dtype."""
+    ref = torch.linspace(1.0, 2.0, 64, dtype=torch.float64)
+    off = ref * (1 + 3e-3)                                     # rel_l2 3e-3: a bf16 result, not an fp16 / fp32 one
+    assert harness.validated(compare(off, ref), dtype=torch.bfloat16)["passed"]
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(AssertionError, match=r"rel_l2 <= .*\(" + str(dtype)[6:]):
+            harness.validated(compare(off, ref), dtype=dtype)
+    with pytest.raises(AssertionError, match="rel_l2 <= 0.001"):
+        harness.validated(compare(off, ref), max_rel_l2=1e-3)
+    plain = ref * (1 + 1e-3)                                   # a baseline 3x better: ratio 3 passes, 5 does not
+    assert harness.validated(compare(off, ref, baseline=plain), dtype=torch.float32)["err_ratio"] == pytest.approx(3)
+    with pytest.raises(AssertionError, match="err_ratio <= 4"):
+        harness.validated(compare(ref * (1 + 5e-3), ref, baseline=plain))
+    with pytest.raises(AssertionError, match="validation failed"):
+        harness.validated(compare(torch.full_like(ref, float("nan")), ref, baseline=plain))
+    with pytest.raises(ValueError, match="dtype is torch.int8"):
+        harness.validated(compare(off, ref), dtype=torch.int8)
 
 
 def test_bench_registry_lists_every_family():
     assert bench.available() == ["attention.decode", "attention.prefill", "decoder.qwen3-next-80b-a3b",
                                  "decoder.qwen3.5-35b-a3b", "deltanet.chunk", "deltanet.conv",
-                                 "deltanet.recurrent", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
+                                 "deltanet.recurrent", "matmul.chain", "matmul.graph", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
 
 
 def test_plots_draw_the_committed_results():
@@ -197,3 +218,153 @@ def test_plots_draw_the_committed_results():
     synthetic = dict(doc, results=[dict(r, flops=2 * r["bytes"], tflops=2 * r["gbps"] / 1e3) for r in doc["results"]])
     ax = plots.plot_roofline(synthetic)
     assert len(ax.lines) == 1 + len(providers)                 # the roof, then one marker series per provider
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# provenance: the sha and the tree state the harness reads itself (git, or LYNN_GIT_SHA / LYNN_GIT_DIRTY without it)
+
+
+def _run_git(root, *args) -> str:
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                          capture_output=True, text=True, env=env).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository with one commit (kernel.py, data/bench/x.json), and none of the provenance variables set."""
+    for var in ("LYNN_GIT_SHA", "LYNN_GIT_DIRTY", "OUT"):
+        monkeypatch.delenv(var, raising=False)
+    root = tmp_path / "repo"
+    (root / "data" / "bench").mkdir(parents=True)
+    (root / "kernel.py").write_text("x = 1\n")
+    (root / "data" / "bench" / "x.json").write_text("{}\n")
+    _run_git(root, "init", "-q")
+    _run_git(root, "add", ".")
+    _run_git(root, "commit", "-q", "-m", "first")
+    return root
+
+
+def test_git_state_reads_the_sha_and_a_clean_tree(repo):
+    state = harness.git_state(repo)
+    assert state == {"git_sha": _run_git(repo, "rev-parse", "HEAD"), "git_dirty": False, "git_source": "git"}
+    assert len(state["git_sha"]) == 40
+
+
+@pytest.mark.parametrize("change,dirty", [
+    pytest.param(lambda r: (r / "kernel.py").write_text("x = 2\n"), ["kernel.py"], id="tracked-modified"),
+    pytest.param(lambda r: (r / "new_kernel.py").write_text(""), ["new_kernel.py"], id="untracked-file"),
+    pytest.param(lambda r: (r / "pkg").mkdir() or (r / "pkg" / "a.py").write_text(""), ["pkg/a.py"],
+                 id="untracked-in-new-folder"),
+    pytest.param(lambda r: _run_git(r, "rm", "-q", "kernel.py"), ["kernel.py"], id="tracked-deleted"),
+    pytest.param(lambda r: _run_git(r, "mv", "kernel.py", "kernels.py"), ["kernels.py", "kernel.py"],
+                 id="renamed"),
+    pytest.param(lambda r: (r / "data" / "bench" / "y.json").write_text("{}"), [], id="untracked-under-data"),
+    pytest.param(lambda r: (r / "data" / "bench" / "x.json").write_text("[]"), [], id="results-rewritten"),
+    pytest.param(lambda r: (r / "out").mkdir() or (r / "out" / "log.txt").write_text(""), [], id="untracked-out"),
+])
+def test_git_state_dirty_tree(repo, change, dirty):
+    """Any change outside data/ and the output folder makes the tree dirty, untracked files included."""
+    change(repo)
+    state = harness.git_state(repo)
+    assert state["git_source"] == "git" and state["git_sha"] == _run_git(repo, "rev-parse", "HEAD")
+    assert state["git_dirty"] is bool(dirty)
+    assert state.get("git_dirty_paths", []) == dirty
+
+
+def test_git_state_ignores_the_output_folders(repo, monkeypatch):
+    """``$OUT`` and the results root of ``save`` (``extra_clean``) inside the tree are outputs, not changes."""
+    for folder in ("results", "bench-out"):
+        (repo / folder).mkdir()
+        (repo / folder / "op.json").write_text("{}")
+    assert harness.git_state(repo)["git_dirty_paths"] == ["bench-out/op.json", "results/op.json"]
+    monkeypatch.setenv("OUT", str(repo / "results"))
+    assert harness.git_state(repo)["git_dirty_paths"] == ["bench-out/op.json"]
+    assert harness.git_state(repo, extra_clean=(repo / "bench-out",))["git_dirty"] is False
+    monkeypatch.setenv("OUT", str(repo.parent))                 # outside the tree (or the tree itself): no effect
+    assert harness.git_state(repo, extra_clean=(repo,))["git_dirty"] is True
+
+
+def test_git_state_prefers_git_to_the_environment(repo, monkeypatch):
+    """In a checkout the environment cannot override what git says; a disagreeing LYNN_GIT_SHA is only recorded."""
+    head = _run_git(repo, "rev-parse", "HEAD")
+    monkeypatch.setenv("LYNN_GIT_SHA", "0123456789ab")
+    monkeypatch.setenv("LYNN_GIT_DIRTY", "0")
+    (repo / "kernel.py").write_text("x = 3\n")
+    state = harness.git_state(repo)
+    assert (state["git_sha"], state["git_dirty"], state["git_source"]) == (head, True, "git")
+    assert state["git_sha_env"] == "0123456789ab"
+    monkeypatch.setenv("LYNN_GIT_SHA", head[:12])               # agreeing: nothing extra recorded
+    assert "git_sha_env" not in harness.git_state(repo)
+
+
+@pytest.mark.parametrize("sha,dirty,want", [
+    pytest.param("0123456789ABcdef", "1", ("0123456789abcdef", True, "LYNN_GIT_SHA"), id="sha-dirty"),
+    pytest.param("0123456", "clean", ("0123456", False, "LYNN_GIT_SHA"), id="short-sha-clean"),
+    pytest.param("a" * 40, "false", ("a" * 40, False, "LYNN_GIT_SHA"), id="full-sha"),
+    pytest.param("0123456789ab", None, ("0123456789ab", None, "LYNN_GIT_SHA"), id="dirty-unknown"),
+    pytest.param("0123456789ab", "maybe", ("0123456789ab", None, "LYNN_GIT_SHA"), id="dirty-unreadable"),
+    pytest.param(None, None, ("unknown", None, None), id="nothing"),
+    pytest.param(None, "0", ("unknown", False, None), id="dirty-only"),
+])
+def test_git_state_without_a_checkout(tmp_path, monkeypatch, sha, dirty, want):
+    """The device's copy of the tree has no .git: the launcher's LYNN_GIT_SHA / LYNN_GIT_DIRTY, else unknown."""
+    for var, value in (("LYNN_GIT_SHA", sha), ("LYNN_GIT_DIRTY", dirty)):
+        monkeypatch.delenv(var, raising=False) if value is None else monkeypatch.setenv(var, value)
+    state = harness.git_state(tmp_path)
+    assert (state["git_sha"], state["git_dirty"], state["git_source"]) == want
+    assert "git_sha_env" not in state
+
+
+def test_git_state_refuses_what_is_not_its_own_checkout(repo, monkeypatch):
+    """A tree copied inside another repository is no checkout of its own (the outer sha would be a lie); a
+    LYNN_GIT_SHA that is not a sha is kept for the record, never used as one; no git on PATH: the environment."""
+    inner = repo / "copy"
+    inner.mkdir()
+    assert harness.git_state(inner) == {"git_sha": "unknown", "git_dirty": None, "git_source": None}
+    monkeypatch.setenv("LYNN_GIT_SHA", "f554bfd+local edits")
+    assert harness.git_state(inner) == {"git_sha": "unknown", "git_dirty": None, "git_source": None,
+                                        "git_sha_env": "f554bfd+local edits"}
+    monkeypatch.setenv("LYNN_GIT_SHA", "f554bfd530a0")
+    monkeypatch.setenv("PATH", str(repo / "no-git-here"))
+    assert harness.git_state(repo) == {"git_sha": "f554bfd530a0", "git_dirty": None, "git_source": "LYNN_GIT_SHA"}
+
+
+def test_save_records_the_tree_state(repo, monkeypatch, tmp_path):
+    monkeypatch.setattr(harness, "REPO_ROOT", repo)
+    results = [harness.derive(Result("toy.op", "lynn", "4x4", {}, 0.5, 0.4, 0.6, bytes=10**6), None)]
+    path = harness.save("toy.op", results, CEILINGS, command="lynn bench toy", root=repo / "results")
+    prov = json.loads(path.read_text())["provenance"]
+    assert prov["git_sha"] == _run_git(repo, "rev-parse", "HEAD") and prov["git_source"] == "git"
+    assert prov["git_dirty"] is False                           # its own results file is not a change
+    (repo / "kernel.py").write_text("x = 4\n")
+    prov = json.loads(harness.save("toy.op", results, CEILINGS, root=repo / "results").read_text())["provenance"]
+    assert prov["git_dirty"] is True and prov["git_dirty_paths"] == ["kernel.py"]
+
+
+@pytest.mark.parametrize("prov,label", [
+    ({"git_sha": "a" * 40, "git_dirty": False, "git_source": "git"}, "git aaaaaaaaaaaa"),
+    ({"git_sha": "a" * 40, "git_dirty": True, "git_source": "git", "git_dirty_paths": ["k.py"]},
+     "git aaaaaaaaaaaa (dirty tree: uncommitted changes in k.py)"),
+    ({"git_sha": "a" * 40, "git_dirty": True, "git_source": "git", "git_dirty_paths": list("abcd")},
+     "git aaaaaaaaaaaa (dirty tree: uncommitted changes in a, b, c, ...)"),
+    ({"git_sha": "0123456", "git_dirty": None, "git_source": "LYNN_GIT_SHA"},
+     "git 0123456 (tree state unknown; sha from LYNN_GIT_SHA)"),
+    ({"git_sha": "0123456", "git_dirty": False, "git_source": "LYNN_GIT_SHA"}, "git 0123456 (sha from LYNN_GIT_SHA)"),
+    ({"git_sha": "unknown", "git_dirty": None, "git_source": None}, "git unknown (tree state unknown)"),
+    ({"git_sha": "9f92a56f37f9-dirty"}, "git 9f92a56f37f9 (dirty tree: uncommitted changes)"),
+    ({"git_sha": "818909b701c3"}, "git 818909b701c3 (tree state not recorded)"),
+    ({"git_sha": "818909b701c3", "git_sha_note": "filled in after the run"},
+     "git 818909b701c3 (tree state not recorded; sha filled in by hand)"),
+])
+def test_docs_tables_label_the_tree_state(prov, label):
+    """report.py renders the provenance of each table: a figure from a dirty, unknown or hand-edited tree says so."""
+    from lynn_kernels.bench import report
+
+    assert report.git_label(prov) == label
+    doc = {"provenance": {"gpu": "g", "date": "d", "torch": "t", "triton": "tr", "command": "c", **prov},
+           "ceilings": CEILINGS.as_dict()}
+    assert f", {label}, torch t" in report._head("op", doc)

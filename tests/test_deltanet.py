@@ -8,8 +8,6 @@ bf16 operands to ``tl.dot`` for bf16 inputs, so its bf16 tolerance there is loos
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,25 +50,34 @@ def spec_output(q, k, v, g, beta, h0, l2norm, scale=None):
 
 
 def _assert_output(got, want, what="", chunk_dots=False):
-    """fp32: rel_l2 <= 1e-5. bf16: within one bf16 rounding of the fp32 answer (|err| <= 2^-8 |ref| + 1e-5 max|ref|).
-    On the GPU, a bf16 chunked prefill uses bf16 dot operands: rel_l2 <= 1e-2 and cosine >= 0.9999 there."""
+    """fp32: rel_l2 <= 2e-6 (interpreter at most 4.4e-7; H200 lynn check 3.6e-7). bf16: within one bf16 rounding of
+    the fp32 answer (|err| <= 2^-8 |ref| + 1e-5 max|ref|). On the GPU a bf16 chunked prefill uses bf16 dot operands:
+    at most 4x the error of the fp32 answer rounded once to bf16 there (H200: 2.54 lynn check T65, 2.46 T4096)."""
     assert got.dtype != FP32 or want.dtype == FP32
     assert torch.isfinite(got.float()).all(), f"non-finite output {what}"
     m = compare(got, want)
     if got.dtype == FP32:
-        assert m.rel_l2 <= 1e-5, f"{what}: {m}"
+        assert m.rel_l2 <= 2e-6, f"{what}: {m}"
     elif chunk_dots and not runtime.INTERPRET:
-        assert m.rel_l2 <= 1e-2 and m.cosine >= 0.9999, f"{what}: {m}"
+        m = compare(got, want, baseline=want.to(got.dtype))
+        assert m.err_ratio <= 4.0, f"{what}: {m}"
     else:
         err = (got.float() - want).abs()
         tol = want.abs() * 2.0**-8 + 1e-5 * want.abs().max()
         assert bool((err <= tol).all()), f"{what}: {int((err > tol).sum())} elements beyond one bf16 rounding; {m}"
 
 
-def _assert_state(got, want, what=""):
+def _assert_state(got, want, what="", bf16_dots=False):
+    """The fp32 state: rel_l2 <= 2e-6 where its path is all fp32 (interpreter at most 6.4e-7; H200 lynn check:
+    recurrent 5.9e-8, chunk from fp32 inputs 2.6e-7). ``bf16_dots``: it came through the chunked rule from bf16 inputs,
+    whose dot operands are bf16 on the GPU: there at most 4x the error of one bf16 rounding of it (H200 T65: 1.8x)."""
     assert got.dtype == FP32, f"the state must stay fp32, got {got.dtype} {what}"
     m = compare(got, want)
-    assert m.rel_l2 <= (1e-5 if runtime.INTERPRET else 1e-2), f"state {what}: {m}"
+    if bf16_dots and not runtime.INTERPRET:
+        m = compare(got, want, baseline=want.to(BF16))
+        assert m.err_ratio <= 4.0, f"state {what}: {m}"
+    else:
+        assert m.rel_l2 <= 2e-6, f"state {what}: {m}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def test_chunk_kernel(T, H, HV, init, l2norm, dtype, poison_empty):
     o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, l2norm)
     assert o.dtype == dtype and o.shape == v.shape
     _assert_output(o, o_ref, "chunk o", chunk_dots=True)
-    _assert_state(ht, ht_ref, "chunk")
+    _assert_state(ht, ht_ref, "chunk", bf16_dots=dtype == BF16)
 
 
 #: (B, T, H, HV, with initial state, use_qk_l2norm, dtype)
@@ -218,7 +225,7 @@ def test_head_dim_128(poison_empty):
     o1, s = deltanet.recurrent_gated_delta_rule(q[:, 65:], k[:, 65:], v[:, 65:], g[:, 65:], beta[:, 65:],
                                                 initial_state=s, output_final_state=True, use_qk_l2norm=True)
     _assert_output(torch.cat([o, o1], dim=1), o_ref, "d=128", chunk_dots=True)
-    _assert_state(s, ht_ref, "d=128")
+    _assert_state(s, ht_ref, "d=128", bf16_dots=True)
 
 
 def test_strided_inputs_from_a_fused_projection(poison_empty):
@@ -263,8 +270,8 @@ def test_prefill_then_decode_equals_one_long_prefill(poison_empty, device):
     want, want_s = spec_output(q, k, v, g, beta, h0, True)
     _assert_output(torch.cat(outs, dim=1), want, "prefill + decode", chunk_dots=True)
     _assert_output(o_long, want, "long prefill", chunk_dots=True)
-    _assert_state(s, want_s, "prefill + decode")
-    _assert_state(s_long, s, "long prefill vs prefill + decode")
+    _assert_state(s, want_s, "prefill + decode", bf16_dots=True)
+    _assert_state(s_long, want_s, "long prefill", bf16_dots=True)
 
 
 def test_reference_backend_runs_the_reference():
@@ -513,14 +520,14 @@ def test_chunk_kernel_packed(lens, H, HV, init, l2norm, dtype, poison_empty):
     o_ref, ht_ref = reference.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, h0, True,
                                                      l2norm, cu_seqlens=cu)
     _assert_output(o, o_ref, "packed o", chunk_dots=True)
-    _assert_state(ht, ht_ref, "packed")
+    _assert_state(ht, ht_ref, "packed", bf16_dots=dtype == BF16)
     o_alone, ht_alone = _run_alone(deltanet.chunk_gated_delta_rule, lens, (q, k, v, g, beta), h0,
                                    output_final_state=True, use_qk_l2norm=l2norm)
     if runtime.INTERPRET:       # the same programs on the same chunks: the same bits
         assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)
-    else:
-        _assert_output(o, o_alone.float(), "packed o vs alone", chunk_dots=True)
-        _assert_state(ht, ht_alone, "packed vs alone")
+    else:                       # both within the bounds of the fp32 answer (a bf16 o_alone is no baseline)
+        _assert_output(o_alone, o_ref, "o alone", chunk_dots=True)
+        _assert_state(ht_alone, ht_ref, "state alone", bf16_dots=dtype == BF16)
 
 
 def test_chunk_packed_state_in_place(poison_empty):
@@ -795,8 +802,9 @@ def test_gpu_qwen35_prefill_accuracy():
                                             use_qk_l2norm=True)
     o_ref, ht_ref = reference.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, h0, True, True)
     m = compare(o, o_ref, baseline=o_ref.to(BF16))
-    assert m.cosine >= 0.9999 and m.rel_l2 <= 1e-2, m
-    assert compare(ht, ht_ref).rel_l2 <= 1e-2
+    assert m.err_ratio <= 4.0, m                                   # bf16 dot operands; H200 bench T4096: 2.46
+    m = compare(ht, ht_ref, baseline=ht_ref.to(BF16))
+    assert m.err_ratio <= 4.0, m                                   # the state, against one bf16 rounding of it
 
 
 @pytest.mark.gpu
@@ -810,8 +818,10 @@ def test_gpu_decode_step(B):
                                                      use_qk_l2norm=True, out_state=state)
     o_ref, s_ref = reference.recurrent_gated_delta_rule_gates(q.float(), k.float(), v.float(), A_log, a, dt_bias,
                                                               b, None, h0, True, True)
-    assert compare(o, o_ref).rel_l2 <= 1e-2 and compare(state, s_ref).rel_l2 <= 1e-4
-    assert not math.isnan(compare(o, o_ref).cosine)
+    m = compare(o, o_ref, baseline=o_ref.to(BF16))                 # all fp32, one rounding: H200 bench 1.00000001
+    assert m.err_ratio <= 1.05, m
+    m = compare(state, s_ref)
+    assert m.rel_l2 <= 2e-6, m                                      # H200 lynn check (d 32): 5.9e-8
 
 
 @pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"])

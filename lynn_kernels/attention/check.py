@@ -14,7 +14,14 @@ from ..validate import compare
 from . import decode_attention, flash_attention, qk_norm_rope, reference
 from .layout import paged_slots
 
-#: Pass marks: direction within 1e-4 of the fp32 answer and at most 4x the error of one rounding to the dtype.
+#: Pass marks, from the measured errors: a 16-bit output within 2x the error of one rounding to its dtype (H200 at
+#: most 1.17, the bf16 products of the probabilities; interpreter 1.0), an fp32 one within rel_l2 1e-6 (H200 1.4e-7
+#: prefill, 5.1e-8 rope; interpreter 1.4e-7, 5.5e-8).
+CHECK_MAX_ERR_RATIO = 2.0
+CHECK_MAX_REL_L2_FP32 = 1e-6
+
+#: The looser marks notebook 04 prints with its committed output (cosine and 4x one rounding); `lynn check` and the
+#: tests use the measured bounds above.
 MIN_COSINE = 0.9999
 MAX_ERR_RATIO = 4.0
 
@@ -22,7 +29,7 @@ MAX_ERR_RATIO = 4.0
 def _row(op: str, case: str, got: torch.Tensor, want32: torch.Tensor) -> dict:
     baseline = want32.to(got.dtype) if got.dtype != torch.float32 else None
     m = compare(got, want32, baseline=baseline)
-    ok = m.cosine >= MIN_COSINE and (m.err_ratio is None or m.err_ratio <= MAX_ERR_RATIO)
+    ok = m.err_ratio <= CHECK_MAX_ERR_RATIO if baseline is not None else m.rel_l2 <= CHECK_MAX_REL_L2_FP32
     return {"op": op, "case": case, "metrics": m, "passed": bool(ok)}
 
 

@@ -20,12 +20,10 @@ import triton.language as tl
 from .. import runtime
 from ..runtime import cast_output, kernel_view, to_float32
 from .common import LOG2E, M_INIT, dot_dtype, load_operand, softmax_step
-from .layout import check_decode, check_devices, last_dim_contiguous
+from .layout import MAX_SPLITS, check_decode, check_devices, last_dim_contiguous
 
 #: A split covers at least this many keys (fewer and the partials cost more traffic than they save).
 MIN_SPLIT_TOKENS = 64
-#: The most splits the merge kernel accepts (its tile is [MAX_SPLITS, D]).
-MAX_SPLITS = 256
 
 
 def _prune(configs, named_args, **kwargs):
@@ -177,14 +175,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_table=None, sca
                             num_splits=None):
     """Host side of :func:`lynn_kernels.attention.decode_attention`: check, allocate, launch."""
     check_devices(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table, gate=gate)
-    cache = check_decode(q, k_cache, v_cache, seq_lens, block_table, gate)
-    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)):
-        raise TypeError(f"num_splits must be an int in [1, {MAX_SPLITS}] or None, found {type(num_splits).__name__}")
-    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], found {num_splits!r}")
-    q, gate = last_dim_contiguous(q), last_dim_contiguous(gate)
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache need unit stride along the head dim (copying a cache is never silent)")
+    cache = check_decode(q, k_cache, v_cache, seq_lens, block_table, gate, scale=scale, num_splits=num_splits)
+    # the kernels read index tensors with unit stride along their last dim (block_table: any row stride)
+    q, gate, seq_lens, block_table = (last_dim_contiguous(t) for t in (q, gate, seq_lens, block_table))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out

@@ -80,6 +80,33 @@ def check_devices(**tensors) -> None:
             runtime.check_device(name, t)
 
 
+def check_same_device(ref_name: str, ref: torch.Tensor, **tensors) -> None:
+    """Every given tensor (None skipped) is on ``ref``'s device: checked on every backend, before any value is read."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all tensors must share a "
+                             f"device")
+
+
+def check_scale(scale) -> None:
+    """The softmax scale: None (``D ** -0.5``) or a positive finite Python number."""
+    if scale is None:
+        return
+    if isinstance(scale, (torch.Tensor, bool)) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive finite Python number or None (D ** -0.5), found "
+                        f"{type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite Python number or None (D ** -0.5), found {scale!r}")
+
+
+def check_unit_head_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Caches are written or read in place, never copied: unit stride along the head dim."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride along the head dim (copying a cache is never silent), found "
+                             f"strides {tuple(t.stride())}")
+
+
 def values_checkable() -> bool:
     """Whether index tensors may be read back to the host (not while a CUDA graph is being captured)."""
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -113,7 +140,7 @@ class Varlen:
         return max((b - a for a, b in zip(self.cu_q, self.cu_q[1:])), default=0)
 
 
-def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens) -> Varlen:
+def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens, *, causal=True, scale=None) -> Varlen:
     """Check :func:`flash_attention`'s arguments; return the batch layout (reads ``cu_seqlens`` to the host)."""
     check_tensor("q", q, 3)
     check_tensor("k", k, 3)
@@ -124,6 +151,10 @@ def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens) -> Varlen:
     if gate is not None:
         check_tensor("gate", gate, 3)
         check_same("gate", gate, "q", q)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, found {type(causal).__name__} {causal!r}")
+    check_scale(scale)
+    check_same_device("q", q, k=k, v=v, gate=gate, cu_seqlens=cu_seqlens, prefix_lens=prefix_lens)
     t = q.shape[0]
     if cu_seqlens is None:
         cu_q = [0, t]
@@ -183,7 +214,11 @@ def check_cache_pair(k_cache, v_cache) -> None:
     check_same("v_cache", v_cache, "k_cache", k_cache)
 
 
-def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate) -> Cache:
+#: The most splits of one sequence in :func:`decode_attention` (the merge kernel's tile is [MAX_SPLITS, D]).
+MAX_SPLITS = 256
+
+
+def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate, *, scale=None, num_splits=None) -> Cache:
     """Check :func:`decode_attention`'s arguments; return the cache layout."""
     check_tensor("q", q, 3)
     check_cache_pair(k_cache, v_cache)
@@ -214,6 +249,14 @@ def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate) -> Cache:
             raise ValueError(f"k_cache (paged [num_blocks, PAGE, Hkv, D]) needs PAGE >= {MIN_PAGE}, "
                              f"found shape {_shape(k_cache)}")
         cache = Cache(paged=True, page=page, capacity=page * block_table.shape[1])
+    check_scale(scale)
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)):
+        raise TypeError(f"num_splits must be an int in [1, {MAX_SPLITS}] or None, found {type(num_splits).__name__}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], found {num_splits!r}")
+    check_unit_head_stride(k_cache, v_cache)
+    check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table,
+                      gate=gate)
     if values_checkable() and b:
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 0 or hi > cache.capacity:
@@ -234,7 +277,7 @@ def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate) -> Cache:
 
 
 def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, cos, sin, k_cache, v_cache,
-               slot_mapping) -> None:
+               slot_mapping, *, eps=1e-6) -> None:
     """Check :func:`qk_norm_rope`'s arguments."""
     check_tensor("q", q, 3)
     check_tensor("k", k, 3)
@@ -258,10 +301,16 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
         raise ValueError(f"rotary_dim must be an even int in (0, {d}], found {rotary_dim!r}")
     if (cos is None) != (sin is None):
         raise ValueError("give both cos and sin tables, or neither (then rope_theta)")
+    if isinstance(eps, (torch.Tensor, bool)) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a positive finite Python number, found {type(eps).__name__} {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):                        # eps = 0 gives NaN on an all-zero row
+        raise ValueError(f"eps must be a positive finite Python number (an all-zero row divides by sqrt(eps)), "
+                         f"found {eps!r}")
     if cos is None:
-        if rope_theta is None or not rope_theta > 0:
-            raise ValueError(f"rope_theta must be a positive float (e.g. the checkpoint's rope_theta) when no cos/sin "
-                             f"tables are given, found {rope_theta!r}")
+        if (isinstance(rope_theta, (torch.Tensor, bool)) or not isinstance(rope_theta, (int, float))
+                or not (math.isfinite(rope_theta) and rope_theta > 0)):
+            raise ValueError(f"rope_theta must be a positive float, finite (e.g. the checkpoint's rope_theta), when "
+                             f"no cos/sin tables are given, found {rope_theta!r}")
     else:
         for name, t in (("cos", cos), ("sin", sin)):
             check_tensor(name, t, 2)
@@ -285,6 +334,10 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
         if slot_mapping.shape[0] != q.shape[0]:
             raise ValueError(f"slot_mapping must have one entry per token: expected shape ({q.shape[0]},), "
                              f"found {_shape(slot_mapping)}")
+        check_unit_head_stride(k_cache, v_cache)
+    check_same_device("q", q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, positions=positions, cos=cos, sin=sin,
+                      k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if slot_mapping is not None:                                    # then the whole cache write was checked above
         n_slots = k_cache.shape[0] * k_cache.shape[1]
         if values_checkable() and slot_mapping.numel():
             lo, hi = _min_max(slot_mapping)

@@ -139,7 +139,7 @@ def _flash_prefill_kernel(
 def flash_attention_triton(q, k, v, causal=True, scale=None, gate=None, cu_seqlens=None, prefix_lens=None):
     """Host side of :func:`lynn_kernels.attention.flash_attention`: check, allocate, launch."""
     check_devices(q=q, k=k, v=v, gate=gate, cu_seqlens=cu_seqlens, prefix_lens=prefix_lens)
-    lay = check_prefill(q, k, v, gate, cu_seqlens, prefix_lens)
+    lay = check_prefill(q, k, v, gate, cu_seqlens, prefix_lens, causal=causal, scale=scale)
     q, k, v, gate = (last_dim_contiguous(t) for t in (q, k, v, gate))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:

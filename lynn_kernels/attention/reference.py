@@ -33,7 +33,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fir
 
 def flash_attention(q, k, v, causal=True, scale=None, gate=None, cu_seqlens=None, prefix_lens=None):
     """Reference of :func:`lynn_kernels.attention.flash_attention` (same arguments, same result)."""
-    lay = check_prefill(q, k, v, gate, cu_seqlens, prefix_lens)
+    lay = check_prefill(q, k, v, gate, cu_seqlens, prefix_lens, causal=causal, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b in range(lay.batch):
@@ -55,7 +55,7 @@ def gather_cache(cache: torch.Tensor, b: int, length: int, block_table=None) -> 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, gate=None, *, num_splits=None):
     """Reference of :func:`lynn_kernels.attention.decode_attention` (``num_splits`` does not change the math)."""
-    check_decode(q, k_cache, v_cache, seq_lens, block_table, gate)
+    check_decode(q, k_cache, v_cache, seq_lens, block_table, gate, scale=scale, num_splits=num_splits)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, length in enumerate(seq_lens.tolist()):
@@ -103,7 +103,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
     """Reference of :func:`lynn_kernels.attention.qk_norm_rope`: returns ``(q_out, k_out)`` and, given a cache,
     writes ``k_out`` and ``v`` into ``k_cache`` / ``v_cache`` at ``slot_mapping`` (``-1`` skips a token)."""
     check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, cos, sin, k_cache, v_cache,
-               slot_mapping)
+               slot_mapping, eps=eps)
     if cos is None:
         cos, sin = rope_cos_sin(positions, rotary_dim, rope_theta)
     else:

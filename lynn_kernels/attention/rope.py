@@ -127,12 +127,12 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
     check_devices(q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, positions=positions, cos=cos, sin=sin,
                   k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, cos, sin, k_cache, v_cache,
-               slot_mapping)
+               slot_mapping, eps=eps)
     # fp32 weights, each converted exactly from its own dtype (a bf16 q_weight must not round an fp32 k_weight)
     q_weight, k_weight = (w.to(torch.float32).contiguous() for w in (q_weight, k_weight))
-    q, k, v, cos, sin = (last_dim_contiguous(t) for t in (q, k, v, cos, sin))
-    if k_cache is not None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
-        raise ValueError("k_cache and v_cache need unit stride along the head dim (copying a cache is never silent)")
+    # positions and slot_mapping are read with unit stride, like the last dim of everything else
+    q, k, v, cos, sin, positions, slot_mapping = (last_dim_contiguous(t)
+                                                  for t in (q, k, v, cos, sin, positions, slot_mapping))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     t, hq, d = q.shape

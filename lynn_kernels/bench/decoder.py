@@ -124,7 +124,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         got, full_got = shallow.forward(ids[None, :80]), model.forward(ids[None, :80])
         with lynn_kernels.use_reference():
             want, full_want = shallow.forward(ids[None, :80]), model.forward(ids[None, :80])
-    val = validated(compare(got, want), min_cosine=0.999)
+    val = validated(compare(got, want), max_rel_l2=1.3e-2)       # H200: rel_l2 4.4e-3 (Qwen3-Next), 4.1e-3 (3.5)
     val["full_depth_cosine"] = compare(full_got, full_want).cosine
     assert len(model.layers) == cfg.num_hidden_layers
     _log(f"{name}: kernel vs reference path, 80 tokens: cosine {val['cosine']:.6f} over 4 layers, "

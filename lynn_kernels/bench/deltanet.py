@@ -115,8 +115,8 @@ def bench_chunk(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         def lynn(q, k, v, g, beta):
             return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)
 
-        def check(o, s):
-            validated(compare(s, s_ref), min_cosine=0.9999)
+        def check(o, s):           # the fp32 state from bf16 dot operands, against one bf16 rounding of it
+            validated(compare(s, s_ref, baseline=s_ref.bfloat16()))      # H200, lynn check T65: 1.8x
             return validated(compare(o, o_ref, baseline=o_ref.bfloat16()))
 
         providers = [("lynn chunk_gated_delta_rule() (5 kernels + wrapper)", lynn, sets, "",
@@ -199,8 +199,8 @@ def bench_recurrent(ceilings: Ceilings, quick: bool = False) -> list[Result]:
             return recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=state,
                                                     use_qk_l2norm=True, out_state=state)
 
-        def check(o, s):
-            validated(compare(s, s_ref), min_cosine=0.99999)
+        def check(o, s):           # the state path is all fp32: H200, lynn check: rel_l2 5.9e-8
+            validated(compare(s, s_ref), dtype=torch.float32)
             return validated(compare(o, o_ref, baseline=o_ref.bfloat16()))
 
         def fresh(args):                               # validation must not advance a timed state

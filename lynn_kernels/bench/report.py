@@ -9,9 +9,40 @@ from pathlib import Path
 from .harness import load
 
 
+def git_label(p: dict) -> str:
+    """The sha of a results file's provenance, labelled with what is known of its tree (rendered, never typed):
+
+    * ``git 0123456789ab``: read by the harness from a clean checkout;
+    * ``(dirty tree: ...)``: uncommitted changes outside data/ when it ran (the figures may not be the sha's), from
+      ``git_dirty`` or, in files older than that field, a ``-dirty`` suffix;
+    * ``(tree state unknown)``: no checkout and no ``LYNN_GIT_DIRTY``; ``(tree state not recorded)``: a file from
+      before the harness recorded it; ``(sha from LYNN_GIT_SHA)``: given by the launcher, not read from git;
+      ``(sha filled in by hand)``: a file whose provenance says it was edited (``git_sha_note``).
+    """
+    sha = str(p.get("git_sha") or "unknown")
+    recorded, dirty = "git_dirty" in p, p.get("git_dirty")
+    if sha.endswith("-dirty"):                              # files written before git_dirty existed
+        sha, recorded, dirty = sha[: -len("-dirty")], True, True
+    short = sha[:12] if re.fullmatch(r"[0-9a-f]{12,40}", sha) else sha
+    notes = []
+    if dirty is True:
+        paths = p.get("git_dirty_paths") or []
+        notes.append("dirty tree: uncommitted changes" + (f" in {', '.join(paths[:3])}"
+                                                          + (", ..." if len(paths) > 3 else "") if paths else ""))
+    elif not recorded:
+        notes.append("tree state not recorded")
+    elif dirty is None:
+        notes.append("tree state unknown")
+    if p.get("git_source") == "LYNN_GIT_SHA":
+        notes.append("sha from LYNN_GIT_SHA")
+    if p.get("git_sha_note"):
+        notes.append("sha filled in by hand")
+    return f"git {short}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def _head(op: str, doc: dict) -> str:
     p, c = doc["provenance"], doc["ceilings"]
-    return (f"`{op}` on {p['gpu']}, {p['date']}, git {p['git_sha']}, torch {p['torch']}, triton {p['triton']}, "
+    return (f"`{op}` on {p['gpu']}, {p['date']}, {git_label(p)}, torch {p['torch']}, triton {p['triton']}, "
             f"CUDA {p.get('cuda')}; command `{p['command']}`. Ceilings measured in the same process: copy "
             f"{c['copy_gbps']:,.0f} GB/s, read {c['read_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_tflops']:,.0f} TFLOP/s.")
 

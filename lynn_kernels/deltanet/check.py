@@ -2,7 +2,8 @@
 
 Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``. ``err_ratio`` holds the kernel's error over the
 error of the exact (fp32 reference) answer rounded to the output dtype: about 1 means "as good as a bf16 output can
-be". The thresholds allow for bf16 ``tl.dot`` operands on the GPU (fp32 under the interpreter).
+be". Each row has its own bound, a small multiple of what it measures (H200 / interpreter, in ``BOUNDS``): only the
+chunked rule feeds bf16 operands to ``tl.dot`` on the GPU (fp32 under the interpreter); every other path is fp32.
 """
 
 from __future__ import annotations
@@ -29,10 +30,31 @@ def _inputs(B, T, H, HV, K, V, dtype, seed=0):
     return q, k, v, g, beta, h0
 
 
-def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, max_rel: float) -> dict:
-    baseline = want.to(got.dtype) if got.dtype != torch.float32 else None
-    m = compare(got, want, baseline=baseline)
-    return {"op": op, "case": case, "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= max_rel}
+#: (row, dtype) -> ("err_ratio" | "rel_l2", bound). err_ratio: over the exact answer rounded once to bf16 (for the
+#: fp32 chunk state too: bf16 dot operands put it about where one bf16 rounding of it is). Measured, H200 / interp:
+BOUNDS = {
+    ("deltanet.chunk", "bf16"): ("err_ratio", 4.0),              # 2.54 / 1.0
+    ("deltanet.chunk state", "bf16"): ("err_ratio", 4.0),        # 2.9e-3 = 1.8x / 3.1e-7
+    ("deltanet.recurrent", "bf16"): ("err_ratio", 1.05),         # 1.0 / 1.0
+    ("deltanet.recurrent state", "bf16"): ("rel_l2", 1e-6),      # 5.9e-8 / 5.8e-8
+    ("deltanet.conv", "bf16"): ("err_ratio", 1.05),              # 1.0 / 1.0
+    ("deltanet.conv update", "bf16"): ("err_ratio", 1.05),       # 1.0 / 1.0
+    ("deltanet.gated_rmsnorm", "bf16"): ("rel_l2", 2e-4),        # 0 / 0 (one flipped rounding would be ~1e-4)
+    ("deltanet.chunk", "fp32"): ("rel_l2", 2e-6),                # 3.6e-7 / 3.2e-7
+    ("deltanet.chunk state", "fp32"): ("rel_l2", 2e-6),          # 2.6e-7 / 2.9e-7
+    ("deltanet.recurrent", "fp32"): ("rel_l2", 1e-6),            # 1.1e-7 / 1.5e-7
+    ("deltanet.recurrent state", "fp32"): ("rel_l2", 1e-6),      # 7.1e-8 / 8.3e-8
+    ("deltanet.conv", "fp32"): ("rel_l2", 1e-6),                 # 7.0e-8 / 3.8e-8
+    ("deltanet.conv update", "fp32"): ("rel_l2", 1e-6),          # 7.7e-8 / 3.8e-8
+    ("deltanet.gated_rmsnorm", "fp32"): ("rel_l2", 1e-6),        # 8.0e-8 / 8.7e-8
+}
+
+
+def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict:
+    """``got`` against the fp32 ``want`` under the row's bound in ``BOUNDS`` (``dtype``: the inputs')."""
+    kind, bound = BOUNDS[(op, "fp32" if dtype == torch.float32 else "bf16")]
+    m = compare(got, want, baseline=want.to(torch.bfloat16) if kind == "err_ratio" else None)
+    return {"op": op, "case": case, "metrics": m, "passed": (m.err_ratio if kind == "err_ratio" else m.rel_l2) <= bound}
 
 
 def check_deltanet() -> list[dict]:
@@ -40,7 +62,7 @@ def check_deltanet() -> list[dict]:
                    recurrent_gated_delta_rule_gates)
 
     rows = []
-    for dtype, max_rel in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+    for dtype in (torch.bfloat16, torch.float32):
         label = str(dtype).replace("torch.", "")
         # prefill: T=65 (a chunk and one token), GQA 2, l2norm, an initial state
         q, k, v, g, beta, h0 = _inputs(1, 65, 1, 2, 32, 32, dtype)
@@ -50,8 +72,8 @@ def check_deltanet() -> list[dict]:
                                                              initial_state=h0, output_final_state=True,
                                                              use_qk_l2norm=True)
         case = f"{label} B1 T65 H1 HV2 K32 V32"
-        rows.append(_row("deltanet.chunk", case, o, o_ref, max_rel))
-        rows.append(_row("deltanet.chunk state", case, ht, ht_ref, max_rel))
+        rows.append(_row("deltanet.chunk", case, o, o_ref, dtype))
+        rows.append(_row("deltanet.chunk state", case, ht, ht_ref, dtype))
 
         # decode step with the gates in the kernel: B=2, T=1
         q, k, v, _, _, h0 = _inputs(2, 1, 2, 4, 32, 32, dtype, seed=1)
@@ -66,8 +88,8 @@ def check_deltanet() -> list[dict]:
             q.float(), k.float(), v.float(), A_log, a, dt_bias, b, initial_state=h0, output_final_state=True,
             use_qk_l2norm=True)
         case = f"{label} decode B2 H2 HV4 K32 V32, gates fused"
-        rows.append(_row("deltanet.recurrent", case, o, o_ref, max_rel))
-        rows.append(_row("deltanet.recurrent state", case, ht, ht_ref, max_rel))
+        rows.append(_row("deltanet.recurrent", case, o, o_ref, dtype))
+        rows.append(_row("deltanet.recurrent state", case, ht, ht_ref, dtype))
 
         # conv prefill (with a state) then one decode step
         gen = torch.Generator().manual_seed(3)
@@ -77,7 +99,7 @@ def check_deltanet() -> list[dict]:
         y, s1 = causal_conv1d(x, w, s0)
         y_ref, s1_ref = reference.causal_conv1d(x.float(), w.float(), s0.float())
         case = f"{label} B2 T37 C96 W4"
-        rows.append(_row("deltanet.conv", case, y, y_ref, max_rel))
+        rows.append(_row("deltanet.conv", case, y, y_ref, dtype))
         state_same = bool(torch.equal(s1.float(), s1_ref))
         rows.append({"op": "deltanet.conv state", "case": case, "mismatches": int((s1.float() != s1_ref).sum()),
                      "passed": state_same})
@@ -85,16 +107,14 @@ def check_deltanet() -> list[dict]:
         s_ref = s1.float().clone()
         y1 = causal_conv1d_update(x1, s1, w)
         rows.append(_row("deltanet.conv update", case, y1, reference.causal_conv1d_update(x1.float(), s_ref,
-                                                                                          w.float()), max_rel))
+                                                                                          w.float()), dtype))
 
         # gated RMSNorm over head_dim 128
         xn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
         zn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
         wn = (1 + 0.1 * torch.randn(128, generator=gen)).to(runtime.DEVICE)
         want = reference.gated_rmsnorm(xn, zn, wn).float()              # the spec rounds as HF does, in x's dtype
-        m = compare(gated_rmsnorm(xn, zn, wn), want)
-        rows.append({"op": "deltanet.gated_rmsnorm", "case": f"{label} 5x3x128", "metrics": m,
-                     "passed": m.cosine >= 0.9999 and m.rel_l2 <= max_rel})
+        rows.append(_row("deltanet.gated_rmsnorm", f"{label} 5x3x128", gated_rmsnorm(xn, zn, wn), want, dtype))
     return rows
 
 

@@ -144,6 +144,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def gates(A_log, a, dt_bias, b):
     """The gates of a Qwen3-Next / Qwen3.5 layer, in fp32: ``g = -exp(A_log) * softplus(a + dt_bias)`` and
     ``beta = sigmoid(b)``. ``A_log, dt_bias [HV]``; ``a, b [B, T, HV]``. Returns ``(g, beta)``, both fp32."""
+    spec.check_gate_inputs(A_log, a, dt_bias, b)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b.float())
 

@@ -80,9 +80,10 @@ def packed_blocks(cu: tuple[int, ...], block: int, device: torch.device, empty_b
 
 
 def check_devices(**tensors) -> None:
-    """Every given tensor is on the device the kernels run on (the reference backend skips this)."""
+    """Every given tensor is on the device the kernels run on (the reference backend skips this). Anything that is not
+    a tensor is left to the argument checks, so the host functions may run this first, before any value is read."""
     for name, t in tensors.items():
-        if t is not None:
+        if isinstance(t, torch.Tensor):
             runtime.check_device(name, t)
 
 
@@ -132,9 +133,10 @@ def _need_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tens
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all inputs must share a device")
 
 
-def _need_head_dim(what: str, name: str, d: int) -> None:
+def _need_head_dim(tensor: str, what: str, name: str, d: int) -> None:
     if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"{what} head dim {name}={d} is unsupported: the kernels support 1..{MAX_HEAD_DIM}")
+        raise ValueError(f"{tensor}: {what} head dim {name}={d} is unsupported: the kernels support "
+                         f"1..{MAX_HEAD_DIM}")
 
 
 def check_state(name: str, s, dims: Dims, ref: torch.Tensor) -> None:
@@ -184,8 +186,8 @@ def check_qkv(q, k, v) -> Dims:
         _need_same_device(name, t, "q", q)
     if H == 0 or HV % H != 0:
         raise ValueError(f"v has HV={HV} value heads, which is not a multiple of the H={H} query/key heads of q")
-    _need_head_dim("query/key", "K", K)
-    _need_head_dim("value", "V", V)
+    _need_head_dim("q", "query/key", "K", K)
+    _need_head_dim("v", "value", "V", V)
     return Dims(B, T, H, HV, K, V)
 
 
@@ -246,6 +248,22 @@ def check_gates(A_log, a, dt_bias, b, dims: Dims, ref: torch.Tensor) -> None:
         _need_shape(name, t, shape, layout)
         _need_float(name, t)
         _need_same_device(name, t, "q", ref)
+
+
+def check_gate_inputs(A_log, a, dt_bias, b) -> None:
+    """:func:`.reference.gates`' arguments: ``A_log, dt_bias [HV]`` and ``a, b [..., HV]`` (one shape), float, on
+    ``a``'s device."""
+    for name, t in (("A_log", A_log), ("a", a), ("dt_bias", dt_bias), ("b", b)):
+        _need_tensor(name, t)
+        _need_float(name, t)
+    if a.dim() == 0:
+        raise ValueError("a must be [..., HV] (e.g. [B, T, HV]), found a 0-d tensor")
+    HV = a.shape[-1]
+    _need_shape("b", b, tuple(a.shape), "[..., HV] (the shape of a)")
+    _need_shape("A_log", A_log, (HV,), "[HV]")
+    _need_shape("dt_bias", dt_bias, (HV,), "[HV]")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("b", b)):
+        _need_same_device(name, t, "a", a)
 
 
 def check_conv(x, weight, initial_state, cu_seqlens=None) -> tuple[int, int, int, int, int, tuple[int, ...] | None]:
@@ -313,8 +331,8 @@ def check_gated_rmsnorm(x, z, weight, eps) -> int:
     for name, t in (("x", x), ("z", z), ("weight", weight)):
         _need_tensor(name, t)
         _need_float(name, t)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension [..., D]")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [..., D] with D >= 1, found shape {tuple(x.shape)}")
     D = x.shape[-1]
     _need_shape("z", z, tuple(x.shape), "[..., D] (the shape of x)")
     _need_shape("weight", weight, (D,), "[D]")

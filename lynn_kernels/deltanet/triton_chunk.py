@@ -361,18 +361,20 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32 if runtime.INTERPRET or dtype == torch.float32 else tl.bfloat16
 
 
-def block_v(V: int) -> tuple[int, int]:
+def block_v(V: int, interpret: bool = runtime.INTERPRET) -> tuple[int, int]:
     """Value columns per program of (the state kernel, the output kernel): all of them under the interpreter (fewer
     programs run faster there); on the GPU 32 for the sequential state scan (B=1, 32 heads, V=128: 128 programs on
-    132 SMs) and 64 for the output (parallel over chunks already). Untuned until measured on the H200."""
+    132 SMs) and 64 for the output (parallel over chunks already). Untuned until measured on the H200.
+    ``interpret=False``: the GPU's, for tests."""
     full = max(16, runtime.next_power_of_2(V))
-    return (full, full) if runtime.INTERPRET else (min(full, 32), min(full, 64))
+    return (full, full) if interpret else (min(full, 32), min(full, 64))
 
 
 def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                   use_qk_l2norm=False, *, out_state=None, cu_seqlens=None):
     """Host side of :func:`lynn_kernels.deltanet.chunk_gated_delta_rule`: check, allocate, launch five kernels
     (reads ``cu_seqlens`` to the host once: the chunk table and the grids depend on it)."""
+    check_devices(q=q)                  # first: check_delta_rule reads cu_seqlens once it is on q's device
     dims = spec.check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state, cu_seqlens)
     check_devices(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, out_state=out_state,
                   cu_seqlens=cu_seqlens)

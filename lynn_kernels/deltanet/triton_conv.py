@@ -128,6 +128,7 @@ def _conv_blocks(C: int) -> int:
 
 def causal_conv1d_triton(x, weight, initial_state=None, *, cu_seqlens=None):
     """Host side of :func:`lynn_kernels.deltanet.causal_conv1d` (reads ``cu_seqlens`` to the host once)."""
+    spec.check_devices(x=x)             # first: check_conv reads cu_seqlens once it is on x's device
     B, T, C, W, S, cu = spec.check_conv(x, weight, initial_state, cu_seqlens)
     spec.check_devices(x=x, weight=weight, initial_state=initial_state, cu_seqlens=cu_seqlens)
     N = B if cu is None else len(cu) - 1

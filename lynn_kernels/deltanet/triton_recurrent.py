@@ -108,11 +108,12 @@ def _recurrent_kernel(
         tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
 
 
-def recurrent_config(K: int, V: int) -> tuple[int, int]:
+def recurrent_config(K: int, V: int, interpret: bool = runtime.INTERPRET) -> tuple[int, int]:
     """(BLOCK_V, num_warps). Under the interpreter one program per head (fewer programs run faster); on the GPU
     narrow value blocks and one warp, as fla's fused recurrent kernel: B=1, 32 heads, V=128 gives 512 programs whose
-    state slices are read and written once. Untuned guesses until measured on the H200."""
-    if runtime.INTERPRET:
+    state slices are read and written once. Untuned guesses until measured on the H200. ``interpret=False``: the
+    GPU's, for tests."""
+    if interpret:
         return runtime.next_power_of_2(V), 4
     return min(runtime.next_power_of_2(V), 8), 1
 

@@ -59,6 +59,7 @@ def route(logits, top_k, renormalize=True):
         weights, ids = route(torch.randn(3, 60), top_k=4)           # weights [3, 4] fp32 (rows sum to 1), ids int32
     """
     spec.check_route(logits, top_k, renormalize)
+    runtime.check_device("logits", logits)          # before the value check reads it
     spec.check_logits_finite(logits)
     return route_triton(logits, top_k, renormalize)
 
@@ -87,6 +88,7 @@ def align(ids, num_experts, block_m):
         # num_padded = [48]
     """
     spec.check_align(ids, num_experts, block_m)
+    runtime.check_device("ids", ids)                # before the value check reads it
     spec.check_ids_in_range(ids, num_experts)
     return align_triton(ids, num_experts, block_m)
 
@@ -125,7 +127,8 @@ def moe_experts(x, weights, ids, w13, w2):
         weights, ids = route(x @ router_weight.t(), top_k=8)
         y = moe_experts(x, weights, ids, w13, w2)                        # x [4, 2048] bf16 -> y [4, 2048] bf16
     """
-    spec.check_experts(x, weights, ids, w13, w2)
+    spec.check_experts(x, weights, ids, w13, w2)     # every input on x's device
+    runtime.check_device("x", x)                    # and that one where the kernels run, before ids are read
     spec.check_ids_in_range(ids, w13.shape[0])
     return moe_experts_triton(x, weights, ids, w13, w2)
 

@@ -161,10 +161,22 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int):
     return launch_align(ids, num_experts, block_m, sorted_slots, block_expert, num_padded)
 
 
+#: The align kernels' tiles on the GPU: sentinel fill, block-expert fill, histogram cells per offsets step (the
+#: interpreter takes larger ones, :func:`align_tiles`).
+GPU_TILES = {"BLOCK_FILL": 1024, "BLOCK_B": 64, "CELLS": 1 << 13}
+
+
+def align_tiles(interpret: bool = runtime.INTERPRET) -> dict:
+    """The tiles :func:`launch_align` uses on this backend (``interpret=False``: the GPU's, for tests)."""
+    return {"BLOCK_FILL": 4096, "BLOCK_B": 1024, "CELLS": 1 << 16} if interpret else dict(GPU_TILES)
+
+
 def launch_align(ids: torch.Tensor, num_experts: int, block_m: int, sorted_slots: torch.Tensor,
-                 block_expert: torch.Tensor, num_padded: torch.Tensor, *, chunk: int | None = None):
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, *, chunk: int | None = None,
+                 config: dict | None = None):
     """Launch only (no checks, no host sync), into contiguous int32 outputs sized by ``spec.max_padded``.
-    ``chunk`` (a power of two >= 16) overrides :data:`CHUNK`, e.g. to test the multi-chunk path on small inputs."""
+    ``chunk`` (a power of two >= 16) overrides :data:`CHUNK`, e.g. to test the multi-chunk path on small inputs;
+    ``config`` overrides the tiles of :func:`align_tiles` (the GPU's under the interpreter, in tests)."""
     S = ids.numel()
     if S == 0:
         num_padded.zero_()
@@ -174,8 +186,8 @@ def launch_align(ids: torch.Tensor, num_experts: int, block_m: int, sorted_slots
     block_e = max(32, runtime.next_power_of_2(num_experts))            # histogram bins: a power of two >= a warp
     log2_e = block_e.bit_length() - 1
     p_max, n_blocks = sorted_slots.numel(), block_expert.numel()
-    block_fill = 4096 if runtime.INTERPRET else 1024
-    block_b = 1024 if runtime.INTERPRET else 64
+    tiles = {**align_tiles(), **(config or {})}
+    block_fill, block_b = tiles["BLOCK_FILL"], tiles["BLOCK_B"]
     n_chunks = runtime.cdiv(S, chunk)
     if n_chunks == 1:
         ws = torch.empty(2 * block_e, dtype=torch.int32, device=ids.device)           # delta, group ends
@@ -189,7 +201,7 @@ def launch_align(ids: torch.Tensor, num_experts: int, block_m: int, sorted_slots
     _align_count_kernel[(n_chunks,)](flat, hist, sorted_slots, S, num_experts, p_max,
                                      CHUNK=chunk, BLOCK_E=block_e, BLOCK_FILL=block_fill, num_warps=4)
     _align_offsets_kernel[(1,)](hist, ends, num_padded, n_chunks, num_experts, block_m,
-                                BLOCK_E=block_e, BLOCK_C=max(1, (1 << 16 if runtime.INTERPRET else 1 << 13) // block_e),
+                                BLOCK_E=block_e, BLOCK_C=max(1, tiles["CELLS"] // block_e),
                                 num_warps=4)
     _align_scatter_kernel[(n_chunks,)](flat, hist, ends, num_padded, sorted_slots, block_expert,
                                        S, num_experts, block_m, n_blocks,

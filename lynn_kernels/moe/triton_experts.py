@@ -502,9 +502,13 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
         num_warps=warps, num_stages=stages)
 
 
-def _launch_combine(out_slots, shared_out, out, top_k: int) -> None:
+def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None = None) -> None:
+    """Sum each token's ``top_k`` slot rows (and ``shared_out``) into ``out``; ``config`` (``BLOCK_T``, ``BLOCK_H``,
+    ``num_warps``) replaces the tiles, e.g. :data:`COMBINE_CONFIG` under the interpreter (tests)."""
     M, H = out.shape
-    if runtime.INTERPRET:
+    if config is not None:
+        meta = dict(config)
+    elif runtime.INTERPRET:
         meta = {"BLOCK_T": max(1, min(64, runtime.next_power_of_2(M))),
                 "BLOCK_H": max(16, min(1024, runtime.next_power_of_2(H))), "num_warps": 4}
     else:

@@ -141,10 +141,10 @@ def _router_kernel(
         tl.atomic_xchg(count_ptr, 0)                     # ready for the next call
 
 
-def _block_m(M: int, block_e: int) -> int:
+def _block_m(M: int, block_e: int, interpret: bool = runtime.INTERPRET) -> int:
     """Tokens per program: about 4k fp32 logits in registers on the GPU; as many as fit 64k under the interpreter
-    (its cost is per program)."""
-    cap = (1 << 16) // block_e if runtime.INTERPRET else min(32, (1 << 12) // block_e)
+    (its cost is per program). ``interpret=False``: the GPU's, for tests."""
+    cap = (1 << 16) // block_e if interpret else min(32, (1 << 12) // block_e)
     return max(1, min(cap, runtime.next_power_of_2(M)))
 
 
@@ -161,15 +161,16 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
 
 
 def launch_route(logits: torch.Tensor, top_k: int, renormalize: bool, weights: torch.Tensor,
-                 ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch only (no checks, no host sync), into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``."""
+                 ids: torch.Tensor, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch only (no checks, no host sync), into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``.
+    ``block_m`` (tokens per program, a power of two) overrides :func:`_block_m` (tests)."""
     M, E = logits.shape
     if M == 0:
         return weights, ids
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block_e = max(16, runtime.next_power_of_2(E))
-    block_m = _block_m(M, block_e)
+    block_m = block_m or _block_m(M, block_e)
     _route_kernel[(runtime.cdiv(M, block_m),)](
         kernel_view(logits), weights, ids, M, E, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, DTYPE=runtime.TORCH_TO_TL[logits.dtype],
@@ -185,12 +186,14 @@ ROUTER_CONFIG = {"BLOCK_E": 16, "BLOCK_H": 512, "num_warps": 4}
 
 
 def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
-                  weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync): the router logits ``x2 @ router_weight^T`` (``x2 [M, H]`` with
     ``M <= ROUTER_MAX_M``, ``router_weight [E, H]`` in x's dtype, both unit stride along H), rounded to x's dtype,
     and their routing, in one launch, into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``. The fp32
     partial logits go to a small workspace; the ticket counter is the matmul's shared zeroed buffer (one stream at a
-    time)."""
+    time). ``config`` (``BLOCK_E``, ``BLOCK_H``, ``num_warps``) replaces the tiles, e.g. :data:`ROUTER_CONFIG` under
+    the interpreter (tests)."""
     M, H = x2.shape
     E = router_weight.shape[0]
     if M == 0:
@@ -202,7 +205,9 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
                 "num_warps": 4}
     else:
         meta = dict(ROUTER_CONFIG)
-    warps = meta.pop("num_warps")
+    if config is not None:
+        meta = dict(config)
+    warps = meta.pop("num_warps", 4)
     n_e = runtime.cdiv(E, meta["BLOCK_E"])
     split = split_k_for(n_e, H, meta["BLOCK_H"], 32)               # about 64 programs, no empty H slice
     part = torch.empty((split, M, E), dtype=torch.float32, device=x2.device)

@@ -109,9 +109,10 @@ def check_rmsnorm(x, weight, eps, residual=None, out=None, residual_out=None) ->
 
 
 def check_devices(**tensors) -> None:
-    """Every given tensor is on the device the kernels run on (the reference backend skips this)."""
+    """Every given tensor is on the device the kernels run on (the reference backend skips this); anything that is not
+    a tensor is left to :func:`check_rmsnorm`."""
     for name, t in tensors.items():
-        if t is not None:
+        if isinstance(t, torch.Tensor):
             runtime.check_device(name, t)
 
 

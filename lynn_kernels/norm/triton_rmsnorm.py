@@ -50,6 +50,7 @@ def _rmsnorm_kernel(
 
 def rmsnorm_triton(x, weight, eps=1e-6, *, residual=None, out=None, residual_out=None):
     """Host side of :func:`lynn_kernels.norm.rmsnorm`: checks, allocates the missing outputs, launches."""
+    spec.check_devices(x=x)             # first: the overlap checks read the others' addresses once on x's device
     D = spec.check_rmsnorm(x, weight, eps, residual, out, residual_out)
     if D > MAX_D:
         raise ValueError(f"x's last dim D={D} is unsupported: the kernel holds a row in registers, D <= {MAX_D}")
