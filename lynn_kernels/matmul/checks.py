@@ -10,7 +10,7 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The GEMV kernel's row limit (decode batches); larger M goes to the GEMM.
 GEMV_MAX_M = 16
 #: A packed weight's rows limit for the FMA GEMV; up to GEMV_MAX_M rows go to the tensor-core GEMV.
-FMA_MAX_M = 4
+FMA_MAX_M = 2
 
 
 def check_linear_args(x, w, bias=None) -> None:

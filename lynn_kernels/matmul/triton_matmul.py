@@ -142,7 +142,8 @@ def _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr,
     ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`), times ``2^-19`` from the
     packed layout (``PACKED_LAYOUT``: ``codes_ptr`` / ``scales_ptr`` are a PackedNVFP4's words and scales)."""
     if PACKED_LAYOUT:
-        return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K // 8, BLOCK_N, BLOCK_K, DOT_DTYPE)
+        return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K // 8, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                             PACKED_DECODE)
     elif PACKED_DECODE:
         c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)          # [BLOCK_N, BLOCK_K/2]
         even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
@@ -246,7 +247,7 @@ def _nvfp4_gemv_kernel(
     _finish(acc, pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
             HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 
-            MMA_UNIT if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
+            (1.0 if DOT_DTYPE == tl.float16 else MMA_UNIT) if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,7 +322,7 @@ def _nvfp4_gemm_kernel(
     _finish(acc, pid_m * tiles_n + pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
             HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 
-            MMA_UNIT if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
+            (1.0 if DOT_DTYPE == tl.float16 else MMA_UNIT) if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -467,12 +468,13 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     return y
 
 
-def fma_config(n: int, k: int, sms: int) -> dict:
-    """The FMA GEMV's tile for an ``[N, K]`` weight: ``TW`` words of K per step (all 32 lanes of a warp along K, 4
-    words each, fewer when K is short) and the most rows per program that still gives every SM two programs."""
+def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
+    """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
+    of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
+    two programs, at most 32 (16 for two x rows: more spills registers; measured in docs/performance.md)."""
     tw = min(128, runtime.next_power_of_2(max(k // 8, 4)))
-    block_n = 4
-    while block_n < 32 and runtime.cdiv(n, 2 * block_n) >= 2 * sms:
+    block_n, most = 4, 32 // runtime.next_power_of_2(m)
+    while block_n < most and runtime.cdiv(n, 2 * block_n) >= 2 * sms:
         block_n *= 2
     return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4}
 
@@ -485,7 +487,9 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     m, k = x2.shape
     n = w.shape[0]
     kw = k // 8
-    meta = {**fma_config(n, k, _sm_count(x2.device)), **(config or {})}
+    if m > 4:
+        raise ValueError(f"the FMA GEMV takes at most 4 rows of x, got M = {m}")
+    meta = {**fma_config(n, k, _sm_count(x2.device), m), **(config or {})}
     warps = meta.pop("num_warps")
     block_n, tw = meta["BLOCK_N"], meta["TW"]
     flags = _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, True)

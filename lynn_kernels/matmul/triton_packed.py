@@ -85,20 +85,72 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N: tl.constexpr, TW: tl.constex
 
 
 @triton.jit
+def _decode_word_bf16(q, s2):
+    """GPU only: packed words ``q`` (uint32) and their block scale as a bf16 pair ``s2`` (``s * 2^107`` twice) ->
+    the 8 elements ``e2m1 * s * 2^-19`` as bf16, in K order: per pair the two masks of :func:`_pair`, then one
+    ``mul.rn.bf16x2`` (exact: the product has six significant bits and is normal), 17 instructions a word."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 s3, s4, s5, s6, r6, a, b;
+        shl.b32 s3, $8, 3;
+        shl.b32 s4, $8, 4;
+        shl.b32 s5, $8, 5;
+        shl.b32 s6, $8, 6;
+        shr.b32 r6, $8, 6;
+        and.b32 a, $8, 0x80008000;
+        and.b32 b, r6, 0x01C001C0;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 a, a, $9;
+        mov.b32 {$0, $1}, a;
+        and.b32 a, s4, 0x80008000;
+        and.b32 b, $8, 0x01C001C0;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 a, a, $9;
+        mov.b32 {$2, $3}, a;
+        and.b32 a, s5, 0x80008000;
+        and.b32 b, s3, 0x01C001C0;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 a, a, $9;
+        mov.b32 {$4, $5}, a;
+        and.b32 a, s6, 0x80008000;
+        and.b32 b, s6, 0x01C001C0;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 a, a, $9;
+        mov.b32 {$6, $7}, a;
+        }
+        """,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        args=[q, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
 def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr = False):
     """The packed weight ``W[offs_n, k0 : k0 + BLOCK_K]`` as a ``DOT_DTYPE`` tile equal to ``e2m1 * s * 2^-19``
-    (exact: six significant bits, a normal number), for ``tl.dot``; the epilogue multiplies by ``2^19``."""
+    (exact: six significant bits, a normal number), for ``tl.dot``; the epilogue multiplies by ``2^19``
+    . An fp16 tile is ``e2m1 * s`` (fp16's range is narrower), its unit 1. With
+    ``BF16_ASM`` (bf16 on the GPU) the decode is :func:`_decode_word_bf16`; otherwise portable fp32 integer ops."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     q = tl.load(words_ptr + offs_n[:, None].to(tl.int64) * KW + offs_w[None, :],
                 mask=mask_n[:, None] & (offs_w[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
     b = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (KW // 2) + offs_s[None, :],
                 mask=mask_n[:, None] & (offs_s[None, :] < KW // 2), other=0)
-    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
-    w = tl.reshape(_join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8), (BLOCK_N, BLOCK_K // 16, 16))
-    s = decode_scale(b, 0x70000000)
-    return tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
+    if BF16_ASM:
+        s16 = (b.to(tl.uint32) << 4) | 0x7000                                 # bf16 bits of s * 2^107
+        s2 = s16 | (s16 << 16)
+        s2 = tl.reshape(tl.join(s2, s2), (BLOCK_N, BLOCK_K // 8))             # words 2i, 2i + 1 share scale i
+        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_word_bf16(q, s2)
+        return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8)
+    else:
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
+        w = tl.reshape(_join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8),
+                       (BLOCK_N, BLOCK_K // 16, 16))
+        s = decode_scale(b, 0x70000000)
+        if DOT_DTYPE == tl.float16:
+            s = s * MMA_UNIT            # fp16 cannot hold e2m1 * s * 2^-19: the fp16 tile is e2m1 * s itself
+        return tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
 
 
 @triton.jit
