@@ -471,10 +471,11 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
 def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
-    two programs, at most 32 (16 for two x rows: more spills registers; measured in docs/performance.md)."""
+    a program, at most 16 (32 from K = 8192 on; 16 for two x rows, where more spills registers), as the H200 sweep
+    in docs/performance.md ranked them."""
     tw = min(128, runtime.next_power_of_2(max(k // 8, 4)))
-    block_n, most = 4, 32 // runtime.next_power_of_2(m)
-    while block_n < most and runtime.cdiv(n, 2 * block_n) >= 2 * sms:
+    block_n, most = 4, (32 if k >= 8192 else 16) // runtime.next_power_of_2(m) * (2 if m == 2 else 1)
+    while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
         block_n *= 2
     return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4}
 
