@@ -137,13 +137,13 @@ def _e2m1_bf16x2_scaled(c, s):
 @triton.jit
 def _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
-            PACKED_LAYOUT: tl.constexpr = False):
+            PACKED_LAYOUT: tl.constexpr = False, ACC_UNIT: tl.constexpr = 1.0):
     """The scaled weight tile [BLOCK_N, BLOCK_K] in ``DOT_DTYPE`` for ``tl.dot``: ``e2m1 * scale`` exactly, times
     ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`), times ``2^-19`` from the
     packed layout (``PACKED_LAYOUT``: ``codes_ptr`` / ``scales_ptr`` are a PackedNVFP4's words and scales)."""
     if PACKED_LAYOUT:
         return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K // 8, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                             PACKED_DECODE)
+                             PACKED_DECODE, ACC_UNIT == 1.0)
     elif PACKED_DECODE:
         c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)          # [BLOCK_N, BLOCK_K/2]
         even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
@@ -222,6 +222,7 @@ def _nvfp4_gemv_kernel(
     M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
+    ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -242,12 +243,11 @@ def _nvfp4_gemv_kernel(
                      mask=(offs_k[:, None] < K) & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT)                      # [BLOCK_N, BLOCK_K]
+                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)            # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
-            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 
-            (1.0 if DOT_DTYPE == tl.float16 else MMA_UNIT) if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, ACC_UNIT, INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,6 +288,7 @@ def _nvfp4_gemm_kernel(
     M, N, K, stride_xm, stride_xk, stride_ym, ROWS_PER_G, M_BUCKET,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
+    ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -317,12 +318,11 @@ def _nvfp4_gemm_kernel(
                      mask=mask_k[:, None] & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT)                      # [BLOCK_N, BLOCK_K]
+                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)            # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_m * tiles_n + pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
-            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, 
-            (1.0 if DOT_DTYPE == tl.float16 else MMA_UNIT) if PACKED_LAYOUT else (128.0 if PACKED_DECODE else 1.0), INTERPRET)
+            HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, ACC_UNIT, INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -401,6 +401,10 @@ def _constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: bool = Fa
         DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x_dtype],
         PRECISION="ieee" if fp32_dot else "tf32",
         PACKED_DECODE=not interpret and x_dtype == torch.bfloat16, PACKED_LAYOUT=packed,
+        # the power of two the epilogue undoes: 2^-7 of the packed decode, 2^-19 of a packed-layout tile (an fp16
+        # tile is e2m1 * s itself: fp16's range is narrower)
+        ACC_UNIT=(1.0 if not fp32_dot and x_dtype == torch.float16 else MMA_UNIT.value) if packed
+        else (128.0 if not interpret and x_dtype == torch.bfloat16 else 1.0),
         **runtime.kernel_flags(),
     )
 
@@ -471,10 +475,10 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
 def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
-    a program, at most 16 (32 from K = 8192 on; 16 for two x rows, where more spills registers), as the H200 sweep
+    a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
     in docs/performance.md ranked them."""
     tw = min(128, runtime.next_power_of_2(max(k // 8, 4)))
-    block_n, most = 4, (32 if k >= 8192 else 16) // runtime.next_power_of_2(m) * (2 if m == 2 else 1)
+    block_n, most = 4, 16 if m > 1 or k < 8192 else 32
     while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
         block_n *= 2
     return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4}

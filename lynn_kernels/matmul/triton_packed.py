@@ -126,10 +126,10 @@ def _decode_word_bf16(q, s2):
 
 @triton.jit
 def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr = False):
+                  DOT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr = False, UNSCALED: tl.constexpr = False):
     """The packed weight ``W[offs_n, k0 : k0 + BLOCK_K]`` as a ``DOT_DTYPE`` tile equal to ``e2m1 * s * 2^-19``
-    (exact: six significant bits, a normal number), for ``tl.dot``; the epilogue multiplies by ``2^19``
-    . An fp16 tile is ``e2m1 * s`` (fp16's range is narrower), its unit 1. With
+    (exact: six significant bits, a normal number), for ``tl.dot``; the epilogue multiplies by ``2^19``.
+    ``UNSCALED`` (fp16 tiles: fp16's range is narrower) makes it ``e2m1 * s``, the epilogue's unit 1. With
     ``BF16_ASM`` (bf16 on the GPU) the decode is :func:`_decode_word_bf16`; otherwise portable fp32 integer ops."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -148,7 +148,7 @@ def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.con
         w = tl.reshape(_join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8),
                        (BLOCK_N, BLOCK_K // 16, 16))
         s = decode_scale(b, 0x70000000)
-        if DOT_DTYPE == tl.float16:
+        if UNSCALED:
             s = s * MMA_UNIT            # fp16 cannot hold e2m1 * s * 2^-19: the fp16 tile is e2m1 * s itself
         return tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
 
