@@ -10,7 +10,7 @@ from .validate import Metrics, compare, render_table
 from . import nvfp4
 from .nvfp4 import NVFP4Tensor, dequantize, quantize
 from . import matmul
-from .matmul import NVFP4Linear, nvfp4_linear, quantize_linears
+from .matmul import NVFP4Linear, PackedNVFP4, nvfp4_linear, pack, quantize_linears
 from . import attention
 from .attention import decode_attention, flash_attention, qk_norm_rope
 from . import deltanet
@@ -21,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = ["runtime", "backend", "device_summary", "use_reference", "Metrics", "compare", "render_table",
            "nvfp4", "NVFP4Tensor", "quantize", "dequantize",
-           "matmul", "NVFP4Linear", "nvfp4_linear", "quantize_linears",
+           "matmul", "NVFP4Linear", "PackedNVFP4", "nvfp4_linear", "pack", "quantize_linears",
            "attention", "flash_attention", "decode_attention", "qk_norm_rope",
            "deltanet", "norm", "rmsnorm"]

@@ -28,6 +28,7 @@ import torch
 
 import lynn_kernels
 from lynn_kernels import NVFP4Tensor, moe
+from lynn_kernels.matmul import PackedNVFP4, pack, unpack
 from lynn_kernels import runtime
 
 from .config import Config
@@ -553,11 +554,11 @@ def _tensors(model: Model):
     from .model import GatedDeltaNet, SparseMoE
 
     def one(x):
-        return x.codes if isinstance(x, NVFP4Tensor) else x
+        return x.codes if isinstance(x, NVFP4Tensor) else x.words if isinstance(x, PackedNVFP4) else x
 
     yield "embed_tokens", model.embed_tokens
     for name, m in model.named_modules():
-        if isinstance(getattr(m, "weight", None), (torch.Tensor, NVFP4Tensor)):
+        if isinstance(getattr(m, "weight", None), (torch.Tensor, NVFP4Tensor, PackedNVFP4)):
             yield name + ".weight", one(m.weight)
         if isinstance(m, GatedDeltaNet):
             for a in ("conv_weight", "dt_bias", "A_log", "norm_weight"):
@@ -613,7 +614,8 @@ def split_ba(value, config: Config):
 
 
 def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dtype | None = None,
-                    keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", progress: bool = False) -> Model:
+                    keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", progress: bool = False,
+                    layout: str = "packed") -> Model:
     """Load a HF model folder (the contract of :func:`lynn_model.from_pretrained`).
 
     Args:
@@ -624,10 +626,14 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
         dtype: the activation dtype; default bf16 for ``weights="bf16"``, else the checkpoint's float dtype.
         keep: regexes of module names kept in a float dtype by ``weights="nvfp4"`` (:data:`DEFAULT_KEEP`).
         recipe: the NVFP4 recipe for quantising on load (``"modelopt"`` or ``"compressed-tensors"``).
+        layout: ``"packed"`` (NVFP4 projections in the packed kernels' layout, made once here: the fast path) or
+            ``"checkpoint"`` (kept as stored, for comparing the two).
     """
     folder = Path(path)
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights = {weights!r}: expected one of {WEIGHT_MODES}")
+    if layout not in ("packed", "checkpoint"):
+        raise ValueError(f"layout = {layout!r}: expected 'packed' or 'checkpoint'")
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise LoadError(f"no config.json in {folder}")
@@ -678,8 +684,24 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     if progress:
         print(file=sys.stderr)
     asm.finish()
+    if layout == "packed":
+        pack_linears(model)
     model.eval()
     return model
+
+
+def pack_linears(model: Model) -> int:
+    """Put every NVFP4 projection of ``model`` (a :class:`~lynn_model.model.Linear`) in the packed kernels'
+    layout (:func:`lynn_kernels.matmul.pack`, exact, once at load); returns how many. The MoE experts keep the
+    checkpoint layout (the grouped kernels read it)."""
+    from .model import Linear
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and isinstance(m.weight, NVFP4Tensor):
+            m.weight = pack(m.weight)
+            n += 1
+    return n
 
 
 def _build(asm: Assembler, m: Module, get, device, config: Config) -> None:
@@ -749,6 +771,8 @@ def dequantize_model(model: Model, dtype: torch.dtype | None = None) -> Model:
     dtype = dtype or model.dtype
 
     def deq(w):
+        if isinstance(w, PackedNVFP4):
+            w = unpack(w)
         return lynn_kernels.dequantize(w, dtype) if isinstance(w, NVFP4Tensor) else w
 
     out = copy.deepcopy(model)

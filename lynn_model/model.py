@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lynn_kernels import NVFP4Tensor, deltanet, moe, nvfp4_linear, rmsnorm
+from lynn_kernels.matmul import PackedNVFP4
 from lynn_kernels.attention import decode_attention, flash_attention, qk_norm_rope, split_q_gate
 
 from .cache import Batch, Cache
@@ -29,25 +30,28 @@ def _placeholder(*shape) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """``y = x @ W^T``, no bias: ``W`` float (``F.linear``, cuBLAS on a GPU) or an :class:`NVFP4Tensor`
-    (:func:`lynn_kernels.nvfp4_linear`, decoded in registers). ``x [..., in]`` -> ``[..., out]`` in x's dtype."""
+    """``y = x @ W^T``, no bias: ``W`` float (``F.linear``, cuBLAS on a GPU), or NVFP4 through
+    :func:`lynn_kernels.nvfp4_linear` (decoded in registers): a :class:`~lynn_kernels.matmul.PackedNVFP4` (the
+    kernel layout the loader makes) or an :class:`NVFP4Tensor` (the checkpoint layout).
+    ``x [..., in]`` -> ``[..., out]`` in x's dtype."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight: torch.Tensor | NVFP4Tensor = _placeholder(out_features, in_features)
+        self.weight: torch.Tensor | NVFP4Tensor | PackedNVFP4 = _placeholder(out_features, in_features)
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.weight, NVFP4Tensor)
+        return isinstance(self.weight, (NVFP4Tensor, PackedNVFP4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, NVFP4Tensor):
+        if self.quantized:
             return nvfp4_linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
-        kind = "nvfp4" if self.quantized else str(self.weight.dtype).replace("torch.", "")
+        kind = ("nvfp4 (packed)" if isinstance(self.weight, PackedNVFP4) else "nvfp4") if self.quantized \
+            else str(self.weight.dtype).replace("torch.", "")
         return f"{self.in_features} -> {self.out_features}, {kind}"
 
 

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 import lynn_kernels
 import lynn_model
 from lynn_kernels import NVFP4Tensor, nvfp4
+from lynn_kernels.matmul import PackedNVFP4, unpack
 from lynn_kernels.nvfp4.format import reciprocal
 from lynn_model import LoadError, loader
 from lynn_model.model import SparseMoE
@@ -181,7 +182,8 @@ def _rows(w, r0: int, r1: int):
 def model_weights(model) -> dict:
     """``{module: weight}`` of a loaded model in HF's Qwen3.5 names (``model.layers.0.mlp.experts.3.up_proj``,
     ``...linear_attn.in_proj_qkv``; ``conv1d`` as HF's ``[C, 1, K]``): float tensors or NVFP4Tensors, the routed
-    and shared experts cut back out of their stacks exactly."""
+    and shared experts cut back out of their stacks exactly; a projection the loader packed
+    (:func:`lynn_kernels.matmul.pack`) is unpacked, which recovers the checkpoint's bytes exactly."""
     c, out = model.config, {}
     out["model.embed_tokens"], out["model.norm"], out["lm_head"] = model.embed_tokens, model.norm.weight, \
         model.lm_head.weight
@@ -217,7 +219,7 @@ def model_weights(model) -> dict:
         else:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 out[m + n] = getattr(layer.mlp, n).weight
-    return out
+    return {k: unpack(v) if isinstance(v, PackedNVFP4) else v for k, v in out.items()}   # exact (test below)
 
 
 def file_weights(folder: Path, config, quantize_all_but: str | None = None) -> dict:
@@ -329,6 +331,26 @@ def test_nvfp4_folder_loads_what_the_files_hold(ckpt, key, fmt):
         assert flat[k].dtype == FP32 and torch.equal(flat[k], expect), k
     if la:
         assert {"model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.in_proj_z"} <= nvfp4_names(got)
+
+
+def test_projections_load_packed_and_match_the_checkpoint_layout(ckpt):
+    """``layout="packed"`` (the default) puts every NVFP4 projection in the packed kernels' layout and leaves the
+    experts' stacks alone; ``layout="checkpoint"`` keeps them as stored. The two hold the same bytes (packed,
+    unpacked) and give the same logits bit for bit on the references."""
+    folder = ckpt("q35moe-ct")
+    packed, plain = load(folder), load(folder, layout="checkpoint")
+    pairs = [(a.weight, b.weight) for a, b in zip(packed.modules(), plain.modules())
+             if isinstance(getattr(b, "weight", None), NVFP4Tensor)]
+    assert pairs and all(isinstance(p, PackedNVFP4) for p, _ in pairs)
+    for p, w in pairs:
+        u = unpack(p)
+        assert torch.equal(u.codes, w.codes) and torch.equal(u.scales.view(torch.uint8), w.scales.view(torch.uint8))
+    assert all(isinstance(m.w13, NVFP4Tensor) for m in packed.modules() if isinstance(m, SparseMoE))
+    ids = torch.randint(0, packed.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    with lynn_kernels.use_reference():
+        assert torch.equal(packed.forward(ids), plain.forward(ids))
+    with pytest.raises(ValueError, match="layout"):
+        load(folder, layout="kernel")
 
 
 @pytest.mark.parametrize("recipe", ["compressed-tensors", "modelopt"])

@@ -22,8 +22,8 @@ from torch import nn
 import lynn_kernels
 from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_linear, quantize_linears,
                                  reference)
-from lynn_kernels.matmul import triton_matmul
-from lynn_kernels.matmul.triton_matmul import _counters, launch_gemm, launch_gemv, split_k_for
+from lynn_kernels.matmul import PackedNVFP4, pack, packed, triton_matmul, unpack
+from lynn_kernels.matmul.triton_matmul import _counters, launch_gemm, launch_gemv, launch_packed_gemv, split_k_for
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import bit_mismatches, compare
@@ -737,3 +737,145 @@ def test_gpu_packed_decode_every_code_and_scale_exact(op, dtype, device):
     y, want = op(xr, w), reference.nvfp4_linear(xr, w)
     for name, rows in groups[1:]:
         assert_close_to_reference(y[:, rows], want[:, rows], f"random x, rows of {name}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 11. the packed kernel layout (lynn_kernels.matmul.pack): exact, and every kernel that reads it
+
+
+def test_packed_word_bits_partition_the_word():
+    """Every element of a word owns four distinct bits (sign + three magnitude bits) and the eight cover 0..31."""
+    bits = [b for j in range(8) for b in (packed.SIGN_BIT[j], *(packed.MAG_BIT[j] + i for i in range(3)))]
+    assert sorted(bits) == list(range(32))
+
+
+@pytest.mark.parametrize("recipe", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("n,k", [(1, 16), (37, 208), (130, 1040)])
+def test_pack_unpack_round_trip(n, k, recipe, make_nvfp4):
+    w = make_nvfp4(n, k, seed=n + k, recipe=recipe)
+    p = pack(w)
+    assert isinstance(p, PackedNVFP4) and tuple(p.shape) == (n, k) and p.words.shape == (n, k // 8)
+    u = unpack(p)
+    assert torch.equal(u.codes, w.codes)
+    assert torch.equal(u.scales.view(torch.uint8), w.scales.view(torch.uint8))
+    assert_bit_equal(nvfp4_reference.dequantize(u, FP32), nvfp4_reference.dequantize(w, FP32))
+
+
+def test_pack_every_code_and_scale_byte(device):
+    """All 16 codes with every finite E4M3 scale byte (zero, subnormal, normal, 448): the packed weight dequantises
+    to the same values (bit for bit but the sign of the zero-scale row's zeros); codes and scales come back as stored
+    except that row's codes (zeroed)."""
+    w, _ = _every_code_weight(device)
+    u = unpack(pack(w))
+    a, b = nvfp4_reference.dequantize(u, FP32), nvfp4_reference.dequantize(w, FP32)
+    assert torch.equal(a, b) and torch.equal(a[1:].view(torch.int32), b[1:].view(torch.int32))
+    assert torch.equal(u.codes[1:], w.codes[1:]) and not bool(u.codes[0].any())
+    assert torch.equal(u.scales.view(torch.uint8), w.scales.view(torch.uint8))
+
+
+def test_pack_folds_a_negative_scale_and_refuses_nan(make_nvfp4):
+    w = make_nvfp4(8, 32, seed=5)
+    bits = w.scales.view(torch.uint8).clone()
+    bits[3, 1] |= 0x80                                                     # a negative block scale
+    neg = NVFP4Tensor(w.codes, bits.view(torch.float8_e4m3fn), w.global_scale)
+    assert_bit_equal(nvfp4_reference.dequantize(unpack(pack(neg)), FP32), nvfp4_reference.dequantize(neg, FP32))
+    bits[2, 0] = 0x7F
+    with pytest.raises(ValueError, match="w.scales holds NaN"):
+        pack(NVFP4Tensor(w.codes, bits.view(torch.float8_e4m3fn), w.global_scale))
+
+
+@pytest.mark.parametrize("build,exc,match", [
+    pytest.param(lambda w: pack(w.codes), TypeError, "pack takes an NVFP4Tensor", id="not-nvfp4"),
+    pytest.param(lambda w: pack(NVFP4Tensor.stack([w, w])), ValueError, "2-D", id="3-d"),
+    pytest.param(lambda w: unpack(w), TypeError, "unpack takes a PackedNVFP4", id="unpack-not-packed"),
+])
+def test_pack_argument_errors(build, exc, match, make_nvfp4):
+    with pytest.raises(exc, match=match):
+        build(make_nvfp4(8, 32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [pytest.param(1, id="fma-M1"), pytest.param(2, id="fma-M2"),
+                               pytest.param(16, id="gemv-M16"), pytest.param(32, id="gemm-M32")])
+def test_packed_every_code_and_scale_exact(m, dtype, device, poison_empty):
+    """Identity rows of x read the packed weight back through each kernel: y[m, n] = w[n, m], bit for bit."""
+    w, groups = _every_code_weight(device)
+    x = torch.eye(16, dtype=dtype, device=device).repeat(2, 1)[:m]
+    y, want = nvfp4_linear(x, pack(w)), reference.nvfp4_linear(x, w)
+    for name, rows in groups:
+        assert_bit_equal(y[:, rows], want[:, rows], f"rows of {name}")
+
+
+PACKED_SHAPES = [_mnk(1, 1, 16), _mnk(1, 37, 1040), _mnk(2, 65, 208), _mnk(2, 130, 2064), _mnk(3, 65, 48),
+                 _mnk(16, 37, 400), _mnk(17, 130, 48), _mnk(129, 37, 208)]
+
+
+@pytest.mark.parametrize("dtype,bias_dtype", DTYPE_BIAS)
+@pytest.mark.parametrize("mnk", PACKED_SHAPES)
+def test_packed_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, make_nvfp4, device, poison_empty):
+    """M = 1, 2: the FMA GEMV; 3..16: the tensor-core GEMV; 17 up: the GEMM; all reading the packed layout."""
+    m, n, k = mnk
+    x = make_weight((m, k), dtype, seed=m * 7 + k)
+    w = make_nvfp4(n, k, seed=n)
+    bias = make_bias(n, bias_dtype, device)
+    y = nvfp4_linear(x, pack(w), bias)
+    assert_close_to_reference(y, reference.nvfp4_linear(x, w, bias), f"packed M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("config", [pytest.param({"BLOCK_N": 16, "TW": 128, "num_warps": 4}, id="gpu-16x128"),
+                                    pytest.param({"BLOCK_N": 32, "TW": 128, "num_warps": 4}, id="gpu-32x128"),
+                                    pytest.param({"BLOCK_N": 8, "TW": 64, "num_warps": 2}, id="8x64")])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_packed_fma_gemv_configs(config, m, make_weight, make_nvfp4, device, poison_empty):
+    """The FMA GEMV under the GPU's tiles: 2064 = 2 x 1024 + 16, so a full unmasked step, a masked tail, and rows
+    that do not fill the last program; x a strided view."""
+    n, k = 37, 2064
+    w = make_nvfp4(n, k, seed=9)
+    x = make_weight((m, 2 * k), BF16, seed=m)[:, ::2]
+    y = torch.empty(m, n, dtype=BF16, device=device)
+    launch_packed_gemv(x, pack(w), None, y, config)
+    assert_close_to_reference(y, reference.nvfp4_linear(x, w), str(config))
+
+
+def test_packed_fma_gemv_refuses_more_than_4_rows(make_weight, make_nvfp4, device):
+    w = pack(make_nvfp4(8, 32))
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        launch_packed_gemv(make_weight((5, 32), BF16), w, None, torch.empty(5, 8, dtype=BF16, device=device))
+
+
+def test_packed_x_range(make_nvfp4, device, poison_empty):
+    """The FMA GEMV scales x by 2^64 internally: inputs from 1e-15 to 1e15 keep fp32 precision (docs/matmul.md)."""
+    w = make_nvfp4(33, 64, seed=4)
+    for scale in (1e-15, 1.0, 1e15):
+        x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(1)) * scale).to(device)
+        y = nvfp4_linear(x, pack(w))
+        assert_close_to_reference(y, reference.nvfp4_linear(x, w), f"|x| ~ {scale:g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 300])
+def test_gpu_packed_matches_reference_with_pdl_and_graphs(m, dtype, make_weight, make_nvfp4, device):
+    """The H200: the packed kernels on decoder-sized shapes; the FMA GEMV with programmatic dependent launch gives
+    the same bits, and so does a CUDA-graph replay (captured, then replayed after a larger call)."""
+    n, k = 4096, 2064
+    w = make_nvfp4(n, k, seed=2, scale=0.02)
+    p = pack(w)
+    x = make_weight((m, k), dtype, seed=1)
+    want = reference.nvfp4_linear(x, w)
+    y = nvfp4_linear(x, p)
+    assert_close_to_reference(y, want, f"packed M={m}")
+    if m <= 2:
+        y2 = torch.empty_like(y)
+        launch_packed_gemv(x, p, None, y2, pdl=True)
+        assert_bit_equal(y2, y, "with PDL")
+    out = torch.empty_like(y)
+    g = torch.cuda.CUDAGraph()
+    nvfp4_linear(x, p)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        out.copy_(nvfp4_linear(x, p))
+    nvfp4_linear(make_weight((m, k), dtype, seed=7).repeat(4, 1), p)          # a larger call in between
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bit_equal(out, y, "graph replay")

@@ -35,9 +35,10 @@ def _log(msg: str) -> None:
 
 
 def _nbytes(w) -> int:
+    from ..matmul import PackedNVFP4
     from ..nvfp4 import NVFP4Tensor
 
-    if isinstance(w, NVFP4Tensor):
+    if isinstance(w, (NVFP4Tensor, PackedNVFP4)):
         return w.nbytes
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
 

@@ -15,9 +15,9 @@ The packed matmul kernels read a second layout, made from it once (docs/matmul.m
 * **global scale**: unchanged, fp32 (per row group, as in the NVFP4Tensor); each kernel folds its powers of two
   into the one epilogue multiply by it.
 
-The layout is exact: :func:`unpack` recovers an NVFP4Tensor that dequantises to the same values bit for bit (the
-codes and scales themselves are recovered exactly too, except the normalisations above: zeroed codes of a
-zero-scale block, folded signs).
+The layout is exact: :func:`unpack` recovers an NVFP4Tensor that dequantises to the same values bit for bit (but
+for the sign of a zero-scale block's zeros); the codes and scales themselves come back as stored, except the
+normalisations above (zeroed codes of a zero-scale block, folded signs).
 """
 
 from __future__ import annotations
