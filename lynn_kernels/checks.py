@@ -57,12 +57,13 @@ def check_nvfp4() -> list[dict]:
 
 @register("matmul")
 def check_matmul() -> list[dict]:
-    from .matmul import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, reference
+    from .matmul import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, pack, reference
     from .nvfp4 import quantize
 
     rows = []
     gen = torch.Generator().manual_seed(0)
     for label, m, n, k, dtype in (("M=1 bf16 37x208", 1, 37, 208, torch.bfloat16),
+                                  ("M=2 bf16 65x2064", 2, 65, 2064, torch.bfloat16),
                                   ("M=3 fp32 70x1040", 3, 70, 1040, torch.float32),
                                   ("M=17 bf16 100x208", 17, 100, 208, torch.bfloat16),
                                   ("M=129 fp16 65x400", 129, 65, 400, torch.float16)):
@@ -76,10 +77,11 @@ def check_matmul() -> list[dict]:
             # baseline: the same product rounded through a bf16 weight, the copy cuBLAS would multiply
             base = (x.float() @ reference.nvfp4_reference.dequantize(w, torch.bfloat16).float().t()
                     + bias.float()).to(dtype)
-            got = fn(x, w, bias)
-            metrics = compare(got, want, baseline=base)
-            rows.append({"op": f"matmul.{name}", "case": label, "metrics": metrics,
-                         "passed": metrics.rel_l2 <= MATMUL_MAX_REL_L2[dtype] and _within_one_flip(got, want)})
+            for layout, weight in (("", w), (" packed", pack(w))):
+                got = fn(x, weight, bias)
+                metrics = compare(got, want, baseline=base)
+                rows.append({"op": f"matmul.{name}{layout}", "case": label, "metrics": metrics,
+                             "passed": metrics.rel_l2 <= MATMUL_MAX_REL_L2[dtype] and _within_one_flip(got, want)})
     return rows
 
 
