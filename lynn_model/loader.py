@@ -734,13 +734,16 @@ def _build(asm: Assembler, m: Module, get, device, config: Config) -> None:
 
 
 def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype = torch.bfloat16, device=None,
-                 seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt") -> Model:
+                 seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", layout: str = "packed") -> Model:
     """A model of ``config`` with random weights drawn on ``device`` (benchmarks, shapes without a checkpoint):
     projections ``N(0, 1 / in_features)`` (those that write into the residual stream also times ``1 / sqrt(2 L)``,
     so the net is stable: bf16 rounding is not amplified layer after layer), norms near their identity, decays as HF initialises them; quantised on the
-    device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float)."""
+    device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float), the projections in ``layout``
+    as :func:`from_pretrained` puts them."""
     if weights not in ("nvfp4", "bf16"):
         raise ValueError(f"weights = {weights!r}: expected 'nvfp4' or 'bf16'")
+    if layout not in ("packed", "checkpoint"):
+        raise ValueError(f"layout = {layout!r}: expected 'packed' or 'checkpoint'")
     device = runtime.DEVICE if device is None else torch.device(device)
     model = Model(config, dtype)
     asm = Assembler(model, weights, keep, recipe)
@@ -760,6 +763,8 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
             value = torch.randn(t.shape, generator=gen, device=device, dtype=dtype) * std
         asm.put(name, value.to(dtype), t)
     asm.finish()
+    if layout == "packed":
+        pack_linears(model)
     return model.eval()
 
 
