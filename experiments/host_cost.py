@@ -1,0 +1,61 @@
+"""H200 host: what one packed GEMV call costs on the CPU side, layer by layer (the issue's item 5), for one
+decoder shape at M = 1. Each figure is the wall time of 2,000 back-to-back calls divided by 2,000 (the GPU work,
+~5 us, runs behind the host, so the loop is host-bound). Writes JSON to $OUT and prints a table.
+
+    PYTHONPATH=. python3 experiments/host_cost.py
+"""
+
+import json
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from lynn_kernels.matmul import nvfp4_linear, pack
+from lynn_kernels.matmul.triton_matmul import _constexprs, launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import packed_gemv_kernel
+from lynn_kernels.nvfp4 import dequantize, quantize
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+n, k = 4096, 2048
+q = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+p, wb = pack(q), dequantize(q)
+x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+f = _constexprs(x.dtype, None, y.dtype, False, True)
+raw_args = (x, p.words, p.scales, p.global_scale, y, y, 1, n, k // 8, x.stride(0), x.stride(1), y.stride(0), n)
+raw_kw = dict(HAS_BIAS=False, X_DTYPE=f["X_DTYPE"], BIAS_DTYPE=f["BIAS_DTYPE"], OUT_DTYPE=f["OUT_DTYPE"], BLOCK_M=1,
+              BLOCK_N=16, TW=128, EVEN_N=True, EVEN_K=True, USE_PDL=False, INTERPRET=False, num_warps=4,
+              num_stages=1)
+rows = {
+    "empty Triton kernel, 1 argument": per_call_us(lambda: _empty[(1,)](x)),
+    "packed_gemv_kernel[grid](...) (13 arguments, 12 constexprs)": per_call_us(
+        lambda: packed_gemv_kernel[(n // 16,)](*raw_args, **raw_kw)),
+    "launch_packed_gemv (config, constexprs, launch)": per_call_us(lambda: launch_packed_gemv(x, p, None, y)),
+    "nvfp4_linear (dispatch, checks, output allocation, launch)": per_call_us(lambda: nvfp4_linear(x, p)),
+    "torch.nn.functional.linear (cuBLAS bf16)": per_call_us(lambda: torch.nn.functional.linear(x, wb)),
+}
+out = os.environ.get("OUT", "out")
+os.makedirs(out, exist_ok=True)
+json.dump({"shape": [n, k], "M": 1, "us_per_call": rows, "torch": torch.__version__, "triton": triton.__version__},
+          open(os.path.join(out, "host_cost.json"), "w"), indent=1)
+for name, us in rows.items():
+    print(f"{us:8.2f} us  {name}")
