@@ -17,6 +17,8 @@ import copy
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 
 import lynn_kernels
@@ -24,6 +26,7 @@ from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_line
                                  reference)
 from lynn_kernels.matmul import PackedNVFP4, pack, packed, triton_matmul, unpack
 from lynn_kernels.matmul.triton_matmul import _counters, launch_gemm, launch_gemv, launch_packed_gemv, split_k_for
+from lynn_kernels.matmul.triton_packed import packed_w_tile
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import bit_mismatches, compare
@@ -879,3 +882,26 @@ def test_gpu_packed_matches_reference_with_pdl_and_graphs(m, dtype, make_weight,
     g.replay()
     torch.cuda.synchronize()
     assert_bit_equal(out, y, "graph replay")
+
+
+@triton.jit
+def _tile_kernel(words, scales, out, N, KW, UNSCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = packed_w_tile(words, scales, offs_n, offs_n < N, 0, KW, BLOCK_N, BLOCK_K, DOT, False, UNSCALED)
+    tl.store(out + offs_n[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], t.to(tl.float32))
+
+
+@pytest.mark.parametrize("unscaled", [pytest.param(False, id="bf16-fp32-tile"), pytest.param(True, id="fp16-tile")])
+def test_packed_tile_values(unscaled, device, poison_empty):
+    """The tensor cores' packed tile, read back: ``e2m1 * s * 2^-19`` (fp32 / bf16 dots) or ``e2m1 * s`` (fp16
+    dots, ``UNSCALED``) for every code and scale byte, exactly. (The H200 found the fp16 tile overflowing once:
+    its 2^19 must come after the product.)"""
+    w, _ = _every_code_weight(device)
+    p = pack(w)
+    out = torch.empty(128, 16, dtype=FP32, device=device)
+    _tile_kernel[(128 // 32,)](p.words, p.scales, out, 128, 2, UNSCALED=unscaled, BLOCK_N=32, BLOCK_K=16,
+                               DOT=tl.float16 if unscaled else tl.float32)
+    ones = NVFP4Tensor(w.codes, w.scales, torch.ones(128, dtype=FP32, device=device))
+    want = nvfp4_reference.dequantize(ones, FP32) * (1.0 if unscaled else 2.0 ** -19)
+    assert torch.equal(out, want)

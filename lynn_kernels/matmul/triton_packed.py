@@ -147,10 +147,10 @@ def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.con
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
         w = tl.reshape(_join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8),
                        (BLOCK_N, BLOCK_K // 16, 16))
-        s = decode_scale(b, 0x70000000)
-        if UNSCALED:
-            s = s * MMA_UNIT            # fp16 cannot hold e2m1 * s * 2^-19: the fp16 tile is e2m1 * s itself
-        return tl.reshape(w * s[:, :, None], (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
+        w = w * decode_scale(b, 0x70000000)[:, :, None]
+        if UNSCALED:        # fp16 cannot hold e2m1 * s * 2^-19: the fp16 tile is e2m1 * s itself (the scale alone
+            w = w * MMA_UNIT  # cannot take the 2^19 first: s * 2^126 overflows fp32)
+        return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
 
 
 @triton.jit
