@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lynn_kernels.bench.harness import provenance
 from lynn_kernels.matmul import nvfp4_linear, pack
 from lynn_kernels.matmul.triton_matmul import _constexprs, launch_packed_gemv
 from lynn_kernels.matmul.triton_packed import packed_gemv_kernel
@@ -55,7 +56,7 @@ rows = {
 }
 out = os.environ.get("OUT", "out")
 os.makedirs(out, exist_ok=True)
-json.dump({"shape": [n, k], "M": 1, "us_per_call": rows, "torch": torch.__version__, "triton": triton.__version__},
+json.dump({"shape": [n, k], "M": 1, "us_per_call": rows, "provenance": provenance("python3 experiments/host_cost.py")},
           open(os.path.join(out, "host_cost.json"), "w"), indent=1)
 for name, us in rows.items():
     print(f"{us:8.2f} us  {name}")

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import _n_sets, graph_us
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
@@ -19,7 +20,7 @@ from lynn_kernels.validate import compare
 
 out_dir = os.environ.get("OUT", "out")
 os.makedirs(out_dir, exist_ok=True)
-res = {"exact": [], "sweep": []}
+res = {"exact": [], "sweep": [], "provenance": provenance("python3 experiments/packed_gemv_sweep.py")}
 torch.manual_seed(0)
 
 # exactness: awkward shapes, M = 1..17, every dtype
