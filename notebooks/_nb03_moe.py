@@ -862,7 +862,7 @@ CELLS = [
     '''),
     md(r'''
     **Where the kernel time goes.** `data/bench/h200/moe_profile.txt` (written by
-    `lynn_kernels/bench/experiments/moe_profile.py`, the same commit) lists every CUDA kernel of one `moe_block` call
+    `experiments/moe_profile.py`, the same commit) lists every CUDA kernel of one `moe_block` call
     with its time, at M = 1, 16 and 4096. Grouped by role, with the read rate of the gate_up kernel at M = 1:
     '''),
     code(r'''

@@ -78,7 +78,7 @@ DECODE_MAX_M = GEMV_MAX_M
 #: GPU tiles of the prefill GEMM kernels (starting points from the matmul's small-M GEMM configs).
 PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 #: GPU tiles of the two decode kernels (FMA, one slot or token per program), ``(M <= 2, M > 2)``: the best of 16 by
-#: kernel time at M = 1, and at M = 4 / 16, on the H200 (``bench/experiments/moe_decode_tiles.py``, docs/moe.md
+#: kernel time at M = 1, and at M = 4 / 16, on the H200 (``experiments/moe_decode_tiles.py``, docs/moe.md
 #: section 4). Fewer, wider programs pay at M = 1; at M >= 4 there are programs enough and smaller tiles win.
 DECODE_UP_CONFIGS = ({"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3},
                      {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3})

@@ -12,7 +12,7 @@ It also records two facts the M = 1 block depends on: how often the GPU's bf16 r
 ``moe_block`` now runs) differs from the fp32 product rounded to bf16, and whether the top-k ids differ; and the
 per-kernel profile of ``moe_block`` at M = 1 for both Qwen shapes with the best tiles.
 
-Run: ``PYTHONPATH=. python -m lynn_kernels.bench.experiments.moe_decode_tiles [--profile-only]`` (JSON under $OUT
+Run: ``PYTHONPATH=. python3 experiments/moe_decode_tiles.py [--profile-only]`` (JSON under $OUT
 or out/; ``--profile-only``: just the M = 1 block profile with the shipped tiles).
 """
 
@@ -28,11 +28,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...moe import moe_block, reference, triton_experts
-from ...moe.triton_experts import launch_moe_experts, moe_workspace
-from ...nvfp4 import quantize
-from ...validate import compare
-from ..harness import kernel_ms
+from lynn_kernels.moe import moe_block, reference, triton_experts
+from lynn_kernels.moe.triton_experts import launch_moe_experts, moe_workspace
+from lynn_kernels.nvfp4 import quantize
+from lynn_kernels.validate import compare
+from lynn_kernels.bench.harness import kernel_ms
 
 H, I = 2048, 512
 #: run 1 (commit c08e11a) swept configs 0-9 at M = 1, 4, 16; run 2 adds 10-15 (fewer warps, taller tiles: each

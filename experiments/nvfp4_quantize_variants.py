@@ -1,6 +1,6 @@
 """Where does the NVFP4 quantise kernel spend its time? Variants that leave one stage out or change it.
 
-Run on a GPU: ``python -m lynn_kernels.bench.experiments.nvfp4_quantize_variants [--out DIR]``. Each variant is the
+Run on a GPU: ``python3 experiments/nvfp4_quantize_variants.py [--out DIR]``. Each variant is the
 shipped kernel with one change; timings are medians over the same 16384 x 16384 bf16 input. Only ``exact`` variants
 can replace the shipped kernel; the others bound what a stage costs. Results go to docs/performance.md.
 """

@@ -7,7 +7,7 @@
   staged through shared memory) against the shipped one (weight first, from registers);
 * registers, spills and whether each compiled kernel uses wgmma.
 
-Run: ``PYTHONPATH=. python -m lynn_kernels.bench.experiments.matmul_variants`` (writes JSON under $OUT or out/).
+Run: ``PYTHONPATH=. python3 experiments/matmul_variants.py`` (writes JSON under $OUT or out/).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from lynn_kernels.matmul import triton_matmul as tm
 from lynn_kernels.runtime import cast_output, to_float32
 from lynn_kernels.validate import compare
 
-from ..harness import measure_ceilings, provenance, rotation, rotating, time_fn
-from ..harness import kernel_ms
+from lynn_kernels.bench.harness import measure_ceilings, provenance, rotation, rotating, time_fn
+from lynn_kernels.bench.harness import kernel_ms
 
 #: The GEMV configs compared (BLOCK_M 1 = an fp32 multiply-reduce path, since removed; 16 = tl.dot on padded rows).
 GEMV_SWEEP = ([{"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
@@ -108,7 +108,7 @@ def compiled_facts(jit_fn) -> list[dict]:
 
 def main() -> dict:
     out_dir = os.environ.get("OUT", "out")
-    doc = {"provenance": provenance("python -m lynn_kernels.bench.experiments.matmul_variants"), "rows": []}
+    doc = {"provenance": provenance("python3 experiments/matmul_variants.py"), "rows": []}
     ceil = measure_ceilings()
     doc["ceilings"] = ceil.as_dict()
 
