@@ -905,3 +905,49 @@ def test_packed_tile_values(unscaled, device, poison_empty):
     ones = NVFP4Tensor(w.codes, w.scales, torch.ones(128, dtype=FP32, device=device))
     want = nvfp4_reference.dequantize(ones, FP32) * (1.0 if unscaled else 2.0 ** -19)
     assert torch.equal(out, want)
+
+
+def test_split_k_tickets_are_fixed_per_stream(make_weight, make_nvfp4, device, poison_empty):
+    """The ticket buffer is made once per (device, stream) and never replaced, whatever the call's size, so a graph
+    captured before a larger call still replays on live memory; a split-K call that could need more tickets than
+    it holds is refused by name."""
+    w = make_nvfp4(37, 48)
+    x = make_weight((3, 48), BF16, seed=2)
+    y = torch.empty(3, 37, dtype=BF16, device=device)
+    launch_gemv(x, w, None, y, config=GEMV_CONFIG, split_k=3)
+    before = {k: v.data_ptr() for k, v in _counters.items()}
+    triton_matmul._counter(device, 5000)          # more tickets than any earlier call: the old buffer was replaced
+    big = make_nvfp4(257, 48, seed=3)
+    launch_gemm(make_weight((40, 48), BF16, seed=4), big, None, torch.empty(40, 257, dtype=BF16, device=device))
+    assert {k: v.data_ptr() for k, v in _counters.items() if k in before} == before
+    assert all(v.numel() == triton_matmul.COUNTER_SLOTS for v in _counters.values())
+    assert_counters_zeroed()
+    with pytest.raises(ValueError, match="split-K over"):
+        triton_matmul._counter(device, triton_matmul.COUNTER_SLOTS + 1)
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_graph_survives_a_larger_call_and_streams(make_weight, make_nvfp4, device):
+    """A split-K GEMV captured in a CUDA graph, then a larger split-K call eagerly, then the replay: the same bits;
+    and the same call on two streams at once gives the same bits on both."""
+    w, big = make_nvfp4(256, 4096, seed=1), make_nvfp4(2048, 4096, seed=2)
+    x = make_weight((4, 4096), BF16, seed=3)
+    want = nvfp4_linear(x, w)
+    out = torch.empty_like(want)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(nvfp4_linear(x, w))
+    nvfp4_linear(make_weight((4096, 4096), BF16, seed=4), big)      # a GEMM of 8192 tiles (the old buffer grew here)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bit_equal(out, want, "graph replay after a larger call")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for s in streams:
+        with torch.cuda.stream(s):
+            outs.append(nvfp4_linear(x, w))
+    torch.cuda.synchronize()
+    for o in outs:
+        assert_bit_equal(o, want, "on a second stream")
+    assert_counters_zeroed()

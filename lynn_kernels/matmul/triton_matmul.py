@@ -20,8 +20,9 @@ instruction); elsewhere (fp16 / fp32 activations, the interpreter) it is the por
 over it.
 
 Split-K is deterministic: each program writes its fp32 partial tile, takes a ticket from a per-tile counter, and the
-last one adds the partials in split order and writes ``y``; it also resets the counter, so one zeroed buffer serves
-every call (calls on one stream at a time, as in an inference loop).
+last one adds the partials in split order and writes ``y``; it also resets the counter, so one zeroed buffer per
+stream serves every call, fixed in size and never replaced (a CUDA graph keeps the buffer it captured). The partial
+sums go to a workspace allocated per call (from the graph's pool inside a capture).
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def _nvfp4_gemv_kernel(
         k0 = chunk * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # the M rows padded to 16 on the tensor cores: the decode is the work, the MMA is nearly free
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
                      mask=(offs_k[:, None] < K) & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
@@ -358,12 +359,25 @@ def split_k_for(tiles: int, k: int, block_k: int, sms: int) -> int:
     return runtime.cdiv(chunks, runtime.cdiv(chunks, split))
 
 
+#: Split-K tickets per (device, stream): split-K only runs when the output tiles cannot fill the GPU (fewer than
+#: two per SM for the GEMV, one per SM for any GEMM config, so at most ~32 x the SM count when counted in the GEMM's
+#: smallest tile), so one fixed buffer serves every call and is never replaced: a CUDA graph captured earlier keeps
+#: replaying its atomics on the buffer it captured.
+COUNTER_SLOTS = 8192
+
+
 def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` tickets (kernels leave it zeroed again)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _counters[device] = buf
+    """The zeroed int32 ticket buffer of the current stream on ``device`` (kernels leave it zeroed again); each
+    stream has its own, so two streams never share tickets. ``n`` is the number of output tiles of the call."""
+    if n > COUNTER_SLOTS:
+        raise ValueError(f"split-K over {n} output tiles needs more than the {COUNTER_SLOTS} tickets kept per stream; "
+                         f"split-K is for shapes whose tiles cannot fill the GPU (pass split_k=None)")
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _counters.get(key)
+    if buf is None:
+        buf = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _counters[key] = buf
     return buf
 
 
@@ -426,7 +440,8 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
     _nvfp4_gemv_kernel[(tiles, split)](
         kernel_view(x2), *_weight_args(w), _bias_arg(bias, y), kernel_view(y),
-        part, _counter(x2.device, tiles), m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+        part, _counter(x2.device, tiles if split > 1 else 1), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
+        w.rows_per_global(),
         **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps)
     return y
 
@@ -454,7 +469,7 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         max_split = split_of(config)
         tiles = runtime.cdiv(n, config["BLOCK_N"]) * runtime.cdiv(m, config["BLOCK_M"])
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
-    count = _counter(x2.device, tiles)
+    count = _counter(x2.device, tiles if max_split > 1 else 1)
 
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]) * runtime.cdiv(m, meta["BLOCK_M"]), split_of(meta))

@@ -117,7 +117,7 @@ def _router_kernel(
         offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
         r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
                     mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_h[:, None],
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
                      mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
         acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE), to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE),
                      acc, input_precision=PRECISION)                                 # [BLOCK_E, 16]
