@@ -10,7 +10,7 @@ Three backends:
 The interpreter is switched on here, at import, before any ``@triton.jit`` function is defined: ``import
 lynn_kernels`` imports this module first, so a plain import just works on a laptop.
 
-Interpreter workarounds (REFERENCE.md section 3) live here and nowhere else:
+Interpreter workarounds (docs/interpreter.md says what each works around) live here and nowhere else:
 
 * :func:`autotune` keeps one config under the interpreter (more fail without a driver);
 * :data:`DOT_DTYPE` is fp32 under the interpreter (its bf16 arithmetic is wrong), bf16 on the GPU;
@@ -86,7 +86,7 @@ def use_reference(enabled: bool = True):
 def op(reference):
     """Decorate a host function so that it runs ``reference`` instead when the reference backend is on.
 
-    The host function and the reference take the same arguments and return the same thing (STYLE.md habit 1);
+    The host function and the reference take the same arguments and return the same thing;
     the decorator only picks one, it never falls back silently.
     """
 

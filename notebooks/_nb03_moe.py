@@ -165,7 +165,7 @@ CELLS = [
     uses the measured ceilings):
     '''),
     code(r'''
-    E, TOP_K, H, I = 256, 8, 2048, 512                  # Qwen3.5-35B-A3B (REFERENCE.md section 2); shared I_s = 512
+    E, TOP_K, H, I = 256, 8, 2048, 512                  # Qwen3.5-35B-A3B (its config; docs/decoder.md); shared I_s = 512
     NVFP4_BYTES = 0.5 + 1 / 16                           # per weight: a 4-bit code + an E4M3 scale per 16 weights
     READ_TBS, BF16_TFLOPS = 4.0, 700                     # round H200 figures (measured: section 6)
     per_expert = 3 * I * H

@@ -305,7 +305,7 @@ def test_modelopt_oracle(shape, dtype, impl, gs_mode, NVFP4QTensor, make_weight,
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
 def test_modelopt_dequantize_agrees(dtype, NVFP4QTensor, make_weight, poison_empty):
     """Our fp32 dequantize equals ModelOpt's value for value. The only bit difference allowed is the sign of zero:
-    ModelOpt decodes code 0x8 as +0, we decode it as -0 (REFERENCE.md: 0x8 is -0)."""
+    ModelOpt decodes code 0x8 as +0, we decode it as -0 (docs/nvfp4.md: 0x8 is -0)."""
     w = make_weight((37, 208), dtype, seed=5)
     qt, s, g = NVFP4QTensor.quantize(w.clone(), 16)
     theirs = qt.dequantize(dtype=FP32, scale=s, double_scale=g, block_sizes={-1: 16})

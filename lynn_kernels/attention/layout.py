@@ -1,7 +1,7 @@
 """Layouts and argument checks shared by the attention kernels and their references.
 
 Every public op and its reference run the same checks, so a bad call fails the same way on every backend, with an
-error naming the tensor, what was expected and what was found (STYLE.md habit 10). As in the rest of the project
+error naming the tensor, what was expected and what was found. As in the rest of the project
 (``nvfp4``, ``matmul``, ``deltanet``): ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape,
 value or device.
 

@@ -22,7 +22,7 @@ from ..validate import compare
 from . import register
 from .harness import MAX_ERR_RATIO, Ceilings, Result, rotating, rotation, timed, validated
 
-#: (label, N, K): Qwen3.5-35B-A3B / Qwen3-Next projections (REFERENCE.md section 2) and two squares.
+#: (label, N, K): Qwen3.5-35B-A3B / Qwen3-Next projections (lynn_model presets) and two squares.
 SHAPES = [
     ("q+gate proj 2048->8192", 8192, 2048),
     ("kv/qkv proj 2048->4096", 4096, 2048),

@@ -33,7 +33,7 @@ from ..validate import compare
 from . import register
 from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, timed, validated
 
-#: (label, experts, top_k, hidden, expert intermediate): REFERENCE.md section 2
+#: (label, experts, top_k, hidden, expert intermediate): the published configs (lynn_model presets, docs/decoder.md)
 SHAPES = [("Qwen3.5-35B-A3B", 256, 8, 2048, 512), ("Qwen3-Next-80B-A3B", 512, 10, 2048, 512)]
 MS = [1, 4, 16, 64, 512, 4096]
 QUICK = [SHAPES[0]], [1, 4096]
