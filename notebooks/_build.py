@@ -649,8 +649,8 @@ NVFP4 = [
     md(r'''
     On Gaussian weights the evenly spaced int4 grid does a little better; on heavy-tailed weights a block often
     holds one large value and many small ones, and E2M1's levels near 0 win. Both are some 50-70x the error of
-    bf16 rounding: 4-bit weights are a trade of accuracy for bandwidth, measured at the model level (the decoder's
-    token-exact greedy tests), not hidden.
+    bf16 rounding: 4-bit weights are a trade of accuracy for bandwidth, to be measured at the model level (perplexity
+    and greedy agreement of a trained model in bf16 and NVFP4: not done yet), not hidden.
 
     **Two recipes.** Checkpoints come from two quantisers, ModelOpt and compressed-tensors (llm-compressor). They
     agree on the format and differ in the scale arithmetic: ModelOpt computes the global scale `amax / 2688` in fp32,
@@ -692,7 +692,7 @@ NVFP4 = [
 
     Dequantise is a streaming kernel: read 0.5625 bytes per weight, write 2 (bf16), no reuse. Speed is bytes per
     second, and the arithmetic per element must be cheap. We build toy kernels under two rules the interpreter
-    imposes (REFERENCE.md section 3): fp32 arithmetic only (the interpreter's bf16 arithmetic is wrong) and float32
+    imposes (docs/interpreter.md): fp32 arithmetic only (the interpreter's bf16 arithmetic is wrong) and float32
     outputs. Each step must match the reference **bit for bit**.
 
     **Step 1: one program per row, a lookup table.** Each element loads the byte that holds its code (two elements
@@ -1275,7 +1275,7 @@ PACKED_MATVEC = [
     md(r'''
     ## 3. The kernel, step by step
 
-    The interpreter's bf16 arithmetic is wrong (REFERENCE.md section 3), so the toy kernels below take **fp32
+    The interpreter's bf16 arithmetic is wrong (docs/interpreter.md), so the toy kernels below take **fp32
     activations** and write **fp32 outputs**; the package's kernels load bf16 and convert on the fly. Each step is
     checked against the reference on two cases:
 

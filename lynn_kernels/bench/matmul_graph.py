@@ -1,7 +1,7 @@
 """Packed W4A16 matmul timed the way a decoder runs it: kernel time from CUDA-graph replay.
 
 For each decoder projection shape and M, in one process: ours on the packed layout (:func:`lynn_kernels.matmul.pack`
-weights; the FMA GEMV for M <= 4, the tensor-core GEMV to 16, the GEMM above), ours on the checkpoint layout
+weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above), ours on the checkpoint layout
 (the previous kernels), cuBLAS bf16 ``F.linear`` on the dequantised weights, and a pure-read Triton kernel of the
 packed weight's bytes (the per-shape ceiling). Each is captured as one graph of ``S`` consecutive calls on ``S``
 rotating weight sets (together past 3x the L2), replayed, and divided by ``S``; the Python call time

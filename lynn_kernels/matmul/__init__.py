@@ -7,7 +7,7 @@ Public ops (names and argument order are a contract):
 * ``nvfp4_gemv`` / ``nvfp4_gemm``: the same product through one kernel (the GEMV takes M <= 16);
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
-  either form of ``w``; the packed one reaches the FMA GEMV for ``M <= 4`` (docs/matmul.md).
+  either form of ``w``; the packed one reaches the FMA GEMV for ``M <= 2`` (docs/matmul.md).
 """
 
 from .. import runtime

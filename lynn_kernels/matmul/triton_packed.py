@@ -206,7 +206,8 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows) on the FMA units: one program per
+    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch sends M <= 2, where it
+    is faster than the tensor-core GEMV: more rows spill registers) on the FMA units: one program per
     ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights) of each row per step. Each
     thread owns 16-byte runs (4 words, 32 weights) of its rows; the next step's weights load while this one is
     multiplied. One accumulator per x row, each in the weight tile's own layout."""
