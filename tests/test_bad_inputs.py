@@ -416,6 +416,15 @@ CASES: list[Case] = [
     c("matmul.NVFP4Linear.from_linear", "finite", "global_scale-nan", V_, "global_scale",
       lambda a: {"global_scale": NAN}),
     c("matmul.quantize_linears", "value", "recipe", V_, "recipe", lambda a: {"recipe": "gptq"}),
+    c("matmul.NVFP4Linear", "type", "weight-float", T_, "weight", lambda a: {"w": rand(8, 32)}),
+    c("matmul.NVFP4Linear", "type", "bias-list", T_, "bias", lambda a: {"bias": [0.0] * 8}),
+    c("matmul.NVFP4Linear.from_linear", "type", "linear-conv", T_, "linear",
+      lambda a: {"linear": torch.nn.Conv1d(32, 8, 1)}),
+    c("matmul.quantize_linears", "type", "module-str", T_, "module", lambda a: {"module": "model"}),
+    c("matmul.quantize_linears", "type", "skip-int", T_, "skip", lambda a: {"skip": 3}),
+    c("matmul.quantize_linears", "finite", "weight-nan", V_, "0.weight",
+      lambda a: {"module": torch.nn.Sequential(torch.nn.Linear(32, 8)).to(DEV).requires_grad_(False).apply(
+          lambda m: m.weight.fill_(float("nan")) if isinstance(m, torch.nn.Linear) else None)}),
     c("matmul.nvfp4_gemv", "range", "x-17-rows", V_, "x", lambda a: {"x": rand(17, 32)}),
     c("matmul.nvfp4_gemv", "range", "x-3x6-rows", V_, "x", lambda a: {"x": rand(3, 6, 32)}),
     # -- attention: flash_attention ----------------------------------------------------------------------------------

@@ -502,9 +502,9 @@ def test_nvfp4_linear_module_survives_to_dtype(make_weight, device):
 def test_nvfp4_linear_module_errors(make_nvfp4):
     with pytest.raises(ValueError, match=r"in_features = 40 is not a multiple of 16"):
         NVFP4Linear.from_linear(nn.Linear(40, 8))
-    with pytest.raises(TypeError, match=r"from_linear takes an nn.Linear, got Conv1d"):
+    with pytest.raises(TypeError, match=r"linear must be an nn.Linear, got Conv1d"):
         NVFP4Linear.from_linear(nn.Conv1d(16, 16, 1))
-    with pytest.raises(ValueError, match=r"weight must be a 2-D NVFP4Tensor"):
+    with pytest.raises(TypeError, match=r"weight must be a 2-D NVFP4Tensor .*got Tensor"):
         NVFP4Linear(torch.zeros(8, 16))
     with pytest.raises(ValueError, match=r"weight must be a 2-D NVFP4Tensor"):
         NVFP4Linear(NVFP4Tensor.stack([make_nvfp4(8, 16), make_nvfp4(8, 16)]))

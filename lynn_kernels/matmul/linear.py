@@ -24,12 +24,17 @@ class NVFP4Linear(nn.Module):
 
     def __init__(self, weight: NVFP4Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if not isinstance(weight, NVFP4Tensor) or weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D NVFP4Tensor [out, in], got {weight!r}")
+        if not isinstance(weight, NVFP4Tensor):
+            raise TypeError(f"weight must be a 2-D NVFP4Tensor [out, in] (quantise it with lynn_kernels.quantize), "
+                            f"got {type(weight).__name__}")
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D NVFP4Tensor [out, in], got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("codes", weight.codes)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("global_scale", weight.global_scale)
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [{self.out_features}]")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -53,12 +58,20 @@ class NVFP4Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, recipe: str = "modelopt", global_scale=None) -> "NVFP4Linear":
         """Quantise ``linear.weight`` (``in_features % 16 == 0``) with :func:`lynn_kernels.quantize`."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if linear.in_features % BLOCK:
             raise ValueError(f"in_features = {linear.in_features} is not a multiple of {BLOCK}; NVFP4 needs whole "
                              f"blocks of {BLOCK} along K")
         w = quantize(linear.weight.detach(), global_scale, recipe)
         return cls(w, None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def _from_named(cls, name: str, linear: nn.Linear, recipe: str) -> "NVFP4Linear":
+        """:meth:`from_linear` with the layer's name in any error (quantize_linears)."""
+        try:
+            return cls.from_linear(linear, recipe)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}.weight: {e}") from e
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from . import nvfp4_linear
@@ -76,10 +89,21 @@ def quantize_linears(module: nn.Module, skip: Iterable[str] | Callable[[str, nn.
     A Linear is left alone when its qualified name matches ``skip`` (a name, or a suffix after a dot, e.g.
     ``"lm_head"``; or a predicate ``skip(name, linear)``), or when ``in_features`` is not a multiple of 16.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if callable(skip):
         skipped = skip
     else:
-        names = tuple(skip)
+        if isinstance(skip, str):
+            names = (skip,)
+        else:
+            try:
+                names = tuple(skip)
+            except TypeError:
+                raise TypeError(f"skip must be names (str or an iterable of str) or a predicate (name, linear) -> "
+                                f"bool, got {type(skip).__name__}") from None
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"skip must hold module names (str), got {[type(n).__name__ for n in names]}")
 
         def skipped(name, _lin):
             return any(name == s or name.endswith("." + s) for s in names)
@@ -89,6 +113,6 @@ def quantize_linears(module: nn.Module, skip: Iterable[str] | Callable[[str, nn.
         for attr, lin in list(child.named_children()):
             full = f"{name}.{attr}" if name else attr
             if type(lin) is nn.Linear and lin.in_features % BLOCK == 0 and not skipped(full, lin):
-                setattr(child, attr, NVFP4Linear.from_linear(lin, recipe))
+                setattr(child, attr, NVFP4Linear._from_named(full, lin, recipe))
                 swapped.append(full)
     return swapped
