@@ -1,56 +1,13 @@
 """The routed experts in Triton: grouped W4A16 GEMMs over NVFP4 expert stacks (or float ones), deterministic, no
 host sync.
 
-``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``. Two paths, chosen by
-the batch size alone (never by the routing, which stays on the device):
-
-**Prefill** (``M > DECODE_MAX_M``): the align step (:func:`~.triton_align.launch_align`, one or three launches),
-then three launches, each computing the transposed product as :mod:`lynn_kernels.matmul.triton_matmul` does: the
-weight tile, decoded from its codes in registers by that module's ``_w_tile``, is the first ``tl.dot`` operand, the
-token rows the second, and each expert's global scale multiplies the fp32 accumulator once, in the epilogue.
-
-* ``_moe_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: one expert's gate rows ``n`` and up rows
-  ``I + n`` against the same ``BLOCK_M`` token rows of x (two accumulators), then ``h = silu(gate) * up`` in fp32,
-  rounded once to the activation dtype and stored to the intermediate ``h`` at the program's own rows (no scatter);
-* ``_moe_down_kernel``, grid ``(row blocks, cdiv(H, BLOCK_N))``: rows of ``h`` against the expert's ``w2`` tile,
-  times the routing weight in fp32, stored to ``out_slots[slot]`` (fp32 ``[M * top_k, H]``): every slot is written
-  by exactly one program;
-* ``_moe_combine_kernel``: ``out[t] = sum_{j = 0..top_k-1} out_slots[t * top_k + j]`` (+ the shared expert's row), in
-  that order, rounded once to x's dtype. With ``top_k = 1`` and no shared expert the down kernel writes ``out``
-  itself.
-
-Row block ``b`` is rows ``[b * BLOCK_M, (b + 1) * BLOCK_M)`` of ``sorted_slots``, expert ``block_expert[b]`` (the
-program exits at ``-1``); the grid is sized by the static bound ``spec.max_padded``; ``h`` is ``[P_max, I]`` in
-sorted order (:func:`_row_block`). In dense mode (``DENSE``, the shared expert) row block ``b`` is tokens
-``[b * BLOCK_M, (b + 1) * BLOCK_M)`` of expert 0.
-
-**Decode** (``M <= DECODE_MAX_M``): no align, no combine, two launches. Each slot is one row of x against one
-expert, so a tensor-core tile would be 15/16 padding and the work is the weight decode itself: these kernels
-multiply on the FMA units instead, on the weight tile split into its even and odd columns (``_w_halves``: the two
-nibbles of a byte stay in the thread that loaded them, no interleave, no layout change for a ``tl.dot`` operand),
-with per-lane fp32 partial sums reduced once at the end.
-
-* ``_moe_decode_gate_up_kernel``, grid ``(M * top_k, cdiv(I, BLOCK_N))``: slot ``s``'s gate and up rows against x
-  row ``s // top_k``, ``h[s] = silu(gate) * up`` rounded as above (``h`` is ``[M * top_k, I]`` in slot order);
-* ``_moe_decode_down_kernel``, grid ``(M, cdiv(H, BLOCK_N))``: token ``t``'s ``top_k`` slots at once (a
-  ``[top_k, BLOCK_N, BLOCK_K]`` weight tile per step, so the experts' loads overlap), each ``h[s]`` against its
-  expert's ``w2`` rows, times the global scale and the routing weight, summed over the slots in fp32 in a fixed
-  order (+ the shared expert's row) and rounded once: the combine step, in the same program.
-
-No float atomics anywhere, so two runs give the same bits.
-
-**Weights**, one constexpr switch in the same kernels: NVFP4 codes decoded in registers (above), or, with
-``FLOAT_W``, plain float tensors of x's dtype (the unquantised baseline) whose tiles are loaded as they are
-(:func:`_weight_tile`, :func:`_weight_halves`) and which have no global scale. NVFP4 global scales: one per tensor
-(``()``) or one per expert (``[E]``), and for ``w13`` also one per row (``G_PER_ROW``: ``[E, 2I]``, or ``[2 Is]`` for
-the shared expert), the layout :func:`~.spec.stack_w13` gives separate gate / up (per-shard) scales: the gate
-accumulator is multiplied by its rows' scales and the up accumulator by theirs, in the epilogue, exactly.
-Per-row ``w2`` scales raise.
-
-Numerics: the weight tiles are exact (the decoded NVFP4 values, or the float weights as stored: bf16 for bf16 x on the
-GPU, fp32 otherwise); the intermediate ``h`` is rounded to x's dtype (bf16 / fp16; fp32 for fp32 x) on every backend,
-the interpreter stores it as fp32 holding that value, so the CPU tests check the GPU's roundings; everything after is
-fp32 until the single output rounding.
+``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, on one of two paths
+chosen by the batch size alone (never by the routing, which stays on the device): prefill (``M > DECODE_MAX_M``)
+aligns the slots by expert and runs a tensor-core gate_up kernel, a down kernel and an ordered combine; decode runs
+two FMA kernels on the weight tile's even / odd halves, the combine folded into the down kernel. The weight tiles
+are exact, ``h`` is rounded once to x's dtype on every backend, the rest is fp32 until one output rounding, and no
+float atomics are used, so two runs give the same bits. Each kernel's grid, inputs and outputs, the bf16-weight
+switch (``FLOAT_W``) and the per-shard global scales (``G_PER_ROW``) are described in docs/moe.md, sections 3 and 5.
 """
 
 from __future__ import annotations
