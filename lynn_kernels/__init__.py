@@ -14,6 +14,7 @@ from .matmul import NVFP4Linear, PackedNVFP4, nvfp4_linear, pack, quantize_linea
 from . import attention
 from .attention import decode_attention, flash_attention, qk_norm_rope
 from . import deltanet
+from . import moe
 from . import norm
 from .norm import rmsnorm
 
@@ -23,4 +24,4 @@ __all__ = ["runtime", "backend", "device_summary", "use_reference", "Metrics", "
            "nvfp4", "NVFP4Tensor", "quantize", "dequantize",
            "matmul", "NVFP4Linear", "PackedNVFP4", "nvfp4_linear", "pack", "quantize_linears",
            "attention", "flash_attention", "decode_attention", "qk_norm_rope",
-           "deltanet", "norm", "rmsnorm"]
+           "deltanet", "moe", "norm", "rmsnorm"]
