@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import NVFP4Tensor
+from .packed import PackedNVFP4
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The GEMV kernel's row limit (decode batches); larger M goes to the GEMM.
@@ -14,8 +15,6 @@ FMA_MAX_M = 2
 
 
 def check_linear_args(x, w, bias=None) -> None:
-    from .packed import PackedNVFP4
-
     if not isinstance(w, (NVFP4Tensor, PackedNVFP4)):
         raise TypeError(f"w must be an NVFP4Tensor (quantise it with lynn_kernels.quantize) or a PackedNVFP4 "
                         f"(lynn_kernels.matmul.pack), got {type(w).__name__}")

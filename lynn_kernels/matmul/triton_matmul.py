@@ -368,11 +368,15 @@ COUNTER_SLOTS = 8192
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
     """The zeroed int32 ticket buffer of the current stream on ``device`` (kernels leave it zeroed again); each
-    stream has its own, so two streams never share tickets. ``n`` is the number of output tiles of the call."""
-    if n > COUNTER_SLOTS:
+    stream has its own, so two streams never share tickets. ``n`` is the number of output tiles of a split-K
+    call, 0 for a call without split."""
+    if n == 0:                  # no split: the kernel never touches the tickets, any buffer of the device will do
+        stream = None
+    elif n > COUNTER_SLOTS:
         raise ValueError(f"split-K over {n} output tiles needs more than the {COUNTER_SLOTS} tickets kept per stream; "
                          f"split-K is for shapes whose tiles cannot fill the GPU (pass split_k=None)")
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     buf = _counters.get(key)
     if buf is None:
@@ -440,7 +444,7 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
     _nvfp4_gemv_kernel[(tiles, split)](
         kernel_view(x2), *_weight_args(w), _bias_arg(bias, y), kernel_view(y),
-        part, _counter(x2.device, tiles if split > 1 else 1), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
+        part, _counter(x2.device, tiles if split > 1 else 0), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
         w.rows_per_global(),
         **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps)
     return y
@@ -469,7 +473,7 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         max_split = split_of(config)
         tiles = runtime.cdiv(n, config["BLOCK_N"]) * runtime.cdiv(m, config["BLOCK_M"])
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
-    count = _counter(x2.device, tiles if max_split > 1 else 1)
+    count = _counter(x2.device, tiles if max_split > 1 else 0)
 
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]) * runtime.cdiv(m, meta["BLOCK_M"]), split_of(meta))
@@ -487,6 +491,7 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     return y
 
 
+@functools.lru_cache(maxsize=4096)
 def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
@@ -509,7 +514,7 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     kw = k // 8
     if m > 4:
         raise ValueError(f"the FMA GEMV takes at most 4 rows of x, got M = {m}")
-    meta = {**fma_config(n, k, _sm_count(x2.device), m), **(config or {})}
+    meta = {**fma_config(n, k, _sm_count(x2.device), m), **(config or {})}      # a copy: the cached dict stays
     warps = meta.pop("num_warps")
     block_n, tw = meta["BLOCK_N"], meta["TW"]
     flags = _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, True)
