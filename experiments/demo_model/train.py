@@ -86,17 +86,18 @@ def lr_at(frac: float, step: int, peak: float, warmup: int, floor: float) -> flo
     return floor * peak + (1 - floor) * peak * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
-def write_folder(model, state: dict, out: Path, tokenizer: Path, arch_vocab: int) -> None:
+def write_folder(model, state: dict, out: Path, tokenizer: Path | None) -> None:
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
     model.load_state_dict(state)
     model.config.output_router_logits = False
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    # shards of at most 12 MB: the GPU machine returns files of up to 16 MiB
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="12MB")
     model.float()
     GenerationConfig(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, eos_token_id=0, pad_token_id=0,
                      max_new_tokens=200).save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
+    for f in ("tokenizer.json", "tokenizer_config.json") if tokenizer is not None else ():
         shutil.copy(tokenizer / f, out / f)
 
 
@@ -116,6 +117,8 @@ def main():
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", default="grouped_mm", help="HF experts implementation (grouped_mm or eager)")
+    ap.add_argument("--skip-tokenizer", action="store_true",
+                    help="do not copy the tokenizer into --out (the GPU machine returns at most 8 files)")
     ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: 2 layers, a few steps")
     args = ap.parse_args()
 
@@ -201,7 +204,7 @@ def main():
             print(f"   step {step:5d}  loss {ce.item():.4f}  lr {lr:.2e}  "
                   f"{tokens_seen / (last_print - t0) / 1e3:.0f}k tok/s", flush=True)
     train_s = time.perf_counter() - t0
-    write_folder(model, best[1], out, Path(args.tokenizer), vocab)
+    write_folder(model, best[1], out, None if args.skip_tokenizer else Path(args.tokenizer))
     log.close()
     lines = (out.parent / "train_log.jsonl").read_text().splitlines()
     final_train = [json.loads(ln) for ln in lines if '"train"' in ln][-1]
@@ -210,7 +213,7 @@ def main():
         "git_sha": os.environ.get("LYNN_GIT_SHA"), "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "command": "PYTHONPATH=. python3 experiments/demo_model/train.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("data", "tokenizer", "out")),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("data", "tokenizer", "out", "tiny", "skip_tokenizer")),
         "parameters": n_params, "architecture": ARCH, "experts_implementation": experts, "steps": step, "tokens_seen": tokens_seen,
         "train_tokens": int(train.size), "epochs": round(tokens_seen / train.size, 3), "heldout_tokens": int(held.size),
         "batch": args.batch, "seq": args.seq, "train_seconds": round(train_s, 1),
