@@ -5,7 +5,7 @@
 * ``lynn lab``                 open JupyterLab on notebooks/;
 * ``lynn info``                what this process runs on;
 * ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md);
-* ``lynn generate --model DIR PROMPT``  stream a continuation from a checkpoint (docs/decoder.md).
+* ``lynn generate [PROMPT]``  stream a continuation from the demo model, or ``--model DIR`` (docs/decoder.md).
 """
 
 from __future__ import annotations
@@ -84,50 +84,90 @@ def _cmd_quantize(args) -> int:
     return 0
 
 
+#: The model ``lynn generate`` runs without ``--model``: the demo model trained for this workbench (docs/quantization.md).
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "models" / "lynn-demo"
+DEMO_PROMPT = "It was a cold morning in the harbour, and the captain"
+
+
+def _peak_memory(device) -> str:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return f"GPU peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB"
+    return f"host peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB"
+
+
 def _cmd_generate(args) -> int:
     import time
 
+    if args.backend == "interpreter":
+        os.environ["TRITON_INTERPRET"] = "1"      # before lynn_kernels imports triton
     import torch
 
     import lynn_kernels
     import lynn_model
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":
+        print("lynn generate: error: --backend interpreter: Triton was already set up for the GPU in this process",
+              file=sys.stderr)
+        return 2
+    backend = args.backend
+    if backend == "auto":
+        backend = "kernels" if torch.cuda.is_available() else "reference"
+    reference = backend == "reference"
+    if args.prompt == "-":
+        prompt = sys.stdin.read()
+    else:
+        prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    model_dir = Path(args.model) if args.model else DEMO_MODEL
+    if args.model is None and not (model_dir / "config.json").is_file():
+        print(f"lynn generate: error: the demo model is not at {model_dir} (it ships with the repository's data/); "
+              "pass --model DIR", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
-        tok = lynn_model.Tokenizer.from_pretrained(args.model)
-        with lynn_kernels.use_reference(args.backend == "reference"):
-            model = lynn_model.from_pretrained(args.model, weights=args.weights)
+        tok = lynn_model.Tokenizer.from_pretrained(model_dir)
+        with lynn_kernels.use_reference(reference):
+            model = lynn_model.from_pretrained(model_dir, weights=args.weights)
     except (ValueError, OSError) as err:
         print(f"lynn generate: error: {err}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
-    except Exception as err:                      # no template, or one jinja2 cannot render
+    except Exception as err:  # noqa: BLE001  (no template, or one jinja2 cannot render)
         print(f"lynn generate: error: --chat: {err}", file=sys.stderr)
         return 2
     ids = tok.encode(text)
     if not ids:
         print("lynn generate: error: the prompt encodes to no tokens", file=sys.stderr)
         return 2
+    where = {"reference": "the torch reference path" + (" (no GPU here; --backend interpreter runs the Triton "
+                                                         "kernels through Triton's interpreter)"
+                                                         if not torch.cuda.is_available() else ""),
+             "kernels": f"the Triton kernels ({lynn_kernels.backend()})",
+             "interpreter": "the Triton kernels through Triton's interpreter (slow: for reading, not for speed)"}
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights, on {where[backend]}; seed {seed}]",
+          file=sys.stderr)
     stops = sorted(set(tok.stop_ids) | set(model.config.eos_token_ids)) if not args.ignore_eos else []
     stats = lynn_model.Stats()
     out = sys.stdout
     stream = lynn_model.TextStream(tok, lambda s: (out.write(s), out.flush()))
-    seed = args.seed if args.seed is not None else int(time.time()) % 100000
     if not args.chat:
         out.write(prompt)
-    with lynn_kernels.use_reference(args.backend == "reference"):
+        out.flush()
+    with lynn_kernels.use_reference(reference):
         lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=seed, stop_ids=stops, stream=stream,
                             stats=stats)
     out.write("\n")
     out.flush()
-    backend = "reference" if args.backend == "reference" else lynn_kernels.backend()
-    print(f"[{model.config.name}: {model.config.family}, {args.weights} weights, backend {backend}, seed {seed}, "
-          f"loaded in {load_s:.1f} s] prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
-          f"{stats.new_tokens} new tokens, decode {stats.decode_tok_s:,.1f} tok/s", file=sys.stderr)
+    print(f"[loaded in {load_s:.1f} s; prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
+          f"{stats.new_tokens} new tokens at {stats.decode_tok_s:,.1f} tok/s; {_peak_memory(model.device)}]",
+          file=sys.stderr)
     return 0
 
 
@@ -167,16 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="stream a continuation of a prompt from a HF checkpoint folder",
                        description="Load a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE folder (bf16 or NVFP4) with lynn_model "
                                    "and stream text; statistics go to stderr.")
-    p.add_argument("prompt", help="the prompt ('-' reads it from stdin)")
-    p.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help=f"the prompt (default: {DEMO_PROMPT!r}; '-' reads it from stdin)")
+    p.add_argument("--model", default=None,
+                   help="HF model folder (config.json, safetensors, tokenizer.json); default: the demo model, "
+                        "data/models/lynn-demo")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: from the clock, printed)")
     p.add_argument("--weights", choices=["auto", "nvfp4", "bf16"], default="auto")
-    p.add_argument("--backend", choices=["kernels", "reference"], default="kernels",
-                   help="kernels: compiled Triton on a GPU, the interpreter on a CPU; reference: torch")
+    p.add_argument("--backend", choices=["auto", "kernels", "reference", "interpreter"], default="auto",
+                   help="auto (default): the compiled kernels on a GPU, the torch reference on a CPU; kernels: the "
+                        "Triton kernels (compiled, or interpreted without a GPU); reference: torch; interpreter: "
+                        "the kernels through Triton's interpreter")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
     p.set_defaults(func=_cmd_generate)
