@@ -84,6 +84,24 @@ def test_logits_match_hf_on_the_reference_path(hf, ours, ids):
     assert _rel(got, want) < 1e-4
 
 
+def test_kernel_path_matches_hf_bf16(hf, ids):
+    """bf16 on the kernels (the interpreter on a CPU, compiled on a GPU): as close to HF fp32 as HF's own bf16 is."""
+    from transformers import AutoModelForCausalLM
+
+    from lynn_kernels import validate
+
+    x = torch.tensor([ids[:48]])
+    hf16 = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.bfloat16, attn_implementation="eager",
+                                                experts_implementation="grouped_mm").eval()
+    with torch.no_grad():
+        want, base = hf(x).logits, hf16(x).logits.float()
+    model = lynn_model.from_pretrained(DEMO_MODEL, weights="bf16")
+    with torch.no_grad():
+        got = model.forward(x.to(model.device)).float().cpu()
+    m = validate.compare(got, want, baseline=base)
+    assert m.cosine > 0.9998 and m.err_ratio < 1.5, m
+
+
 def test_greedy_generation_is_stable_and_matches_hf(hf, ours, tok):
     prompt = torch.tensor([tok.encode(DEMO_PROMPT)])
     with lynn_kernels.use_reference():

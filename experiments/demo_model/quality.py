@@ -25,8 +25,10 @@ tokens before the first difference.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -99,6 +101,9 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--kernels", action="store_true",
+                    help="run on the Triton kernels on the runtime's device (compiled on a GPU) instead of the "
+                         "torch reference on the CPU")
     ap.add_argument("--out", default=str(MODEL / "quality.json"))
     args = ap.parse_args()
     tok = lynn_model.Tokenizer.from_pretrained(MODEL)
@@ -107,13 +112,15 @@ def main():
     prompts = torch.stack([ids[s:s + args.prompt_len] for s in starts.tolist()])
     rows, greedy = {}, {}
     t_all = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, lynn_kernels.use_reference():
+    where = (contextlib.nullcontext() if args.kernels else lynn_kernels.use_reference())
+    device = None if args.kernels else "cpu"
+    with tempfile.TemporaryDirectory() as tmp, where:
         for name, (folder, meta) in variants(Path(tmp)).items():
             t0 = time.perf_counter()
-            model = lynn_model.from_pretrained(folder, weights="auto", device="cpu")
-            ppl, n = perplexity(model, ids, args.window, args.batch)
-            out = lynn_model.generate(model, prompts, args.new, temperature=0.0)[:, args.prompt_len:]
-            greedy[name] = out
+            model = lynn_model.from_pretrained(folder, weights="auto", device=device)
+            ppl, n = perplexity(model, ids.to(model.device), args.window, args.batch)
+            out = lynn_model.generate(model, prompts.to(model.device), args.new, temperature=0.0)
+            greedy[name] = out[:, args.prompt_len:].cpu()
             rows[name] = dict(meta, perplexity=ppl, tokens_scored=n, seconds=round(time.perf_counter() - t0, 1))
             print(f"{name:>15}: perplexity {ppl:7.3f}  ({rows[name]['seconds']} s)", flush=True)
     base = greedy["bf16"]
@@ -123,7 +130,8 @@ def main():
         rows[name]["greedy_match"] = same.float().mean().item()
         rows[name]["greedy_tokens_before_first_difference"] = first.float().mean().item()
         rows[name]["perplexity_vs_bf16"] = rows[name]["perplexity"] / rows["bf16"]["perplexity"]
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], check=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    sha = os.environ.get("LYNN_GIT_SHA") or subprocess.run(["git", "rev-parse", "HEAD"], check=True, cwd=ROOT,
+                                                            capture_output=True, text=True).stdout.strip()
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_sha": sha,
         "torch": torch.__version__, "backend": "torch reference (lynn_kernels.use_reference), CPU, bf16 activations",
