@@ -132,9 +132,9 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
     assert 0 < rel < 0.1, rel
 
 
-def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok, ours):
-    """No --model, no prompt: the demo model and the built-in prompt, the reference path on a CPU, a printed seed,
-    and stdin never read."""
+def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok):
+    """No --model, no prompt: the demo model and the built-in prompt, on the compiled kernels with a GPU and the torch
+    reference path without one, a printed seed, and stdin never read."""
     class NoStdin(io.StringIO):
         def read(self, *a):
             raise AssertionError("lynn generate read stdin")
@@ -142,9 +142,11 @@ def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok, 
     assert main(["generate", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos"]) == 0
     cap = capsys.readouterr()
     prompt = torch.tensor([tok.encode(DEMO_PROMPT)])
-    with lynn_kernels.use_reference():
-        model = lynn_model.from_pretrained(DEMO_MODEL, device="cpu")
-        want = lynn_model.generate(model, prompt, 12)[0, prompt.shape[1]:].tolist()
+    gpu = torch.cuda.is_available()
+    with lynn_kernels.use_reference(not gpu):
+        model = lynn_model.from_pretrained(DEMO_MODEL)
+        want = lynn_model.generate(model, prompt.to(model.device), 12)[0, prompt.shape[1]:].tolist()
     assert cap.out == DEMO_PROMPT + tok.decode(want, skip_special_tokens=True) + "\n"
-    assert "lynn-demo" in cap.err and "torch reference path" in cap.err and "seed" in cap.err
+    assert "lynn-demo" in cap.err and "seed" in cap.err
+    assert ("on the Triton kernels" if gpu else "on the torch reference path") in cap.err
     assert "12 new tokens" in cap.err and "peak" in cap.err

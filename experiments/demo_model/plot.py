@@ -58,6 +58,13 @@ def quantization(out: Path) -> None:
     a.set_xlabel("held-out perplexity")
     a.invert_yaxis()
     b.barh(names, [v[n]["greedy_match"] for n in names], color=colors)
+    gpu = MODEL / "quality.h200.json"
+    if gpu.is_file():           # the floor set by rounding alone: bf16 on the CPU reference vs the H200's kernels
+        g = json.loads(gpu.read_text())["greedy_tokens"]["bf16"]
+        c = q["greedy_tokens"]["bf16"]
+        same = sum(x == y for r, s in zip(c, g) for x, y in zip(r, s)) / sum(len(r) for r in c)
+        b.axvline(same, color="black", ls="--", lw=1)
+        b.text(same, len(names) - 0.6, " bf16: CPU ref\n vs H200 kernels", fontsize=7, va="bottom")
     b.set_xlim(0, 1)
     b.set_xlabel(f"greedy tokens equal to bf16 ({q['prompts']} prompts x {q['new_tokens']})")
     b.invert_yaxis()
