@@ -16,7 +16,7 @@ def readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands():
     cmds = readme_commands()
     assert len(cmds) == 2, cmds
-    assert cmds[0].endswith("&& lynn check")
+    assert cmds[0].endswith("&& lynn check && lynn generate")   # ends by writing text from the demo model
     assert cmds[1].endswith("&& pytest") and '".[test]"' in cmds[1]
 
 
