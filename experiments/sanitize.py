@@ -1,0 +1,77 @@
+"""Run every kernel under NVIDIA's compute-sanitizer and write the summary (GPU machine only).
+
+    PYTHONPATH=. python3 experiments/sanitize.py [--families nvfp4 matmul ...] [--racecheck attention moe ...]
+        [--timeout 150] [--out $OUT/sanitizer.json]
+
+Each run is ``compute-sanitizer --tool TOOL python3 -m lynn_kernels.cli check FAMILY...``: ``lynn check`` runs each
+family's kernels against their references at its awkward shapes (tails, odd sizes, every dtype), so every kernel
+launch of those checks goes through the tool. memcheck looks for out-of-bounds and misaligned accesses; racecheck
+for shared-memory hazards between threads, on the families whose kernels stage tiles in shared memory. The summary
+records, per run: the families, the checks that passed, the sanitizer's ERROR SUMMARY count, its exit status, the
+seconds, and whether it hit the timeout (a run that did not finish says so; it is not counted clean). Re-run it
+after a kernel change and commit the JSON under data/bench/h200/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+FAMILIES = ("nvfp4", "matmul", "attention", "deltanet", "moe", "norm")
+
+
+def run(tool: str, families: list[str], timeout: float) -> dict:
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    cmd = [exe, "--tool", tool, "--print-limit", "20", sys.executable, "-m", "lynn_kernels.cli", "check", *families]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        out, rc, timed_out = p.stdout + p.stderr, p.returncode, False
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+        rc, timed_out = None, True
+    errors = re.findall(r"ERROR SUMMARY: (\d+) error", out)
+    passed = re.search(r"(\d+)/(\d+) checks passed", out)
+    return {"tool": tool, "families": families, "seconds": round(time.perf_counter() - t0, 1), "timed_out": timed_out,
+            "exit_status": rc, "sanitizer_errors": int(errors[-1]) if errors else None,
+            "checks_passed": int(passed.group(1)) if passed else None,
+            "checks": int(passed.group(2)) if passed else None,
+            "clean": bool(errors) and int(errors[-1]) == 0 and not timed_out and rc == 0,
+            "tail": out[-1500:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--racecheck", nargs="*", default=["attention", "moe", "matmul"])
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per sanitizer run")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "sanitizer.json"))
+    args = ap.parse_args()
+    runs = [run("memcheck", args.families, args.timeout)]
+    if args.racecheck:
+        runs.append(run("racecheck", args.racecheck, args.timeout))
+    import torch
+
+    rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "git_sha": os.environ.get("LYNN_GIT_SHA"), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "command": "PYTHONPATH=. python3 experiments/sanitize.py " + " ".join(sys.argv[1:]), "runs": runs}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rec, f, indent=1)
+    print(f"{'tool':>10} | {'families':<40} | checks | sanitizer errors | seconds | clean")
+    for r in runs:
+        print(f"{r['tool']:>10} | {' '.join(r['families']):<40} | {r['checks_passed']}/{r['checks']} | "
+              f"{r['sanitizer_errors']} | {r['seconds']}{' (timeout)' if r['timed_out'] else ''} | {r['clean']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
