@@ -54,18 +54,19 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per sanitizer run")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "sanitizer.json"))
     args = ap.parse_args()
-    runs = [run("memcheck", args.families, args.timeout)]
-    if args.racecheck:
-        runs.append(run("racecheck", args.racecheck, args.timeout))
     import torch
 
+    runs: list[dict] = []
     rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "git_sha": os.environ.get("LYNN_GIT_SHA"), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "command": "PYTHONPATH=. python3 experiments/sanitize.py " + " ".join(sys.argv[1:]), "runs": runs}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(rec, f, indent=1)
+    plan = [("memcheck", args.families)] + ([("racecheck", args.racecheck)] if args.racecheck else [])
+    for tool, families in plan:                    # the JSON is rewritten after each run: a cut-off call keeps it
+        runs.append(run(tool, families, args.timeout))
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
     print(f"{'tool':>10} | {'families':<40} | checks | sanitizer errors | seconds | clean")
     for r in runs:
         print(f"{r['tool']:>10} | {' '.join(r['families']):<40} | {r['checks_passed']}/{r['checks']} | "
