@@ -135,6 +135,23 @@ def _cmd_generate(args) -> int:
         print(f"lynn generate: error: {err}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
+    threads = torch.get_num_threads()
+    if model.device.type == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _generate_text(args, tok, model, prompt, model_dir, backend, reference, load_s)
+    finally:
+        torch.set_num_threads(threads)               # main() may be called in-process (tests, notebooks)
+
+
+def _generate_text(args, tok, model, prompt, model_dir, backend, reference, load_s) -> int:
+    import time
+
+    import torch
+
+    import lynn_kernels
+    import lynn_model
+
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     except Exception as err:  # noqa: BLE001  (no template, or one jinja2 cannot render)
@@ -222,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto (default): the compiled kernels on a GPU, the torch reference on a CPU; kernels: the "
                         "Triton kernels (compiled, or interpreted without a GPU); reference: torch; interpreter: "
                         "the kernels through Triton's interpreter")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: a small model's decode step is many tiny ops, and more "
+                        "threads mostly wait on each other; 0 keeps torch's default)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
     p.set_defaults(func=_cmd_generate)
