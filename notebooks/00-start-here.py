@@ -249,6 +249,7 @@ print(f"  {row['bytes']:,} B / {row['median_ms'] * 1e3:.1f} us = {gbps:,.0f} GB/
 # | `04-attention` | gated attention with GQA and partial RoPE, prefill and decode |
 # | `05-deltanet` | Gated DeltaNet: recurrent and chunked forms, fp32 state |
 # | `06-decoder` | the hybrid decoder (`lynn_model`): layer pattern and config, a tiny HF checkpoint loaded, each layer against HF's, the paged cache (packed prefill, decode), generation against HF's, the H200 profile (host-bound eager decode) |
+# | `07-generate` | the shipped demo model (11.6M parameters, trained here): tokens, greedy and sampling (temperature, top-k, top-p, seed), the token stream with per-token probabilities and an explorer, held-out perplexity live and the committed bf16 / NVFP4 / int4 table, the training run, `lynn generate` on the H200 |
 #
 # Every notebook follows one order: idea and math, reference, kernel, validation table, profile and plot,
 # interactive explorer.
