@@ -11,7 +11,7 @@ Recorded run: commit 4c21c1d5b8c5, H200, torch 2.11 / triton 3.6, fla 0.6.0, 202
 import collections, json, os, sys, time
 import torch, triton.testing
 from lynn_kernels.attention import flash_attention, reference as aref
-from lynn_kernels.attention.decode import launch_decode, default_num_splits
+from lynn_kernels.attention.triton_decode import launch_decode, default_num_splits
 from lynn_kernels.bench.harness import kernel_ms
 from lynn_kernels.deltanet import chunk_gated_delta_rule, reference as dref
 from lynn_kernels.validate import compare

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.matmul import nvfp4_linear, pack
-from lynn_kernels.matmul.triton_matmul import _constexprs, launch_packed_gemv
+from lynn_kernels.matmul.triton_matmul import kernel_constexprs, launch_packed_gemv
 from lynn_kernels.matmul.triton_packed import packed_gemv_kernel
 from lynn_kernels.nvfp4 import dequantize, quantize
 
@@ -41,7 +41,7 @@ q = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
 p, wb = pack(q), dequantize(q)
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-f = _constexprs(x.dtype, None, y.dtype, False, True)
+f = kernel_constexprs(x.dtype, None, y.dtype, False, True)
 raw_args = (x, p.words, p.scales, p.global_scale, y, y, 1, n, k // 8, x.stride(0), x.stride(1), y.stride(0), n)
 raw_kw = dict(HAS_BIAS=False, X_DTYPE=f["X_DTYPE"], BIAS_DTYPE=f["BIAS_DTYPE"], OUT_DTYPE=f["OUT_DTYPE"], BLOCK_M=1,
               BLOCK_N=16, TW=128, EVEN_N=True, EVEN_K=True, USE_PDL=False, INTERPRET=False, num_warps=4,

@@ -44,7 +44,7 @@ import torch
 
 import lynn_kernels  # noqa: F401  (first: it picks the Triton backend before triton is imported)
 from lynn_kernels import nvfp4, runtime
-from lynn_kernels.nvfp4.format import BLOCK, check_recipe, default_global_scale
+from lynn_kernels.nvfp4.spec import BLOCK, check_recipe, default_global_scale
 
 FORMATS = ("compressed-tensors", "modelopt")
 #: The recipe each layout's own tool uses; ``recipe=None`` picks it.

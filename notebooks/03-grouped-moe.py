@@ -495,7 +495,7 @@ print("toy vs moe.reference.moe_experts (fp32): max_abs", r3(compare(toy, want_t
 # `moe.moe_experts(x, weights, ids, w13, w2)` is the toy grown up (`lynn_kernels/moe/triton_experts.py`):
 #
 # * the weights stay **NVFP4**: each program decodes its `[BLOCK_N, BLOCK_K]` weight tile from codes and E4M3
-#   scales in registers (the matmul family's `_w_tile`, notebook 02) and feeds a bf16 `tl.dot` on the GPU (fp32
+#   scales in registers (the matmul family's `w_tile`, notebook 02) and feeds a bf16 `tl.dot` on the GPU (fp32
 #   under the interpreter); the expert's global scale multiplies the fp32 accumulator once, in the epilogue;
 # * it computes the transposed product (weight tile first, token rows second), so the weight supplies the wide
 #   side of the MMA and a tile of 16 token rows is enough;
@@ -504,7 +504,7 @@ print("toy vs moe.reference.moe_experts (fp32): max_abs", r3(compare(toy, want_t
 #   static bound `P_max`;
 # * **decode path** (`M <= 16`): no align step and no combine launch. A slot is one row of x against one expert:
 #   on tensor cores it would be 1 row of a 16-row tile, and the work is decoding the weight. So the decode kernels
-#   multiply on the FMA units, on the weight tile split into its even and odd columns (`_w_halves`: a byte's two
+#   multiply on the FMA units, on the weight tile split into its even and odd columns (`w_halves`: a byte's two
 #   nibbles stay in the thread that loaded it). `_moe_decode_gate_up_kernel` runs one program per (slot, block of
 #   I); `_moe_decode_down_kernel` one per (token, block of H), with all `top_k` slots of the token in one
 #   `[top_k, BLOCK_N, BLOCK_K]` tile per step so their loads overlap, summed in a fixed order: the combine is

@@ -457,7 +457,7 @@ print(render_table(pack_rows))
 # ### 3d. The package's kernel
 #
 # `lynn_kernels.attention.flash_attention(q, k, v, causal=True, scale=None, gate=None, cu_seqlens=None,
-# prefix_lens=None)` is the toy grown up (`_flash_prefill_kernel` in `lynn_kernels/attention/prefill.py`):
+# prefix_lens=None)` is the toy grown up (`_flash_prefill_kernel` in `lynn_kernels/attention/triton_prefill.py`):
 #
 # * **varlen**: a packed batch `q [T, Hq, D]` with `cu_seqlens [B+1]`, one launch, grid (tiles of the longest
 #   sequence) x (B x Hkv); latest tiles first, so the longest programs start early;
@@ -553,7 +553,7 @@ print(f"\n{sum(r['passed'] for r in prefill_rows)}/{len(prefill_rows)} passed (c
 # for a given SM count; for the benchmark's cases on the H200's 132 SMs:
 
 # %%
-from lynn_kernels.attention.decode import splits_for     # default_num_splits' rule, for a given SM count
+from lynn_kernels.attention.triton_decode import splits_for     # default_num_splits' rule, for a given SM count
 
 split_rows = []
 for b, length in ((1, 4096), (8, 4096), (1, 32768), (8, 32768)):
@@ -608,7 +608,7 @@ print("\nmerged vs softmax over all 300 keys, max_abs:", r4((merged - exact).abs
 
 # %% [markdown]
 # **The package's kernel**: `decode_attention(q, k_cache, v_cache, seq_lens, block_table=None, scale=None,
-# gate=None, *, num_splits=None)` (`lynn_kernels/attention/decode.py`). The cache is contiguous
+# gate=None, *, num_splits=None)` (`lynn_kernels/attention/triton_decode.py`). The cache is contiguous
 # `[B, S_max, Hkv, D]` or paged `[num_blocks, PAGE, Hkv, D]` with a `block_table [B, max_blocks]`. Key `pos` of
 # sequence `b` lives at `(b, pos)` or at `(block_table[b, pos // PAGE], pos % PAGE)`: the kernel computes one
 # address `i0 * stride0 + i1 * stride1` either way, so one kernel serves both and the same keys in the same order

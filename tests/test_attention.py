@@ -18,10 +18,10 @@ import lynn_kernels
 from lynn_kernels import runtime
 from lynn_kernels.attention import (contiguous_slots, decode_attention, flash_attention, paged_slots, qk_norm_rope,
                                     reference, split_q_gate)
-from lynn_kernels.attention import decode as decode_mod
-from lynn_kernels.attention import prefill as prefill_mod
-from lynn_kernels.attention import rope as rope_mod
-from lynn_kernels.attention.layout import check_prefill
+from lynn_kernels.attention import triton_decode as decode_mod
+from lynn_kernels.attention import triton_prefill as prefill_mod
+from lynn_kernels.attention import triton_rope as rope_mod
+from lynn_kernels.attention.spec import check_prefill
 from lynn_kernels.validate import bit_mismatches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -557,7 +557,7 @@ CASES: list[Case] = [
     c("attention.qk_norm_rope", "range", "positions-negative", V_, "positions",
       lambda a: {"positions": ints([0, -1, 7])}),
     c("attention.qk_norm_rope", "range", "positions-past-theta-limit", V_, "positions",
-      lambda a: {"positions": ints([0, 1, attention.layout.ROPE_THETA_MAX_POSITION + 1])}),
+      lambda a: {"positions": ints([0, 1, attention.spec.ROPE_THETA_MAX_POSITION + 1])}),
     c("attention.qk_norm_rope", "range", "slot_mapping-past-cache", V_, "slot_mapping",
       lambda a: {"slot_mapping": ints([0, 1, 32], I64)}),
     c("attention.qk_norm_rope", "range", "slot_mapping-below-minus-1", V_, "slot_mapping",

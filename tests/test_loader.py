@@ -32,7 +32,7 @@ import lynn_kernels
 import lynn_model
 from lynn_kernels import NVFP4Tensor, nvfp4
 from lynn_kernels.matmul import PackedNVFP4, unpack
-from lynn_kernels.nvfp4.format import reciprocal
+from lynn_kernels.nvfp4.spec import reciprocal
 from lynn_model import LoadError, loader
 from lynn_model.model import SparseMoE
 from lynn_model.quantize import quantize_checkpoint

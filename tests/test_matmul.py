@@ -916,14 +916,14 @@ def test_split_k_tickets_are_fixed_per_stream(make_weight, make_nvfp4, device, p
     y = torch.empty(3, 37, dtype=BF16, device=device)
     launch_gemv(x, w, None, y, config=GEMV_CONFIG, split_k=3)
     before = {k: v.data_ptr() for k, v in _counters.items()}
-    triton_matmul._counter(device, 5000)          # more tickets than any earlier call: the old buffer was replaced
+    triton_matmul.split_k_counter(device, 5000)   # more tickets than any earlier call: the old buffer was replaced
     big = make_nvfp4(257, 48, seed=3)
     launch_gemm(make_weight((40, 48), BF16, seed=4), big, None, torch.empty(40, 257, dtype=BF16, device=device))
     assert {k: v.data_ptr() for k, v in _counters.items() if k in before} == before
     assert all(v.numel() == triton_matmul.COUNTER_SLOTS for v in _counters.values())
     assert_counters_zeroed()
     with pytest.raises(ValueError, match="split-K over"):
-        triton_matmul._counter(device, triton_matmul.COUNTER_SLOTS + 1)
+        triton_matmul.split_k_counter(device, triton_matmul.COUNTER_SLOTS + 1)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import torch
 from lynn_kernels import runtime, use_reference
 from lynn_kernels.moe import SharedExpert, align, max_padded, reference, route
 from lynn_kernels.moe.triton_align import align_triton, launch_align
-from lynn_kernels.matmul.triton_matmul import _counter
+from lynn_kernels.matmul.triton_matmul import split_k_counter
 from lynn_kernels.moe.triton_route import MAX_EXPERTS, launch_router, route_triton
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import compare
@@ -155,7 +155,7 @@ def test_fused_router(M, E, top_k, H, dtype, poison_empty):
         got = launch_router(x, r, top_k, True, w, ids)
         assert got[0] is w and got[1] is ids
         _assert_route((w, ids), want, M, top_k)
-    assert int(_counter(x.device, 1)[0]) == 0
+    assert int(split_k_counter(x.device, 1)[0]) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,15 +17,15 @@ One gated-attention layer, prefill of a packed batch (see docs/attention.md)::
     y = o_proj(o.view(T, -1))
 
 Bad arguments raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or device), naming the
-tensor, what was expected and what was found, on every backend (the checks live in :mod:`.layout`).
+tensor, what was expected and what was found, on every backend (the checks live in :mod:`.spec`).
 """
 
 from .. import runtime
-from . import reference
-from .decode import decode_attention_triton, default_num_splits
-from .layout import HEAD_DIMS, contiguous_slots, paged_slots, split_q_gate
-from .prefill import flash_attention_triton
-from .rope import qk_norm_rope_triton
+from . import reference, spec
+from .spec import HEAD_DIMS, contiguous_slots, paged_slots, split_q_gate
+from .triton_decode import decode_attention_triton, default_num_splits
+from .triton_prefill import flash_attention_triton
+from .triton_rope import qk_norm_rope_triton
 
 
 @runtime.op(reference=reference.flash_attention)
@@ -43,7 +43,7 @@ def flash_attention(q, k, v, causal=True, scale=None, gate=None, cu_seqlens=None
         scale: softmax scale, default ``D ** -0.5``.
         gate: ``[T, Hq, D]`` or None: the output is multiplied by ``sigmoid(gate)`` (Qwen3-Next's output gate).
         cu_seqlens: int32 ``[B+1]`` query offsets (``0 ... T``), or None for one sequence. Read to the host once
-            (it sizes the grid); the launch-only :func:`.prefill.launch_prefill` avoids that sync.
+            (it sizes the grid); the launch-only :func:`.triton_prefill.launch_prefill` avoids that sync.
         prefix_lens: int32 ``[B]`` cached tokens per sequence (chunked prefill), or None.
 
     Returns:
@@ -97,7 +97,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
         q_weight, k_weight: ``[D]`` the RMSNorm weights ``w`` (applied as ``1 + w``), bf16 / fp16 / fp32, each
             its own (both are used in fp32).
         positions: int32 / int64 ``[T]`` position of each token: in ``[0, cos.shape[0])`` with tables, in
-            ``[0, 411768]`` with ``rope_theta`` (:data:`.layout.ROPE_THETA_MAX_POSITION`: the in-kernel angle
+            ``[0, 411768]`` with ``rope_theta`` (:data:`.spec.ROPE_THETA_MAX_POSITION`: the in-kernel angle
             reduction is exact below 2^16 turns; use tables beyond). Checked with one host read, skipped while a
             CUDA graph is being captured.
         v: ``[T, Hkv, D]``, needed for a cache write (copied, not transformed).
@@ -122,5 +122,5 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
                                slot_mapping=slot_mapping)
 
 
-__all__ = ["flash_attention", "decode_attention", "qk_norm_rope", "reference", "split_q_gate", "paged_slots",
+__all__ = ["flash_attention", "decode_attention", "qk_norm_rope", "reference", "spec", "split_q_gate", "paged_slots",
            "contiguous_slots", "default_num_splits", "HEAD_DIMS"]

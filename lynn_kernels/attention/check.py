@@ -12,7 +12,7 @@ import torch
 from .. import runtime
 from ..validate import compare
 from . import decode_attention, flash_attention, qk_norm_rope, reference
-from .layout import paged_slots
+from .spec import paged_slots
 
 #: Pass marks, from the measured errors: a 16-bit output within 2x the error of one rounding to its dtype (H200 at
 #: most 1.17, the bf16 products of the probabilities; interpreter 1.0), an fp32 one within rel_l2 1e-6 (H200 1.4e-7

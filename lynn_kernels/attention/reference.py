@@ -2,14 +2,14 @@
 
 Each function takes the same arguments as its kernel and returns the same thing (outputs in ``q``'s dtype); the math
 is HF transformers' ``Qwen3NextAttention`` (``models/qwen3_next/modeling_qwen3_next.py``) done in fp32 throughout and
-rounded once at the end. Layouts are described in :mod:`.layout` and docs/attention.md.
+rounded once at the end. Layouts are described in :mod:`.spec` and docs/attention.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import check_decode, check_prefill, check_rope
+from .spec import check_decode, check_prefill, check_rope
 
 # ---------------------------------------------------------------------------------------------------------------
 # attention

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import decode_attention, flash_attention, paged_slots, reference
-from ..attention.decode import default_num_splits, launch_decode
+from ..attention.triton_decode import default_num_splits, launch_decode
 from ..validate import compare
 from . import register
 from .harness import Ceilings, Result, rotating, rotation, timed, validated

@@ -8,10 +8,14 @@ Public ops (names and argument order are a contract):
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
   either form of ``w``; the packed one reaches the FMA GEMV for ``M <= 2`` (docs/matmul.md).
+
+Each op has a same-signature torch reference in :mod:`.reference`; argument checks and the dispatch limits
+(``GEMV_MAX_M``, ``FMA_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (checkpoint layout) and
+:mod:`.triton_packed` (packed layout), the ``lynn check`` rows in :mod:`.check`.
 """
 
 from .. import runtime
-from . import reference
+from . import reference, spec
 from .linear import NVFP4Linear, quantize_linears
 from .packed import PackedNVFP4, pack, unpack
 from .triton_matmul import nvfp4_gemm_triton, nvfp4_gemv_triton, nvfp4_linear_triton
@@ -20,5 +24,5 @@ nvfp4_linear = runtime.op(reference=reference.nvfp4_linear)(nvfp4_linear_triton)
 nvfp4_gemv = runtime.op(reference=reference.nvfp4_gemv)(nvfp4_gemv_triton)
 nvfp4_gemm = runtime.op(reference=reference.nvfp4_gemm)(nvfp4_gemm_triton)
 
-__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference",
+__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference", "spec",
            "PackedNVFP4", "pack", "unpack"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import reference as nvfp4_reference
-from .checks import GEMV_MAX_M, check_linear_args
 from .packed import PackedNVFP4, unpack
+from .spec import GEMV_MAX_M, check_linear_args
 
 
 def nvfp4_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,14 @@ Split-K is deterministic: each program writes its fp32 partial tile, takes a tic
 last one adds the partials in split order and writes ``y``; it also resets the counter, so one zeroed buffer per
 stream serves every call, fixed in size and never replaced (a CUDA graph keeps the buffer it captured). The partial
 sums go to a workspace allocated per call (from the graph's pool inside a capture).
+
+Public helpers, shared with the MoE family (``lynn_kernels.moe``); the other helpers here are private to matmul:
+
+* :func:`w_tile` / :func:`w_halves` (Triton): an NVFP4 weight tile decoded in registers, as one ``tl.dot`` operand
+  or as its even / odd columns for FMA loops (the expert kernels of :mod:`lynn_kernels.moe.triton_experts`);
+* :func:`kernel_constexprs` (host): the dtype / decode constexprs of a launch (the expert and router kernels);
+* :func:`split_k_counter` (host) and :func:`split_k_for`: the per-stream ticket buffer of the deterministic
+  split-K reduce and the split count (the router kernel of :mod:`lynn_kernels.moe.triton_route`).
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ import triton.language as tl
 
 from .. import runtime
 from ..nvfp4 import NVFP4Tensor
-from ..nvfp4.triton_quant import _e4m3_decode
+from ..nvfp4.triton_quant import e4m3_decode
 from ..runtime import cast_output, kernel_view, to_float32
-from .checks import FMA_MAX_M, GEMV_MAX_M, check_linear_args
 from .packed import PackedNVFP4
+from .spec import FMA_MAX_M, GEMV_MAX_M, check_linear_args
 from .triton_packed import MMA_UNIT, packed_gemv_kernel, packed_w_tile
 
 MAX_SPLIT_K = 16
@@ -65,7 +73,7 @@ def _decode_nibbles(c, s, INTERPRET: tl.constexpr):
     """Code and scale bytes of :func:`_load_codes` -> (even, odd) E2M1 values * 2^-14 (fp32 [BLOCK_N, BLOCK_K/2]) and
     the block scales * 2^14 (fp32 [BLOCK_N, BLOCK_K/16]): any backend."""
     if INTERPRET:
-        s = _e4m3_decode(s)
+        s = e4m3_decode(s)
     else:
         s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)                        # hardware E4M3 convert
     c16 = c.to(tl.uint16)
@@ -136,12 +144,17 @@ def _e2m1_bf16x2_scaled(c, s):
 
 
 @triton.jit
-def _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
-            PACKED_LAYOUT: tl.constexpr = False, ACC_UNIT: tl.constexpr = 1.0):
+def w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+           PACKED_LAYOUT: tl.constexpr = False, ACC_UNIT: tl.constexpr = 1.0):
     """The scaled weight tile [BLOCK_N, BLOCK_K] in ``DOT_DTYPE`` for ``tl.dot``: ``e2m1 * scale`` exactly, times
     ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`), times ``2^-19`` from the
-    packed layout (``PACKED_LAYOUT``: ``codes_ptr`` / ``scales_ptr`` are a PackedNVFP4's words and scales)."""
+    packed layout (``PACKED_LAYOUT``: ``codes_ptr`` / ``scales_ptr`` are a PackedNVFP4's words and scales).
+
+    Rows ``offs_n`` (masked by ``mask_n``) and columns ``k0 .. k0 + BLOCK_K`` of an ``[N, K]`` NVFP4 weight, read
+    from its code and E4M3 scale bytes; the global scale is left to the caller's epilogue (``ACC_UNIT`` says which
+    power of two to undo). Public: the GEMV and GEMM kernels here and the MoE expert kernels
+    (:mod:`lynn_kernels.moe.triton_experts`, with the flags of :func:`kernel_constexprs`) call it."""
     if PACKED_LAYOUT:
         return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K // 8, BLOCK_N, BLOCK_K, DOT_DTYPE,
                              PACKED_DECODE, ACC_UNIT == 1.0)
@@ -163,12 +176,13 @@ def _per_byte_scales(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w_halves(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+def w_halves(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
     """The scaled weight tile split into its even and odd columns, fp32 ``[BLOCK_N, BLOCK_K/2]`` each:
     ``W[n, k0 + 2i]`` and ``W[n, k0 + 2i + 1]`` (times ``2^-7`` with ``PACKED_DECODE``), exact. For consumers that
     multiply on the FMA units rather than ``tl.dot``: the two nibbles of a byte stay in the thread that loaded it, with
-    no interleave and no change of layout."""
+    no interleave and no change of layout. Public: the MoE decode kernels (:mod:`lynn_kernels.moe.triton_experts`)
+    call it; the arguments are :func:`w_tile`'s (checkpoint layout only)."""
     c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
     if PACKED_DECODE:
         even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
@@ -243,8 +257,8 @@ def _nvfp4_gemv_kernel(
         xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
                      mask=(offs_k[:, None] < K) & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
-        wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)            # [BLOCK_N, BLOCK_K]
+        wt = w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                    PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)             # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
@@ -318,8 +332,8 @@ def _nvfp4_gemm_kernel(
         xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
                      mask=mask_k[:, None] & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
-        wt = _w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)            # [BLOCK_N, BLOCK_K]
+        wt = w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                    PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)             # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
     _finish(acc, pid_m * tiles_n + pid_n, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
             g_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, N, stride_ym, ROWS_PER_G, M * N,
@@ -366,10 +380,14 @@ def split_k_for(tiles: int, k: int, block_k: int, sms: int) -> int:
 COUNTER_SLOTS = 8192
 
 
-def _counter(device: torch.device, n: int) -> torch.Tensor:
+def split_k_counter(device: torch.device, n: int) -> torch.Tensor:
     """The zeroed int32 ticket buffer of the current stream on ``device`` (kernels leave it zeroed again); each
     stream has its own, so two streams never share tickets. ``n`` is the number of output tiles of a split-K
-    call, 0 for a call without split."""
+    call, 0 for a call without split.
+
+    Public: the GEMV / GEMM launches here and the MoE router kernel
+    (:func:`lynn_kernels.moe.triton_route.launch_router`, whose last program to take a ticket adds the partial
+    logits) share these buffers."""
     if n == 0:                  # no split: the kernel never touches the tickets, any buffer of the device will do
         stream = None
     elif n > COUNTER_SLOTS:
@@ -396,7 +414,7 @@ def _prepare(x: torch.Tensor, w, bias):
 
 
 def _common_args(x2, bias, y, packed: bool = False) -> dict:
-    return _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, packed)
+    return kernel_constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, packed)
 
 
 def _weight_args(w) -> tuple:
@@ -407,10 +425,15 @@ def _weight_args(w) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: bool = False) -> dict:
+def kernel_constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: bool = False) -> dict:
     """Constexprs shared by both kernels (cached: this runs on every call). The dot runs in x's dtype on the GPU
     (the weight tile is exact in bf16 and fp16), in fp32 for fp32 x (IEEE, not TF32) and always in fp32 under the
-    interpreter."""
+    interpreter.
+
+    Returns ``HAS_BIAS``, ``X_DTYPE``, ``BIAS_DTYPE``, ``OUT_DTYPE``, ``DOT_DTYPE``, ``PRECISION``, ``PACKED_DECODE``
+    (the bf16x2 decode: bf16 x on the GPU), ``PACKED_LAYOUT``, ``ACC_UNIT`` and the runtime's kernel flags
+    (``INTERPRET``). Public: the MoE expert and router kernels take their dot dtype and decode flags from it, so
+    that they decode weights exactly as the matmul does."""
     fp32_dot = interpret or x_dtype == torch.float32
     return dict(
         HAS_BIAS=bias_dtype is not None, X_DTYPE=runtime.TORCH_TO_TL[x_dtype],
@@ -444,7 +467,7 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
     _nvfp4_gemv_kernel[(tiles, split)](
         kernel_view(x2), *_weight_args(w), _bias_arg(bias, y), kernel_view(y),
-        part, _counter(x2.device, tiles if split > 1 else 0), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
+        part, split_k_counter(x2.device, tiles if split > 1 else 0), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
         w.rows_per_global(),
         **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps)
     return y
@@ -473,7 +496,7 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         max_split = split_of(config)
         tiles = runtime.cdiv(n, config["BLOCK_N"]) * runtime.cdiv(m, config["BLOCK_M"])
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
-    count = _counter(x2.device, tiles if max_split > 1 else 0)
+    count = split_k_counter(x2.device, tiles if max_split > 1 else 0)
 
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]) * runtime.cdiv(m, meta["BLOCK_M"]), split_of(meta))
@@ -517,7 +540,7 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     meta = {**fma_config(n, k, _sm_count(x2.device), m), **(config or {})}      # a copy: the cached dict stays
     warps = meta.pop("num_warps")
     block_n, tw = meta["BLOCK_N"], meta["TW"]
-    flags = _constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, True)
+    flags = kernel_constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, True)
     use_pdl = bool(pdl) and not runtime.INTERPRET
     extra = {"launch_pdl": True} if use_pdl else {}
     packed_gemv_kernel[(runtime.cdiv(n, block_n),)](

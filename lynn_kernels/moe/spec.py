@@ -5,7 +5,7 @@ naming the tensor, what was expected and what was found, on every backend. As in
 ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, value or device.
 
 Value checks (ids in ``[0, E)``, finite logits) read the tensor back to the host: one sync, skipped while a CUDA
-graph is being captured, as ``attention.layout`` does for slot mappings. The Triton host functions ``route_triton``
+graph is being captured, as ``attention.spec`` does for slot mappings. The Triton host functions ``route_triton``
 and ``align_triton`` (and the ``launch_*`` functions) never run them: they never synchronise.
 
 Layouts:
@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..attention.layout import values_checkable
+from ..attention.spec import values_checkable
 from ..nvfp4 import NVFP4Tensor
-from ..nvfp4.format import reciprocal
+from ..nvfp4.spec import reciprocal
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)

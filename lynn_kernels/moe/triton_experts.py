@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..matmul.checks import GEMV_MAX_M
-from ..matmul.triton_matmul import _constexprs, _w_halves, _w_tile
+from ..matmul.spec import GEMV_MAX_M
+from ..matmul.triton_matmul import kernel_constexprs, w_halves, w_tile
 from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
 from .spec import SharedExpert
@@ -91,7 +91,7 @@ def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr
                  DOT_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """W[offs_n, k0:k0+BLOCK_K] of one expert ``[N, K]`` in ``DOT_DTYPE``, the first ``tl.dot`` operand: float
-    weights (x's dtype) loaded as they are, or NVFP4 decoded by the matmul's ``_w_tile`` (times ``2^-7`` with
+    weights (x's dtype) loaded as they are, or NVFP4 decoded by the matmul's ``w_tile`` (times ``2^-7`` with
     ``PACKED_DECODE``)."""
     if FLOAT_W:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -99,8 +99,8 @@ def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr
                     mask=mask_n[:, None] & (offs_k[None, :] < K), other=0)
         return to_float32(w, X_DTYPE, INTERPRET).to(DOT_DTYPE)                        # [BLOCK_N, BLOCK_K]
     else:
-        return _w_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE, PACKED_DECODE,
-                       INTERPRET)
+        return w_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE, PACKED_DECODE,
+                      INTERPRET)
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def _weight_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constex
                    X_DTYPE: tl.constexpr, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """The same tile for the FMA kernels, as its even and odd columns, fp32 ``[BLOCK_N, BLOCK_K/2]`` each: float
-    weights loaded as one tile and split, or NVFP4 by the matmul's ``_w_halves``."""
+    weights loaded as one tile and split, or NVFP4 by the matmul's ``w_halves``."""
     if FLOAT_W:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
@@ -116,7 +116,7 @@ def _weight_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constex
         w = to_float32(w, X_DTYPE, INTERPRET)                                         # [BLOCK_N, BLOCK_K]
         return tl.split(tl.reshape(w, (BLOCK_N, BLOCK_K // 2, 2)))
     else:
-        return _w_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, PACKED_DECODE, INTERPRET)
+        return w_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, PACKED_DECODE, INTERPRET)
 
 
 @triton.jit
@@ -363,7 +363,7 @@ def _flags(x_dtype: torch.dtype, float_w: bool, interpret: bool) -> dict:
     """Constexprs of the expert kernels, from the matmul's: the dot in x's dtype on the GPU, fp32 for fp32 x and
     under the interpreter; float weights (``FLOAT_W``) or NVFP4, with the packed bf16x2 decode for bf16 x on the
     GPU."""
-    c = _constexprs(x_dtype, None, x_dtype, interpret)
+    c = kernel_constexprs(x_dtype, None, x_dtype, interpret)
     return {"FLOAT_W": float_w, "X_DTYPE": c["X_DTYPE"], "DOT_DTYPE": c["DOT_DTYPE"], "PRECISION": c["PRECISION"],
             "PACKED_DECODE": c["PACKED_DECODE"] and not float_w, "INTERPRET": c["INTERPRET"]}
 

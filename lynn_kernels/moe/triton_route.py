@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..matmul.triton_matmul import _constexprs, _counter, split_k_for
+from ..matmul.triton_matmul import kernel_constexprs, split_k_counter, split_k_for
 from ..runtime import kernel_view, round_to_dtype, to_float32
 from . import spec
 
@@ -198,7 +198,7 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     E = router_weight.shape[0]
     if M == 0:
         return weights, ids
-    c = _constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
+    c = kernel_constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
     all_e = max(16, runtime.next_power_of_2(E))
     if runtime.INTERPRET:
         meta = {"BLOCK_E": max(16, min(128, all_e)), "BLOCK_H": max(16, min(512, runtime.next_power_of_2(H))),
@@ -212,7 +212,7 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     split = split_k_for(n_e, H, meta["BLOCK_H"], 32)               # about 64 programs, no empty H slice
     part = torch.empty((split, M, E), dtype=torch.float32, device=x2.device)
     _router_kernel[(n_e, split)](
-        kernel_view(x2), kernel_view(router_weight), part, _counter(x2.device, 1), weights, ids,
+        kernel_view(x2), kernel_view(router_weight), part, split_k_counter(x2.device, 1), weights, ids,
         M, E, H, x2.stride(0), router_weight.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),

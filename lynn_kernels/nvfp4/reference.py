@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import (BLOCK, E2M1_MAX, E4M3_MAX, E4M3_MIN, check_out_dtype, check_recipe, check_weight,
+from .spec import (BLOCK, E2M1_MAX, E4M3_MAX, E4M3_MIN, check_out_dtype, check_recipe, check_weight,
                      e2m1_table, recipe_globals)
 from .tensor import NVFP4Tensor
 

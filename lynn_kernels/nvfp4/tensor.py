@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .format import BLOCK, reciprocal
+from .spec import BLOCK, reciprocal
 
 
 def _shape(t: torch.Tensor) -> tuple:

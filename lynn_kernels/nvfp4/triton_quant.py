@@ -3,6 +3,12 @@
 Both are streaming kernels: one tile of rows x K columns per program, no reuse, so the goal is bytes per second.
 Scales are read and written as raw E4M3 bits and rounded with integer arithmetic, so the result does not depend on
 how a backend casts to fp8 (the interpreter drops the mantissa carry).
+
+Public Triton helper, shared with other families:
+
+* :func:`e4m3_decode`: an 8-bit E4M3FN scale code -> its fp32 value, in integer arithmetic (the dequantise kernel
+  here, and the matmul family's weight decode, :mod:`lynn_kernels.matmul.triton_matmul`, which the MoE experts
+  reuse).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..runtime import cast_output, div_rn_by, kernel_view, min_nan_to_bound, round_to_bf16, to_float32
-from .format import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals, reciprocal
+from .spec import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals, reciprocal
 from .tensor import NVFP4Tensor
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -40,8 +46,13 @@ def _e4m3_round(s):
 
 
 @triton.jit
-def _e4m3_decode(code):
-    """8-bit E4M3FN code -> fp32 value (0x7F / 0xFF -> NaN)."""
+def e4m3_decode(code):
+    """8-bit E4M3FN code (any integer tile) -> fp32 value of the same shape (0x7F / 0xFF -> NaN, 0x80 -> -0.0).
+
+    Integer arithmetic only (exponent and mantissa moved into fp32 bits; subnormals ``m * 2^-9``), so the result
+    does not depend on a backend's fp8 cast. Used by :func:`launch_dequantize`'s kernel and by the matmul family's
+    weight-tile decode (``lynn_kernels.matmul.triton_matmul``: the GEMV / GEMM and, through :func:`w_tile
+    <lynn_kernels.matmul.triton_matmul.w_tile>`, the MoE experts)."""
     c = code.to(tl.uint32)
     e = (c >> 3) & 0xF
     m = c & 7
@@ -229,7 +240,7 @@ def _nvfp4_dequantize_kernel(
     g = tl.load(g_ptr + offs_r // ROWS_PER_G, mask=mask_r, other=1.0)
     # E2M1 magnitude bits dropped into an fp16 exponent/mantissa give value * 2^-14 (subnormals included);
     # the fp32 multiply by 2^14 is exact, and keeping it per element (not in the block scale) cannot overflow.
-    block_scale = _e4m3_decode(s) * g[:, None]                              # [BLOCK_R, BLOCK_K/16]
+    block_scale = e4m3_decode(s) * g[:, None]                               # [BLOCK_R, BLOCK_K/16]
     nib = tl.interleave(c & 0xF, c >> 4).to(tl.uint16)                      # [BLOCK_R, BLOCK_K]
     half_bits = ((nib & 7) << 9) | ((nib & 8) << 12)
     v = half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0    # exact E2M1 values

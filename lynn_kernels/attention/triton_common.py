@@ -1,4 +1,5 @@
-"""Small pieces the attention kernels share: operand loading, the matmul, one online-softmax step."""
+"""Small Triton pieces the attention kernels share (:mod:`.triton_prefill`, :mod:`.triton_decode`): the ``tl.dot``
+operand dtype, operand loading, the matmul, one online-softmax step."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ cos / sin come from tables (``cos, sin [P, R]``, gathered by position: bit-for-b
 ``position * inv_freq`` is the same fp32 product HF forms, reduced into [-pi, pi] with a three-part 2 pi
 (Cody-Waite, exact while the angle is under 2^16 - 1 turns) so that the GPU's fast ``sin`` / ``cos`` stay accurate.
 ``inv_freq[0] = 1``, so the angle is at most the position: positions past
-:data:`.layout.ROPE_THETA_MAX_POSITION` (411,768) are refused on this path; tables have no such limit.
+:data:`.spec.ROPE_THETA_MAX_POSITION` (411,768) are refused on this path; tables have no such limit.
 
 The RMSNorm weights enter the kernel as fp32 (each its own dtype converted exactly; they are only ``[D]`` long).
 """
@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .. import runtime
 from ..runtime import cast_output, kernel_view, to_float32
-from .layout import check_devices, check_rope, last_dim_contiguous
 from .reference import rope_inv_freq
+from .spec import check_devices, check_rope, last_dim_contiguous
 
 # 2 pi = C1 + C2 + C3, with C1 and C2 8-bit so that k * C1 and k * C2 are exact for k < 2^16
 _TWO_PI_1 = tl.constexpr(6.28125)

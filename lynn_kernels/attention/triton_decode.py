@@ -19,8 +19,8 @@ import triton.language as tl
 
 from .. import runtime
 from ..runtime import cast_output, kernel_view, to_float32
-from .common import LOG2E, M_INIT, dot_dtype, load_operand, softmax_step
-from .layout import MAX_SPLITS, check_decode, check_devices, last_dim_contiguous
+from .spec import MAX_SPLITS, check_decode, check_devices, last_dim_contiguous
+from .triton_common import LOG2E, M_INIT, dot_dtype, load_operand, softmax_step
 
 #: A split covers at least this many keys (fewer and the partials cost more traffic than they save).
 MIN_SPLIT_TOKENS = 64

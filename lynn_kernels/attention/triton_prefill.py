@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .. import runtime
 from ..runtime import cast_output, kernel_view, to_float32
-from .common import LOG2E, M_INIT, dot_dtype, load_operand, softmax_step
-from .layout import check_devices, check_prefill, last_dim_contiguous
+from .spec import check_devices, check_prefill, last_dim_contiguous
+from .triton_common import LOG2E, M_INIT, dot_dtype, load_operand, softmax_step
 
 
 def _smem_bytes(cfg, head_dim: int) -> int:

@@ -1,4 +1,5 @@
-"""Argument checks shared by the reference and the kernels: errors name the tensor, what was expected and found."""
+"""Argument checks and dispatch limits shared by the reference and the kernels (and, for ``GEMV_MAX_M``, the MoE
+experts' decode path): errors name the tensor, what was expected and found."""
 
 from __future__ import annotations
 

@@ -1,0 +1,60 @@
+"""``lynn check`` rows for the packed W4A16 matmul: the GEMV, the GEMM and ``nvfp4_linear``'s dispatch, on the
+checkpoint layout and on the packed one, against the fp32 reference.
+
+Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``; the baseline of ``err_ratio`` is the same product
+rounded through a bf16 weight (the copy cuBLAS would multiply). A row passes when its rel_l2 is within
+:data:`MATMUL_MAX_REL_L2` of its output dtype and every 16-bit output element is within one flipped last rounding
+of the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..validate import compare
+
+#: The matmul rows' bound per output dtype: the kernels add the same fp32 products as the reference in another
+#: order, so an output element differs at most by a flipped last rounding, and only a few do. Measured rel_l2:
+#: fp32 3.7e-7 (H200) / 3.3e-7 (interpreter); fp16 9.1e-6 / 1.2e-5; bf16 3.4e-7 / 0 (one flip on the H200, of a
+#: small element; one flip of a typical element of the 37-wide M=1 case would be 4e-4).
+MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1e-3}
+
+
+def check_matmul() -> list[dict]:
+    from ..nvfp4 import quantize
+    from . import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, pack, reference
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for label, m, n, k, dtype in (("M=1 bf16 37x208", 1, 37, 208, torch.bfloat16),
+                                  ("M=2 bf16 65x2064", 2, 65, 2064, torch.bfloat16),
+                                  ("M=3 fp32 70x1040", 3, 70, 1040, torch.float32),
+                                  ("M=17 bf16 100x208", 17, 100, 208, torch.bfloat16),
+                                  ("M=129 fp16 65x400", 129, 65, 400, torch.float16)):
+        w = quantize(torch.randn(n, k, generator=gen).to(runtime.DEVICE))
+        x = torch.randn(m, k, generator=gen).to(dtype).to(runtime.DEVICE)
+        bias = torch.randn(n, generator=gen).to(dtype).to(runtime.DEVICE)
+        want = reference.nvfp4_linear(x, w, bias)
+        for name, fn in (("nvfp4_gemv", nvfp4_gemv), ("nvfp4_gemm", nvfp4_gemm), ("nvfp4_linear", nvfp4_linear)):
+            if name == "nvfp4_gemv" and m > 16:
+                continue
+            # baseline: the same product rounded through a bf16 weight, the copy cuBLAS would multiply
+            base = (x.float() @ reference.nvfp4_reference.dequantize(w, torch.bfloat16).float().t()
+                    + bias.float()).to(dtype)
+            for layout, weight in (("", w), (" packed", pack(w))):
+                got = fn(x, weight, bias)
+                metrics = compare(got, want, baseline=base)
+                rows.append({"op": f"matmul.{name}{layout}", "case": label, "metrics": metrics,
+                             "passed": metrics.rel_l2 <= MATMUL_MAX_REL_L2[dtype] and _within_one_flip(got, want)})
+    return rows
+
+
+def _within_one_flip(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Every element of a 16-bit ``got`` within one ulp of ``want`` (``eps * |want|``), plus ``1e-5 * max|want|``
+    for the fp32 summation-order noise where the output is near zero; fp32 outputs are bounded by rel_l2 alone."""
+    if got.dtype == torch.float32:
+        return True
+    g, w = got.double(), want.double()
+    tol = torch.finfo(got.dtype).eps * w.abs() + 1e-5 * w.abs().max()
+    return bool(((g - w).abs() <= tol).all())

@@ -1,0 +1,44 @@
+"""``lynn check`` rows for NVFP4: quantise (both recipes) and dequantise against the reference, bit for bit, and the
+round trip's quantisation error.
+
+Rows are ``{"op", "case", "mismatches" or "metrics": Metrics, "passed": bool}``. A quantise row's ``mismatches``
+counts the differing code bytes, scale bytes and global-scale bits together (codes are bits: only that count means
+anything); a dequantise row must match exactly; the round trip is scored by cosine against the fp32 original, with
+a plain bf16 copy of an fp32 input as the baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..validate import bit_mismatches, compare
+
+
+def check_nvfp4() -> list[dict]:
+    from . import dequantize, quantize, reference
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for label, shape, dtype in (("bf16 48x208", (48, 208), torch.bfloat16),
+                                ("fp32 3x5x64", (3, 5, 64), torch.float32)):
+        w = (torch.randn(shape, generator=gen) * 2).to(dtype).to(runtime.DEVICE)
+        for recipe in ("modelopt", "compressed-tensors"):
+            got, want = quantize(w, recipe=recipe), reference.quantize(w, recipe=recipe)
+            m = compare(got.codes, want.codes, exact=True)
+            ms = compare(got.scales.view(torch.uint8), want.scales.view(torch.uint8), exact=True)
+            mism = m.mismatches + ms.mismatches + bit_mismatches(got.global_scale, want.global_scale)
+            rows.append({"op": "nvfp4.quantize", "case": f"{label} {recipe}", "mismatches": mism,
+                         "passed": mism == 0})             # codes are bits: only the count of differing bytes means anything
+        q = reference.quantize(w)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            m = compare(dequantize(q, out_dtype), reference.dequantize(q, out_dtype), exact=True)
+            rows.append({"op": "nvfp4.dequantize", "case": f"{label} -> {str(out_dtype)[6:]}", "metrics": m,
+                         "passed": m.mismatches == 0})
+        # quantisation error of the round trip, against the fp32 original and a plain bf16 copy
+        w32 = w.float()
+        baseline = w32.to(torch.bfloat16) if w.dtype == torch.float32 else None   # bf16 input: bf16 is exact
+        m = compare(dequantize(q, torch.float32), w32, baseline=baseline)
+        rows.append({"op": "nvfp4 round trip", "case": f"{label} vs fp32", "metrics": m,
+                     "passed": m.cosine > 0.99})
+    return rows
