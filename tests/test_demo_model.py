@@ -129,7 +129,7 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
         bf16 = lynn_model.from_pretrained(DEMO_MODEL, weights="bf16", device="cpu").forward(x)
     assert torch.equal(logits["compressed-tensors"], logits["modelopt"])
     rel = _rel(logits["modelopt"], bf16)
-    assert 0 < rel < 0.1, rel
+    assert 0 < rel < 0.1, rel                       # measured 0.072 (NVFP4 weights, bf16 activations)
 
 
 def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok):
