@@ -68,15 +68,30 @@ def check_norm() -> list[dict]:
 
 
 def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
-    chosen = [f for f in CHECKS if not families or f in families]
-    unknown = set(families or []) - set(CHECKS)
+    """The rows of the named checks: a name is a family (``nvfp4``) or an op the table prints (``nvfp4.quantize``,
+    which runs its family and keeps that op's rows); none: every family. An unknown name is a ``ValueError`` that
+    lists the families."""
+    names = list(families or [])
+    fams = {n.split(".")[0] for n in names}
+    unknown = sorted(n for n in names if n.split(".")[0] not in CHECKS)
     if unknown:
-        raise KeyError(f"unknown kernel family {sorted(unknown)}; available: {sorted(CHECKS)}")
+        raise ValueError(f"unknown check {', '.join(unknown)}: expected a family ({', '.join(CHECKS)}) or an op "
+                         "name as the table prints it (e.g. nvfp4.quantize)")
+    def picks(name, op):
+        return name == op or op.startswith(name + ".")
+
     t0 = time.perf_counter()
-    rows = []
-    for fam in chosen:
+    rows, ops = [], set()
+    for fam in [f for f in CHECKS if not names or f in fams]:
+        wanted = [n for n in names if n.split(".")[0] == fam]
         for row in CHECKS[fam]():
-            rows.append({"backend": runtime.backend(), **row})
+            ops.add(row["op"])
+            if not names or fam in wanted or any(picks(n, row["op"]) for n in wanted):
+                rows.append({"backend": runtime.backend(), **row})
+    missing = [n for n in names if "." in n and not any(picks(n, op) for op in ops)]
+    if missing:
+        raise ValueError(f"no check of op {', '.join(missing)}; the ops of {', '.join(sorted(fams))}: "
+                         f"{', '.join(sorted(ops))}")
     return rows, time.perf_counter() - t0
 
 

@@ -22,7 +22,11 @@ def _cmd_check(args) -> int:
     info = device_summary()
     print(f"lynn check on {info['device']} (backend {info['backend']}, torch {info['torch']}, "
           f"triton {info['triton']})")
-    rows, seconds = checks.run_checks(args.family or None)
+    try:
+        rows, seconds = checks.run_checks(args.family or None)
+    except ValueError as err:
+        print(f"lynn check: error: {err}", file=sys.stderr)
+        return 2
     print(checks.table(rows))
     failed = [r for r in rows if not r["passed"]]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed in {seconds:.1f} s")
@@ -51,8 +55,14 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_lab(args) -> int:
-    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
-    argv = [sys.executable, "-m", "jupyterlab", f"--notebook-dir={notebooks}", *args.jupyter_args]
+    root = Path(__file__).resolve().parents[1]             # the repository: the notebooks link to ../docs/*.md
+    argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}",
+            "--LabApp.default_url=/lab/tree/notebooks"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in args.jupyter_args:
+        print("lynn lab: running as root (as in many containers): passing --allow-root to JupyterLab",
+              file=sys.stderr)
+        argv.append("--allow-root")
+    argv += args.jupyter_args
     try:
         import jupyterlab  # noqa: F401
     except ImportError:
@@ -190,9 +200,12 @@ def _generate_text(args, tok, model, prompt, model_dir, backend, reference, load
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lynn", description="Lynn workbench: Triton kernels for LLM inference")
+    parser.add_argument("--version", action="version", version=f"lynn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check", help="validate every kernel against its reference on this device")
-    p.add_argument("family", nargs="*", help="kernel families to check (default: all)")
+    p.add_argument("family", nargs="*", metavar="NAME",
+                   help="families (nvfp4 matmul attention deltanet moe norm) or op names as the table prints them "
+                        "(e.g. nvfp4.quantize); default: all")
     p.set_defaults(func=_cmd_check)
     p = sub.add_parser("bench", help="run GPU benchmarks, write data/bench/<gpu>/<op>.json")
     p.add_argument("op", nargs="*", help="benchmarks to run, by name prefix (default: all)")
@@ -249,7 +262,21 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra
+    try:
+        from . import runtime  # noqa: F401  (reads LYNN_BACKEND: a bad value is a usage error, not a traceback)
+    except ValueError as err:
+        print(f"lynn: error: {err}", file=sys.stderr)
+        return 2
     return args.func(args)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lynn-workbench")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 if __name__ == "__main__":

@@ -104,6 +104,17 @@ def op(reference):
     return wrap
 
 
+def public_op(reference, host):
+    """The public op for a ``host`` function (check, allocate, launch) whose spec is ``reference``: :func:`op`, with
+    the reference's name, signature and docstring (what ``help()`` shows), and a line saying which runs when."""
+    public = op(reference)(host)
+    functools.update_wrapper(public, reference)
+    public.__doc__ = ((reference.__doc__ or "").rstrip() + f"\n\nRuns the Triton kernels through "
+                      f"``{host.__module__}.{host.__name__}``; under ``use_reference()``, this torch reference.")
+    public.reference, public.host = reference, host
+    return public
+
+
 def autotune(configs, key, prune_configs_by=None, **kwargs):
     """``triton.autotune`` that runs one config per key under the interpreter (benchmarking needs a driver).
 

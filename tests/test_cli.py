@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,9 +44,45 @@ def test_check_rows_all_pass():
     assert all(r["mismatches"] == 0 for r in rows if r["op"] == "nvfp4.quantize")   # codes + scales + global
 
 
-def test_check_unknown_family():
-    with pytest.raises(KeyError, match=r"unknown kernel family \['nvfp5'\]; available: \['attention', 'deltanet', 'matmul', 'moe', 'norm', 'nvfp4'\]"):
-        main(["check", "nvfp5"])
+def test_check_unknown_names_are_usage_errors(capsys):
+    """A bad name ends in a usage error that lists the choices, not a traceback."""
+    assert main(["check", "nvfp5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown check nvfp5: expected a family (nvfp4, matmul, attention, deltanet, moe, norm)" in err
+    assert main(["check", "nvfp4.bogus"]) == 2
+    assert "no check of op nvfp4.bogus; the ops of nvfp4: " in capsys.readouterr().err
+
+
+def test_check_takes_op_names_as_the_table_prints_them():
+    rows, _ = checks.run_checks(["nvfp4.quantize"])
+    assert rows and {r["op"] for r in rows} == {"nvfp4.quantize"}
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("lynn ")
+
+
+def test_public_ops_show_their_spec_in_help():
+    """The ops built from a host function carry the reference's name, signature and docstring."""
+    import inspect
+
+    import lynn_kernels as lk
+
+    for op in (lk.nvfp4.quantize, lk.nvfp4.dequantize, lk.matmul.nvfp4_linear, lk.matmul.nvfp4_gemv,
+               lk.matmul.nvfp4_gemm):
+        assert op.__name__ == op.reference.__name__
+        assert op.__doc__.startswith(op.reference.__doc__.rstrip()) and "use_reference()" in op.__doc__
+        assert inspect.signature(op) == inspect.signature(op.reference)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the benchmarks run")
+def test_bench_run_from_python_needs_a_gpu():
+    from lynn_kernels import bench
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.run(["nvfp4"])
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU `lynn bench` runs the benchmarks")
@@ -87,8 +125,10 @@ def test_lab_opens_jupyterlab_on_the_notebooks(monkeypatch):
     assert cli.main(["lab", "--no-browser", "--port", "8899"]) == 0
     (argv,) = calls
     assert argv[1:3] == ["-m", "jupyterlab"]
-    assert argv[3].startswith("--notebook-dir=") and argv[3].endswith("notebooks")
-    assert argv[4:] == ["--no-browser", "--port", "8899"]
+    root = Path(cli.__file__).resolve().parents[1]                # the repository, so ../docs links resolve
+    assert argv[3] == f"--ServerApp.root_dir={root}" and argv[4] == "--LabApp.default_url=/lab/tree/notebooks"
+    assert argv[-3:] == ["--no-browser", "--port", "8899"]
+    assert ("--allow-root" in argv) == (os.geteuid() == 0)
 
 
 def test_unknown_options_are_refused_outside_lab():

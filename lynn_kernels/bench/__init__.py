@@ -33,6 +33,11 @@ def available() -> list[str]:
 def run(ops: list[str] | None = None, quick: bool = False, command: str | None = None, root=None,
         ceilings: Ceilings | None = None) -> dict[str, str]:
     """Run benchmarks (all, or those whose name starts with one of ``ops``); returns {op: path written}."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("lynn bench needs a CUDA GPU: timings under the interpreter mean nothing (the committed "
+                           "H200 results are in data/bench/h200/)")
     _load_families()
     chosen = [name for name in sorted(BENCHMARKS) if not ops or any(name.startswith(o) for o in ops)]
     if not chosen:

@@ -20,9 +20,9 @@ from .linear import NVFP4Linear, quantize_linears
 from .packed import PackedNVFP4, pack, unpack
 from .triton_matmul import nvfp4_gemm_triton, nvfp4_gemv_triton, nvfp4_linear_triton
 
-nvfp4_linear = runtime.op(reference=reference.nvfp4_linear)(nvfp4_linear_triton)
-nvfp4_gemv = runtime.op(reference=reference.nvfp4_gemv)(nvfp4_gemv_triton)
-nvfp4_gemm = runtime.op(reference=reference.nvfp4_gemm)(nvfp4_gemm_triton)
+nvfp4_linear = runtime.public_op(reference.nvfp4_linear, nvfp4_linear_triton)
+nvfp4_gemv = runtime.public_op(reference.nvfp4_gemv, nvfp4_gemv_triton)
+nvfp4_gemm = runtime.public_op(reference.nvfp4_gemm, nvfp4_gemm_triton)
 
 __all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference", "spec",
            "PackedNVFP4", "pack", "unpack"]
