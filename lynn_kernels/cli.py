@@ -1,6 +1,6 @@
 """``lynn``: the workbench's command line.
 
-* ``lynn check [FAMILY ...]``  validate every kernel against its reference on this device and print the table;
+* ``lynn check [NAME ...]``    validate every kernel (or the families / ops named) against its reference here;
 * ``lynn bench [OP ...]``      run the GPU benchmarks and write JSON under data/bench/<gpu>/;
 * ``lynn lab``                 open JupyterLab on notebooks/;
 * ``lynn info``                what this process runs on;
