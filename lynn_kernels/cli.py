@@ -112,16 +112,14 @@ def _peak_memory(device) -> str:
 def _cmd_generate(args) -> int:
     import time
 
-    if args.backend == "interpreter":
-        os.environ["TRITON_INTERPRET"] = "1"      # before lynn_kernels imports triton
     import torch
 
     import lynn_kernels
     import lynn_model
 
-    if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":
-        print("lynn generate: error: --backend interpreter: Triton was already set up for the GPU in this process",
-              file=sys.stderr)
+    if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":   # chosen when lynn_kernels loaded
+        print("lynn generate: error: --backend interpreter: this process compiles the kernels for the GPU; start it "
+              "with TRITON_INTERPRET=1 to run them through the interpreter", file=sys.stderr)
         return 2
     backend = args.backend
     if backend == "auto":
@@ -145,23 +143,6 @@ def _cmd_generate(args) -> int:
         print(f"lynn generate: error: {err}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
-    threads = torch.get_num_threads()
-    if model.device.type == "cpu" and args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        return _generate_text(args, tok, model, prompt, model_dir, backend, reference, load_s)
-    finally:
-        torch.set_num_threads(threads)               # main() may be called in-process (tests, notebooks)
-
-
-def _generate_text(args, tok, model, prompt, model_dir, backend, reference, load_s) -> int:
-    import time
-
-    import torch
-
-    import lynn_kernels
-    import lynn_model
-
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     except Exception as err:  # noqa: BLE001  (no template, or one jinja2 cannot render)
@@ -186,10 +167,16 @@ def _generate_text(args, tok, model, prompt, model_dir, backend, reference, load
     if not args.chat:
         out.write(prompt)
         out.flush()
-    with lynn_kernels.use_reference(reference):
-        lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=seed, stop_ids=stops, stream=stream,
-                            stats=stats)
+    threads = torch.get_num_threads()
+    if model.device.type == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        with lynn_kernels.use_reference(reference):
+            lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=seed, stop_ids=stops, stream=stream,
+                                stats=stats)
+    finally:
+        torch.set_num_threads(threads)               # main() may be called in-process (tests, notebooks)
     out.write("\n")
     out.flush()
     print(f"[loaded in {load_s:.1f} s; prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
