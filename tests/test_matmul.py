@@ -752,12 +752,27 @@ def test_packed_word_bits_partition_the_word():
     assert sorted(bits) == list(range(32))
 
 
+def test_packed_word_order_is_the_mma_fragment_order():
+    """Word 4q + i of a 128-column chunk holds, for its elements j, the columns thread q of an mma.m16n8k16 A
+    fragment owns (pairs 2q, 2q + 1 and 2q + 8, 2q + 9 of each 16 columns), i selecting two of the chunk's eight
+    16-column steps; each column once."""
+    k = packed.word_k(32)
+    assert sorted(k.flatten().tolist()) == list(range(256))
+    for w in range(32):
+        c, q, i = w // 16, (w % 16) // 4, w % 4
+        cols = k[w].tolist()
+        assert cols == [128 * c + 16 * s + h + 2 * q + b for s in (2 * i, 2 * i + 1) for h in (0, 8) for b in (0, 1)]
+
+
 @pytest.mark.parametrize("recipe", ["modelopt", "compressed-tensors"])
 @pytest.mark.parametrize("n,k", [(1, 16), (37, 208), (130, 1040)])
 def test_pack_unpack_round_trip(n, k, recipe, make_nvfp4):
     w = make_nvfp4(n, k, seed=n + k, recipe=recipe)
     p = pack(w)
-    assert isinstance(p, PackedNVFP4) and tuple(p.shape) == (n, k) and p.words.shape == (n, k // 8)
+    kp = -(-k // packed.CHUNK) * packed.CHUNK                           # K padded to whole 128-column chunks
+    assert isinstance(p, PackedNVFP4) and tuple(p.shape) == (n, k)
+    assert p.words.shape == (n, kp // 8) and p.scales.shape == (n, kp // 16)
+    assert not bool(p.scales[:, k // 16:].any())                        # the padding's blocks are zero
     u = unpack(p)
     assert torch.equal(u.codes, w.codes)
     assert torch.equal(u.scales.view(torch.uint8), w.scales.view(torch.uint8))
@@ -899,12 +914,12 @@ def test_packed_tile_values(unscaled, device, poison_empty):
     its 2^19 must come after the product.)"""
     w, _ = _every_code_weight(device)
     p = pack(w)
-    out = torch.empty(128, 16, dtype=FP32, device=device)
-    _tile_kernel[(128 // 32,)](p.words, p.scales, out, 128, 2, UNSCALED=unscaled, BLOCK_N=32, BLOCK_K=16,
-                               DOT=tl.float16 if unscaled else tl.float32)
+    out = torch.empty(128, 128, dtype=FP32, device=device)
+    _tile_kernel[(128 // 32,)](p.words, p.scales, out, 128, p.words.shape[1], UNSCALED=unscaled, BLOCK_N=32,
+                               BLOCK_K=128, DOT=tl.float16 if unscaled else tl.float32)
     ones = NVFP4Tensor(w.codes, w.scales, torch.ones(128, dtype=FP32, device=device))
     want = nvfp4_reference.dequantize(ones, FP32) * (1.0 if unscaled else 2.0 ** -19)
-    assert torch.equal(out, want)
+    assert torch.equal(out[:, :16], want) and not bool(out[:, 16:].any())      # K = 16, padded to 128
 
 
 def test_split_k_tickets_are_fixed_per_stream(make_weight, make_nvfp4, device, poison_empty):

@@ -4,14 +4,21 @@ A checkpoint stores an NVFP4 ``[N, K]`` weight as bytes of two E2M1 codes (the e
 one E4M3 scale byte per 16 elements. That layout is kept on disk and in :class:`~lynn_kernels.nvfp4.NVFP4Tensor`.
 The packed matmul kernels read a second layout, made from it once (docs/matmul.md has the picture):
 
-* **codes**: each int32 word holds the 8 codes of ``K`` positions ``8i .. 8i + 7`` of one row, their bits placed so
-  that four shift-and-mask pairs turn the word into four bf16 pairs ``(element 2p, element 2p + 1)``, each equal to
-  ``e2m1 * 2^-126`` (the sign on bit 15 / 31, the three magnitude bits on 8..6 / 24..22). The five shifts it needs
-  (``<< 3, 4, 5, 6`` and ``>> 6``) are shared by the four pairs (:data:`PAIR_SHIFTS`);
-* **scales**: each E4M3 block scale ``s = 2^e (1 + m/8)`` is re-encoded as the byte ``(e + 10) << 3 | m``, which a
-  shift and an OR turn into an fp32 ``s * 2^75`` (FMA kernel) or ``s * 2^107`` (tensor-core kernels): no table, no
-  subnormal case. A block whose scale is zero has its codes zeroed and a negative scale moves its sign into the
-  codes, so the product is unchanged (the reference dequantises either way to the same values);
+* **codes**: each int32 word holds 8 codes of one row, their bits placed so that four shift-and-mask pairs turn the
+  word into four bf16 pairs, each equal to ``e2m1 * 2^-126`` (the sign on bit 15 / 31, the three magnitude bits on
+  8..6 / 24..22). The five shifts it needs (``<< 3, 4, 5, 6`` and ``>> 6``) are shared by the four pairs
+  (:data:`PAIR_SHIFTS`). Which 8 codes: a row is cut in chunks of 128 along ``K`` (16 words, the last chunk
+  padded with zero codes); word ``w = 4 q + i`` of a chunk holds the ``K`` positions
+  ``32 i + 16 (j >> 2) + 8 ((j >> 1) & 1) + 2 q + (j & 1)`` for its elements ``j = 0 .. 7`` (:func:`word_k`).
+  That is the order of the tensor cores' A operand (``mma.m16n8k16``: thread ``q`` of a row's four holds the
+  pairs ``2q, 2q + 1`` and ``2q + 8, 2q + 9`` of each 16 columns), so a thread's 16-byte load of four words decodes
+  into its fragment registers with no exchange between threads (docs/matmul.md has the picture);
+* **scales**: each E4M3 block scale ``s = 2^e (1 + m/8)`` is re-encoded as the byte ``b = (e + 10) << 3 | m`` with
+  its two nibbles swapped, in ``K`` order (the padding's scales are zero). One byte-permute and one AND-OR turn it
+  into a pair of bf16 ``s * 2^107`` (tensor-core kernels) or an fp32 ``s * 2^75`` (FMA kernel): no table, no
+  subnormal case. Word ``4 q + i`` of a chunk spans the blocks ``2 i`` and ``2 i + 1``: the 16-bit scale pair at
+  byte ``2 i`` of the chunk's 8. A block whose scale is zero has its codes zeroed and a negative scale moves its
+  sign into the codes, so the product is unchanged (the reference dequantises either way to the same values);
 * **global scale**: unchanged, fp32 (per row group, as in the NVFP4Tensor); each kernel folds its powers of two
   into the one epilogue multiply by it.
 
@@ -26,6 +33,9 @@ import torch
 
 from ..nvfp4 import BLOCK, NVFP4Tensor
 
+#: ``K`` positions per chunk of the code layout (16 words); a row's codes and scales are padded to whole chunks.
+CHUNK = 128
+
 #: Per bf16 pair ``p`` of a word (elements ``2p`` and ``2p + 1``): the left shift (negative: right) that brings its
 #: sign bits to 15 / 31, and the one that brings its magnitude bits to 8..6 / 24..22. Five distinct shifts in all.
 PAIR_SHIFTS = ((0, -6), (4, 0), (5, 3), (6, 6))
@@ -34,29 +44,48 @@ PAIR_SHIFTS = ((0, -6), (4, 0), (5, 3), (6, 6))
 SIGN_BIT = tuple(pos for s, _ in PAIR_SHIFTS for pos in (15 - s, 31 - s))
 MAG_BIT = tuple(pos for _, m in PAIR_SHIFTS for pos in (6 - m, 22 - m))
 
-#: The re-encoded scale byte ``b`` decodes as ``float32 bits (b << 20) | SCALE_OR[kind]``: ``s * 2^75`` (FMA GEMV)
-#: or ``s * 2^107`` (tensor-core kernels).
+#: The re-encoded scale byte ``b`` (its nibbles swapped back) decodes as ``float32 bits (b << 20) | SCALE_OR[kind]``:
+#: ``s * 2^75`` (FMA GEMV) or ``s * 2^107`` (tensor-core kernels).
 SCALE_OR = {"fma": 0x60000000, "mma": 0x70000000}
 SCALE_EXP = {"fma": 75, "mma": 107}
 SCALE_BIAS = 10          # the byte's exponent field is e + 10, 1..18 for E4M3's 2^-9 .. 2^8
+
+
+def word_k(kw: int, device=None) -> torch.Tensor:
+    """The ``K`` position of each element of the packed words: int64 ``[kw, 8]`` for ``kw`` words of a row (a
+    multiple of 16): element ``j`` of word ``16 c + 4 q + i`` holds ``128 c + 32 i + 16 (j >> 2) + 8 ((j >> 1) & 1)
+    + 2 q + (j & 1)``."""
+    w = torch.arange(kw, device=device)[:, None]
+    j = torch.arange(8, device=device)[None, :]
+    c, q, i = w // 16, (w % 16) // 4, w % 4
+    return CHUNK * c + 32 * i + 16 * (j >> 2) + 8 * ((j >> 1) & 1) + 2 * q + (j & 1)
+
+
+def _swap_nibbles(b: torch.Tensor) -> torch.Tensor:
+    return ((b << 4) | (b >> 4)) & 0xFF
 
 
 class PackedNVFP4:
     """An NVFP4 ``[N, K]`` weight in the packed kernels' layout (see the module docstring). Build it with
     :func:`pack` (or :meth:`from_nvfp4`); :meth:`unpack` returns the checkpoint layout.
 
-    ``words`` int32 ``[N, K / 8]``, ``scales`` uint8 ``[N, K / 16]`` (re-encoded), ``global_scale`` fp32 (a scalar
-    or one per group of rows, as in :class:`~lynn_kernels.nvfp4.NVFP4Tensor`).
+    ``words`` int32 ``[N, Kp / 8]``, ``scales`` uint8 ``[N, Kp / 16]`` (re-encoded), with ``Kp`` the logical ``k``
+    rounded up to a multiple of :data:`CHUNK`; ``global_scale`` fp32 (a scalar or one per group of rows, as in
+    :class:`~lynn_kernels.nvfp4.NVFP4Tensor`).
     """
 
-    __slots__ = ("words", "scales", "global_scale", "rows_per_g")
+    __slots__ = ("words", "scales", "global_scale", "rows_per_g", "k")
 
-    def __init__(self, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, rows_per_g: int):
+    def __init__(self, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, rows_per_g: int,
+                 k: int):
         if words.dtype != torch.int32 or words.dim() != 2:
-            raise ValueError(f"words must be int32 [N, K/8], got {words.dtype} {tuple(words.shape)}")
+            raise ValueError(f"words must be int32 [N, Kp/8], got {words.dtype} {tuple(words.shape)}")
         n, kw = words.shape
-        if scales.dtype != torch.uint8 or tuple(scales.shape) != (n, kw // 2) or kw % 2:
-            raise ValueError(f"scales must be uint8 [N, K/16] = [{n}, {kw // 2}], got {scales.dtype} "
+        if k % BLOCK or k <= 0 or kw != -(-k // CHUNK) * (CHUNK // 8):
+            raise ValueError(f"k = {k} must be a positive multiple of {BLOCK} with words [N, {-(-k // CHUNK) * 16}] "
+                             f"(K padded to a multiple of {CHUNK}), got words {tuple(words.shape)}")
+        if scales.dtype != torch.uint8 or tuple(scales.shape) != (n, kw // 2):
+            raise ValueError(f"scales must be uint8 [N, Kp/16] = [{n}, {kw // 2}], got {scales.dtype} "
                              f"{tuple(scales.shape)}")
         if global_scale.dtype != torch.float32 or global_scale.numel() * rows_per_g != n:
             raise ValueError(f"global_scale must be fp32 with one value per {rows_per_g} rows of {n}, got "
@@ -68,11 +97,12 @@ class PackedNVFP4:
         self.scales = scales.contiguous()
         self.global_scale = global_scale.reshape(-1).contiguous()
         self.rows_per_g = int(rows_per_g)
+        self.k = int(k)
 
     @property
     def shape(self) -> torch.Size:
         """The logical (dequantised) shape ``[N, K]``."""
-        return torch.Size((self.words.shape[0], self.words.shape[1] * 8))
+        return torch.Size((self.words.shape[0], self.k))
 
     @property
     def device(self) -> torch.device:
@@ -90,7 +120,7 @@ class PackedNVFP4:
 
     def to(self, device) -> "PackedNVFP4":
         return PackedNVFP4(self.words.to(device), self.scales.to(device), self.global_scale.to(device),
-                           self.rows_per_g)
+                           self.rows_per_g, self.k)
 
     def __repr__(self) -> str:
         return f"PackedNVFP4(shape={tuple(self.shape)}, device={self.device})"
@@ -143,17 +173,22 @@ def pack(w: NVFP4Tensor) -> PackedNVFP4:
     call it once per weight, at load time."""
     _check_packable(w)
     n, k = w.shape
+    kp = -(-k // CHUNK) * CHUNK
     sbyte, zero, neg = _scale_bytes(w.scales)
     codes = w.codes.view(torch.uint8).reshape(n, k // BLOCK, BLOCK // 2)
     codes = torch.where(zero[..., None], 0, codes)                           # a zero scale: the block is zero
     codes = torch.where(neg[..., None], codes ^ 0x88, codes)                 # a negative scale: flip the signs
-    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, k // 8, 8).to(torch.int64)
-    word = torch.zeros((n, k // 8), dtype=torch.int64, device=w.device)
+    nib = torch.zeros((n, kp), dtype=torch.int64, device=w.device)
+    nib[:, :k] = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, k).to(torch.int64)
+    nib = nib[:, word_k(kp // 8, w.device)]                                  # [n, kp / 8, 8] in word order
+    word = torch.zeros((n, kp // 8), dtype=torch.int64, device=w.device)
     for j in range(8):
         word |= (nib[..., j] >> 3) << SIGN_BIT[j]
         word |= (nib[..., j] & 7) << MAG_BIT[j]
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
-    return PackedNVFP4(word, sbyte, w.global_scale.to(torch.float32), w.rows_per_global())
+    scales = torch.zeros((n, kp // BLOCK), dtype=torch.uint8, device=w.device)
+    scales[:, :k // BLOCK] = _swap_nibbles(sbyte)
+    return PackedNVFP4(word, scales, w.global_scale.to(torch.float32), w.rows_per_global(), k)
 
 
 def unpack(p: PackedNVFP4) -> NVFP4Tensor:
@@ -163,9 +198,11 @@ def unpack(p: PackedNVFP4) -> NVFP4Tensor:
     n, k = p.shape
     word = p.words.to(torch.int64) & 0xFFFFFFFF
     nib = torch.stack([((word >> SIGN_BIT[j]) & 1) << 3 | ((word >> MAG_BIT[j]) & 7) for j in range(8)], dim=-1)
-    nib = nib.reshape(n, k // 2, 2)
+    flat = torch.empty((n, word.shape[1] * 8), dtype=torch.int64, device=word.device)
+    flat[:, word_k(word.shape[1], word.device)] = nib                     # back to K order
+    nib = flat[:, :k].reshape(n, k // 2, 2)
     codes = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
-    b = p.scales.to(torch.int32)
+    b = _swap_nibbles(p.scales[:, :k // BLOCK].to(torch.int32))
     exp, m = (b >> 3) - SCALE_BIAS, b & 7
     value = torch.where(b == 0, 0.0, torch.ldexp(1.0 + m.to(torch.float32) / 8, exp.to(torch.float32)))
     scales = value.to(torch.float8_e4m3fn)                                   # exact: every value is an E4M3

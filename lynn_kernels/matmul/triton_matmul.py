@@ -45,7 +45,7 @@ from .. import runtime
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.triton_quant import e4m3_decode
 from ..runtime import cast_output, kernel_view, to_float32
-from .packed import PackedNVFP4
+from .packed import CHUNK, PackedNVFP4
 from .spec import FMA_MAX_M, GEMV_MAX_M, check_linear_args
 from .triton_packed import MMA_UNIT, packed_gemv_kernel, packed_w_tile
 
@@ -156,8 +156,8 @@ def w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, 
     power of two to undo). Public: the GEMV and GEMM kernels here and the MoE expert kernels
     (:mod:`lynn_kernels.moe.triton_experts`, with the flags of :func:`kernel_constexprs`) call it."""
     if PACKED_LAYOUT:
-        return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K // 8, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                             PACKED_DECODE, ACC_UNIT == 1.0)
+        return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, tl.cdiv(K, 128) * 16, BLOCK_N,
+                             BLOCK_K, DOT_DTYPE, PACKED_DECODE, ACC_UNIT == 1.0)
     elif PACKED_DECODE:
         c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)          # [BLOCK_N, BLOCK_K/2]
         even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
@@ -253,10 +253,11 @@ def _nvfp4_gemv_kernel(
     for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
         k0 = chunk * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        # the M rows padded to 16 on the tensor cores: the decode is the work, the MMA is nearly free
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
-                     mask=(offs_k[:, None] < K) & mask_m[None, :], other=0)
-        xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
+        # the M rows padded to 16 on the tensor cores: the decode is the work, the MMA is nearly free; x loads
+        # along its rows (contiguous in K), transposed in registers
+        xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk,
+                     mask=(offs_k[None, :] < K) & mask_m[:, None], other=0)
+        xt = tl.trans(to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE))            # [BLOCK_K, BLOCK_M]
         wt = w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)             # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, xt, acc, input_precision=PRECISION)
@@ -291,11 +292,13 @@ def _prune_gemm(configs, named_args, **kwargs):
         bn, bm, bk, w, st = GEMM_SMALL_M[bucket]
         return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
                               num_stages=st)]
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
+    packed = kwargs.get("PACKED_LAYOUT", False)        # a packed tile covers whole 128-column chunks
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)
+            and (not packed or c.kwargs["BLOCK_K"] % CHUNK == 0)]
     return sorted(kept, key=lambda c: -c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])   # the interpreter runs the first
 
 
-@runtime.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"],
+@runtime.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "PACKED_LAYOUT"],
                   prune_configs_by={"early_config_prune": _prune_gemm})
 @triton.jit
 def _nvfp4_gemm_kernel(
@@ -450,6 +453,12 @@ def kernel_constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: boo
     )
 
 
+def _check_packed_block_k(w, meta: dict) -> None:
+    if isinstance(w, PackedNVFP4) and meta["BLOCK_K"] % CHUNK:
+        raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: a packed weight's tile covers whole chunks of "
+                         f"{CHUNK} columns (BLOCK_K a multiple of {CHUNK})")
+
+
 def _bias_arg(bias, y):
     return y if bias is None else kernel_view(bias.contiguous())     # y is never read when HAS_BIAS=False
 
@@ -457,11 +466,16 @@ def _bias_arg(bias, y):
 def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
                 split_k: int | None = None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (M <= 16, any strides) into ``y [M, N]``. ``config`` (``BLOCK_N``, ``BLOCK_K``,
-    ``num_warps``) replaces :data:`GEMV_CONFIG`, ``split_k`` the heuristic (tests and experiments)."""
+    ``BLOCK_M`` (8 or 16, at least M), ``num_warps``, ``num_stages``) replaces :data:`GEMV_CONFIG`, ``split_k`` the
+    heuristic (tests and experiments)."""
     m, k = x2.shape
     n = w.shape[0]
-    meta = {**GEMV_CONFIG, **(config or {}), "BLOCK_M": 16}
+    meta = {**GEMV_CONFIG, **(config or {})}
+    _check_packed_block_k(w, meta)
+    if m > meta["BLOCK_M"] or meta["BLOCK_M"] not in (8, 16):
+        raise ValueError(f"config BLOCK_M = {meta['BLOCK_M']}: the GEMV pads M = {m} to BLOCK_M, 8 or 16")
     warps = meta.pop("num_warps")
+    extra = {"num_stages": meta.pop("num_stages")} if "num_stages" in meta else {}
     tiles = runtime.cdiv(n, meta["BLOCK_N"])
     split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
@@ -469,7 +483,7 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         kernel_view(x2), *_weight_args(w), _bias_arg(bias, y), kernel_view(y),
         part, split_k_counter(x2.device, tiles if split > 1 else 0), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
         w.rows_per_global(),
-        **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps)
+        **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps, **extra)
     return y
 
 
@@ -493,6 +507,7 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         max_split = split_k or _max_split(m, n, k, sms)
         tiles = runtime.cdiv(n, 64) * runtime.cdiv(m, 16)
     else:
+        _check_packed_block_k(w, config)
         max_split = split_of(config)
         tiles = runtime.cdiv(n, config["BLOCK_N"]) * runtime.cdiv(m, config["BLOCK_M"])
     part = torch.empty(max_split * m * n, dtype=torch.float32, device=x2.device) if max_split > 1 else y
@@ -520,7 +535,7 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
     a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
     in docs/performance.md ranked them."""
-    tw = min(128, runtime.next_power_of_2(max(k // 8, 4)))
+    tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
     block_n, most = 4, 16 if m > 1 or k < 8192 else 32
     while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
         block_n *= 2
@@ -534,7 +549,7 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     programmatic dependent launch (Hopper: the weights load before the wait on the kernel before)."""
     m, k = x2.shape
     n = w.shape[0]
-    kw = k // 8
+    kw = w.words.shape[1]
     if m > 4:
         raise ValueError(f"the FMA GEMV takes at most 4 rows of x, got M = {m}")
     meta = {**fma_config(n, k, _sm_count(x2.device), m), **(config or {})}      # a copy: the cached dict stays
@@ -545,10 +560,10 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     extra = {"launch_pdl": True} if use_pdl else {}
     packed_gemv_kernel[(runtime.cdiv(n, block_n),)](
         kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
-        m, n, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+        m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
         HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
         OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=runtime.next_power_of_2(m), BLOCK_N=block_n, TW=tw,
-        EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
+        EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0 and 8 * kw == k, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
         num_warps=warps, num_stages=1, **extra)
     return y
 

@@ -5,9 +5,13 @@ docs/matmul.md.
 The decode of one int32 word (8 codes) is 13 integer operations in all: five shifts shared by the four bf16 pairs,
 an AND and an AND-OR per pair (:func:`decode_word`). Each pair becomes two fp32 values ``e2m1 * 2^-126`` by a
 shift and a mask (a bf16 is the top half of an fp32). The GEMV multiplies them by ``x * 2^64`` (so the products
-are normal fp32: ``e2m1 * x * 2^-62``, exact), adds each word's 8 products, and scales each word's sum by its block
-scale ``s * 2^75`` with one more FMA; the epilogue multiplies by ``global_scale * 2^-13`` once per output. Every
-step is exact but the fp32 additions, as in the reference.
+are normal fp32: ``e2m1 * x * 2^-62``, exact), adds the products of each half word (a half word lies in one block),
+and scales each half's sum by its block scale ``s * 2^75`` with one more FMA; the epilogue multiplies by
+``global_scale * 2^-13`` once per output. Every step is exact but the fp32 additions, as in the reference.
+
+The tensor-core tile (:func:`packed_w_tile`) decodes the same words to bf16 and only relabels them: the layout puts
+in each word the eight elements one thread holds of the ``mma`` A operand, so the compiled kernel feeds the decoded
+registers to the tensor cores with no shared-memory round trip (docs/matmul.md).
 
 The range this buys: ``|x|`` below ``2^64`` (``x * 2^64`` stays finite) and products above ``2^-64`` stay normal;
 beyond, fp32 itself would be the limit of the reference too (``e2m1 * scale * x`` near fp32's ends).
@@ -58,9 +62,36 @@ def decode_word(q):
 
 
 @triton.jit
-def decode_scale(b, OR: tl.constexpr):
-    """Re-encoded scale bytes -> fp32 ``s * 2^75`` (``OR = 0x60000000``) or ``s * 2^107`` (``0x70000000``)."""
-    return ((b.to(tl.uint32) << 20) | OR).to(tl.float32, bitcast=True)
+def decode_scales(v, OR: tl.constexpr):
+    """A word's two re-encoded scale bytes (``v``: 16 bits, the block of elements 0..3 in the low byte) -> two fp32
+    ``s * 2^75`` (``OR = 0x60000000``) or ``s * 2^107`` (``0x70000000``): each byte's nibbles swapped back into
+    bits 20..27 of an fp32 (``(b << 20) | OR``)."""
+    v = v.to(tl.uint32)
+    sa = ((v & 0x0F) << 24) | ((v & 0xF0) << 16) | OR
+    sb = ((v & 0x0F00) << 16) | ((v & 0xF000) << 8) | OR
+    return sa.to(tl.float32, bitcast=True), sb.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_scales(scales_ptr, rows, mask_rows, w, KW, EVEN: tl.constexpr):
+    """The 16-bit scale pair of each word ``w`` (word indices of a row, any shape broadcasting with ``rows``): word
+    ``16 c + 4 q + i`` spans the blocks ``8 c + 2 i`` and ``8 c + 2 i + 1``, adjacent bytes of the row's scales."""
+    ptr = scales_ptr.to(tl.pointer_type(tl.uint16)) + rows.to(tl.int64) * (KW // 4) + (w // 16) * 4 + (w % 4)
+    if EVEN:
+        return tl.load(ptr, eviction_policy="evict_first")
+    return tl.load(ptr, mask=mask_rows & (w < KW), other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fragment_tile(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The 8 elements of each word (``[BLOCK_N, BLOCK_K / 8]`` each) -> the tile ``[BLOCK_N, BLOCK_K]`` in ``K`` order:
+    element ``j`` of word ``16 c + 4 q + i`` is column ``128 c + 32 i + 16 (j >> 2) + 8 ((j >> 1) & 1) + 2 q +
+    (j & 1)`` (:func:`lynn_kernels.matmul.packed.word_k`). Joins, a reshape and a permute only: each thread keeps
+    the elements it decoded, which are the ones the tensor cores' A operand wants from it."""
+    t = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
+    t = tl.reshape(t, (BLOCK_N, BLOCK_K // 128, 4, 4, 2, 2, 2))             # [n, c, q, i, j0, j1, j2]
+    t = tl.permute(t, (0, 1, 3, 6, 5, 2, 4))                                # [n, c, i, j2, j1, q, j0]
+    return tl.reshape(t, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -77,116 +108,119 @@ def _split8(x, TW: tl.constexpr):
 
 
 @triton.jit
-def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N: tl.constexpr, TW: tl.constexpr):
-    """The inverse of :func:`_split8`: 8 tensors ``[BLOCK_N, TW]`` -> ``[BLOCK_N, TW * 8]`` in K order."""
-    even = tl.reshape(tl.join(tl.join(e0, e4), tl.join(e2, e6)), (BLOCK_N, TW, 4))
-    odd = tl.reshape(tl.join(tl.join(e1, e5), tl.join(e3, e7)), (BLOCK_N, TW, 4))
-    return tl.reshape(tl.join(even, odd), (BLOCK_N, TW * 8))
+def _halves_bf16(p):
+    """A bf16 pair in a uint32 -> (low, high) bf16 (the compiler keeps them in the one register)."""
+    return ((p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+            (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
 
 
 @triton.jit
-def _decode_word_bf16(q, s2):
-    """GPU only: packed words ``q`` (uint32) and their block scale as a bf16 pair ``s2`` (``s * 2^107`` twice) ->
-    the 8 elements ``e2m1 * s * 2^-19`` as bf16, in K order: per pair the two masks of :func:`_pair`, then one
-    ``mul.rn.bf16x2`` (exact: the product has six significant bits and is normal), 17 instructions a word."""
-    return tl.inline_asm_elementwise(
+def _decode_word_bf16(q, v):
+    """GPU only: packed words ``q`` (uint32) and their two re-encoded scale bytes ``v`` (the low 16 bits) -> the 8
+    elements ``e2m1 * s * 2^-19`` as bf16, in element order: per pair the two masks of :func:`_pair`, then one
+    ``mul.rn.bf16x2`` by its block's scale (exact: six significant bits, a normal number). A scale byte becomes a
+    bf16 pair ``s * 2^107`` by one byte-permute (the byte into all four bytes) and one AND-OR (its swapped nibbles
+    land on bits 4..11 of each half under the exponent's constant top bits): 21 instructions a word."""
+    p0, p1, p2, p3 = tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 s3, s4, s5, s6, r6, a, b;
-        shl.b32 s3, $8, 3;
-        shl.b32 s4, $8, 4;
-        shl.b32 s5, $8, 5;
-        shl.b32 s6, $8, 6;
-        shr.b32 r6, $8, 6;
-        and.b32 a, $8, 0x80008000;
+        .reg .b32 s3, s4, s5, s6, r6, a, b, sa, sb;
+        prmt.b32 sa, $5, 0, 0x0000;
+        and.b32 sa, sa, 0x0FF00FF0;
+        or.b32 sa, sa, 0x70007000;
+        prmt.b32 sb, $5, 0, 0x1111;
+        and.b32 sb, sb, 0x0FF00FF0;
+        or.b32 sb, sb, 0x70007000;
+        shl.b32 s3, $4, 3;
+        shl.b32 s4, $4, 4;
+        shl.b32 s5, $4, 5;
+        shl.b32 s6, $4, 6;
+        shr.b32 r6, $4, 6;
+        and.b32 a, $4, 0x80008000;
         and.b32 b, r6, 0x01C001C0;
         or.b32 a, a, b;
-        mul.rn.bf16x2 a, a, $9;
-        mov.b32 {$0, $1}, a;
+        mul.rn.bf16x2 $0, a, sa;
         and.b32 a, s4, 0x80008000;
-        and.b32 b, $8, 0x01C001C0;
+        and.b32 b, $4, 0x01C001C0;
         or.b32 a, a, b;
-        mul.rn.bf16x2 a, a, $9;
-        mov.b32 {$2, $3}, a;
+        mul.rn.bf16x2 $1, a, sa;
         and.b32 a, s5, 0x80008000;
         and.b32 b, s3, 0x01C001C0;
         or.b32 a, a, b;
-        mul.rn.bf16x2 a, a, $9;
-        mov.b32 {$4, $5}, a;
+        mul.rn.bf16x2 $2, a, sb;
         and.b32 a, s6, 0x80008000;
         and.b32 b, s6, 0x01C001C0;
         or.b32 a, a, b;
-        mul.rn.bf16x2 a, a, $9;
-        mov.b32 {$6, $7}, a;
+        mul.rn.bf16x2 $3, a, sb;
         }
         """,
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        args=[q, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        constraints="=r,=r,=r,=r,r,r",
+        args=[q, v.to(tl.uint32)], dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+    return _halves_bf16(p0) + _halves_bf16(p1) + _halves_bf16(p2) + _halves_bf16(p3)
 
 
 @triton.jit
 def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr = False, UNSCALED: tl.constexpr = False):
-    """The packed weight ``W[offs_n, k0 : k0 + BLOCK_K]`` as a ``DOT_DTYPE`` tile equal to ``e2m1 * s * 2^-19``
-    (exact: six significant bits, a normal number), for ``tl.dot``; the epilogue multiplies by ``2^19``.
-    ``UNSCALED`` (fp16 tiles: fp16's range is narrower) makes it ``e2m1 * s``, the epilogue's unit 1. With
-    ``BF16_ASM`` (bf16 on the GPU) the decode is :func:`_decode_word_bf16`; otherwise portable fp32 integer ops."""
+    """The packed weight ``W[offs_n, k0 : k0 + BLOCK_K]`` (``BLOCK_K`` and ``k0`` multiples of 128; ``KW`` words a
+    row, padded) as a ``DOT_DTYPE`` tile equal to ``e2m1 * s * 2^-19`` (exact: six significant bits, a normal
+    number), for ``tl.dot``; the epilogue multiplies by ``2^19``. ``UNSCALED`` (fp16 tiles: fp16's range is
+    narrower) makes it ``e2m1 * s``, the epilogue's unit 1. With ``BF16_ASM`` (bf16 on the GPU) the decode is
+    :func:`_decode_word_bf16`; otherwise portable fp32 integer ops. Either way the elements are put in place by
+    :func:`_fragment_tile`."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    q = tl.load(words_ptr + offs_n[:, None].to(tl.int64) * KW + offs_w[None, :],
-                mask=mask_n[:, None] & (offs_w[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
-    b = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (KW // 2) + offs_s[None, :],
-                mask=mask_n[:, None] & (offs_s[None, :] < KW // 2), other=0)
+    mask = mask_n[:, None] & (offs_w[None, :] < KW)
+    q = tl.load(words_ptr + offs_n[:, None].to(tl.int64) * KW + offs_w[None, :], mask=mask, other=0,
+                eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+    v = _word_scales(scales_ptr, offs_n[:, None], mask_n[:, None], offs_w[None, :], KW, False)
     if BF16_ASM:
-        s16 = (b.to(tl.uint32) << 4) | 0x7000                                 # bf16 bits of s * 2^107
-        s2 = s16 | (s16 << 16)
-        s2 = tl.reshape(tl.join(s2, s2), (BLOCK_N, BLOCK_K // 8))             # words 2i, 2i + 1 share scale i
-        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_word_bf16(q, s2)
-        return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_word_bf16(q, v)
+        return _fragment_tile(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K)
     else:
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
-        w = tl.reshape(_join8(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K // 8),
-                       (BLOCK_N, BLOCK_K // 16, 16))
-        w = w * decode_scale(b, 0x70000000)[:, :, None]
+        sa, sb = decode_scales(v, 0x70000000)
+        w = _fragment_tile(e0 * sa, e1 * sa, e2 * sa, e3 * sa, e4 * sb, e5 * sb, e6 * sb, e7 * sb, BLOCK_N, BLOCK_K)
         if UNSCALED:        # fp16 cannot hold e2m1 * s * 2^-19: the fp16 tile is e2m1 * s itself (the scale alone
             w = w * MMA_UNIT  # cannot take the 2^19 first: s * 2^126 overflows fp32)
-        return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
+        return w.to(DOT_DTYPE)
 
 
 @triton.jit
-def _load_words(wrow, srow, k0, offs, offs_s, mask_w, KW, EVEN: tl.constexpr):
+def _load_words(wrow, scales_ptr, rows, mask_w, k0, offs, KW, EVEN: tl.constexpr):
+    """A step's words ``[BLOCK_N, TW]`` (16-byte runs) and each word's 16-bit scale pair."""
     if EVEN:
         q = tl.load(wrow + (k0 + offs)[None, :], eviction_policy="evict_first")
-        b = tl.load(srow + (k0 // 2 + offs_s)[None, :], eviction_policy="evict_first")
     else:
         q = tl.load(wrow + (k0 + offs)[None, :], mask=mask_w & ((k0 + offs)[None, :] < KW), other=0,
                     eviction_policy="evict_first")
-        b = tl.load(srow + (k0 // 2 + offs_s)[None, :], mask=mask_w & ((k0 // 2 + offs_s)[None, :] < KW // 2),
-                    other=0, eviction_policy="evict_first")
-    return q.to(tl.uint32, bitcast=True), b
+    v = _word_scales(scales_ptr, rows[:, None], mask_w, (k0 + offs)[None, :], KW, EVEN)
+    return q.to(tl.uint32, bitcast=True), v
 
 
 @triton.jit
-def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, m, M, k0, offs, stride_xm, stride_xk, KW,
+def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm, stride_xk,
               TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One x row's share of a step: ``acc [BLOCK_N, TW] += s * sum_j e_j * x[m, 8 w + j]`` (fp32 FMAs)."""
-    kx = 8 * (k0 + offs)[:, None] + tl.arange(0, 8)[None, :]                   # [TW, 8]
+    """One x row's share of a step: ``acc [BLOCK_N, TW] += sa * sum_{j<4} e_j x_j + sb * sum_{j>=4} e_j x_j`` (fp32
+    FMAs), ``x_j`` the x element at the ``K`` position of word element ``j`` (the layout's order)."""
+    base = 128 * (offs // 16) + 32 * (offs % 4) + 2 * ((offs // 4) % 4)       # element 0 of each word of a step
+    j = tl.arange(0, 8)
+    kx = 8 * k0 + base[:, None] + (16 * (j >> 2) + 8 * ((j >> 1) & 1) + (j & 1))[None, :]  # [TW, 8]; TW % 16 = 0
     ptr = x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk
     if EVEN_K:
         xt = tl.load(ptr, mask=(kx >= 0) & (m < M), other=0)
     else:
-        xt = tl.load(ptr, mask=(kx < 8 * KW) & (m < M), other=0)
+        xt = tl.load(ptr, mask=(kx < K) & (m < M), other=0)
     xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, TW)
-    p = e0 * x0[None, :]
-    p = tl.fma(e1, x1[None, :], p)
-    p = tl.fma(e2, x2[None, :], p)
-    p = tl.fma(e3, x3[None, :], p)
-    p = tl.fma(e4, x4[None, :], p)
-    p = tl.fma(e5, x5[None, :], p)
-    p = tl.fma(e6, x6[None, :], p)
-    p = tl.fma(e7, x7[None, :], p)
-    return tl.fma(p, s, acc)
+    pa = e0 * x0[None, :]
+    pa = tl.fma(e1, x1[None, :], pa)
+    pa = tl.fma(e2, x2[None, :], pa)
+    pa = tl.fma(e3, x3[None, :], pa)
+    pb = e4 * x4[None, :]
+    pb = tl.fma(e5, x5[None, :], pb)
+    pb = tl.fma(e6, x6[None, :], pb)
+    pb = tl.fma(e7, x7[None, :], pb)
+    return tl.fma(pb, sb, tl.fma(pa, sa, acc))
 
 
 @triton.jit
@@ -201,26 +235,25 @@ def _row_out(acc, m, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS: t
 @triton.jit
 def packed_gemv_kernel(
     x_ptr, words_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr,
-    M, N, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
+    M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch sends M <= 2, where it
     is faster than the tensor-core GEMV: more rows spill registers) on the FMA units: one program per
-    ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights) of each row per step. Each
-    thread owns 16-byte runs (4 words, 32 weights) of its rows; the next step's weights load while this one is
-    multiplied. One accumulator per x row, each in the weight tile's own layout."""
+    ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights, ``TW`` a multiple of 16) of each
+    row per step, ``KW`` words a row (``K`` padded to a multiple of 128). Each thread owns 16-byte runs (4 words,
+    32 weights) of its rows; the next step's weights load while this one is multiplied. One accumulator per x row,
+    each in the weight tile's own layout. ``EVEN_K``: ``KW`` a multiple of ``TW`` and ``K`` not padded."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)            # words of a step
-    offs_s = tl.arange(0, TW // 2)                                              # their block scales
     wrow = words_ptr + rows[:, None].to(tl.int64) * KW
-    srow = scales_ptr + rows[:, None].to(tl.int64) * (KW // 2)
     mask_w = mask_n[:, None]
     EVEN: tl.constexpr = EVEN_N and EVEN_K
-    q, b = _load_words(wrow, srow, 0, offs, offs_s, mask_w, KW, EVEN)
+    q, v = _load_words(wrow, scales_ptr, rows, mask_w, 0, offs, KW, EVEN)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                     # the weights are in flight; x comes from the kernel before
     acc0 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
@@ -229,23 +262,23 @@ def packed_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     for k0 in range(0, KW, TW):
         if EVEN:        # the last step reloads its own words (an L2 hit) instead of a masked load
-            q_next, b_next = _load_words(wrow, srow, tl.minimum(k0 + TW, KW - TW), offs, offs_s, mask_w, KW, EVEN)
+            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, tl.minimum(k0 + TW, KW - TW), offs, KW,
+                                         EVEN)
         else:
-            q_next, b_next = _load_words(wrow, srow, k0 + TW, offs, offs_s, mask_w, KW, EVEN)
+            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, k0 + TW, offs, KW, EVEN)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
-        s = decode_scale(b, 0x60000000)                                        # [BLOCK_N, TW / 2]
-        s = tl.reshape(tl.join(s, s), (BLOCK_N, TW))                           # words 2i, 2i + 1 share scale i
-        acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 0, M, k0, offs, stride_xm, stride_xk,
-                         KW, TW, EVEN_K, X_DTYPE, INTERPRET)
+        sa, sb = decode_scales(v, 0x60000000)                                  # the two blocks of each word
+        acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
+                         stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 1:
-            acc1 = _row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 1, M, k0, offs, stride_xm,
-                             stride_xk, KW, TW, EVEN_K, X_DTYPE, INTERPRET)
+            acc1 = _row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
+                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 2:
-            acc2 = _row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 2, M, k0, offs, stride_xm,
-                             stride_xk, KW, TW, EVEN_K, X_DTYPE, INTERPRET)
-            acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, s, x_ptr, 3, M, k0, offs, stride_xm,
-                             stride_xk, KW, TW, EVEN_K, X_DTYPE, INTERPRET)
-        q, b = q_next, b_next
+            acc2 = _row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
+                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+            acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
+                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+        q, v = q_next, v_next
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(g_ptr + rows // ROWS_PER_G, mask=mask_n, other=0.0) * FMA_UNIT
