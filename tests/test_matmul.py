@@ -819,9 +819,16 @@ def test_packed_every_code_and_scale_exact(m, dtype, device, poison_empty):
     """Identity rows of x read the packed weight back through each kernel: y[m, n] = w[n, m], bit for bit."""
     w, groups = _every_code_weight(device)
     x = torch.eye(16, dtype=dtype, device=device).repeat(2, 1)[:m]
-    y, want = nvfp4_linear(x, pack(w)), reference.nvfp4_linear(x, w)
-    for name, rows in groups:
-        assert_bit_equal(y[:, rows], want[:, rows], f"rows of {name}")
+    p = pack(w)
+    want = reference.nvfp4_linear(x, w)
+    outs = {"dispatch": nvfp4_linear(x, p)}
+    if m <= 16:                                     # both decode kernels, whichever the dispatch picks
+        outs["tensor-core GEMV"] = launch_gemv(x, p, None, torch.empty_like(want))
+    if m <= 2:
+        outs["FMA GEMV"] = launch_packed_gemv(x, p, None, torch.empty_like(want))
+    for kernel, y in outs.items():
+        for name, rows in groups:
+            assert_bit_equal(y[:, rows], want[:, rows], f"{kernel}, rows of {name}")
 
 
 PACKED_SHAPES = [_mnk(1, 1, 16), _mnk(1, 37, 1040), _mnk(2, 65, 208), _mnk(2, 130, 2064), _mnk(3, 65, 48),
@@ -831,7 +838,8 @@ PACKED_SHAPES = [_mnk(1, 1, 16), _mnk(1, 37, 1040), _mnk(2, 65, 208), _mnk(2, 13
 @pytest.mark.parametrize("dtype,bias_dtype", DTYPE_BIAS)
 @pytest.mark.parametrize("mnk", PACKED_SHAPES)
 def test_packed_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, make_nvfp4, device, poison_empty):
-    """M = 1, 2: the FMA GEMV; 3..16: the tensor-core GEMV; 17 up: the GEMM; all reading the packed layout."""
+    """M <= 16: the FMA GEMV or the tensor-core GEMV (use_fma_gemv); 17 up: the GEMM; all reading the packed
+    layout (test_packed_fma_gemv_configs runs the FMA GEMV on its own)."""
     m, n, k = mnk
     x = make_weight((m, k), dtype, seed=m * 7 + k)
     w = make_nvfp4(n, k, seed=n)

@@ -1,7 +1,8 @@
 """Packed W4A16 matmul timed the way a decoder runs it: kernel time from CUDA-graph replay.
 
 For each decoder projection shape and M, in one process: ours on the packed layout (:func:`lynn_kernels.matmul.pack`
-weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above), ours on the checkpoint layout
+weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above; and the two decode kernels each on its own,
+the FMA GEMV for M <= 2 and the tensor-core GEMV for M <= 16), ours on the checkpoint layout
 (the previous kernels), cuBLAS bf16 ``F.linear`` on the dequantised weights, and a pure-read Triton kernel of the
 packed weight's bytes (the per-shape ceiling). Each is captured as one graph of ``S`` consecutive calls on ``S``
 rotating weight sets (together past 3x the L2), replayed, and divided by ``S``; the Python call time
@@ -9,8 +10,8 @@ rotating weight sets (together past 3x the L2), replayed, and divided by ``S``; 
 reference of the same weights.
 
 ``matmul.chain`` replays the projections of decoder layers (the Qwen3.5-35B-A3B Gated DeltaNet layer's
-``in_proj_qkv``, ``in_proj_z``, ``out_proj`` on the FMA GEMV) as one graph, with and without programmatic
-dependent launch, against the copy bandwidth.
+``in_proj_qkv``, ``in_proj_z``, ``out_proj``) as one graph: on the FMA GEMV with and without programmatic
+dependent launch, and on the tensor-core GEMV, against the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..matmul import nvfp4_linear, pack, reference
-from ..matmul.triton_matmul import launch_packed_gemv
+from ..matmul.triton_matmul import launch_gemv, launch_packed_gemv
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
 from . import register
@@ -129,6 +130,14 @@ def bench_graph(ceilings, quick: bool = False) -> list[Result]:
                 ("cuBLAS bf16", [lambda b=b: torch.nn.functional.linear(x, b) for b in bsets],
                  lambda: torch.nn.functional.linear(x, wb), 2 * n * k + act),
             ]
+            if m <= 2:          # the two decode kernels on their own, whatever the dispatch picks
+                providers.append(("lynn packed FMA GEMV", [lambda p=p: launch_packed_gemv(x, p, None, y)
+                                                           for _, p in sets],
+                                  lambda: launch_packed_gemv(x, sets[0][1], None, y), w_bytes + act))
+            if m <= 16:
+                providers.append(("lynn packed tensor-core GEMV", [lambda p=p: launch_gemv(x, p, None, y)
+                                                                   for _, p in sets],
+                                  lambda: launch_gemv(x, sets[0][1], None, y), w_bytes + act))
             if m == 1:
                 providers.append(("pure read (same bytes)", [lambda f=f: pure_read(f, sink) for f in flat], None,
                                   w_bytes))
@@ -160,16 +169,20 @@ def bench_chain(ceilings, quick: bool = False) -> list[Result]:
     h = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     nbytes = layers * sum(n * k // 2 + n * k // 16 for n, k in shapes)
     rows = []
-    for pdl in (False, True):
+    for kind, pdl in (("FMA", False), ("FMA", True), ("tensor-core", False)):
         calls = []
+
+        def launch(xx, w, y, pdl=pdl, kind=kind):
+            return launch_packed_gemv(xx, w, None, y, pdl=pdl) if kind == "FMA" else launch_gemv(xx, w, None, y)
+
         for li in range(layers):
             a, b, c = ws[li]
-            calls.append(lambda a=a, y=ys[li][0], pdl=pdl: launch_packed_gemv(x, a, None, y, pdl=pdl))
-            calls.append(lambda b=b, y=ys[li][1], pdl=pdl: launch_packed_gemv(x, b, None, y, pdl=pdl))
-            calls.append(lambda c=c, y=ys[li][2], pdl=pdl: launch_packed_gemv(h, c, None, y, pdl=pdl))
+            calls.append(lambda a=a, y=ys[li][0], f=launch: f(x, a, y))
+            calls.append(lambda b=b, y=ys[li][1], f=launch: f(x, b, y))
+            calls.append(lambda c=c, y=ys[li][2], f=launch: f(h, c, y))
         us = graph_us(calls) * len(calls)
         check = validated(compare(ys[0][2], reference.nvfp4_linear(h, ws[0][2])))
-        r = Result("matmul.chain", f"lynn packed FMA GEMV chain{' + PDL' if pdl else ''} (graph)",
+        r = Result("matmul.chain", f"lynn packed {kind} GEMV chain{' + PDL' if pdl else ''} (graph)",
                    f"{layers} GDN layers x (qkv, z, out_proj)", {"M": 1, "layers": layers, "kernels": len(calls)},
                    us / 1e3, us / 1e3, us / 1e3, bytes=nbytes, ceiling="copy_gbps", validation=check,
                    note="one graph of all the layers' projections")

@@ -568,9 +568,17 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     return y
 
 
+def use_fma_gemv(m: int, n: int, sms: int) -> bool:
+    """The decode dispatch for a packed weight: the FMA GEMV for ``m <= FMA_MAX_M`` rows when the tensor-core
+    GEMV's 64-row tiles cannot give half the SMs a tile of their own (it splits K for those, with a ticket);
+    the tensor-core GEMV otherwise (the H200 sweep in docs/performance.md)."""
+    return m <= FMA_MAX_M and runtime.cdiv(n, GEMV_CONFIG["BLOCK_N"]) < sms // 2
+
+
 def _launch_small(x2, w, bias, y):
-    """M <= GEMV_MAX_M: the FMA GEMV for a packed weight and a few rows, else the tensor-core GEMV."""
-    if isinstance(w, PackedNVFP4) and x2.shape[0] <= FMA_MAX_M:
+    """M <= GEMV_MAX_M: the FMA GEMV or the tensor-core GEMV for a packed weight (:func:`use_fma_gemv`), the
+    tensor-core GEMV for the checkpoint layout."""
+    if isinstance(w, PackedNVFP4) and use_fma_gemv(x2.shape[0], w.shape[0], _sm_count(x2.device)):
         return launch_packed_gemv(x2, w, bias, y)
     return launch_gemv(x2, w, bias, y)
 

@@ -73,6 +73,23 @@ def decode_scales(v, OR: tl.constexpr):
 
 
 @triton.jit
+def _decode_scales_asm(v, OR: tl.constexpr):
+    """GPU only: :func:`decode_scales` in four instructions: a byte-permute puts a scale byte into the top two
+    bytes (its swapped nibbles land on bits 20..27), one ``lop3`` AND-OR keeps them under the exponent's constant
+    bits."""
+    return tl.inline_asm_elementwise(
+        asm=f"""
+        {{
+        prmt.b32 $0, $2, 0, 0x0000;
+        lop3.b32 $0, $0, 0x0FF00000, {OR}, 0xEA;
+        prmt.b32 $1, $2, 0, 0x1111;
+        lop3.b32 $1, $1, 0x0FF00000, {OR}, 0xEA;
+        }}
+        """,
+        constraints="=r,=r,r", args=[v.to(tl.uint32)], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
 def _word_scales(scales_ptr, rows, mask_rows, w, KW, EVEN: tl.constexpr):
     """The 16-bit scale pair of each word ``w`` (word indices of a row, any shape broadcasting with ``rows``): word
     ``16 c + 4 q + i`` spans the blocks ``8 c + 2 i`` and ``8 c + 2 i + 1``, adjacent bytes of the row's scales."""
@@ -126,11 +143,9 @@ def _decode_word_bf16(q, v):
         {
         .reg .b32 s3, s4, s5, s6, r6, a, b, sa, sb;
         prmt.b32 sa, $5, 0, 0x0000;
-        and.b32 sa, sa, 0x0FF00FF0;
-        or.b32 sa, sa, 0x70007000;
+        lop3.b32 sa, sa, 0x0FF00FF0, 0x70007000, 0xEA;
         prmt.b32 sb, $5, 0, 0x1111;
-        and.b32 sb, sb, 0x0FF00FF0;
-        or.b32 sb, sb, 0x70007000;
+        lop3.b32 sb, sb, 0x0FF00FF0, 0x70007000, 0xEA;
         shl.b32 s3, $4, 3;
         shl.b32 s4, $4, 4;
         shl.b32 s5, $4, 5;
@@ -186,14 +201,15 @@ def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.con
 
 
 @triton.jit
-def _load_words(wrow, scales_ptr, rows, mask_w, k0, offs, KW, EVEN: tl.constexpr):
-    """A step's words ``[BLOCK_N, TW]`` (16-byte runs) and each word's 16-bit scale pair."""
+def _load_words(wrow, scales_ptr, rows, mask_w, k0, offs, offs_s, KW, EVEN: tl.constexpr):
+    """A step's words ``[BLOCK_N, TW]`` (16-byte runs: ``offs`` says 4 contiguous) and each word's 16-bit scale
+    pair (``offs_s``: the same word indices, with no hint, so the four pairs of a run load as 8 bytes)."""
     if EVEN:
         q = tl.load(wrow + (k0 + offs)[None, :], eviction_policy="evict_first")
     else:
         q = tl.load(wrow + (k0 + offs)[None, :], mask=mask_w & ((k0 + offs)[None, :] < KW), other=0,
                     eviction_policy="evict_first")
-    v = _word_scales(scales_ptr, rows[:, None], mask_w, (k0 + offs)[None, :], KW, EVEN)
+    v = _word_scales(scales_ptr, rows[:, None], mask_w, (k0 + offs_s)[None, :], KW, EVEN)
     return q.to(tl.uint32, bitcast=True), v
 
 
@@ -202,14 +218,15 @@ def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, o
               TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """One x row's share of a step: ``acc [BLOCK_N, TW] += sa * sum_{j<4} e_j x_j + sb * sum_{j>=4} e_j x_j`` (fp32
     FMAs), ``x_j`` the x element at the ``K`` position of word element ``j`` (the layout's order)."""
-    base = 128 * (offs // 16) + 32 * (offs % 4) + 2 * ((offs // 4) % 4)       # element 0 of each word of a step
-    j = tl.arange(0, 8)
-    kx = 8 * k0 + base[:, None] + (16 * (j >> 2) + 8 * ((j >> 1) & 1) + (j & 1))[None, :]  # [TW, 8]; TW % 16 = 0
+    kx = 8 * k0 + tl.arange(0, 8 * TW)                                       # the step's x, contiguous
     ptr = x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk
     if EVEN_K:
         xt = tl.load(ptr, mask=(kx >= 0) & (m < M), other=0)
     else:
         xt = tl.load(ptr, mask=(kx < K) & (m < M), other=0)
+    # K order -> word order: k = 128 c + 32 i + 16 j2 + 8 j1 + 2 q + j0 is element j0 + 2 j1 + 4 j2 of word 16 c + 4 q + i
+    xt = tl.reshape(xt, (TW // 16, 4, 2, 2, 4, 2))                           # [c, i, j2, j1, q, j0]
+    xt = tl.reshape(tl.permute(xt, (0, 4, 1, 2, 3, 5)), (TW, 8))              # [c, q, i, j2, j1, j0]
     xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, TW)
     pa = e0 * x0[None, :]
@@ -250,10 +267,11 @@ def packed_gemv_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)            # words of a step
+    offs_s = tl.arange(0, TW)
     wrow = words_ptr + rows[:, None].to(tl.int64) * KW
     mask_w = mask_n[:, None]
     EVEN: tl.constexpr = EVEN_N and EVEN_K
-    q, v = _load_words(wrow, scales_ptr, rows, mask_w, 0, offs, KW, EVEN)
+    q, v = _load_words(wrow, scales_ptr, rows, mask_w, 0, offs, offs_s, KW, EVEN)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                     # the weights are in flight; x comes from the kernel before
     acc0 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
@@ -262,12 +280,15 @@ def packed_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     for k0 in range(0, KW, TW):
         if EVEN:        # the last step reloads its own words (an L2 hit) instead of a masked load
-            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, tl.minimum(k0 + TW, KW - TW), offs, KW,
-                                         EVEN)
+            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, tl.minimum(k0 + TW, KW - TW), offs,
+                                         offs_s, KW, EVEN)
         else:
-            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, k0 + TW, offs, KW, EVEN)
+            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, k0 + TW, offs, offs_s, KW, EVEN)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
-        sa, sb = decode_scales(v, 0x60000000)                                  # the two blocks of each word
+        if INTERPRET:                                                          # the two blocks of each word
+            sa, sb = decode_scales(v, 0x60000000)
+        else:
+            sa, sb = _decode_scales_asm(v, 0x60000000)
         acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
                          stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 1:
