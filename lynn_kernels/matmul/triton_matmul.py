@@ -564,6 +564,7 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
         HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
         OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=runtime.next_power_of_2(m), BLOCK_N=block_n, TW=tw,
         EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0 and 8 * kw == k, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
+        STRIDED=meta.get("STRIDED", True),
         num_warps=warps, num_stages=1, **extra)
     return y
 
