@@ -564,22 +564,23 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
         HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
         OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=runtime.next_power_of_2(m), BLOCK_N=block_n, TW=tw,
         EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0 and 8 * kw == k, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
-        STRIDED=meta.get("STRIDED", True),
+        STRIDED=meta.get("STRIDED", False),
         num_warps=warps, num_stages=1, **extra)
     return y
 
 
-def use_fma_gemv(m: int, n: int, sms: int) -> bool:
-    """The decode dispatch for a packed weight: the FMA GEMV for ``m <= FMA_MAX_M`` rows when the tensor-core
-    GEMV's 64-row tiles cannot give half the SMs a tile of their own (it splits K for those, with a ticket);
-    the tensor-core GEMV otherwise (the H200 sweep in docs/performance.md)."""
-    return m <= FMA_MAX_M and runtime.cdiv(n, GEMV_CONFIG["BLOCK_N"]) < sms // 2
+def use_fma_gemv(m: int, n: int) -> bool:
+    """The decode dispatch for a packed weight, from the H200 sweeps in docs/performance.md: the FMA GEMV for one
+    row of x up to 65,536 output rows (faster than the tensor-core GEMV by up to 1.6x on the decoder's projections,
+    slower on the LM head), and for two rows below 8,192 output rows; the tensor-core GEMV otherwise (its time is
+    flat in M to 16)."""
+    return (m == 1 and n <= 65536) or (m == 2 and n < 8192)
 
 
 def _launch_small(x2, w, bias, y):
     """M <= GEMV_MAX_M: the FMA GEMV or the tensor-core GEMV for a packed weight (:func:`use_fma_gemv`), the
     tensor-core GEMV for the checkpoint layout."""
-    if isinstance(w, PackedNVFP4) and use_fma_gemv(x2.shape[0], w.shape[0], _sm_count(x2.device)):
+    if isinstance(w, PackedNVFP4) and use_fma_gemv(x2.shape[0], w.shape[0]):
         return launch_packed_gemv(x2, w, bias, y)
     return launch_gemv(x2, w, bias, y)
 

@@ -259,7 +259,7 @@ def packed_gemv_kernel(
     M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, STRIDED: tl.constexpr = True,
+    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, STRIDED: tl.constexpr = False,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch sends M <= 2, where it
     is faster than the tensor-core GEMV: more rows spill registers) on the FMA units: one program per
@@ -270,7 +270,8 @@ def packed_gemv_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
-    if STRIDED:     # column 16 c + 4 i + q is word 16 c + 4 q + i: a thread's words at a stride of 4
+    if STRIDED:     # column 16 c + 4 i + q is word 16 c + 4 q + i: a thread's words at a stride of 4 (rejected: its
+        #             scalar loads ran 2-4x slower on the H200, docs/performance.md)
         u = tl.arange(0, TW)
         offs = (u // 16) * 16 + (u % 4) * 4 + (u // 4) % 4
         offs_s = offs
