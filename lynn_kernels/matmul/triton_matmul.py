@@ -46,7 +46,7 @@ from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.triton_quant import e4m3_decode
 from ..runtime import cast_output, kernel_view, to_float32
 from .packed import CHUNK, PackedNVFP4
-from .spec import FMA_MAX_M, GEMV_MAX_M, check_linear_args
+from .spec import GEMV_MAX_M, check_linear_args
 from .triton_packed import MMA_UNIT, packed_gemv_kernel, packed_w_tile
 
 MAX_SPLIT_K = 16
