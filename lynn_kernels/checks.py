@@ -8,11 +8,12 @@ cases run compiled.
 
 from __future__ import annotations
 
+import textwrap
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from . import runtime
-from .validate import render_table
+from .validate import flat_row, format_value, is_number, render_table
 
 CHECKS: dict[str, Callable[[], list[dict]]] = {}
 
@@ -67,10 +68,16 @@ def check_norm() -> list[dict]:
     return rows()
 
 
-def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
+def run_checks(families: list[str] | None = None, *, on_family: Callable[[str, int, int], None] | None = None,
+               on_row: Callable[[dict], None] | None = None) -> tuple[list[dict], float]:
     """The rows of the named checks: a name is a family (``nvfp4``) or an op the table prints (``nvfp4.quantize``,
     which runs its family and keeps that op's rows); none: every family. An unknown name is a ``ValueError`` that
-    lists the families."""
+    lists the families.
+
+    To show rows as they come (``lynn check``): ``on_family(family, i, n)`` is called before the ``i``-th of the ``n``
+    families runs (``i`` from 1), and ``on_row(row)`` with each row kept, as soon as its family hands it over. A
+    family's ``check_<family>()`` returns a list, so its rows come together when it returns; one that yields its
+    rows would hand each over as it finishes. The return value is the same with or without the callbacks."""
     names = list(families or [])
     fams = {n.split(".")[0] for n in names}
     unknown = sorted(n for n in names if n.split(".")[0] not in CHECKS)
@@ -82,12 +89,17 @@ def run_checks(families: list[str] | None = None) -> tuple[list[dict], float]:
 
     t0 = time.perf_counter()
     rows, ops = [], set()
-    for fam in [f for f in CHECKS if not names or f in fams]:
+    run = [f for f in CHECKS if not names or f in fams]
+    for i, fam in enumerate(run, 1):
+        if on_family is not None:
+            on_family(fam, i, len(run))
         wanted = [n for n in names if n.split(".")[0] == fam]
         for row in CHECKS[fam]():
             ops.add(row["op"])
             if not names or fam in wanted or any(picks(n, row["op"]) for n in wanted):
                 rows.append({"backend": runtime.backend(), **row})
+                if on_row is not None:
+                    on_row(rows[-1])
     missing = [n for n in names if "." in n and not any(picks(n, op) for op in ops)]
     if missing:
         raise ValueError(f"no check of op {', '.join(missing)}; the ops of {', '.join(sorted(fams))}: "
@@ -103,3 +115,66 @@ PORTABLE_COLUMNS = [c for c in COLUMNS if c != "backend"]
 def table(rows: list[dict], digits: int = 6, columns: list[str] | None = None) -> str:
     """The check table; ``mismatches`` of a quantise row counts codes, scales and the global scale together."""
     return render_table(rows, columns or COLUMNS, digits=digits)
+
+
+#: ``lynn check``'s table, printed a row at a time as the checks finish, so its widths are fixed before any row is
+#: known: column -> (width, spaces before it). The widest op is 26 characters; the numbers are written with as many
+#: of 6 significant digits as fit (:func:`_fit`), one space apart; ``case`` takes what :data:`WIDTH` leaves after the
+#: progress marker. A longer op or case wraps onto the next lines of its column.
+STREAM_COLUMNS = {"op": (26, 2), "case": (0, 2), "cosine": (8, 2), "max_abs": (8, 1), "rel_l2": (8, 1),
+                  "err_ratio": (9, 1), "mismatches": (10, 1), "passed": (6, 2)}
+#: The streamed table's line length, at most.
+WIDTH = 120
+_TEXT = ("op", "case", "passed")                 # left-aligned; the others are numbers (or ``-``)
+
+
+def _fit(value, width: int) -> str:
+    """``value`` as the tables write it (:func:`~lynn_kernels.validate.format_value`), in at most ``width``
+    characters if it is a float: the most significant digits (up to 6) that fit, then scientific notation."""
+    text = format_value(value)
+    if not isinstance(value, float):
+        return text
+    for digits in range(5, 0, -1):
+        if len(text) <= width:
+            return text
+        text = format_value(value, digits)
+    for digits in range(2, -1, -1):
+        if len(text) <= width:
+            return text
+        text = f"{value:.{digits}e}"
+    return text
+
+
+class StreamTable:
+    """The check table a row at a time: :meth:`header` first, then :meth:`row` for each row as its check finishes,
+    each line at most :data:`WIDTH` columns and starting with the progress marker ``[i/n]`` (family ``i`` of ``n``,
+    under the heading ``fam``); the columns are :data:`PORTABLE_COLUMNS` (the first line of ``lynn check`` names the
+    backend)."""
+
+    def __init__(self, families: int):
+        self.mark = len(f"[{families}/{families}]")
+        used = self.mark + sum(w + gap for w, gap in STREAM_COLUMNS.values())
+        self.widths = {c: w or WIDTH - used for c, (w, _) in STREAM_COLUMNS.items()}
+
+    def _line(self, mark: str, cells: dict) -> str:
+        parts = [mark.ljust(self.mark)]
+        for col, w in self.widths.items():
+            text = cells.get(col, "")
+            parts.append(" " * STREAM_COLUMNS[col][1])
+            parts.append(text.ljust(w) if col in _TEXT or not is_number(text) else text.rjust(w))
+        return "".join(parts).rstrip()
+
+    def header(self) -> str:
+        return "\n".join([self._line("fam", {c: c for c in self.widths}),
+                          self._line("-" * self.mark, {c: "-" * w for c, w in self.widths.items()})])
+
+    def row(self, row: dict, family: int, families: int) -> str:
+        """One row, with its progress marker; a long op or case goes on over the next lines of its column."""
+        cells = flat_row(row)
+        text = {c: _fit(cells.get(c), w) for c, w in self.widths.items() if c not in ("op", "case")}
+        wrapped = {c: textwrap.wrap(str(cells.get(c, "")), self.widths[c], break_on_hyphens=False) or [""]
+                   for c in ("op", "case")}
+        lines = [self._line(f"[{family}/{families}]", {**text, "op": wrapped["op"][0], "case": wrapped["case"][0]})]
+        for k in range(1, max(len(v) for v in wrapped.values())):
+            lines.append(self._line("", {c: v[k] if k < len(v) else "" for c, v in wrapped.items()}))
+        return "\n".join(lines)

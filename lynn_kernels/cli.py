@@ -6,6 +6,10 @@
 * ``lynn info``                what this process runs on;
 * ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md);
 * ``lynn generate [PROMPT]``  stream a continuation from the demo model, or ``--model DIR`` (docs/decoder.md).
+
+The ``lynn`` script enters at ``lynn_cli.main`` (``lynn_cli.py``, outside this package), which reports a bad start-up
+setting such as ``LYNN_BACKEND=bogus`` (raised when ``lynn_kernels`` is imported) as a usage error, then calls
+:func:`main`.
 """
 
 from __future__ import annotations
@@ -15,19 +19,59 @@ import os
 import sys
 from pathlib import Path
 
+#: What ``lynn check`` says first under the reference backend.
+REFERENCE_NOTICE = ("note: the backend is the torch reference (LYNN_BACKEND=reference, or use_reference()): every op "
+                    "runs its reference, so these checks compare the reference with itself and say nothing about "
+                    "the kernels.")
+
 
 def _cmd_check(args) -> int:
+    import textwrap
+    import time
+
     from . import checks, device_summary
 
     info = device_summary()
     print(f"lynn check on {info['device']} (backend {info['backend']}, torch {info['torch']}, "
-          f"triton {info['triton']})")
+          f"triton {info['triton']})", flush=True)
+    if info["backend"] == "reference":
+        print(textwrap.fill(REFERENCE_NOTICE, checks.WIDTH), flush=True)
+    tty = sys.stderr.isatty()
+    t0 = time.perf_counter()
+    state = {"table": None, "family": 0, "families": 0, "rows": 0, "progress": False}
+
+    def clear_progress():
+        if state["progress"]:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            state["progress"] = False
+
+    def on_family(family, i, n):
+        if state["table"] is None:
+            state["table"] = checks.StreamTable(n)
+            print(state["table"].header(), flush=True)
+        state["family"], state["families"] = i, n
+        if tty:                                        # a line that the next rows overwrite
+            clear_progress()
+            done = state["rows"]
+            sys.stderr.write(f"[{i}/{n}] running the {family} checks ... ({done} row{'' if done == 1 else 's'} "
+                             f"so far, {time.perf_counter() - t0:.0f} s)")
+            sys.stderr.flush()
+            state["progress"] = True
+
+    def on_row(row):
+        clear_progress()
+        state["rows"] += 1
+        print(state["table"].row(row, state["family"], state["families"]), flush=True)
+
     try:
-        rows, seconds = checks.run_checks(args.family or None)
+        rows, seconds = checks.run_checks(args.family or None, on_family=on_family, on_row=on_row)
     except ValueError as err:
+        clear_progress()
         print(f"lynn check: error: {err}", file=sys.stderr)
         return 2
-    print(checks.table(rows))
+    finally:
+        clear_progress()
     failed = [r for r in rows if not r["passed"]]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed in {seconds:.1f} s")
     return 1 if failed else 0
@@ -249,11 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra
-    try:
-        from . import runtime  # noqa: F401  (reads LYNN_BACKEND: a bad value is a usage error, not a traceback)
-    except ValueError as err:
-        print(f"lynn: error: {err}", file=sys.stderr)
-        return 2
     return args.func(args)
 
 

@@ -53,14 +53,23 @@ DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
 DOT_DTYPE = tl.float32 if INTERPRET else tl.bfloat16
 
 _env_backend = os.environ.get("LYNN_BACKEND", "").strip().lower()
+
+
+def _startup_error(err: Exception) -> Exception:
+    """Mark ``err`` as a start-up configuration error: raised at import, so no code of the package has run yet; the
+    ``lynn`` command (``lynn_cli.py``) reports one so marked as a usage error, one line and exit status 2."""
+    err.lynn_startup_error = True
+    return err
+
+
 if _env_backend and _env_backend not in BACKENDS:
-    raise ValueError(f"LYNN_BACKEND={_env_backend!r}: expected one of {BACKENDS} or unset")
+    raise _startup_error(ValueError(f"LYNN_BACKEND={_env_backend!r}: expected one of {BACKENDS} or unset"))
 if _env_backend == "triton" and INTERPRET:
-    raise RuntimeError("LYNN_BACKEND=triton asks for compiled kernels, but no CUDA GPU is visible "
-                       "(or TRITON_INTERPRET=1 is set)")
+    raise _startup_error(RuntimeError("LYNN_BACKEND=triton asks for compiled kernels, but no CUDA GPU is visible "
+                                      "(or TRITON_INTERPRET=1 is set)"))
 if _env_backend == "interpreter" and not INTERPRET:
-    raise RuntimeError("LYNN_BACKEND=interpreter must be chosen before start-up: set TRITON_INTERPRET=1 "
-                       "in the environment instead")
+    raise _startup_error(RuntimeError("LYNN_BACKEND=interpreter must be chosen before start-up: set "
+                                      "TRITON_INTERPRET=1 in the environment instead"))
 
 _force_reference: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "lynn_force_reference", default=_env_backend == "reference")

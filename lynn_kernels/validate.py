@@ -12,8 +12,8 @@ All metrics are measured against an fp32 (or better) reference, in float64:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -91,7 +91,9 @@ def bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 # tables
 
 
-def _fmt(v, digits: int = 6) -> str:
+def format_value(v, digits: int = 6) -> str:
+    """A table cell: a float to ``digits`` significant digits (scientific below 1e-3 and from 1e5), ``None`` as
+    ``-``, a bool as ``yes`` / ``NO``, a shape as ``AxB``."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -116,22 +118,14 @@ def render_table(rows: Iterable[Mapping], columns: Sequence[str] | None = None, 
     ``columns`` picks and orders the keys; by default every key of the first row. A :class:`Metrics` value in a row
     is spread into its fields.
     """
-    flat = []
-    for row in rows:
-        d = {}
-        for key, val in dict(row).items():
-            if isinstance(val, Metrics):
-                d.update({k: v for k, v in val.as_dict().items() if k != "numel"})
-            else:
-                d[key] = val
-        flat.append(d)
+    flat = [flat_row(row) for row in rows]
     if not flat:
         return "(no rows)"
     if columns is None:
         columns = []
         for d in flat:
             columns += [k for k in d if k not in columns]
-    cells = [[_fmt(d.get(c), digits) for c in columns] for d in flat]
+    cells = [[format_value(d.get(c), digits) for c in columns] for d in flat]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = []
     if title:
@@ -139,11 +133,23 @@ def render_table(rows: Iterable[Mapping], columns: Sequence[str] | None = None, 
     lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
     lines.append("  ".join("-" * w for w in widths))
     for r in cells:
-        lines.append("  ".join(v.rjust(w) if _is_num(v) else v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        lines.append("  ".join(v.rjust(w) if is_number(v) else v.ljust(w) for v, w in zip(r, widths)).rstrip())
     return "\n".join(lines)
 
 
-def _is_num(s: str) -> bool:
+def flat_row(row: Mapping) -> dict:
+    """``row`` with a :class:`Metrics` value spread into its fields (``numel`` left out), as the tables show it."""
+    d = {}
+    for key, val in dict(row).items():
+        if isinstance(val, Metrics):
+            d.update({k: v for k, v in val.as_dict().items() if k != "numel"})
+        else:
+            d[key] = val
+    return d
+
+
+def is_number(s: str) -> bool:
+    """Whether a cell reads as a number (the tables right-align those)."""
     try:
         float(s.replace(",", ""))
         return True

@@ -826,8 +826,12 @@ if DOC is None:
     print("nothing to plot: no results")
 else:
     cells = by_provider(DOC)
-    fig, axes = plt.subplots(1, len(cells), figsize=(6.5 * len(cells), 3.6), squeeze=False)
-    for ax, (M_, provs) in zip(axes[0], sorted(cells.items())):
+    ncols = min(2, len(cells))                                 # two panels a row: each as wide as half the page
+    nrows = -(-len(cells) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 2.9 * nrows), squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    for k, (ax, (M_, provs)) in enumerate(zip(axes.flat, sorted(cells.items()))):
         names = [n for n in provs if "kernel" in provs[n]]
         kern = [provs[n]["kernel"]["median_ms"] * 1e3 for n in names]
         y = np.arange(len(names))
@@ -846,9 +850,10 @@ else:
         ax.axvline(floor_us, c="k", ls=":", lw=1)
         ax.text(floor_us, len(names) - 0.45, f" floor {floor_us:,.1f} us: {what}", fontsize=7)
         ax.set_yticks(y, [SHORT.get(n, n) for n in names])
-        ax.invert_yaxis()
+        ax.set_ylim(len(names) - 0.25, -0.6)                  # top to bottom, with room for the floor's note
         ax.set_xlim(0, max(kern) * 1.6)
-        ax.set_xlabel("kernel time, microseconds (median; call time in brackets)")
+        if k + ncols >= len(cells):                            # the bottom panel of each column
+            ax.set_xlabel("kernel time, microseconds (median; call time in brackets)")
         ax.set_title(f"{provs[names[0]]['shape']}, M = {M_} ({DOC['provenance']['gpu']})", fontsize=10)
     plt.tight_layout()
     plt.show()

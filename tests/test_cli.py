@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
-from lynn_kernels import checks
-from lynn_kernels import cli
+import lynn_kernels
+from lynn_kernels import checks, cli, compare
 from lynn_kernels.cli import main
 
 ON_GPU = torch.cuda.is_available()
@@ -22,15 +25,16 @@ def test_check_prints_a_passing_table(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("lynn check on ") and "backend " in lines[0]
     header = lines[1].split()
-    assert header == checks.COLUMNS
-    rows = [line for line in lines[3:] if line.startswith("nvfp4")]
-    assert rows, out
-    ops = {line.split()[0] for line in rows}
-    assert {"nvfp4.quantize", "nvfp4.dequantize"} <= ops
-    assert all(line.rstrip().endswith("yes") for line in rows), out      # the passed column
-    every = [line for line in lines[3:] if line.rstrip().endswith((" yes", " no"))]
-    assert {line.split()[0].split(".")[0] for line in every} >= {"nvfp4", "matmul", "attention", "deltanet", "moe"}
-    done = re.search(r"^(\d+)/(\d+) checks passed in [\d.]+ s$", out, re.M)
+    assert header == ["fam", *checks.PORTABLE_COLUMNS]
+    assert all(len(line) <= 120 for line in lines), max(lines, key=len)
+    every = [line for line in lines[3:] if re.match(r"\[\d/6\]  ", line)]
+    rows = [line.split()[1] for line in every if line.split()[1].startswith("nvfp4")]
+    assert {"nvfp4.quantize", "nvfp4.dequantize"} <= set(rows), out
+    assert all(line.rstrip().endswith(" yes") for line in every), out      # the passed column
+    assert {line.split()[1].split(".")[0] for line in every} >= {"nvfp4", "matmul", "attention", "deltanet", "moe",
+                                                                 "norm"}
+    assert [int(line[1]) for line in every] == sorted(int(line[1]) for line in every)    # families in order
+    done = re.search(r"^(\d+)/(\d+) checks passed in [\d.]+ s$", out, re.MULTILINE)
     assert done and done.group(1) == done.group(2) == str(len(every))
 
 
@@ -134,3 +138,160 @@ def test_lab_opens_jupyterlab_on_the_notebooks(monkeypatch):
 def test_unknown_options_are_refused_outside_lab():
     with pytest.raises(SystemExit):
         cli.main(["check", "--bogus"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# start-up configuration errors: one line and exit status 2 from the `lynn` command, a traceback for Python users
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_lynn(command: list[str], args: list[str], **env) -> subprocess.CompletedProcess:
+    """Run a ``lynn`` command line in a fresh process with TRITON_INTERPRET / LYNN_BACKEND unset and no GPU visible,
+    plus ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LYNN_BACKEND")}
+    clean["CUDA_VISIBLE_DEVICES"] = ""
+    clean.update(env)
+    return subprocess.run([*command, *args], env=clean, cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+#: The two ways to start the command: the installed script and ``python -m lynn_cli``.
+COMMANDS = {"script": [str(Path(sys.executable).with_name("lynn"))], "module": [sys.executable, "-m", "lynn_cli"]}
+
+
+def test_the_lynn_script_enters_outside_the_package():
+    """``lynn_kernels.cli`` cannot catch an error raised while ``lynn_kernels`` is imported: the script starts at
+    ``lynn_cli.main``, which imports it."""
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["lynn"] == "lynn_cli:main"
+    assert Path(COMMANDS["script"][0]).is_file(), "the lynn script is not installed next to this python"
+
+
+@pytest.mark.parametrize("how", list(COMMANDS))
+def test_a_bad_lynn_backend_is_a_usage_error(how):
+    r = run_lynn(COMMANDS[how], ["info"], LYNN_BACKEND="bogus")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("lynn: error: LYNN_BACKEND='bogus': expected one of ('triton', 'interpreter', 'reference') "
+                        "or unset\n")
+
+
+def test_lynn_backend_triton_without_a_gpu_is_a_usage_error():
+    r = run_lynn(COMMANDS["module"], ["check", "norm"], LYNN_BACKEND="triton")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("lynn: error: LYNN_BACKEND=triton asks for compiled kernels, but no CUDA GPU is visible "
+                        "(or TRITON_INTERPRET=1 is set)\n")
+
+
+def test_lynn_cli_main_runs_the_command(capsys):
+    import lynn_cli
+
+    assert lynn_cli.main(["info"]) == 0
+    assert "backend: " in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lynn check streams its table: the header first, each row as its family hands it over, 120 columns at most
+
+SUMMARY = re.compile(r"^(\d+)/(\d+) checks passed in [\d.]+ s$", re.MULTILINE)
+
+
+def check_lines(out: str) -> tuple[list[str], list[str]]:
+    """The lines of ``lynn check``'s output, and those that start a row (with their ``[i/n]`` marker)."""
+    lines = out.splitlines()
+    return lines, [line for line in lines if re.match(r"\[\d+/\d+\]  \S", line)]
+
+
+def test_check_norm_streams_a_table_of_120_columns(capsys):
+    assert main(["check", "norm"]) == 0
+    lines, rows = check_lines(capsys.readouterr().out)
+    assert lines[0].startswith("lynn check on ") and "note:" not in "\n".join(lines)
+    assert lines[1].split() == ["fam", *checks.PORTABLE_COLUMNS] and set(lines[2]) == {"-", " "}
+    assert max(len(line) for line in lines) <= 120
+    assert len(rows) == 9 and all(r.startswith("[1/1]  norm.rmsnorm") and r.endswith(" yes") for r in rows)
+    done = SUMMARY.search("\n".join(lines))
+    assert done and done.group(1) == done.group(2) == "9"
+
+
+def fake_family(capsys, seen, rows):
+    """A check family that yields ``rows`` one at a time and notes, before each, what ``lynn check`` had printed."""
+    def family():
+        for row in rows:
+            seen.append(capsys.readouterr().out)
+            yield row
+        seen.append(capsys.readouterr().out)
+
+    return family
+
+
+def test_check_prints_each_row_as_it_comes(capsys, monkeypatch):
+    seen = []
+    rows = [{"op": "fake.op", "case": f"case {i}", "metrics": compare(torch.ones(4), torch.ones(4)), "passed": True}
+            for i in range(3)]
+    monkeypatch.setattr(checks, "CHECKS", {"fake": fake_family(capsys, seen, rows),
+                                           "other": fake_family(capsys, seen, rows[:1])})
+    assert main(["check"]) == 0
+    seen.append(capsys.readouterr().out)
+    assert "lynn check on " in seen[0] and "fam  " in seen[0] and "[1/2]" not in seen[0]     # header first
+    assert [len(re.findall(r"case \d", s)) for s in seen] == [0, 1, 1, 1, 0, 1, 0]    # then each row on its own
+    assert "[1/2]  fake.op" in seen[1] and "[2/2]  fake.op" in seen[5]
+    assert SUMMARY.search(seen[-1]).groups() == ("4", "4")
+
+
+def test_check_wraps_long_names_and_fits_odd_numbers(capsys, monkeypatch):
+    from lynn_kernels.validate import Metrics
+
+    odd = Metrics(cosine=-0.123456789, max_abs=123456.7, rel_l2=0.00123456789, err_ratio=99999.9, mismatches=None)
+    long_case = "a case name far longer than its column, in several words, so that it wraps onto further lines"
+    rows = [{"op": "fake.an_op_name_longer_than_the_column", "case": long_case, "metrics": odd, "passed": False},
+            {"op": "fake.op", "case": "short", "mismatches": 123456, "passed": True}]
+    monkeypatch.setattr(checks, "CHECKS", {"fake": lambda: rows})
+    assert main(["check"]) == 1                                          # a failed row: exit status 1
+    lines, starts = check_lines(capsys.readouterr().out)
+    assert max(len(line) for line in lines) <= 120
+    assert len(starts) == 2 and starts[0].endswith(" NO") and starts[1].endswith(" yes")
+    assert starts[0].rindex(" NO") == starts[1].rindex(" yes")          # the passed column lines up
+    table = lines[lines.index(starts[0]):lines.index(starts[1])]
+    assert len(table) > 1                                                # the long case went on over more lines
+    case_col = lines[1].index("case")
+    assert " ".join(line[case_col:case_col + 28].strip() for line in table) == long_case
+    assert "fake.an_op_name_longer_than_the_column" == "".join(line[7:7 + 26].strip() for line in table)
+    assert SUMMARY.search("\n".join(lines)).groups() == ("1", "2")
+
+
+def test_check_says_the_reference_checks_itself(capsys):
+    with lynn_kernels.use_reference():
+        assert main(["check", "norm"]) == 0
+    lines, rows = check_lines(capsys.readouterr().out)
+    assert "backend reference" in lines[0]
+    assert " ".join(lines[1:3]) == cli.REFERENCE_NOTICE and lines[3].split()[0] == "fam"
+    assert max(len(line) for line in lines) <= 120 and len(rows) == 9
+
+
+def test_check_under_lynn_backend_reference():
+    r = run_lynn(COMMANDS["module"], ["check", "norm"], LYNN_BACKEND="reference")
+    assert r.returncode == 0, r.stderr
+    lines, rows = check_lines(r.stdout)
+    assert "backend reference" in lines[0] and "compare the reference with itself" in " ".join(lines[1:3])
+    assert lines.index(rows[0]) > 3 and max(len(line) for line in lines) <= 120
+    done = SUMMARY.search(r.stdout)
+    assert done and done.groups() == ("9", "9")
+
+
+def test_check_shows_a_progress_line_on_a_terminal(capsys, monkeypatch):
+    """With stderr on a terminal, a line names the family running; the rows that follow overwrite it."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(cli.sys, "stderr", err)
+    row = {"op": "fake.op", "case": "one", "mismatches": 0, "passed": True}
+    monkeypatch.setattr(checks, "CHECKS", {"fake": lambda: [row], "other": lambda: [row]})
+    assert main(["check"]) == 0
+    assert re.fullmatch(r"\[1/2\] running the fake checks \.\.\. \(0 rows so far, \d+ s\)\r\033\[K"
+                        r"\[2/2\] running the other checks \.\.\. \(1 row so far, \d+ s\)\r\033\[K", err.getvalue())
+    _, rows = check_lines(capsys.readouterr().out)
+    assert [r.split()[:2] for r in rows] == [["[1/2]", "fake.op"], ["[2/2]", "fake.op"]]
