@@ -94,6 +94,71 @@ def markdown_matmul(op: str, gpu: str = "h200") -> str:
     return "\n".join(lines)
 
 
+_GRAPH_COLS = (("lynn packed", "packed"), ("lynn packed FMA GEMV", "FMA GEMV"),
+               ("lynn packed tensor-core GEMV", "tensor-core GEMV"), ("lynn checkpoint layout", "checkpoint layout"),
+               ("cuBLAS bf16", "cuBLAS bf16"), ("pure read (same bytes)", "pure read"))
+
+
+def graph_cells(doc: dict) -> list[dict]:
+    """One dict per (shape, M) of a ``matmul.graph`` file: microseconds per provider, graph replay and call."""
+    cells: dict = {}
+    for r in doc["results"]:
+        key = (r["shape"], r["dims"]["M"])
+        cell = cells.setdefault(key, {"shape": r["shape"], **r["dims"], "graph": {}, "call": {}, "gbps": {}})
+        how = "graph" if r["provider"].endswith(" (graph)") else "call"
+        name = r["provider"][: -len(f" ({how})")]
+        cell[how][name] = r["median_ms"] * 1e3
+        if how == "graph":
+            cell["gbps"][name] = r["gbps"]
+    return list(cells.values())
+
+
+def graph_goal(c: dict) -> str:
+    """Issue 13's goal for a cell, judged on the dispatch's (``lynn packed``) graph time."""
+    ours, cub = c["graph"]["lynn packed"], c["graph"]["cuBLAS bf16"]
+    m, big = c["M"], c["N"] * c["K"] >= 8192 * 8192
+    if m == 1:
+        read = c["graph"].get("pure read (same bytes)")
+        need = 3.2 if big else 2.5
+        ok = cub / ours >= need and read is not None and read / ours >= 0.8
+        return f"{need}x and 80% of read: {'met' if ok else 'not met'}"
+    if m <= 16:
+        return f"2.5x: {'met' if cub / ours >= 2.5 else 'not met'}"
+    if m >= 512:
+        return f"0.8x: {'met' if cub / ours >= 0.8 else 'not met'}"
+    return "-"
+
+
+def markdown_matmul_graph(op: str, gpu: str = "h200") -> str:
+    """Kernel time by graph replay per provider and cell, the dispatch against cuBLAS and the pure read, and a
+    second table of call times."""
+    doc = load(op, gpu)
+    p, c0 = doc["provenance"], doc["ceilings"]
+    head = (f"`{op}` on {p['gpu']}, {p['date']}, {git_label(p)}, torch {p['torch']}, triton {p['triton']}; command "
+            f"`{p['command']}`. Ceilings in the same process: copy {c0['copy_gbps']:,.0f} GB/s, read "
+            f"{c0['read_gbps']:,.0f} GB/s. Microseconds a call by graph replay; \"packed\" is what `nvfp4_linear` "
+            f"dispatches to.")
+    names = [label for _, label in _GRAPH_COLS]
+    lines = [head, "", "| shape | M | " + " us | ".join(names) + " us | packed vs cuBLAS | packed of pure read | "
+             "packed GB/s | goal |", "|" + "---|" * (len(names) + 6)]
+    cells = graph_cells(doc)
+    for c in cells:
+        g = c["graph"]
+        vals = " | ".join(f"{g[k]:,.2f}" if k in g else "-" for k, _ in _GRAPH_COLS)
+        ours, cub, read = g["lynn packed"], g["cuBLAS bf16"], g.get("pure read (same bytes)")
+        frac = f"{100 * read / ours:.0f}%" if read else "-"
+        lines.append(f"| {c['shape']} | {c['M']} | {vals} | {cub / ours:.2f}x | {frac} | "
+                     f"{c['gbps']['lynn packed']:,.0f} | {graph_goal(c)} |")
+    lines += ["", "Call time (`do_bench` of one eager Python call, us):", "",
+              "| shape | M | packed | FMA GEMV | tensor-core GEMV | checkpoint layout | cuBLAS bf16 |",
+              "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if c["call"]:
+            vals = " | ".join(f"{c['call'][k]:,.1f}" if k in c["call"] else "-" for k, _ in _GRAPH_COLS[:5])
+            lines.append(f"| {c['shape']} | {c['M']} | {vals} |")
+    return "\n".join(lines)
+
+
 def timed_pairs(doc: dict) -> list[dict]:
     """One dict per (shape, provider) of a file written by ``harness.timed``: the ``(kernel)`` and ``(call)`` rows
     of a provider side by side, plus any other row (wall-clock, or a provider that was not timed) on its own."""
@@ -161,12 +226,14 @@ def update(path: str, ops=None) -> list[str]:
 TIMED_OPS = ("attention.prefill", "attention.decode", "deltanet.chunk", "deltanet.recurrent", "deltanet.conv",
              "moe.block")
 #: Every op with a table in docs/performance.md.
-ALL_OPS = ("nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", *TIMED_OPS)
+ALL_OPS = ("nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", "matmul.graph", *TIMED_OPS)
 
 
 def markdown(op: str, gpu: str = "h200") -> str:
     if op == "matmul.linear":
         return markdown_matmul(op, gpu)
+    if op == "matmul.graph":
+        return markdown_matmul_graph(op, gpu)
     if op in TIMED_OPS:
         return markdown_timed(op, gpu)
     doc = load(op, gpu)
