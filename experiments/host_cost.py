@@ -42,13 +42,14 @@ p, wb = pack(q), dequantize(q)
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
 f = kernel_constexprs(x.dtype, None, y.dtype, False, True)
-raw_args = (x, p.words, p.scales, p.global_scale, y, y, 1, n, k // 8, x.stride(0), x.stride(1), y.stride(0), n)
+raw_args = (x, p.words, p.scales, p.global_scale, y, y, 1, n, k, p.words.shape[1], x.stride(0), x.stride(1),
+            y.stride(0), n)
 raw_kw = dict(HAS_BIAS=False, X_DTYPE=f["X_DTYPE"], BIAS_DTYPE=f["BIAS_DTYPE"], OUT_DTYPE=f["OUT_DTYPE"], BLOCK_M=1,
               BLOCK_N=16, TW=128, EVEN_N=True, EVEN_K=True, USE_PDL=False, INTERPRET=False, num_warps=4,
               num_stages=1)
 rows = {
     "empty Triton kernel, 1 argument": per_call_us(lambda: _empty[(1,)](x)),
-    "packed_gemv_kernel[grid](...) (13 arguments, 12 constexprs)": per_call_us(
+    "packed_gemv_kernel[grid](...) (14 arguments, 12 constexprs)": per_call_us(
         lambda: packed_gemv_kernel[(n // 16,)](*raw_args, **raw_kw)),
     "launch_packed_gemv (config, constexprs, launch)": per_call_us(lambda: launch_packed_gemv(x, p, None, y)),
     "nvfp4_linear (dispatch, checks, output allocation, launch)": per_call_us(lambda: nvfp4_linear(x, p)),
