@@ -848,6 +848,26 @@ def test_packed_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, ma
     assert_close_to_reference(y, reference.nvfp4_linear(x, w, bias), f"packed M={m} N={n} K={k}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_decode_kernels_every_m(dtype, make_weight, make_nvfp4, device, poison_empty):
+    """M = 1..17 on an odd N and a K that is a multiple of 16 but not of 64 (so the last 128-column chunk is padded):
+    the dispatch, the tensor-core GEMV (M <= 16) and the FMA GEMV (M <= 2), with a bias, against the reference."""
+    n, k = 37, 208
+    w = make_nvfp4(n, k, seed=11)
+    p = pack(w)
+    bias = make_bias(n, dtype, device)
+    for m in range(1, 18):
+        x = make_weight((m, k), dtype, seed=m)
+        want = reference.nvfp4_linear(x, w, bias)
+        assert_close_to_reference(nvfp4_linear(x, p, bias), want, f"dispatch M={m}")
+        if m <= 16:
+            y = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=device))
+            assert_close_to_reference(y, want, f"tensor-core GEMV M={m}")
+        if m <= 2:
+            y = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=device))
+            assert_close_to_reference(y, want, f"FMA GEMV M={m}")
+
+
 @pytest.mark.parametrize("config", [pytest.param({"BLOCK_N": 16, "TW": 128, "num_warps": 4}, id="gpu-16x128"),
                                     pytest.param({"BLOCK_N": 32, "TW": 128, "num_warps": 4}, id="gpu-32x128"),
                                     pytest.param({"BLOCK_N": 8, "TW": 64, "num_warps": 2}, id="8x64"),

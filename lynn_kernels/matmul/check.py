@@ -1,5 +1,6 @@
 """``lynn check`` rows for the packed W4A16 matmul: the GEMV, the GEMM and ``nvfp4_linear``'s dispatch, on the
-checkpoint layout and on the packed one, against the fp32 reference.
+checkpoint layout and on the packed one, and the packed layout's two decode kernels (the FMA GEMV, the tensor-core
+GEMV) each on its own, against the fp32 reference.
 
 Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``; the baseline of ``err_ratio`` is the same product
 rounded through a bf16 weight (the copy cuBLAS would multiply). A row passes when its rel_l2 is within
@@ -44,10 +45,24 @@ def check_matmul() -> list[dict]:
                     + bias.float()).to(dtype)
             for layout, weight in (("", w), (" packed", pack(w))):
                 got = fn(x, weight, bias)
-                metrics = compare(got, want, baseline=base)
-                rows.append({"op": f"matmul.{name}{layout}", "case": label, "metrics": metrics,
-                             "passed": metrics.rel_l2 <= MATMUL_MAX_REL_L2[dtype] and _within_one_flip(got, want)})
+                rows.append(_row(f"matmul.{name}{layout}", label, got, want, base, dtype))
+        if m <= 16 and runtime.backend() != "reference":
+            # the two decode kernels of the packed layout on their own, whichever the dispatch picks
+            from .triton_matmul import launch_gemv, launch_packed_gemv
+
+            p = pack(w)
+            got = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
+            rows.append(_row("matmul.tensor-core gemv packed", label, got, want, base, dtype))
+            if m <= 2:
+                got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
+                rows.append(_row("matmul.fma gemv packed", label, got, want, base, dtype))
     return rows
+
+
+def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, base: torch.Tensor, dtype) -> dict:
+    metrics = compare(got, want, baseline=base)
+    return {"op": op, "case": case, "metrics": metrics,
+            "passed": metrics.rel_l2 <= MATMUL_MAX_REL_L2[dtype] and _within_one_flip(got, want)}
 
 
 def _within_one_flip(got: torch.Tensor, want: torch.Tensor) -> bool:
