@@ -25,8 +25,8 @@
 # 2. the reference
 # 3. the kernel step by step: (a) a naive kernel, (b) a tile of rows, (c) split-K with a deterministic reduce,
 #    (d) the package's tiled GEMM and its packed bf16x2 decode
-# 4. the kernel layout (`pack`): 8 codes in a 32-bit word, decoded by shifts and masks; its kernels, and what
-#    they measured on the H200
+# 4. the kernel layout (`pack`): 8 codes in a 32-bit word, decoded by shifts and masks, in the order of the
+#    tensor cores' operand; its kernels, and what they measured on the H200
 # 5. the validation table
 # 6. `NVFP4Linear`: quantisation as a module swap, on a small MLP
 # 7. the H200 profile against cuBLAS bf16, from committed results
@@ -526,7 +526,7 @@ print("\n".join(src[start:start + 8]))
 # it (the `gpu` marker); the identity above is what makes it bit-compatible with the portable decode.
 
 # %% [markdown]
-# ## 4. The kernel layout: 8 codes in a 32-bit word
+# ## 4. The kernel layout: 8 codes in a 32-bit word, in the tensor cores' order
 #
 # Section 3's kernels read the checkpoint layout as it is stored: a byte of two codes (the even element in the
 # low nibble) and an E4M3 scale byte per 16 elements. At decode, where each weight is used once, the work is the
@@ -534,32 +534,37 @@ print("\n".join(src[start:start + 8]))
 # `lynn_kernels.matmul.pack(w)` rewrites a weight **once, at load time**, into a second layout, a `PackedNVFP4`,
 # that is cheaper to decode; `unpack` gives the checkpoint layout back. Every op takes either form:
 #
-# * **words**: int32 `[N, K/8]`; a word holds the 8 codes of positions `8i .. 8i + 7` of one row, their bits placed
-#   so that two shifts, two masks and an OR bring a *pair* of them into the bits of two bf16s, each equal to
-#   `e2m1 x 2^-126` (the identity of section 3 (d), with no byte shuffling first);
-# * **scales**: uint8 `[N, K/16]`, each E4M3 scale `s = 2^e (1 + m/8)` re-encoded as the byte `(e + 10) << 3 | m`,
-#   which a shift and an OR turn into the fp32 `s x 2^75` (for the FMA GEMV) or `s x 2^107` (for the tensor-core
-#   kernels): no table and no subnormal case;
+# * **words**: int32 `[N, Kp/8]`, with `Kp` the row length K rounded up to a multiple of 128 (`packed.CHUNK`; the
+#   padding holds zero codes). A word holds 8 codes of one row, their bits placed so that two shifts, two masks and
+#   an OR bring a *pair* of them into the bits of two bf16s, each equal to `e2m1 x 2^-126` (the identity of
+#   section 3 (d), with no byte shuffling first). Which 8: not 8 neighbours along K, but the 8 that one thread
+#   holds of the tensor cores' operand, so that the decoded pairs already are the registers the MMA reads;
+# * **scales**: uint8 `[N, Kp/16]`, each E4M3 scale `s = 2^e (1 + m/8)` re-encoded as the byte `(e + 10) << 3 | m`
+#   and stored with its two nibbles swapped (zero in the padding). A byte-permute and an AND-OR turn it into a bf16
+#   pair `s x 2^107` (for the tensor-core kernels) or an fp32 `s x 2^75` (for the FMA GEMV): no table, no shift
+#   and no subnormal case;
 # * **global scale**: unchanged, applied once per output in the epilogue, with the powers of two folded in.
 #
-# A packed weight with M <= 2 rows of `x` goes to a GEMV on the FMA units (`packed_gemv_kernel` in
-# `triton_packed.py`), up to M = 16 to the tensor-core GEMV of section 3 and above to the GEMM, both reading
-# the packed words through `packed_w_tile`.
+# Which kernel decodes a packed weight is `triton_matmul.use_fma_gemv(m, n)`'s choice, made from the H200
+# measurements at the end of this section: a GEMV on the FMA units (`packed_gemv_kernel` in `triton_packed.py`) for
+# one row of `x` up to 65,536 output rows and for two rows below 8,192; otherwise the tensor-core GEMV of section 3
+# up to M = 16 and the GEMM above, both of which decode the words through `packed_w_tile`.
 #
-# **(a) Pack, unpack.** A small weight, 4 rows of K = 64 (four blocks a row). The layout takes the same bytes,
-# and it is exact: `unpack(pack(q))` dequantises to the same values, bit for bit.
+# **(a) Pack, unpack.** A small weight, 4 rows of K = 192 (twelve blocks a row): one whole chunk of 128 and half of
+# a second, so each row is padded to 256 positions. The layout is exact: `unpack(pack(q))` dequantises to the same
+# values, bit for bit.
 
 # %%
 from lynn_kernels.matmul import pack, packed, unpack
 
 gen = torch.Generator().manual_seed(4)
-q = nvfp4.quantize((torch.randn(4, 64, generator=gen) * 0.02).to(DEVICE))     # N = 4, K = 64
+q = nvfp4.quantize((torch.randn(4, 192, generator=gen) * 0.02).to(DEVICE))    # N = 4, K = 192
 p = pack(q)
 print(p)
 print(f"checkpoint: codes {list(q.codes.shape)} uint8 (2 codes a byte), scales {list(q.scales.shape)} E4M3, "
       f"{q.nbytes} bytes")
 print(f"packed:     words {list(p.words.shape)} int32 (8 codes a word), scales {list(p.scales.shape)} uint8 "
-      f"(re-encoded), {p.nbytes} bytes")
+      f"(re-encoded), {p.nbytes} bytes: K = {p.k} padded to {p.words.shape[1] * 8}, chunks of {packed.CHUNK}")
 
 back = unpack(p)
 same = compare(nvfp4.reference.dequantize(back, torch.float32), nvfp4.reference.dequantize(q, torch.float32),
@@ -622,12 +627,129 @@ fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.84)
 plt.show()
 
 # %% [markdown]
-# **(c) Decoding a word by hand.** What `decode_word` does, in torch on int64s holding 32-bit patterns: for pair
+# **(c) Which 8 codes: the tensor cores' order.** The tensor cores multiply a weight tile held in registers, spread
+# over a warp's 32 threads in a fixed pattern. In `mma.m16n8k16` (and Hopper's wgmma with its first operand in
+# registers, the same pattern in each warp) that operand is 16 rows of W by 16 positions of K; four threads share
+# each row, and thread `q = 0..3` of a row holds two bf16 pairs of its 16 columns: `2q, 2q + 1` and `2q + 8, 2q + 9`.
+# A decode that leaves the weights in K order leaves them in the wrong threads, and the tile must be exchanged
+# between threads (through shared memory: what Triton does with section 3's tiles) before the MMA. So `pack` puts
+# in each word the elements one thread needs. A row is cut into **chunks of 128** positions (8 MMA steps of 16, 16
+# words), and element `j` of word `w = 4q + i` of chunk `c` holds the K position
+#
+# $$
+# k \;=\; 128\,c + 32\,i + 16\,(j \gg 2) + 8\,((j \gg 1)\,\&\,1) + 2q + (j\,\&\,1)
+# $$
+#
+# (`packed.word_k(kw)` is this table for `kw` words). The word's bf16 pair `p` (elements `2p, 2p + 1`, neighbours
+# along K) is one register of thread `q`: pair 0 is columns `2q, 2q + 1` of MMA step `2i`, pair 1 columns
+# `2q + 8, 2q + 9` of the same step, pairs 2 and 3 the same for step `2i + 1`. A thread's four words `4q .. 4q + 3`
+# sit side by side, so one 16-byte load brings its share of all 8 steps of the chunk. And each half word lies in one
+# block of 16: word `4q + i` takes the scales of blocks `2i` (elements 0..3) and `2i + 1` (elements 4..7), two
+# neighbouring scale bytes. The table for one chunk, checked against the operand's layout as the PTX manual
+# defines it (element `a` of thread `lane` is row `lane // 4 + 8 ((a >> 1) & 1)`, column
+# `2 (lane % 4) + (a & 1) + 8 (a >> 2)` of the tile):
+
+# %%
+WK = packed.word_k(16)                                        # [16 words, 8 elements]: K positions of chunk 0
+print(render_table([{"word": w, "thread q": w // 4, "i": w % 4, **{f"j={j}": int(WK[w, j]) for j in range(8)},
+                     "scale blocks": f"{2 * (w % 4)}, {2 * (w % 4) + 1}"} for w in range(16)]))
+
+
+def a_fragment(lane, a):
+    """mma.m16n8k16's first operand (16 x 16, bf16): element ``a`` (0..7) of thread ``lane`` is (row, column)."""
+    return lane // 4 + 8 * ((a >> 1) & 1), 2 * (lane % 4) + (a & 1) + 8 * (a >> 2)
+
+
+frag = {q: [a_fragment(q, a) for a in (0, 1, 4, 5)] for q in range(4)}      # lanes 0..3: row 0's four threads
+want_k = torch.tensor([[16 * (2 * i + h) + col for h in (0, 1) for _, col in frag[q]]
+                       for q in range(4) for i in range(4)])                 # [word 4q + i, element]
+print("elements 0, 1, 4, 5 of lanes 0..3 are row 0 of the tile:", all(r == 0 for f in frag.values() for r, _ in f))
+print("word 4q + i = thread q's columns of MMA steps 2i and 2i + 1, in register order:", torch.equal(WK, want_k))
+print("the 16 words hold each of the chunk's 128 positions once:", sorted(WK.flatten().tolist()) == list(range(128)))
+print("elements 0..3 of word 4q + i lie in block 2i, elements 4..7 in block 2i + 1:",
+      bool((WK // 16 == 2 * (torch.arange(16)[:, None] % 4) + (torch.arange(8)[None, :] >= 4)).all()))
+
+# %% [markdown]
+# The same chunk drawn: each square is one K position, in rows of 16 (an MMA step, and a scale block); its colour is
+# the thread that holds it, and the label its word and element. Below, the chunk in memory: the words of a thread side
+# by side, then the 8 scale bytes. (`docs/figures/packed_layout.png` is this picture, larger.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch
+
+THREAD = ("tab:blue", "tab:orange", "tab:green", "tab:red")       # a colour per thread q of a row's four
+
+
+def shade(colour, i):
+    """Thread q's word 4q + i: lighter as i grows."""
+    return tuple(v + (1 - v) * (0.0, 0.28, 0.5, 0.66)[i] for v in to_rgb(colour))
+
+
+fig = plt.figure(figsize=(11, 5.6))
+grid, mem = fig.add_axes((0.13, 0.30, 0.74, 0.56)), fig.add_axes((0.13, 0.03, 0.74, 0.17))
+for w in range(16):
+    th, i = divmod(w, 4)                                             # (q is the weight of (a))
+    for j in range(8):
+        s, c = divmod(int(WK[w, j]), 16)                             # MMA step (= scale block), column in the step
+        grid.add_patch(plt.Rectangle((c, s), 1, 1, facecolor=shade(THREAD[th], i), edgecolor="white", lw=1.2))
+        grid.text(c + 0.5, s + 0.36, f"w{w}", ha="center", va="center", fontsize=8, weight="bold")
+        grid.text(c + 0.5, s + 0.74, f"j{j}", ha="center", va="center", fontsize=6.5, color="0.15")
+    mem.add_patch(plt.Rectangle((w, 1.2), 1, 1, facecolor=shade(THREAD[th], i), edgecolor="white", lw=1.2))
+    mem.text(w + 0.5, 1.7, f"w{w}", ha="center", va="center", fontsize=8, weight="bold")
+for s in (2, 4, 6):
+    grid.plot([0, 16], [s, s], c="k", lw=1.4)                        # word 4q + i spans the steps 2i and 2i + 1
+grid.plot([8, 8], [0, 8], c="k", lw=0.8, ls="--")
+for i in range(4):
+    grid.text(16.2, 2 * i + 1, f"i = {i}: words\n{i}, {4 + i}, {8 + i}, {12 + i}", va="center", fontsize=7.5)
+grid.set_xlim(0, 16)
+grid.set_ylim(8, 0)
+grid.set_xticks([c + 0.5 for c in range(16)], [str(c) for c in range(16)], fontsize=7.5)
+grid.xaxis.tick_top()
+grid.set_yticks([s + 0.5 for s in range(8)], [f"block {s}: K {16 * s}-{16 * s + 15}" for s in range(8)], fontsize=7.5)
+grid.tick_params(length=0)
+for side in grid.spines.values():
+    side.set_visible(False)
+grid.set_title("one chunk of a row: word w = 4q + i and element j of each K position (column: K mod 16);\n"
+               "colour: thread q of mma.m16n8k16's A operand (columns 2q, 2q+1, 2q+8, 2q+9 of every 16)",
+               fontsize=9, pad=18)
+for th in range(4):
+    mem.annotate("", xy=(4 * th + 0.05, 2.45), xytext=(4 * th + 3.95, 2.45),
+                 arrowprops={"arrowstyle": "|-|", "lw": 0.8, "shrinkA": 0, "shrinkB": 0})
+    mem.text(4 * th + 2, 2.7, f"thread {th}: one 16-byte load", ha="center", va="bottom", fontsize=7.5)
+for b in range(8):
+    mem.add_patch(plt.Rectangle((2 * b, 0), 2, 0.8, facecolor="0.88", edgecolor="white", lw=1.2))
+    mem.text(2 * b + 1, 0.4, f"byte {b}: block {b}", ha="center", va="center", fontsize=7)
+mem.text(-0.2, 1.7, "words", ha="right", va="center", fontsize=8)
+mem.text(-0.2, 0.4, "scales", ha="right", va="center", fontsize=8)
+mem.set_xlim(0, 16)
+mem.set_ylim(0, 3.3)
+mem.axis("off")
+fig.legend(handles=[Patch(facecolor=c, label=f"thread q = {q}") for q, c in enumerate(THREAD)],
+           loc="lower right", bbox_to_anchor=(0.998, 0.03), fontsize=7.5, frameon=False)
+plt.show()
+
+# %% [markdown]
+# In the weight of (a) the second chunk is half padding, and its last 64 positions are not its last words: they are
+# the words with `i = 2, 3` of every thread, spread through the chunk:
+
+# %%
+wk = packed.word_k(p.words.shape[1])                                   # [Kp/8, 8]: K position of each element
+pad = (wk >= p.k).all(dim=1)                                           # words that hold only padding
+print(f"K = {p.k} of {wk.numel()}: the words that hold only padding are {pad.nonzero().flatten().tolist()} "
+      f"(of {p.words.shape[1]}); none holds part of it:", bool(((wk >= p.k).any(dim=1) == pad).all()))
+print("they are zero in every row:", bool((p.words[:, pad] == 0).all()),
+      "| so are the scale bytes past K / 16:", bool((p.scales[:, p.k // 16:] == 0).all()))
+
+# %% [markdown]
+# **(d) Decoding a word by hand.** What `decode_word` does, in torch on int64s holding 32-bit patterns: for pair
 # `p` with shifts `(a, b)`, `t = (q << a) & 0x80008000 | (q << b) & 0x01C001C0` keeps only the pair's sign and
 # magnitude bits, now where a bf16 keeps them. A bf16 is the top half of an fp32, so `t << 16` (the low half) and
 # `t & 0xFFFF0000` (the high half) *are* the two fp32 values `e2m1 x 2^-126`, zeros and the subnormal 0.5 included.
 # Five shifts shared by the four pairs, and an AND plus an AND-OR per pair: 13 integer operations for 8 weights.
-# Word 0 of row 0, against the E2M1 values the reference reads from the checkpoint codes:
+# They come out in the word's element order, and `word_k` says where along K each one belongs. Word 5 of row 0
+# (thread 1, `i = 1`), against the E2M1 values the reference reads from the checkpoint codes at those positions:
 
 # %%
 U32 = 0xFFFFFFFF
@@ -644,7 +766,8 @@ def as_fp32(bits):
 
 
 def decode_by_hand(words):
-    """int32 words ``[...]`` -> their 8 elements ``e2m1 * 2^-126`` as fp32 ``[..., 8]``, in K order."""
+    """int32 words ``[...]`` -> their 8 elements ``e2m1 * 2^-126`` as fp32 ``[..., 8]``, in element order (their K
+    positions: ``packed.word_k``)."""
     v = words.to(torch.int64) & U32
     out = []
     for a, b in packed.PAIR_SHIFTS:
@@ -655,43 +778,99 @@ def decode_by_hand(words):
 
 codes = nvfp4.reference.unpack_nibbles(q.codes.cpu())                       # [N, K], checkpoint order
 want = nvfp4.e2m1_table()[codes.long()]                                     # the reference's E2M1 values
-word = p.words.cpu()[0, 0]
+word = p.words.cpu()[0, 5]
 got = decode_by_hand(word)
-print(f"row 0, word 0 (K = 0..7): 0x{int(word) & U32:08x} = {int(word) & U32:032b}")
-print(render_table([{"element": j, "code": f"0x{int(codes[0, j]):x}",
+print(f"row 0, word 5 (thread 1, i = 1): 0x{int(word) & U32:08x} = {int(word) & U32:032b}")
+print(render_table([{"element": j, "K": int(wk[5, j]), "code": f"0x{int(codes[0, wk[5, j]]):x}",
                      "fp32 bits": f"0x{int(got[j:j + 1].view(torch.int32)) & U32:08x}",
-                     "value x 2^126": got[j].item() * 2.0 ** 126, "reference e2m1": want[0, j].item()}
+                     "value x 2^126": got[j].item() * 2.0 ** 126, "reference e2m1": want[0, wk[5, j]].item()}
                     for j in range(8)]))
-every = decode_by_hand(p.words.cpu()).reshape(want.shape) * 2.0 ** 126
-print(f"all {p.words.numel()} words ({want.numel()} elements) decode to the reference's E2M1 values:",
-      bool((every == want).all()), "| signs of zero too:", bool((every.signbit() == want.signbit()).all()))
+every = torch.zeros(p.words.shape[0], wk.numel())
+every[:, wk.flatten()] = decode_by_hand(p.words.cpu()).flatten(1) * 2.0 ** 126    # element order -> K order
+print(f"all {p.words.numel()} words ({every.numel()} elements, put back in K order) decode to the reference's "
+      f"E2M1 values:", bool((every[:, :p.k] == want).all()),
+      "| signs of zero too:", bool((every[:, :p.k].signbit() == want.signbit()).all()),
+      "| the padding to +0:", bool((every[:, p.k:] == 0).all() and not every[:, p.k:].signbit().any()))
 
 # %% [markdown]
-# The scales, on every positive finite E4M3 value (one block per row, so `pack` re-encodes each once): the byte
-# shifted into an fp32's exponent field and OR-ed with a constant exponent bias is `s x 2^75` or `s x 2^107`,
-# E4M3's subnormal scales included (`pack` normalises them):
+# **(e) The scales.** A block's scale `s = 2^e (1 + m/8)` (E4M3's subnormals normalised: `e` from -9 to 8) becomes
+# the byte `b = (e + 10) << 3 | m`: five exponent bits above three mantissa bits, the lowest exponent bits and the top
+# mantissa bits of an fp32 or a bf16. `pack` stores it with its nibbles swapped, for the GPU's byte-permute: `prmt`
+# copies one byte into all four bytes of a register, and there the low nibble of each copy sits just above the high
+# nibble of the copy below, so bits 20..27 of the register, and bits 4..11 of each of its 16-bit halves, hold `b`
+# the right way round. One AND-OR (`lop3`) with the exponent's constant top bits then makes the fp32
+# `(b << 20) | 0x60000000 = s x 2^75` (the FMA GEMV) or, with `(b << 4) | 0x7000` in each half, the bf16 pair
+# `s x 2^107` (the tensor-core tile's operand for `mul.rn.bf16x2`): two instructions a scale, no shift. In torch the
+# permute is a multiply by `0x01010101`. Three scales step by step (E4M3's smallest, the subnormal `2^-9`; 1.5; its
+# largest, 448), then every positive finite one, each packed as a block of its own:
 
 # %%
 e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 pos = e4m3[torch.isfinite(e4m3.float()) & (e4m3.float() > 0)]              # the 126 positive finite E4M3 values
 one_block = lk.NVFP4Tensor(torch.zeros(pos.numel(), 8, dtype=torch.uint8), pos[:, None], torch.tensor(1.0))
-sb = pack(one_block).scales.to(torch.int64)[:, 0]                         # one re-encoded byte per scale
-for kind in ("fma", "mma"):
-    dec = as_fp32((sb << 20) | packed.SCALE_OR[kind])
-    print(f"{kind}: (byte << 20) | 0x{packed.SCALE_OR[kind]:08x} = s x 2^{packed.SCALE_EXP[kind]} for all "
-          f"{pos.numel()} positive E4M3 scales:", bool((dec == pos.float() * 2.0 ** packed.SCALE_EXP[kind]).all()))
+scale_bytes = pack(one_block).scales.to(torch.int64)                     # [126, 8]: one block, padded to a chunk
+stored = scale_bytes[:, 0]
+
+s = pos.float()
+e = torch.floor(torch.log2(s)).to(torch.int64)                           # s = 2^e (1 + m/8), from the value
+m = ((s / torch.exp2(e.float()) - 1) * 8).to(torch.int64)
+b = ((e + 10) << 3) | m                                                  # the re-encoded byte
+rep = stored * 0x01010101                                                # prmt: the stored byte in all four bytes
+fp32 = as_fp32((rep & 0x0FF00000) | packed.SCALE_OR["fma"])             # lop3: keep bits 20..27, OR the exponent
+pair = (rep & 0x0FF00FF0) | 0x70007000                                   # lop3: bits 4..11 of each half
+lo, hi = as_fp32((pair << 16) & U32), as_fp32(pair & 0xFFFF0000)         # each bf16 half as the top of an fp32
+
+rows = []
+for v in (0x01, 0x3C, 0x7E):
+    t = int((pos.view(torch.uint8) == v).nonzero())
+    rows.append({"E4M3": f"0x{v:02x}", "s": s[t].item(), "e": int(e[t]), "m": int(m[t]),
+                 "b = (e+10)<<3 | m": f"{int(b[t]):08b}", "stored": f"{int(stored[t]):08b}",
+                 "prmt": f"0x{int(rep[t]):08x}", "fp32": f"0x{int(fp32[t:t + 1].view(torch.int32)) & U32:08x}",
+                 "/ 2^75": fp32[t].item() * 2.0 ** -75, "bf16 pair": f"0x{int(pair[t]):08x}",
+                 "/ 2^107": lo[t].item() * 2.0 ** -107})
+print(render_table(rows))
+print(f"all {pos.numel()} positive E4M3 scales: stored = b with its nibbles swapped:",
+      torch.equal(stored, ((b << 4) | (b >> 4)) & 0xFF), "| the padding's bytes zero:",
+      bool((scale_bytes[:, 1:] == 0).all()))
+print(f"  fp32 = s x 2^{packed.SCALE_EXP['fma']}:", bool((fp32 == s * 2.0 ** packed.SCALE_EXP["fma"]).all()),
+      f"| bf16 pair = s x 2^{packed.SCALE_EXP['mma']} in both halves:",
+      bool(((lo == s * 2.0 ** packed.SCALE_EXP["mma"]) & (hi == lo)).all()))
+
+# %% [markdown]
+# A word reads its two scales as one 16-bit value, the pair at byte `2i` of its chunk's 8: block `2i` in the low
+# byte (the permute's selector `0x0000` copies it), block `2i + 1` in the high one (selector `0x1111`). With (d),
+# the whole weight of (a) by hand, the way the FMA GEMV decodes it: words and scale pairs to `e2m1 x s`, put back in
+# K order, against `e2m1 x s` from the checkpoint's codes and E4M3 scales:
+
+# %%
+pairs = p.scales.cpu().view(torch.int16).to(torch.int64) & 0xFFFF        # [N, Kp/32]: bytes 2t, 2t + 1 as one value
+w_ix = torch.arange(p.words.shape[1])
+v = pairs[:, (w_ix // 16) * 4 + w_ix % 4]                                # word 16c + 4q + i: pair i of chunk c
+s_lo = as_fp32((((v & 0xFF) * 0x01010101) & 0x0FF00000) | packed.SCALE_OR["fma"])   # block 2i: s x 2^75
+s_hi = as_fp32((((v >> 8) * 0x01010101) & 0x0FF00000) | packed.SCALE_OR["fma"])     # block 2i + 1
+e8 = decode_by_hand(p.words.cpu())                                       # [N, Kp/8, 8]: e2m1 x 2^-126
+ws = torch.cat([e8[..., :4] * s_lo[..., None], e8[..., 4:] * s_hi[..., None]], dim=-1) * 2.0 ** 51   # e2m1 x s
+by_hand = torch.zeros_like(every)
+by_hand[:, wk.flatten()] = ws.flatten(1)
+ckpt = want * q.scales.cpu().float().repeat_interleave(16, dim=1)       # e2m1 x s from the checkpoint
+print(f"words + scale pairs -> e2m1 x s, all {p.k * p.words.shape[0]} weights equal the checkpoint's:",
+      bool((by_hand[:, :p.k] == ckpt).all()), "| the padding zero:", bool((by_hand[:, p.k:] == 0).all()))
 
 # %% [markdown]
 # The FMA GEMV multiplies the decoded `e2m1 * 2^-126` by `x * 2^64`, so every product `e2m1 * x * 2^-62` is a
-# normal fp32 and exact; a word's 8 products are one FMA chain, scaled by its block's `s * 2^75` with one more
-# FMA, and the epilogue multiplies by `g * 2^-13`. The tensor-core tile multiplies by `s * 2^107` instead, giving
-# `e2m1 * s * 2^-19`, exact in bf16 (six significant bits), and the epilogue undoes the `2^-19`. Every step is
-# exact but the fp32 additions, as in the reference.
+# normal fp32 and exact; each half word's 4 products are one FMA chain, scaled by its block's `s * 2^75` with one
+# more FMA, and the epilogue multiplies by `g * 2^-13`. Its `x` must follow the words' order: it loads a step's `x`
+# contiguous and reorders it to the words' K positions with a reshape and a permute (on the GPU through shared
+# memory: the `x` a thread needs is spread over its warp's loads). The tensor-core tile multiplies each bf16 pair by
+# its block's pair `s * 2^107` instead, giving `e2m1 * s * 2^-19`, exact in bf16 (six significant bits), and
+# `_fragment_tile` joins, reshapes and permutes the eight decoded elements into the tile in K order; compiled for
+# the GPU that is a relabelling of registers, since each thread already holds its part of the operand. The epilogue
+# undoes the `2^-19`. Every step is exact but the fp32 additions, as in the reference.
 #
-# **(d) The three kernels on the packed layout.** `nvfp4_linear(x, pack(w))` at M = 1 and 2 (the FMA GEMV),
-# M = 8 (the tensor-core GEMV) and M = 40 (the GEMM), on the grid data of section 3 (bf16: every order of the sums
-# is exact, so the output must match the reference bit for bit, and the checkpoint layout's too) and on random
-# data in fp32 (round-off, shown against a bound). `traced` watches the three launch functions of
+# **(f) The three kernels on the packed layout.** `nvfp4_linear(x, pack(w))` at M = 1 and 2 (the FMA GEMV, on
+# these 48 rows), M = 8 (the tensor-core GEMV) and M = 40 (the GEMM), on the grid data of section 3 (bf16: every
+# order of the sums is exact, so the output must match the reference bit for bit, and the checkpoint layout's too)
+# and on random data in fp32 (round-off, shown against a bound). `traced` watches the three launch functions of
 # `triton_matmul` to show which one each call took:
 
 # %%
@@ -727,24 +906,50 @@ for m in (1, 2, 8, 40):
 print(render_table(rows, ["M", "kernel", "case", "max_abs = 0", "mismatches", "same bits as checkpoint layout",
                           "rel_l2 < 1e-6"]))
 
+
 # %% [markdown]
-# Section 5's `lynn check matmul` runs every one of its rows on both layouts. One path is not run here: on the GPU
-# with bf16 activations the packed tile decodes in inline PTX (`_decode_word_bf16`: the two masks of (c) per pair,
-# then one `mul.rn.bf16x2` by the scale pair), which the interpreter cannot run; here the tile takes the portable
-# decode of (c).
+# Which of the two decode kernels takes M = 1 and 2 depends on the number of output rows; both read the same words
+# and must give the same bits. Each of them on its own (`launch_packed_gemv`, `launch_gemv`), on grid data with an
+# odd N and a K that leaves the last chunk padded, then the dispatch's choice over M and N:
+
+# %%
+rows = []
+for m in (1, 2):
+    x, w = grid_case(m, 37, 208, seed=30 + m, dtype=torch.bfloat16)
+    want_y = reference.nvfp4_linear(x, w)
+    for label, launch in (("FMA GEMV", triton_matmul.launch_packed_gemv),
+                          ("tensor-core GEMV", triton_matmul.launch_gemv)):
+        y = launch(x, pack(w), None, torch.full((m, 37), float("nan"), dtype=x.dtype, device=x.device))  # poisoned
+        rows.append({"M": m, "kernel": label, "case": "grid bf16 37x208",
+                     "mismatches vs reference": compare(y, want_y, exact=True).mismatches})
+print(render_table(rows))
+print("\nuse_fma_gemv(m, n): the decode kernel for a packed weight")
+print(render_table([{"M": m, **{f"N={n:,}": "FMA" if triton_matmul.use_fma_gemv(m, n) else "tensor-core"
+                                for n in (2048, 8191, 8192, 65536, 65537, 248320)}} for m in (1, 2, 3, 16)]))
+
+# %% [markdown]
+# Section 5's `lynn check matmul` runs every one of its rows on both layouts, and the two decode kernels on their own.
+# Two paths are not run here: on the GPU the FMA GEMV decodes its scales in inline PTX (`_decode_scales_asm`: the
+# `prmt` and `lop3` of (e)), and with bf16 activations the tensor-core tile decodes a word in inline PTX
+# (`_decode_word_bf16`: the scale pair by the same two instructions, the two masks of (d) per pair, then one
+# `mul.rn.bf16x2` by its block's scale); the interpreter cannot run them, so here both take the portable decode
+# (shifts and masks to the same bits).
 #
 # ### On the H200
 #
 # `lynn bench matmul.graph` times each decoder projection shape the way a decoder runs it: captured in a **CUDA
 # graph** of 8 to 64 consecutive calls on rotating weight sets (together past 3x the L2), replayed, divided by the
-# calls. Four providers in one process: ours on the packed layout, ours on the checkpoint layout (section 3's
-# kernels), cuBLAS bf16 `F.linear` on the dequantised weights, and a plain Triton kernel that only **reads the
-# packed weight's bytes** (the same bytes: a per-shape floor for a simple kernel, not a hard limit). The
-# results are committed in `data/bench/h200/matmul.graph.json` and `matmul.chain.json`, read here. M = 1 first:
+# calls. In one process: ours on the packed layout as `nvfp4_linear` dispatches it ("packed"), the packed layout's
+# two decode kernels on their own (the FMA GEMV at M = 1 and 2, the tensor-core GEMV at M = 1 to 16), ours on the
+# checkpoint layout (section 3's kernels), cuBLAS bf16 `F.linear` on the dequantised weights, and a plain Triton
+# kernel that only **reads the packed weight's bytes** (the same bytes: a per-shape floor for a simple kernel, not a
+# hard limit). The results are committed in `data/bench/h200/matmul.graph.json` and `matmul.chain.json`, read
+# here. M = 1 first ("kernel": the one the dispatch takes):
 
 # %%
 GRAPH, CHAIN = load("matmul.graph", gpu="h200"), load("matmul.chain", gpu="h200")
 PACKED, CKPT = "lynn packed (graph)", "lynn checkpoint layout (graph)"
+FMA, TC = "lynn packed FMA GEMV (graph)", "lynn packed tensor-core GEMV (graph)"
 CUBLAS_G, READ = "cuBLAS bf16 (graph)", "pure read (same bytes) (graph)"
 
 G = {}                                                    # {(shape, M): {provider: result row}}
@@ -767,6 +972,11 @@ def short(shape):
     return shape.rsplit(" ", 1)[0] if "->" in shape else shape
 
 
+def decode_kernel(shape, m):
+    """The decode kernel ``nvfp4_linear`` takes for the packed weight of this cell (``use_fma_gemv``)."""
+    return "FMA" if triton_matmul.use_fma_gemv(m, G[shape, m][PACKED]["dims"]["N"]) else "tensor-core"
+
+
 for d in (GRAPH, CHAIN):
     p = d["provenance"]
     print(f"{d['op']}: {p['gpu']}, {p['date']}, git {p['git_sha']}{' (dirty)' if p['git_dirty'] else ''}, "
@@ -774,47 +984,67 @@ for d in (GRAPH, CHAIN):
 print(f"ceilings: read {GRAPH['ceilings']['read_gbps']:,.0f} GB/s, copy {GRAPH['ceilings']['copy_gbps']:,.0f} "
       f"GB/s\n")
 print("M = 1, kernel time (us); x cuBLAS = cuBLAS time / packed time; of pure read = pure-read time / packed time")
-print(render_table([{"shape": s, "N": G[s, 1][PACKED]["dims"]["N"], "K": G[s, 1][PACKED]["dims"]["K"],
+print(render_table([{"shape": s, "kernel": decode_kernel(s, 1),
                      **{col: f"{t_us(s, 1, prov):.1f}" for col, prov in
-                        (("packed", PACKED), ("checkpoint", CKPT), ("cuBLAS bf16", CUBLAS_G),
-                         ("pure read", READ))},
+                        (("packed", PACKED), ("FMA GEMV", FMA), ("tensor-core GEMV", TC), ("checkpoint", CKPT),
+                         ("cuBLAS bf16", CUBLAS_G), ("pure read", READ))},
                      "x cuBLAS": f"{x_cublas(s, 1):.2f}",
                      "of pure read": f"{t_us(s, 1, READ) / t_us(s, 1, PACKED):.0%}",
                      "packed TB/s": f"{G[s, 1][PACKED]['gbps'] / 1e3:.2f}"} for s in G_SHAPES]))
 
 # %% [markdown]
-# The same, drawn (log scale; the number over each blue bar is the speed-up over cuBLAS). On the smallest shape
-# the packed GEMV beats the simple pure-read kernel, so that floor is loose there; on the large ones it is the
-# one to reach.
+# The same, drawn (log scale). The bar of the decode kernel the dispatch takes is outlined, and the number over it
+# is `nvfp4_linear`'s speed-up over cuBLAS. On the smallest shape the packed GEMV beats the simple pure-read kernel,
+# so that floor is loose there; on the large ones it is the one to reach.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-SERIES = ((PACKED, "lynn packed", "tab:blue"), (CKPT, "lynn checkpoint layout", "tab:cyan"),
-          (CUBLAS_G, "cuBLAS bf16", "tab:orange"), (READ, "pure read, same bytes", "0.6"))
-fig, ax = plt.subplots(figsize=(9, 4))
+from matplotlib.patches import Patch
+
+SERIES = ((FMA, "lynn packed, FMA GEMV", "tab:blue"), (TC, "lynn packed, tensor-core GEMV", "tab:purple"),
+          (CKPT, "lynn checkpoint layout", "tab:cyan"), (CUBLAS_G, "cuBLAS bf16", "tab:orange"),
+          (READ, "pure read, same bytes", "0.6"))
+fig, ax = plt.subplots(figsize=(9.5, 4.2))
 for i, (prov, label, color) in enumerate(SERIES):
-    xs = [j + (i - 1.5) * 0.2 for j in range(len(G_SHAPES))]
-    ax.bar(xs, [t_us(s, 1, prov) for s in G_SHAPES], 0.2, label=label, color=color)
-for j, s in enumerate(G_SHAPES):
-    ax.text(j - 0.3, t_us(s, 1, PACKED) * 1.08, f"{x_cublas(s, 1):.2f}x", ha="center", fontsize=6)
+    xs = [j + (i - 2) * 0.16 for j in range(len(G_SHAPES))]
+    bars = ax.bar(xs, [t_us(s, 1, prov) for s in G_SHAPES], 0.16, label=label, color=color)
+    for bar, s in zip(bars, G_SHAPES):
+        if (prov, decode_kernel(s, 1)) in ((FMA, "FMA"), (TC, "tensor-core")):      # the dispatch's kernel
+            bar.set_edgecolor("k")
+            bar.set_linewidth(1.2)
+            ax.text(bar.get_x() + 0.08, bar.get_height() * 1.08, f"{x_cublas(s, 1):.2f}x", ha="center", fontsize=6)
 ax.set_yscale("log")
 ax.set_xticks(range(len(G_SHAPES)), [short(s) + ("\n" + s.rsplit(" ", 1)[1] if "->" in s else "")
                                      for s in G_SHAPES], fontsize=7)
 ax.set_ylabel("kernel time at M = 1 (us)")
 ax.set_title(f"{GRAPH['provenance']['gpu']}, CUDA-graph replay, M = 1", fontsize=10)
-ax.legend(fontsize=7)
+ax.legend(handles=[Patch(facecolor=color, label=label) for _, label, color in SERIES]
+          + [Patch(facecolor="none", edgecolor="k", label="the kernel nvfp4_linear takes")], fontsize=7)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# From M = 1 to 16, the packed layout's speed-up over cuBLAS bf16. M = 1 and 2 run on the FMA GEMV, whose cost
-# grows with the rows (it does each row's FMAs); from M = 4 on the tensor-core GEMV takes over, where the packed
-# tile is not always faster than the checkpoint layout's:
+# From M = 1 to 16, the packed layout's speed-up over cuBLAS bf16. The tensor-core GEMV's time is flat in M, now
+# that its tile no longer passes through shared memory; the FMA GEMV does each row's FMAs, so its time grows with
+# M. The two decode kernels on their own at M = 1 and 2 say where each wins, and whether the dispatch takes the
+# faster one:
 
 # %%
 SMALL = [m for m in G_MS if m <= 16]
 print("packed layout: cuBLAS bf16 time / ours")
 print(render_table([{"shape": s, **{f"M={m}": f"{x_cublas(s, m):.2f}" for m in SMALL}} for s in G_SHAPES]))
+rows, faster = [], 0
+for s in G_SHAPES:
+    row = {"shape": s, "N": G[s, 1][PACKED]["dims"]["N"]}
+    for m in (1, 2):
+        f, t = t_us(s, m, FMA), t_us(s, m, TC)
+        row |= {f"M={m} FMA us": f"{f:.1f}", f"M={m} tensor-core us": f"{t:.1f}",
+                f"M={m} dispatch": decode_kernel(s, m)}
+        faster += (decode_kernel(s, m) == "FMA") == (f < t)
+    rows.append(row)
+print("\nthe two decode kernels on their own, and the one the dispatch takes:")
+print(render_table(rows))
+print(f"the dispatch takes the faster of the two in {faster} of {2 * len(G_SHAPES)} cells")
 ratio = [t_us(s, m, CKPT) / t_us(s, m, PACKED) for s in G_SHAPES for m in SMALL if m > 2]
 print(f"\nM = 4..16, checkpoint-layout time / packed time on the tensor-core GEMV: "
       f"{min(ratio):.2f}-{max(ratio):.2f}x")
@@ -832,10 +1062,10 @@ print(render_table([{"shape": s, "M": m, **{f"{col} us": f"{t_us(s, m, prov):.1f
                     for s in G_SHAPES for m in GEMM_MS if (s, m) in G]))
 
 # %% [markdown]
-# **Programmatic dependent launch** (PDL, Hopper: `launch_packed_gemv(..., pdl=True)`) lets a GEMV start loading
-# its weights while the kernel before it finishes, and wait for it only to read `x`. `lynn bench matmul.chain`
-# replays the projections of 10 Gated DeltaNet layers (qkv, z, out_proj: 30 FMA GEMVs at M = 1) as one graph,
-# with and without it, against the copy bandwidth:
+# **Programmatic dependent launch** (PDL, Hopper: `launch_packed_gemv(..., pdl=True)`, the FMA GEMV only) lets a
+# GEMV start loading its weights while the kernel before it finishes, and wait for it only to read `x`.
+# `lynn bench matmul.chain` replays the projections of 10 Gated DeltaNet layers (qkv, z, out_proj: 30 GEMVs at
+# M = 1) as one graph, on the FMA GEMV with and without PDL and on the tensor-core GEMV, against the copy bandwidth:
 
 # %%
 chain = CHAIN["results"]
@@ -845,9 +1075,12 @@ print(render_table([{"provider": r["provider"], "us": f"{r['median_ms'] * 1e3:.1
                      "us a projection": f"{r['median_ms'] * 1e3 / r['dims']['kernels']:.2f}",
                      "GB/s": f"{r['gbps']:,.0f}", "of copy bandwidth": f"{r['frac_of_ceiling']:.1%}"}
                     for r in chain]))
-plain, with_pdl = (r["median_ms"] * 1e3 for r in chain)
+chain_us = {r["provider"]: r["median_ms"] * 1e3 for r in chain}
+plain, with_pdl, on_tc = (chain_us[f"lynn packed {name} (graph)"] for name in
+                          ("FMA GEMV chain", "FMA GEMV chain + PDL", "tensor-core GEMV chain"))
 saved = plain - with_pdl
-print(f"PDL saves {saved:.1f} us of {plain:.1f} ({saved / chain[0]['dims']['kernels']:.2f} us a projection)")
+print(f"PDL saves {saved:.1f} us of {plain:.1f} ({saved / chain[0]['dims']['kernels']:.2f} us a projection); "
+      f"on the tensor-core GEMV the chain takes {on_tc / plain:.2f}x as long")
 
 # %% [markdown]
 # **Goals** for the packed layout (graph-replay kernel time against cuBLAS bf16): at least **2.5x** at every
@@ -873,24 +1106,28 @@ for goal, where, target in PACKED_GOALS:
 print(render_table(verdict))
 
 # %% [markdown]
-# **None of the three goals is met.** At M = 1 the packed layout is 1.6-2.1x faster than cuBLAS bf16 and about
-# 1.6-2.3x faster than the checkpoint layout, but 2.05x on the LM head and 2.02x on 8192 x 8192 fall short of
-# 3.2x, and the margin shrinks with M: about 1.05-1.27x at M = 2 (the FMA GEMV does each row's work), 0.72-1.25x
-# from M = 4 to 16 on the tensor-core GEMV, below the 2.5x goal everywhere. The GEMM reaches 0.39-0.76x of cuBLAS
-# (goal 0.8x): the decode is work cuBLAS does not do, and the decoded tile still passes through shared memory on
-# its way to the tensor cores. PDL helps a chain of small GEMVs a little (about 0.4 us a projection), and the
-# chain still uses under 30% of the copy bandwidth. At M = 1 the FMA GEMV reaches 2.2-2.4 TB/s on the large shapes,
-# 55-62% of the same-bytes read: `docs/matmul.md` counts about 5 instructions a weight, which caps it near
-# 3.8 TB/s on the H200 before any memory limit.
+# **None of the three goals is met**, but the fragment order moved the time. The tensor-core GEMV no longer sends
+# its decoded tile through shared memory, and its time is flat from M = 1 to 16: from M = 4 it is 0.75-1.82x
+# cuBLAS bf16 (below 1 only on the two smallest weights, 2048->4096 and 512->2048) and 1.12-1.94x the checkpoint
+# layout, where the first packed layout made 0.72-1.25x of cuBLAS (`docs/matmul.md`: 2048->8192 at M = 4 went from
+# 14.5 to 10.1 us, the LM head from 203 to 135). At M = 1 the packed layout is 1.33-1.77x faster than cuBLAS and
+# 1.29-2.26x faster than the checkpoint layout; 1.77x on the LM head and 1.45x on 8192 x 8192 fall short of 3.2x.
+# There the FMA GEMV is 1.04-2.02x faster than the tensor-core GEMV below 65,536 rows, yet slower than the first
+# layout's on the large shapes (2048->8192: 6.7 -> 8.3 us): those words held 8 neighbours along K, whose `x` a
+# thread loaded itself, and now `x` is exchanged between threads. At M = 2 it wins only below 8,192 rows. The
+# GEMM reaches 0.49-0.86x of cuBLAS (0.49-0.57x at M = 512 and 4096; goal 0.8x) and 1.00-1.50x the checkpoint
+# layout: the decode is work cuBLAS does not do. PDL helps a chain of small GEMVs a little (0.43 us a projection),
+# and the chain still uses about a quarter of the copy bandwidth (on the tensor-core GEMV it takes 1.37x as long).
+# On the LM head and 8192 x 8192, M = 1 reads at 1.6-2.2 TB/s, 47-50% of the same-bytes read.
 
 # %% [markdown]
 # ## 5. Validation table
 #
 # `lynn check matmul` runs the three entry points on awkward shapes (M = 1, 2, 3, 17, 129; K = 208, 400, 1040,
 # 2064; bf16, fp16 and fp32; with bias) against the reference, each on the checkpoint layout and on the packed one
-# of section 4 (the `packed` rows). Its random data puts its error figures at round-off level, where an fp16 or
-# bf16 output can flip by one unit in the last place on another machine, so its table is shown but not checked;
-# the pass count is:
+# of section 4 (the `packed` rows), and up to M = 16 the packed layout's two decode kernels on their own (the
+# `gemv packed` rows). Its random data puts its error figures at round-off level, where an fp16 or bf16 output can
+# flip by one unit in the last place on another machine, so its table is shown but not checked; the pass count is:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1094,6 +1331,8 @@ print(render_table([{"shape": s, **{f"M={m}": round(speedup(CELLS[s, m]), 2) for
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+from matplotlib.lines import Line2D
+
 from lynn_kernels.bench import plots
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -1105,7 +1344,9 @@ for i, s in enumerate(SHAPE_NAMES):
 ax1.set_xlabel("M (tokens)")
 ax1.set_ylabel("kernel time (us)")
 ax1.set_title("kernel time: ours (solid) vs cuBLAS bf16 (dashed)", fontsize=10)
-ax1.legend(fontsize=6, ncol=2)
+ax1.legend(handles=[Line2D([], [], c=f"C{i}", marker="o", ms=3, label=s) for i, s in enumerate(SHAPE_NAMES)]
+           + [Line2D([], [], c="0.3", ls=ls, label=who) for ls, who in (("-", "ours"), ("--", "cuBLAS bf16"))],
+           fontsize=8, ncol=2, loc="upper left")                  # a colour per shape, a line style per provider
 kernel_doc = {**doc, "results": [r for r in doc["results"] if r["provider"].endswith("(kernel)")]}
 plots.plot_roofline(kernel_doc, ax=ax2, title="roofline, kernel time (read ceiling, bf16 matmul)")
 ax2.axhline(ceil["bf16_tflops"], ls=":", c="0.5", lw=1)
@@ -1267,9 +1508,10 @@ print(f"Goals met in {met} of {total} cells.")
 # fp32 multiply-reduce GEMV without tensor cores, the textbook `x @ W^T` orientation, run-time autotuning of the
 # GEMV). Next to try, none of it measured yet:
 #
-# * for the tensor-core kernels, a weight layout shuffled offline into the MMA's register-fragment order (as
-#   Marlin does), so a decoded tile lands in registers without a layout conversion (section 4's layout orders the
-#   bits of a word for the decode, not the tiles for the MMA);
+# * for the tensor-core GEMV, `x` kept in registers instead of staged through shared memory at every step, and a
+#   PDL form of it: section 4's layout, shuffled offline into the MMA's register-fragment order (as Marlin does),
+#   already lands the decoded weights in registers, and still the GEMV reads at about half the read ceiling at
+#   M = 1 on the LM head (`docs/matmul.md`, "Where it stands");
 # * a leaner epilogue and fewer masks; persistent programs for the small shapes;
 # * a leaner host path (a cached launcher, fewer arguments), and CUDA graphs for the decode loop, which pays the
 #   kernel time only.

@@ -7,7 +7,8 @@ Public ops (names and argument order are a contract):
 * ``nvfp4_gemv`` / ``nvfp4_gemm``: the same product through one kernel (the GEMV takes M <= 16);
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
-  either form of ``w``; the packed one reaches the FMA GEMV for ``M <= 2`` (docs/matmul.md).
+  either form of ``w``; the packed one reaches the FMA GEMV for ``M = 1, 2`` where ``use_fma_gemv`` says, the tensor-core GEMV for the
+  rest of ``M <= 16`` (docs/matmul.md).
 
 Each op has a same-signature torch reference in :mod:`.reference`; argument checks and the dispatch limits
 (``GEMV_MAX_M``, ``FMA_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (checkpoint layout) and

@@ -544,8 +544,9 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
 
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
                        pdl: bool = False) -> torch.Tensor:
-    """Launch only: ``x2 [M, K]`` (``M <= FMA_MAX_M``, any strides) times a packed weight into ``y [M, N]`` on the
-    FMA GEMV. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``) replaces :func:`fma_config`; ``pdl`` launches it with
+    """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
+    weight into ``y [M, N]`` on the FMA GEMV. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``, ``STRIDED``) replaces
+    :func:`fma_config`; ``pdl`` launches it with
     programmatic dependent launch (Hopper: the weights load before the wait on the kernel before)."""
     m, k = x2.shape
     n = w.shape[0]

@@ -53,7 +53,8 @@ def _halves(t):
 
 @triton.jit
 def decode_word(q):
-    """Packed words (uint32, any shape) -> the 8 elements ``e2m1 * 2^-126`` as fp32, in K order ``0 .. 7``."""
+    """Packed words (uint32, any shape) -> the 8 elements ``e2m1 * 2^-126`` as fp32, in element order ``j = 0 .. 7``
+    (:func:`lynn_kernels.matmul.packed.word_k` gives each element's K position)."""
     e0, e1 = _halves(_pair(q, 0, -6))
     e2, e3 = _halves(_pair(q, 4, 0))
     e4, e5 = _halves(_pair(q, 5, 3))
@@ -261,8 +262,8 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, STRIDED: tl.constexpr = False,
 ):
-    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch sends M <= 2, where it
-    is faster than the tensor-core GEMV: more rows spill registers) on the FMA units: one program per
+    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
+    it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units: one program per
     ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights, ``TW`` a multiple of 16) of each
     row per step, ``KW`` words a row (``K`` padded to a multiple of 128). Each thread owns 16-byte runs (4 words,
     32 weights) of its rows; the next step's weights load while this one is multiplied. One accumulator per x row,
