@@ -28,42 +28,42 @@ def register(family: str):
 
 @register("nvfp4")
 def check_nvfp4() -> list[dict]:
-    from .nvfp4.check import check_nvfp4 as rows
+    from .nvfp4.check import iter_rows as rows
 
     return rows()
 
 
 @register("matmul")
 def check_matmul() -> list[dict]:
-    from .matmul.check import check_matmul as rows
+    from .matmul.check import iter_rows as rows
 
     return rows()
 
 
 @register("attention")
 def check_attention() -> list[dict]:
-    from .attention.check import check_attention as rows
+    from .attention.check import iter_rows as rows
 
     return rows()
 
 
 @register("deltanet")
 def check_deltanet() -> list[dict]:
-    from .deltanet.check import check_deltanet as rows
+    from .deltanet.check import iter_rows as rows
 
     return rows()
 
 
 @register("moe")
 def check_moe() -> list[dict]:
-    from .moe.check import check_moe as rows
+    from .moe.check import iter_rows as rows
 
     return rows()
 
 
 @register("norm")
 def check_norm() -> list[dict]:
-    from .norm.check import check_norm as rows
+    from .norm.check import iter_rows as rows
 
     return rows()
 
@@ -75,9 +75,9 @@ def run_checks(families: list[str] | None = None, *, on_family: Callable[[str, i
     lists the families.
 
     To show rows as they come (``lynn check``): ``on_family(family, i, n)`` is called before the ``i``-th of the ``n``
-    families runs (``i`` from 1), and ``on_row(row)`` with each row kept, as soon as its family hands it over. A
-    family's ``check_<family>()`` returns a list, so its rows come together when it returns; one that yields its
-    rows would hand each over as it finishes. The return value is the same with or without the callbacks."""
+    families runs (``i`` from 1), and ``on_row(row)`` with each row kept, as soon as it is computed (each family's
+    ``check.iter_rows()`` yields its rows one by one). The return value is the same with or without the
+    callbacks."""
     names = list(families or [])
     fams = {n.split(".")[0] for n in names}
     unknown = sorted(n for n in names if n.split(".")[0] not in CHECKS)

@@ -7,6 +7,8 @@ the exact answer once" (bf16 tensor-core products of the probabilities add a lit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import runtime
@@ -40,8 +42,7 @@ def _f32(*ts):
     return [None if t is None else (t.float() if t.is_floating_point() else t) for t in ts]
 
 
-def check_attention() -> list[dict]:
-    rows = []
+def iter_rows() -> Iterator[dict]:
     dev = runtime.DEVICE
     gen = torch.Generator().manual_seed(0)
 
@@ -55,30 +56,30 @@ def check_attention() -> list[dict]:
         q, k, v, g = randn(129, 4, 64, dtype=dtype), randn(129, 1, 64, dtype=dtype), randn(129, 1, 64, dtype=dtype), \
             randn(129, 4, 64, dtype=dtype)
         want = reference.flash_attention(*_f32(q, k, v), gate=g.float(), cu_seqlens=cu)
-        rows.append(_row("attention.prefill", f"{name} varlen 1/63/65 Hq4/Hkv1 d64 gate",
-                         flash_attention(q, k, v, gate=g, cu_seqlens=cu), want))
+        yield _row("attention.prefill", f"{name} varlen 1/63/65 Hq4/Hkv1 d64 gate",
+                   flash_attention(q, k, v, gate=g, cu_seqlens=cu), want)
     prefix = torch.tensor([17, 0], dtype=torch.int32, device=dev)
     cu = torch.tensor([0, 40, 73], dtype=torch.int32, device=dev)
     q, k, v = randn(73, 2, 128), randn(90, 2, 128), randn(90, 2, 128)
     want = reference.flash_attention(*_f32(q, k, v), cu_seqlens=cu, prefix_lens=prefix)
-    rows.append(_row("attention.prefill", "bf16 chunked prefix 17/0 Hq2/Hkv2 d128",
-                     flash_attention(q, k, v, cu_seqlens=cu, prefix_lens=prefix), want))
+    yield _row("attention.prefill", "bf16 chunked prefix 17/0 Hq2/Hkv2 d128",
+               flash_attention(q, k, v, cu_seqlens=cu, prefix_lens=prefix), want)
 
     # decode: lengths 0 / 1 / 100 / 300, GQA 8, d 256, contiguous and paged (page 16), gate, 3 splits
     lens = torch.tensor([0, 1, 100, 300], dtype=torch.int32, device=dev)
     q, g = randn(4, 16, 256), randn(4, 16, 256)
     kc, vc = randn(4, 320, 2, 256), randn(4, 320, 2, 256)
     want = reference.decode_attention(*_f32(q, kc, vc), lens, gate=g.float())
-    rows.append(_row("attention.decode", "bf16 contiguous len 0/1/100/300 Hq16/Hkv2 d256 gate 3 splits",
-                     decode_attention(q, kc, vc, lens, gate=g, num_splits=3), want))
+    yield _row("attention.decode", "bf16 contiguous len 0/1/100/300 Hq16/Hkv2 d256 gate 3 splits",
+               decode_attention(q, kc, vc, lens, gate=g, num_splits=3), want)
     table = torch.randperm(4 * 20, generator=gen).view(4, 20).to(torch.int32).to(dev)
     kp, vp = (torch.empty((80, 16, 2, 256), dtype=torch.bfloat16, device=dev) for _ in range(2))
     seq = torch.arange(4, device=dev).repeat_interleave(320)
     slots = paged_slots(table, seq, torch.arange(320, device=dev).repeat(4), 16)
     kp.view(-1, 2, 256)[slots] = kc.reshape(-1, 2, 256)
     vp.view(-1, 2, 256)[slots] = vc.reshape(-1, 2, 256)
-    rows.append(_row("attention.decode", "bf16 paged(16) same cache, 3 splits",
-                     decode_attention(q, kp, vp, lens, table, gate=g, num_splits=3), want))
+    yield _row("attention.decode", "bf16 paged(16) same cache, 3 splits",
+               decode_attention(q, kp, vp, lens, table, gate=g, num_splits=3), want)
 
     # fused q/k norm + partial RoPE (in-kernel cos/sin), Qwen3-Next shape: 16/2 heads, d 256, rotary 64
     for dtype in (torch.bfloat16, torch.float32):
@@ -88,6 +89,10 @@ def check_attention() -> list[dict]:
         got = qk_norm_rope(q, k, qw, kw, pos, rotary_dim=64, rope_theta=1e7)
         want = reference.qk_norm_rope(q.float(), k.float(), qw, kw, pos, rotary_dim=64, rope_theta=1e7)
         for i, which in enumerate(("q", "k")):
-            rows.append(_row("attention.qk_norm_rope", f"{_NAMES[dtype]} {which} 16/2 heads d256 rot64",
-                             got[i], want[i]))
-    return rows
+            yield _row("attention.qk_norm_rope", f"{_NAMES[dtype]} {which} 16/2 heads d256 rot64",
+                       got[i], want[i])
+
+
+def check_attention() -> list[dict]:
+    """The family's ``lynn check`` rows as a list (:func:`iter_rows` yields each as it finishes)."""
+    return list(iter_rows())

@@ -8,6 +8,8 @@ chunked rule feeds bf16 operands to ``tl.dot`` on the GPU (fp32 under the interp
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -57,11 +59,10 @@ def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, dtype: torch
     return {"op": op, "case": case, "metrics": m, "passed": (m.err_ratio if kind == "err_ratio" else m.rel_l2) <= bound}
 
 
-def check_deltanet() -> list[dict]:
+def iter_rows() -> Iterator[dict]:
     from . import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm, reference,
                    recurrent_gated_delta_rule_gates)
 
-    rows = []
     for dtype in (torch.bfloat16, torch.float32):
         label = str(dtype).replace("torch.", "")
         # prefill: T=65 (a chunk and one token), GQA 2, l2norm, an initial state
@@ -72,8 +73,8 @@ def check_deltanet() -> list[dict]:
                                                              initial_state=h0, output_final_state=True,
                                                              use_qk_l2norm=True)
         case = f"{label} B1 T65 H1 HV2 K32 V32"
-        rows.append(_row("deltanet.chunk", case, o, o_ref, dtype))
-        rows.append(_row("deltanet.chunk state", case, ht, ht_ref, dtype))
+        yield _row("deltanet.chunk", case, o, o_ref, dtype)
+        yield _row("deltanet.chunk state", case, ht, ht_ref, dtype)
 
         # decode step with the gates in the kernel: B=2, T=1
         q, k, v, _, _, h0 = _inputs(2, 1, 2, 4, 32, 32, dtype, seed=1)
@@ -88,8 +89,8 @@ def check_deltanet() -> list[dict]:
             q.float(), k.float(), v.float(), A_log, a, dt_bias, b, initial_state=h0, output_final_state=True,
             use_qk_l2norm=True)
         case = f"{label} decode B2 H2 HV4 K32 V32, gates fused"
-        rows.append(_row("deltanet.recurrent", case, o, o_ref, dtype))
-        rows.append(_row("deltanet.recurrent state", case, ht, ht_ref, dtype))
+        yield _row("deltanet.recurrent", case, o, o_ref, dtype)
+        yield _row("deltanet.recurrent state", case, ht, ht_ref, dtype)
 
         # conv prefill (with a state) then one decode step
         gen = torch.Generator().manual_seed(3)
@@ -99,23 +100,27 @@ def check_deltanet() -> list[dict]:
         y, s1 = causal_conv1d(x, w, s0)
         y_ref, s1_ref = reference.causal_conv1d(x.float(), w.float(), s0.float())
         case = f"{label} B2 T37 C96 W4"
-        rows.append(_row("deltanet.conv", case, y, y_ref, dtype))
+        yield _row("deltanet.conv", case, y, y_ref, dtype)
         state_same = bool(torch.equal(s1.float(), s1_ref))
-        rows.append({"op": "deltanet.conv state", "case": case, "mismatches": int((s1.float() != s1_ref).sum()),
-                     "passed": state_same})
+        yield {"op": "deltanet.conv state", "case": case, "mismatches": int((s1.float() != s1_ref).sum()),
+               "passed": state_same}
         x1 = torch.randn(2, 96, generator=gen).to(dtype).to(runtime.DEVICE)
         s_ref = s1.float().clone()
         y1 = causal_conv1d_update(x1, s1, w)
-        rows.append(_row("deltanet.conv update", case, y1, reference.causal_conv1d_update(x1.float(), s_ref,
-                                                                                          w.float()), dtype))
+        yield _row("deltanet.conv update", case, y1, reference.causal_conv1d_update(x1.float(), s_ref,
+                                                                                    w.float()), dtype)
 
         # gated RMSNorm over head_dim 128
         xn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
         zn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
         wn = (1 + 0.1 * torch.randn(128, generator=gen)).to(runtime.DEVICE)
         want = reference.gated_rmsnorm(xn, zn, wn).float()              # the spec rounds as HF does, in x's dtype
-        rows.append(_row("deltanet.gated_rmsnorm", f"{label} 5x3x128", gated_rmsnorm(xn, zn, wn), want, dtype))
-    return rows
+        yield _row("deltanet.gated_rmsnorm", f"{label} 5x3x128", gated_rmsnorm(xn, zn, wn), want, dtype)
+
+
+def check_deltanet() -> list[dict]:
+    """The family's ``lynn check`` rows as a list (:func:`iter_rows` yields each as it finishes)."""
+    return list(iter_rows())
 
 
 __all__ = ["check_deltanet"]

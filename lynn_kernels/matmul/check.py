@@ -10,6 +10,8 @@ of the reference.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import runtime
@@ -22,11 +24,10 @@ from ..validate import compare
 MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1e-3}
 
 
-def check_matmul() -> list[dict]:
+def iter_rows() -> Iterator[dict]:
     from ..nvfp4 import quantize
     from . import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, pack, reference
 
-    rows = []
     gen = torch.Generator().manual_seed(0)
     for label, m, n, k, dtype in (("M=1 bf16 37x208", 1, 37, 208, torch.bfloat16),
                                   ("M=2 bf16 65x2064", 2, 65, 2064, torch.bfloat16),
@@ -45,18 +46,22 @@ def check_matmul() -> list[dict]:
                     + bias.float()).to(dtype)
             for layout, weight in (("", w), (" packed", pack(w))):
                 got = fn(x, weight, bias)
-                rows.append(_row(f"matmul.{name}{layout}", label, got, want, base, dtype))
+                yield _row(f"matmul.{name}{layout}", label, got, want, base, dtype)
         if m <= 16 and runtime.backend() != "reference":
             # the two decode kernels of the packed layout on their own, whichever the dispatch picks
             from .triton_matmul import launch_gemv, launch_packed_gemv
 
             p = pack(w)
             got = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
-            rows.append(_row("matmul.tensor-core gemv packed", label, got, want, base, dtype))
+            yield _row("matmul.tensor-core gemv packed", label, got, want, base, dtype)
             if m <= 2:
                 got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
-                rows.append(_row("matmul.fma gemv packed", label, got, want, base, dtype))
-    return rows
+                yield _row("matmul.fma gemv packed", label, got, want, base, dtype)
+
+
+def check_matmul() -> list[dict]:
+    """The family's ``lynn check`` rows as a list (:func:`iter_rows` yields each as it finishes)."""
+    return list(iter_rows())
 
 
 def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, base: torch.Tensor, dtype) -> dict:

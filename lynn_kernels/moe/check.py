@@ -9,6 +9,8 @@ of the exact answer rounded to bf16 (about 1: as good as a bf16 output can be).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import runtime
@@ -38,23 +40,22 @@ def _per_shard_w13(E: int, H: int, I: int, gen: torch.Generator):
     return stack_w13(gates, ups) if E > 1 else fuse_w13(gates[0], ups[0])
 
 
-def check_moe() -> list[dict]:
+def iter_rows() -> Iterator[dict]:
     from . import align, moe_block, moe_experts, reference, route
 
     dev = runtime.DEVICE
-    rows = []
     gen = torch.Generator().manual_seed(0)
     for E, k, M in ((60, 4, 37), (7, 1, 5), (256, 8, 3)):
         logits = torch.randn(M, E, generator=gen).to(torch.bfloat16).to(dev)
         w, ids = route(logits, k)
         w_ref, ids_ref = reference.route(logits, k)
         m = compare(w, w_ref)
-        rows.append({"op": "moe.route", "case": f"M{M} E{E} top{k}", "metrics": m,
-                     "passed": torch.equal(ids, ids_ref) and m.max_abs <= 1e-6})
+        yield {"op": "moe.route", "case": f"M{M} E{E} top{k}", "metrics": m,
+               "passed": torch.equal(ids, ids_ref) and m.max_abs <= 1e-6}
         got, want = align(ids, E, 16), reference.align(ids, E, 16)
         same = all(torch.equal(a, b) for a, b in zip(got, want))
-        rows.append({"op": "moe.align", "case": f"M{M} E{E} top{k} block 16",
-                     "metrics": compare(got[0].float(), want[0].float()), "passed": same})
+        yield {"op": "moe.align", "case": f"M{M} E{E} top{k} block 16",
+               "metrics": compare(got[0].float(), want[0].float()), "passed": same}
 
     for E, k, M, H, I in ((7, 2, 1, 64, 48), (12, 3, 40, 80, 32), (5, 1, 20, 64, 64)):
         w13, w2 = _weights(E, H, I, gen)
@@ -64,8 +65,8 @@ def check_moe() -> list[dict]:
         want = reference.moe_experts(x.float(), weights, ids, w13, w2)       # x is bf16-exact: fp32 unrounded
         m = compare(moe_experts(x, weights, ids, w13, w2), want, baseline=want.to(x.dtype))
         path = "decode" if M <= 16 else "prefill"
-        rows.append({"op": "moe.moe_experts", "case": f"M{M} E{E} top{k} H{H} I{I} ({path})", "metrics": m,
-                     "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and m.err_ratio <= 2.0})
+        yield {"op": "moe.moe_experts", "case": f"M{M} E{E} top{k} H{H} I{I} ({path})", "metrics": m,
+               "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and m.err_ratio <= 2.0}
 
     E, k, H, I = 10, 3, 64, 32
     w13, w2 = _weights(E, H, I, gen)
@@ -77,8 +78,8 @@ def check_moe() -> list[dict]:
         want = reference.moe_block(x, router, w13, w2, shared, top_k=k)   # the routing needs bf16 logits
         m = compare(moe_block(x, router, w13, w2, shared, top_k=k), want)
         path = "decode" if M <= 16 else "prefill"
-        rows.append({"op": "moe.moe_block", "case": f"M{M} E{E} top{k} + shared expert ({path})", "metrics": m,
-                     "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3})
+        yield {"op": "moe.moe_block", "case": f"M{M} E{E} top{k} + shared expert ({path})", "metrics": m,
+               "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3}
 
     bf16 = torch.bfloat16
     for M in (3, 33):          # bf16 weights: the same kernels, the tiles loaded as they are
@@ -90,8 +91,8 @@ def check_moe() -> list[dict]:
         want = reference.moe_experts(x.float(), weights, ids, w13b.float(), w2b.float())
         m = compare(moe_experts(x, weights, ids, w13b, w2b), want, baseline=want.to(bf16))
         path = "decode" if M <= 16 else "prefill"
-        rows.append({"op": "moe.moe_experts", "case": f"M{M} E{E} top{k} H{H} I{I} bf16 weights ({path})",
-                     "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and m.err_ratio <= 2.0})
+        yield {"op": "moe.moe_experts", "case": f"M{M} E{E} top{k} H{H} I{I} bf16 weights ({path})",
+               "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and m.err_ratio <= 2.0}
 
     w13s, s13 = _per_shard_w13(E, H, I, gen), _per_shard_w13(1, H, 48, gen)
     shared_s = SharedExpert(s13, sw2[0], shared.gate_weight)
@@ -100,6 +101,10 @@ def check_moe() -> list[dict]:
         want = reference.moe_block(x, router, w13s, w2, shared_s, top_k=k)
         m = compare(moe_block(x, router, w13s, w2, shared_s, top_k=k), want)
         path = "decode" if M <= 16 else "prefill"
-        rows.append({"op": "moe.moe_block", "case": f"M{M} E{E} top{k} per-shard gate/up scales + shared ({path})",
-                     "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3})
-    return rows
+        yield {"op": "moe.moe_block", "case": f"M{M} E{E} top{k} per-shard gate/up scales + shared ({path})",
+               "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3}
+
+
+def check_moe() -> list[dict]:
+    """The family's ``lynn check`` rows as a list (:func:`iter_rows` yields each as it finishes)."""
+    return list(iter_rows())

@@ -8,16 +8,17 @@ is checked bit for bit against the reference (``mismatches``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import runtime
 from ..validate import bit_mismatches, compare
 
 
-def check_norm() -> list[dict]:
+def iter_rows() -> Iterator[dict]:
     from . import reference, rmsnorm
 
-    rows = []
     gen = torch.Generator().manual_seed(0)
     dev = runtime.DEVICE
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -32,7 +33,7 @@ def check_norm() -> list[dict]:
                 y, h = rmsnorm(x, w, 1e-6, residual=res)
                 h_ref = reference.rmsnorm(x, w, 1e-6, residual=res)[1]
                 mism = bit_mismatches(h, h_ref)
-                rows.append({"op": "norm.rmsnorm residual", "case": case, "mismatches": mism, "passed": mism == 0})
+                yield {"op": "norm.rmsnorm residual", "case": case, "mismatches": mism, "passed": mism == 0}
                 base_in = h_ref
             else:
                 y = rmsnorm(x, w, 1e-6)
@@ -41,8 +42,12 @@ def check_norm() -> list[dict]:
             baseline = exact.to(dtype) if dtype != torch.float32 else None
             m = compare(y, exact, baseline=baseline)
             ok = m.cosine >= 0.99999 and (m.err_ratio <= 1.05 if baseline is not None else m.rel_l2 <= 1e-6)
-            rows.append({"op": "norm.rmsnorm", "case": case, "metrics": m, "passed": ok})
-    return rows
+            yield {"op": "norm.rmsnorm", "case": case, "metrics": m, "passed": ok}
+
+
+def check_norm() -> list[dict]:
+    """The family's ``lynn check`` rows as a list (:func:`iter_rows` yields each as it finishes)."""
+    return list(iter_rows())
 
 
 __all__ = ["check_norm"]

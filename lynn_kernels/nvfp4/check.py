@@ -9,16 +9,17 @@ a plain bf16 copy of an fp32 input as the baseline.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .. import runtime
 from ..validate import bit_mismatches, compare
 
 
-def check_nvfp4() -> list[dict]:
+def iter_rows() -> Iterator[dict]:
     from . import dequantize, quantize, reference
 
-    rows = []
     gen = torch.Generator().manual_seed(0)
     for label, shape, dtype in (("bf16 48x208", (48, 208), torch.bfloat16),
                                 ("fp32 3x5x64", (3, 5, 64), torch.float32)):
@@ -28,17 +29,21 @@ def check_nvfp4() -> list[dict]:
             m = compare(got.codes, want.codes, exact=True)
             ms = compare(got.scales.view(torch.uint8), want.scales.view(torch.uint8), exact=True)
             mism = m.mismatches + ms.mismatches + bit_mismatches(got.global_scale, want.global_scale)
-            rows.append({"op": "nvfp4.quantize", "case": f"{label} {recipe}", "mismatches": mism,
-                         "passed": mism == 0})             # codes are bits: only the count of differing bytes means anything
+            yield {"op": "nvfp4.quantize", "case": f"{label} {recipe}", "mismatches": mism,
+                   "passed": mism == 0}             # codes are bits: only the count of differing bytes means anything
         q = reference.quantize(w)
         for out_dtype in (torch.bfloat16, torch.float32):
             m = compare(dequantize(q, out_dtype), reference.dequantize(q, out_dtype), exact=True)
-            rows.append({"op": "nvfp4.dequantize", "case": f"{label} -> {str(out_dtype)[6:]}", "metrics": m,
-                         "passed": m.mismatches == 0})
+            yield {"op": "nvfp4.dequantize", "case": f"{label} -> {str(out_dtype)[6:]}", "metrics": m,
+                   "passed": m.mismatches == 0}
         # quantisation error of the round trip, against the fp32 original and a plain bf16 copy
         w32 = w.float()
         baseline = w32.to(torch.bfloat16) if w.dtype == torch.float32 else None   # bf16 input: bf16 is exact
         m = compare(dequantize(q, torch.float32), w32, baseline=baseline)
-        rows.append({"op": "nvfp4 round trip", "case": f"{label} vs fp32", "metrics": m,
-                     "passed": m.cosine > 0.99})
-    return rows
+        yield {"op": "nvfp4 round trip", "case": f"{label} vs fp32", "metrics": m,
+               "passed": m.cosine > 0.99}
+
+
+def check_nvfp4() -> list[dict]:
+    """The family's ``lynn check`` rows as a list (:func:`iter_rows` yields each as it finishes)."""
+    return list(iter_rows())
