@@ -4,6 +4,9 @@ is exchanged between threads), each over a few tiles, beside the tensor-core GEM
 both on awkward shapes first. Writes $OUT/packed_fma_order.json and prints a table.
 
     PYTHONPATH=. python3 experiments/packed_fma_order.py
+
+It ran at git 4825ed7, where the FMA GEMV took the ``STRIDED`` flag; the flag went once it had measured (the
+stride-4 form lost everywhere), so run it at that commit to repeat it.
 """
 
 import json

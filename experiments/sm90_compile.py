@@ -66,7 +66,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_
             "ttgir": ttgir, "ptx": ptx, "sass": sass}
 
 
-def _packed_gemv(m: int, n: int, k: int, block_n: int, tw: int, warps: int, strided: bool = True) -> dict:
+def _packed_gemv(m: int, n: int, k: int, block_n: int, tw: int, warps: int) -> dict:
     from lynn_kernels.matmul.triton_packed import packed_gemv_kernel
     from lynn_kernels.runtime import kernel_flags  # noqa: F401  (imports the runtime's dtype constants)
 
@@ -78,7 +78,7 @@ def _packed_gemv(m: int, n: int, k: int, block_n: int, tw: int, warps: int, stri
     f = kernel_constexprs(torch.bfloat16, None, torch.bfloat16, False, True)
     ce = {"stride_xk": 1, "HAS_BIAS": False, "X_DTYPE": f["X_DTYPE"], "BIAS_DTYPE": f["BIAS_DTYPE"], "OUT_DTYPE": f["OUT_DTYPE"],
           "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": block_n, "TW": tw, "EVEN_N": n % block_n == 0,
-          "EVEN_K": (k // 8) % tw == 0, "USE_PDL": False, "INTERPRET": False, "STRIDED": strided}
+          "EVEN_K": (k // 8) % tw == 0, "USE_PDL": False, "INTERPRET": False}
     return compile_sm90(packed_gemv_kernel, sig, ce, warps, divisible=("N", "K", "KW", "stride_xm", "stride_ym"))
 
 

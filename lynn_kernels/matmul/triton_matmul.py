@@ -545,7 +545,7 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
                        pdl: bool = False) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
-    weight into ``y [M, N]`` on the FMA GEMV. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``, ``STRIDED``) replaces
+    weight into ``y [M, N]`` on the FMA GEMV. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``) replaces
     :func:`fma_config`; ``pdl`` launches it with
     programmatic dependent launch (Hopper: the weights load before the wait on the kernel before)."""
     m, k = x2.shape
@@ -565,7 +565,6 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
         HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
         OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=runtime.next_power_of_2(m), BLOCK_N=block_n, TW=tw,
         EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0 and 8 * kw == k, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
-        STRIDED=meta.get("STRIDED", False),
         num_warps=warps, num_stages=1, **extra)
     return y
 

@@ -216,8 +216,7 @@ def _load_words(wrow, scales_ptr, rows, mask_w, k0, offs, offs_s, KW, EVEN: tl.c
 
 @triton.jit
 def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm, stride_xk,
-              TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-              STRIDED: tl.constexpr):
+              TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """One x row's share of a step: ``acc [BLOCK_N, TW] += sa * sum_{j<4} e_j x_j + sb * sum_{j>=4} e_j x_j`` (fp32
     FMAs), ``x_j`` the x element at the ``K`` position of word element ``j`` (the layout's order)."""
     kx = 8 * k0 + tl.arange(0, 8 * TW)                                       # the step's x, contiguous
@@ -228,10 +227,7 @@ def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, o
         xt = tl.load(ptr, mask=(kx < K) & (m < M), other=0)
     # K order -> word order: k = 128 c + 32 i + 16 j2 + 8 j1 + 2 q + j0 is element j0 + 2 j1 + 4 j2 of word 16 c + 4 q + i
     xt = tl.reshape(xt, (TW // 16, 4, 2, 2, 4, 2))                           # [c, i, j2, j1, q, j0]
-    if STRIDED:     # column 16 c + 4 i + q: a thread's four columns cover 32 contiguous x
-        xt = tl.reshape(tl.permute(xt, (0, 1, 4, 2, 3, 5)), (TW, 8))          # [c, i, q, j2, j1, j0]
-    else:           # column = word 16 c + 4 q + i: x exchanged between threads
-        xt = tl.reshape(tl.permute(xt, (0, 4, 1, 2, 3, 5)), (TW, 8))          # [c, q, i, j2, j1, j0]
+    xt = tl.reshape(tl.permute(xt, (0, 4, 1, 2, 3, 5)), (TW, 8))              # [c, q, i, j2, j1, j0]: the words
     xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, TW)
     pa = e0 * x0[None, :]
@@ -260,7 +256,7 @@ def packed_gemv_kernel(
     M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, STRIDED: tl.constexpr = False,
+    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
     it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units: one program per
@@ -271,14 +267,8 @@ def packed_gemv_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
-    if STRIDED:     # column 16 c + 4 i + q is word 16 c + 4 q + i: a thread's words at a stride of 4 (rejected: its
-        #             scalar loads ran 2-4x slower on the H200, docs/performance.md)
-        u = tl.arange(0, TW)
-        offs = (u // 16) * 16 + (u % 4) * 4 + (u // 4) % 4
-        offs_s = offs
-    else:           # column = word: 16-byte runs
-        offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)
-        offs_s = tl.arange(0, TW)
+    offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)            # words of a step: 16-byte runs
+    offs_s = tl.arange(0, TW)                                                  # the same, no hint: 8-byte scale loads
     wrow = words_ptr + rows[:, None].to(tl.int64) * KW
     mask_w = mask_n[:, None]
     EVEN: tl.constexpr = EVEN_N and EVEN_K
@@ -301,15 +291,15 @@ def packed_gemv_kernel(
         else:
             sa, sb = _decode_scales_asm(v, 0x60000000)
         acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
-                         stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, STRIDED)
+                         stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 1:
             acc1 = _row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
-                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, STRIDED)
+                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 2:
             acc2 = _row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
-                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, STRIDED)
+                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
             acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
-                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, STRIDED)
+                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         q, v = q_next, v_next
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
