@@ -1,7 +1,7 @@
 """Run every kernel under NVIDIA's compute-sanitizer and write the summary (GPU machine only).
 
     PYTHONPATH=. python3 experiments/sanitize.py [--families nvfp4 matmul ...] [--racecheck attention moe ...]
-        [--timeout 150] [--out $OUT/sanitizer.json]
+        [--timeout 150] [--jobs 9] [--out $OUT/sanitizer.json]
 
 Each run is ``compute-sanitizer --tool TOOL python3 -m lynn_kernels.cli check FAMILY...``: ``lynn check`` runs each
 family's kernels against their references at its awkward shapes (tails, odd sizes, every dtype), so every kernel
@@ -15,6 +15,7 @@ after a kernel change and commit the JSON under data/bench/h200/.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as dt
 import json
 import os
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--racecheck", nargs="*", default=["attention", "moe", "matmul"])
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per sanitizer run")
+    ap.add_argument("--jobs", type=int, default=1, help="sanitizer runs at a time (one family each)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "sanitizer.json"))
     args = ap.parse_args()
     import torch
@@ -62,11 +64,15 @@ def main() -> int:
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "command": "PYTHONPATH=. python3 experiments/sanitize.py " + " ".join(sys.argv[1:]), "runs": runs}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    plan = [("memcheck", args.families)] + ([("racecheck", args.racecheck)] if args.racecheck else [])
-    for tool, families in plan:                    # the JSON is rewritten after each run: a cut-off call keeps it
-        runs.append(run(tool, families, args.timeout))
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+    plan = [("memcheck", [f]) for f in args.families] + [("racecheck", [f]) for f in args.racecheck]
+    # one family per run, ``--jobs`` runs at a time on the one GPU (the checks are small: compiling dominates); the
+    # JSON is rewritten after each run, so a cut-off call keeps what finished
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(run, tool, families, args.timeout) for tool, families in plan]
+        for fut in concurrent.futures.as_completed(futures):
+            runs.append(fut.result())
+            with open(args.out, "w") as f:
+                json.dump(rec, f, indent=1)
     print(f"{'tool':>10} | {'families':<40} | checks | sanitizer errors | seconds | clean")
     for r in runs:
         print(f"{r['tool']:>10} | {' '.join(r['families']):<40} | {r['checks_passed']}/{r['checks']} | "
