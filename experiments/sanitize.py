@@ -38,14 +38,21 @@ def run(tool: str, families: list[str], timeout: float) -> dict:
     except subprocess.TimeoutExpired as err:
         out = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
         rc, timed_out = None, True
-    errors = re.findall(r"ERROR SUMMARY: (\d+) error", out)
+    return summarise({"tool": tool, "families": families, "seconds": round(time.perf_counter() - t0, 1),
+                      "timed_out": timed_out, "exit_status": rc, "tail": out[-1500:]})
+
+
+def summarise(r: dict) -> dict:
+    """The counts of one run, parsed from the tool's last lines: memcheck ends with ``ERROR SUMMARY: N errors``,
+    racecheck with ``RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)`` (hazards count as errors)."""
+    out = r["tail"]
+    errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", out)]
+    errors += [int(n) for n in re.findall(r"RACECHECK SUMMARY: (\d+) hazard", out)]
     passed = re.search(r"(\d+)/(\d+) checks passed", out)
-    return {"tool": tool, "families": families, "seconds": round(time.perf_counter() - t0, 1), "timed_out": timed_out,
-            "exit_status": rc, "sanitizer_errors": int(errors[-1]) if errors else None,
-            "checks_passed": int(passed.group(1)) if passed else None,
-            "checks": int(passed.group(2)) if passed else None,
-            "clean": bool(errors) and int(errors[-1]) == 0 and not timed_out and rc == 0,
-            "tail": out[-1500:]}
+    r.update(sanitizer_errors=errors[-1] if errors else None,
+             checks_passed=int(passed.group(1)) if passed else None, checks=int(passed.group(2)) if passed else None,
+             clean=bool(errors) and errors[-1] == 0 and not r["timed_out"] and r["exit_status"] == 0)
+    return r
 
 
 def main() -> int:
@@ -55,7 +62,17 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per sanitizer run")
     ap.add_argument("--jobs", type=int, default=1, help="sanitizer runs at a time (one family each)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "sanitizer.json"))
+    ap.add_argument("--reparse", metavar="JSON", help="recount a summary's runs from their recorded tails, no GPU")
     args = ap.parse_args()
+    if args.reparse:
+        with open(args.reparse) as f:
+            rec = json.load(f)
+        rec["runs"] = [summarise(r) for r in rec["runs"]]
+        rec["reparsed"] = "counts re-read from each run's recorded tail by --reparse"
+        with open(args.reparse, "w") as f:
+            json.dump(rec, f, indent=1)
+        _table(rec["runs"])
+        return 0
     import torch
 
     runs: list[dict] = []
@@ -73,11 +90,15 @@ def main() -> int:
             runs.append(fut.result())
             with open(args.out, "w") as f:
                 json.dump(rec, f, indent=1)
+    _table(runs)
+    return 0
+
+
+def _table(runs: list[dict]) -> None:
     print(f"{'tool':>10} | {'families':<40} | checks | sanitizer errors | seconds | clean")
     for r in runs:
         print(f"{r['tool']:>10} | {' '.join(r['families']):<40} | {r['checks_passed']}/{r['checks']} | "
               f"{r['sanitizer_errors']} | {r['seconds']}{' (timeout)' if r['timed_out'] else ''} | {r['clean']}")
-    return 0
 
 
 if __name__ == "__main__":
