@@ -92,6 +92,30 @@ def use_reference(enabled: bool = True):
         _force_reference.reset(token)
 
 
+_trusted: contextvars.ContextVar[bool] = contextvars.ContextVar("lynn_trusted", default=False)
+
+
+@contextlib.contextmanager
+def trusted(enabled: bool = True):
+    """Skip the checks that read tensor *values* back to the host inside the block (ids in range, finite logits,
+    sequence lengths within the cache): the hot path of a caller that validated its inputs once, such as a captured
+    decode step whose positions, slots and token ids it makes itself. Shapes, dtypes and devices are still checked
+    (they cost no sync). ``enabled=False`` undoes an outer one."""
+    token = _trusted.set(enabled)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
+def values_checkable() -> bool:
+    """Whether an op may read index or value tensors back to validate them: not inside :func:`trusted`, and not
+    while a CUDA graph is being captured (a read-back would break the capture)."""
+    if _trusted.get():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def op(reference):
     """Decorate a host function so that it runs ``reference`` instead when the reference backend is on.
 

@@ -2,7 +2,8 @@
 
 A few short files, read in this order: :mod:`.config` (the dataclass, presets), :mod:`.model` (the modules),
 :mod:`.cache` (paged KV cache, Gated DeltaNet states), :mod:`.loader` (HF folders, bf16 and NVFP4),
-:mod:`.generate` (sampling, the tokenizer), :mod:`.quantize` (``lynn quantize``).
+:mod:`.sampling` (reproducible draws on the device), :mod:`.graphs` (the decode step as a CUDA graph),
+:mod:`.generate` (the loop, the tokenizer), :mod:`.quantize` (``lynn quantize``).
 
 Example::
 
@@ -17,9 +18,12 @@ import lynn_kernels  # noqa: F401, I001  (chooses the Triton backend before any 
 
 from .cache import Batch, Cache, CacheFull
 from .config import PRESETS, Config, ConfigError, preset
-from .generate import Stats, TextStream, Tokenizer, generate, sample
+from .generate import Stats, TextStream, Tokenizer, generate
+from .graphs import BUCKETS, DecodeStep
 from .loader import LoadError, from_pretrained
 from .model import Model
+from .sampling import Sampling, SamplingParams, sample, sample_rows
 
 __all__ = ["Batch", "Cache", "CacheFull", "Config", "ConfigError", "PRESETS", "preset", "Model", "from_pretrained",
-           "LoadError", "generate", "sample", "Stats", "Tokenizer", "TextStream"]
+           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "BUCKETS", "Stats",
+           "Tokenizer", "TextStream"]

@@ -151,6 +151,7 @@ class Cache:
             raise ValueError(f"slot {slot!r} is not an active sequence of this cache")
         self._free.extend(reversed(self._blocks[slot]))
         self._blocks[slot] = []
+        self.block_table[slot].zero_()            # no stale page numbers: a captured step reads the whole row
         self.active[slot] = self.broken[slot] = False
         self.lengths[slot] = 0
 
@@ -182,18 +183,7 @@ class Cache:
         if any((not isinstance(n, int)) or n < 1 for n in new_lens):
             raise ValueError(f"new_lens must be positive ints, got {new_lens}")
         prefix = [self.lengths[s] for s in slots]
-        need = [-(-(p + n) // self.page_size) - len(self._blocks[s]) for s, p, n in zip(slots, prefix, new_lens)]
-        if sum(max(0, x) for x in need) > len(self._free):
-            raise CacheFull(f"the KV cache holds {self.capacity_tokens} tokens ({self.num_blocks} pages of "
-                            f"{self.page_size}), {self.free_tokens} free; this call needs "
-                            f"{sum(max(0, x) for x in need) * self.page_size} more for sequences of "
-                            f"{[p + n for p, n in zip(prefix, new_lens)]} tokens")
-        for s, extra in zip(slots, need):
-            if extra > 0:
-                new = [self._free.pop() for _ in range(extra)]
-                start = len(self._blocks[s])
-                self._blocks[s].extend(new)
-                self.block_table[s, start:start + extra] = torch.tensor(new, dtype=torch.int32)
+        self._grow(slots, [p + n for p, n in zip(prefix, new_lens)])
         dev = self.device
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         seq_idx = torch.repeat_interleave(slot_t, torch.tensor(new_lens, device=dev))
@@ -213,6 +203,32 @@ class Cache:
             pos = torch.cat([torch.arange(n, device=dev) for n in full])
             batch.kv_gather = paged_slots(self.block_table, idx, pos, self.page_size)
         return batch
+
+    def _grow(self, slots: list[int], totals: list[int]) -> None:
+        """Pages so that sequence ``slots[b]`` can hold ``totals[b]`` tokens; all or nothing (:class:`CacheFull`)."""
+        need = [-(-t // self.page_size) - len(self._blocks[s]) for s, t in zip(slots, totals)]
+        if sum(max(0, x) for x in need) > len(self._free):
+            raise CacheFull(f"the KV cache holds {self.capacity_tokens} tokens ({self.num_blocks} pages of "
+                            f"{self.page_size}), {self.free_tokens} free; this call needs "
+                            f"{sum(max(0, x) for x in need) * self.page_size} more for sequences of "
+                            f"{list(totals)} tokens")
+        for s, extra in zip(slots, need):
+            if extra > 0:
+                new = [self._free.pop() for _ in range(extra)]
+                start = len(self._blocks[s])
+                self._blocks[s].extend(new)
+                self.block_table[s, start:start + extra] = torch.tensor(new, dtype=torch.int32)
+
+    def reserve(self, slots: list[int], totals: list[int]) -> None:
+        """Give each sequence ``slots[b]`` its pages for ``totals[b]`` tokens in all now, so the steps up to that
+        length take no new page: a captured decode step reads the block table as it stands. All or nothing
+        (:class:`CacheFull`)."""
+        for s in slots:
+            self._check_slot(s)
+        if any(not isinstance(t, int) or t > self.capacity_tokens for t in totals):
+            raise ValueError(f"totals {list(totals)} must be ints of at most the cache's {self.capacity_tokens} "
+                             f"tokens")
+        self._grow(list(slots), list(totals))
 
     def advance(self, slots: list[int], new_lens: list[int]) -> None:
         """Record that the call planned for ``slots`` ran."""

@@ -1,4 +1,5 @@
-"""Generation: a packed prefill, then batched decode steps over the cache; sampling; the checkpoint's tokenizer.
+"""Generation: a packed prefill, then batched decode steps over the cache (a CUDA graph on a GPU); the checkpoint's
+tokenizer.
 
 ``generate(model, input_ids, max_new_tokens, ...)`` is the contract; :class:`Tokenizer` wraps HF ``tokenizers``
 (``tokenizer.json``) and renders the checkpoint's own chat template with jinja2, as HF does.
@@ -14,35 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
+import lynn_kernels
+
+from .graphs import DecodeStep, bucket_for
 from .model import Model
-
-
-def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next tokens ``[N]`` (int64) from ``logits [N, vocab]``: greedy (``temperature == 0``: argmax, ties to the
-    lowest id) or a draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` best and to the smallest
-    set whose probability reaches ``top_p`` (the best token always stays)."""
-    if temperature < 0:
-        raise ValueError(f"temperature = {temperature}: expected >= 0")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k = {top_k}: expected >= 1 or None")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p = {top_p}: expected in (0, 1] or None")
-    x = logits.float()
-    if temperature == 0:
-        return x.argmax(-1)
-    x = x / temperature
-    if top_k is not None and top_k < x.shape[-1]:
-        kth = x.topk(top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        srt, idx = x.sort(-1, descending=True)
-        probs = srt.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p          # mass before this token already reaches top_p
-        drop[:, 0] = False
-        x = x.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+from .sampling import Sampling, SamplingParams, sample_rows
 
 
 @dataclass
@@ -54,6 +31,7 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    capture_s: float = 0.0           #: building the decode step (its warm-up and graph capture, on a GPU)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -75,18 +53,25 @@ def _sync(device: torch.device) -> None:
 def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
              stream: Callable[[torch.Tensor], None] | None = None, stats: Stats | None = None,
-             max_tokens: int | None = None) -> torch.Tensor:
+             max_tokens: int | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
     """Continue ``B`` prompts by up to ``max_new_tokens`` tokens each.
+
+    One packed prefill of the prompts, then decode steps of the whole batch through a :class:`DecodeStep`: on a GPU
+    with the compiled kernels a CUDA graph captured once (the batch padded to its bucket, 1, 2, 4, ..., 32) and
+    replayed per token, the host reading each step's tokens while the next step runs; elsewhere the same step
+    eagerly.
 
     Args:
         input_ids: int64 ``[B, T]`` (or a list of ``B`` token lists of any lengths: a varlen batch).
-        temperature, top_k, top_p: sampling (see :func:`sample`); ``temperature=0.0`` is greedy.
-        seed: seeds the sampler (a generator on the model's device), so a seeded call repeats exactly.
+        temperature, top_k, top_p: sampling (see :func:`lynn_model.sample`); ``temperature=0.0`` is greedy.
+        seed: the requests' stream of draws (:mod:`lynn_model.sampling`): a seeded call repeats exactly, on the
+            graph and the eager path alike. None: a seed drawn from torch's host generator.
         stop_ids: a sequence ends after emitting one of these; the others go on.
         stream: called after each step with ``[B]`` tokens: the new one of each live sequence, ``-1`` for one that
-            has finished. Finished sequences leave the batch: the next steps run the others only.
+            has finished. A finished sequence stops writing its cache; its row idles in the batch.
         stats: filled with the prefill / decode timings.
         max_tokens: the cache's token budget (default: every prompt plus ``max_new_tokens``).
+        cuda_graph: capture the decode step (default: on a GPU with the compiled kernels); False runs it eagerly.
 
     Returns:
         int64 ``[B, T + n]`` with ``n <= max_new_tokens`` the steps run (fewer when every sequence stopped); rows of
@@ -99,50 +84,94 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         raise ValueError("input_ids needs at least one prompt, each of at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 0")
-    dev = model.device
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    setting = Sampling(temperature, top_k, top_p, seed)              # checks the settings
+    dev, vocab, nseq = model.device, model.config.vocab_size, len(rows)
+    if cuda_graph is None:
+        cuda_graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
+    # on a GPU the batch runs in its bucket's rows, captured or not (so the two give the same bits)
+    width = bucket_for(nseq) if dev.type == "cuda" else nseq
     stops = set(int(t) for t in (stop_ids or []))
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(seed)
     stats = stats if stats is not None else Stats()
-    stats.prompt_tokens, stats.batch = sum(map(len, rows)), len(rows)
+    stats.prompt_tokens, stats.batch = sum(map(len, rows)), nseq
     budget = max_tokens or sum(len(r) + max_new_tokens for r in rows)
-    cache = model.new_cache(max_batch=len(rows), max_tokens=budget + 16 * len(rows))
-    slots = [cache.add() for _ in rows]
+    cache = model.new_cache(max_batch=width, max_tokens=budget + 16 * nseq)
     out = [list(r) for r in rows]
     if max_new_tokens == 0:
         return _pack(out)
     with torch.inference_mode():
+        step = None
+        if max_new_tokens > 1:
+            t0 = time.perf_counter()
+            step = DecodeStep(model, cache, width, SamplingParams.build([setting] * width, dev, vocab),
+                              graph=cuda_graph)
+            stats.capture_s = time.perf_counter() - t0
+        slots = [cache.add() for _ in rows]
         _sync(dev)
         t0 = time.perf_counter()
         logits = model.step(torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev), cache, slots,
                             [len(r) for r in rows])
-        nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+        counter = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
+        nxt = sample_rows(logits, SamplingParams.build([setting] * nseq, dev, vocab), counter)
         _sync(dev)
         stats.prefill_s = time.perf_counter() - t0
-        live = list(range(len(rows)))                 # rows still generating: only they run the next step
-        live = _emit(out, live, nxt, stops, stream)
-        stats.new_tokens = len(rows)
-        steps = 1
+        live = _emit(out, list(range(nseq)), nxt.tolist(), stops, stream)   # rows still generating
+        stats.new_tokens = nseq
+        if step is None or not live:
+            return _pack(out)
+        cache.reserve(slots, [len(r) + max_new_tokens for r in rows])
+        step.begin(nxt, slots)
         t0 = time.perf_counter()
-        while steps < max_new_tokens and live:
-            last = torch.tensor([out[b][-1] for b in live], dtype=torch.long, device=dev)
-            logits = model.step(last, cache, [slots[b] for b in live], [1] * len(live))
-            nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
-            stats.new_tokens += len(live)
-            live = _emit(out, live, nxt, stops, stream)
-            steps += 1
+        reader = _Reader(step, dev)
+        launched, pending = 0, None
+        while True:              # launch step k + 1, then read step k's tokens while it runs
+            done = None
+            if live and launched < max_new_tokens - 1:
+                step.replay()
+                done = reader.copy(launched)
+                launched += 1
+            if pending is not None:
+                new = reader.read(pending)
+                before = live
+                live = _emit(out, live, [new[slots[b]] for b in live], stops, stream)
+                cache.advance([slots[b] for b in before], [1] * len(before))
+                step.stop([slots[b] for b in before if b not in live])
+                stats.new_tokens += len(before)
+                stats.decode_steps += 1
+            if done is None:
+                break
+            pending = done
         _sync(dev)
         stats.decode_s = time.perf_counter() - t0
-        stats.decode_steps = steps - 1
     return _pack(out)
 
 
-def _emit(out: list[list[int]], live: list[int], nxt: torch.Tensor, stops: set, stream) -> list[int]:
+class _Reader:
+    """Two host buffers (pinned on a GPU) that take turns receiving a step's tokens, each with its event."""
+
+    def __init__(self, step: DecodeStep, device: torch.device):
+        cuda = device.type == "cuda"
+        self.step, self.cuda = step, cuda
+        self.bufs = [torch.empty(step.rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+    def copy(self, k: int) -> int:
+        """Queue step ``k``'s tokens into buffer ``k % 2``; returns ``k``."""
+        self.bufs[k % 2].copy_(self.step.tokens, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[k % 2].record()
+        return k
+
+    def read(self, k: int) -> list[int]:
+        if self.cuda:
+            self.events[k % 2].synchronize()
+        return self.bufs[k % 2].tolist()
+
+
+def _emit(out: list[list[int]], live: list[int], new: list[int], stops: set, stream) -> list[int]:
     """Append each live row's new token; returns the rows still live. ``stream`` gets ``[B]`` tokens, ``-1`` for a
     row that had already finished."""
-    new = nxt.tolist()
     step = [-1] * len(out)
     for b, t in zip(live, new):
         out[b].append(int(t))

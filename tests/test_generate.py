@@ -57,19 +57,78 @@ def _greedy(model, ids, n, **kw):
         return lynn_model.generate(model, ids, n, **kw)
 
 
+def _draws(logits, n, **kw):
+    """``n`` draws from one row of logits: counters 0..n-1 of one seed (each counter an independent draw)."""
+    x = logits.expand(n, -1)
+    return lynn_model.sample(x, counter=torch.arange(n), **kw)
+
+
 def test_sample_greedy_top_k_top_p():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
     assert lynn_model.sample(logits).tolist() == [1, 0]
-    g = torch.Generator().manual_seed(0)
-    draws = torch.stack([lynn_model.sample(logits, temperature=1.0, top_k=2, generator=g) for _ in range(300)])
-    assert set(draws[:, 0].tolist()) == {1, 3}                  # only the two best
+    assert set(_draws(logits[:1], 300, temperature=1.0, top_k=2).tolist()) == {1, 3}      # only the two best
+    tie = torch.tensor([[2.0, 1.0, 1.0, 0.5, -3.0]])
+    assert set(_draws(tie, 400, temperature=1.0, top_k=2).tolist()) == {0, 1, 2}          # the tie at rank 2 stays
     probs = torch.tensor([[0.6, 0.3, 0.1]]).log()
-    assert {lynn_model.sample(probs, temperature=1.0, top_p=0.5, generator=g).item() for _ in range(100)} == {0}
+    assert set(_draws(probs, 100, temperature=1.0, top_p=0.5).tolist()) == {0}
     probs = torch.tensor([[0.4, 0.35, 0.25]]).log()
-    assert {lynn_model.sample(probs, temperature=1.0, top_p=0.7, generator=g).item() for _ in range(300)} == {0, 1}
-    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
+    assert set(_draws(probs, 300, temperature=1.0, top_p=0.7).tolist()) == {0, 1}
+    for bad in ({"temperature": -1.0}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1}):
         with pytest.raises(ValueError):
             lynn_model.sample(logits, **bad)
+
+
+def test_sample_draws_follow_the_distribution():
+    """40,000 draws (one per counter) from a 5-token softmax, tempered and filtered, against the exact
+    probabilities: every frequency within 4 standard errors; top-k and top-p renormalise over what they keep."""
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.9, -2.0]])
+    n = 40_000
+    for kw, keep in (({"temperature": 1.0}, [0, 1, 2, 3, 4]), ({"temperature": 0.7}, [0, 1, 2, 3, 4]),
+                     ({"temperature": 1.0, "top_k": 3}, [0, 1, 3]), ({"temperature": 1.0, "top_p": 0.6}, [0, 3])):
+        z = logits[0] / kw["temperature"]
+        p = torch.zeros(5)
+        p[keep] = z[keep].softmax(-1)
+        counts = torch.bincount(_draws(logits, n, seed=5, **kw), minlength=5).double() / n
+        se = (p * (1 - p) / n).sqrt()
+        assert ((counts - p).abs() <= 4 * se + 1e-12).all(), (kw, counts.tolist(), p.tolist())
+
+
+def test_sample_rows_depend_on_their_own_seed_and_counter_only():
+    """A row's draw is a function of its logits, seed and counter: the same in any batch, at any row."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen)
+    rows = [lynn_model.Sampling(1.0, top_k=10, seed=s) for s in (3, 4, 5)] + \
+        [lynn_model.Sampling(0.8, top_p=0.9, seed=6), lynn_model.Sampling(), lynn_model.Sampling(1.2, seed=8)]
+    counter = torch.tensor([7, 7, 9, 2, 4, 11])
+    full = lynn_model.sample_rows(logits, lynn_model.SamplingParams.build(rows, "cpu", 50), counter)
+    for order in ([5, 0, 3], [2, 4, 1]):
+        sub = lynn_model.sample_rows(logits[order], lynn_model.SamplingParams.build([rows[i] for i in order], "cpu",
+                                                                                   50), counter[order])
+        assert sub.tolist() == full[order].tolist()
+    assert full[4] == logits[4].argmax()
+    with pytest.raises(ValueError, match="no top_k"):
+        lynn_model.SamplingParams.build(rows, "cpu")                # top_p alone ranks the whole vocabulary
+
+
+def test_decode_step_equals_a_loop_of_model_steps(model):
+    """generate's decode (a DecodeStep: static buffers, eager here) gives the tokens of a plain loop of
+    ``model.step`` and ``sample`` with the same seed and counters; two prompts of different lengths, sampled."""
+    rows, n, kw = [[5, 6, 7, 8], [9, 10]], 6, {"temperature": 1.3, "top_k": 20, "top_p": 0.95, "seed": 17}
+    got = _greedy(model, rows, n, **kw)
+    with lynn_kernels.use_reference(), torch.no_grad():
+        cache = model.new_cache(max_batch=2, max_tokens=64)
+        slots = [cache.add(), cache.add()]
+        logits = model.step(torch.tensor(rows[0] + rows[1]), cache, slots, [4, 2])
+        lens = [4, 2]
+        toks = lynn_model.sample(logits, counter=torch.tensor(lens), **kw)
+        want = [r + [int(t)] for r, t in zip(rows, toks)]
+        for _ in range(n - 1):
+            lens = [x + 1 for x in lens]
+            logits = model.step(toks, cache, slots, [1, 1])
+            toks = lynn_model.sample(logits, counter=torch.tensor(lens), **kw)
+            for r, t in zip(want, toks):
+                r.append(int(t))
+    assert got[0].tolist() == want[0] and got[1, :8].tolist() == want[1]
 
 
 def test_greedy_equals_top_k_1_and_seeded_sampling_repeats(model):
@@ -139,8 +198,8 @@ def test_lynn_generate_streams_text_and_reports_speed(folder, model, capsys):
 
 
 def test_a_stopped_sequence_leaves_the_batch(model):
-    """Row 0 stops at its first token; row 1 goes on alone (the same tokens as run alone), the stream shows -1 for
-    the finished row, and the statistics count real tokens only."""
+    """Row 0 stops at its first token (its row idles from then on); row 1 goes on (the same tokens as run alone),
+    the stream shows -1 for the finished row, and the statistics count real tokens only."""
     rows = [[5, 6, 7, 8], [9, 10]]
     first0 = _greedy(model, [rows[0]], 1)[0, -1].item()
     alone1 = _greedy(model, [rows[1]], 5)[0, 2:].tolist()

@@ -107,9 +107,6 @@ def check_unit_head_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None
                              f"strides {tuple(t.stride())}")
 
 
-def values_checkable() -> bool:
-    """Whether index tensors may be read back to the host (not while a CUDA graph is being captured)."""
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -257,7 +254,7 @@ def check_decode(q, k_cache, v_cache, seq_lens, block_table, gate, *, scale=None
     check_unit_head_stride(k_cache, v_cache)
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table,
                       gate=gate)
-    if values_checkable() and b:
+    if runtime.values_checkable() and b:
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 0 or hi > cache.capacity:
             raise ValueError(f"seq_lens must lie in [0, {cache.capacity}] (the cache's capacity per sequence), "
@@ -339,12 +336,12 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
                       k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if slot_mapping is not None:                                    # then the whole cache write was checked above
         n_slots = k_cache.shape[0] * k_cache.shape[1]
-        if values_checkable() and slot_mapping.numel():
+        if runtime.values_checkable() and slot_mapping.numel():
             lo, hi = _min_max(slot_mapping)
             if lo < -1 or hi >= n_slots:
                 raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 skips a token), "
                                  f"found min {lo}, max {hi}")
-    if values_checkable() and positions.numel():                        # one host sync, like slot_mapping's
+    if runtime.values_checkable() and positions.numel():                        # one host sync, like slot_mapping's
         lo, hi = _min_max(positions)
         if cos is not None and (lo < 0 or hi >= cos.shape[0]):
             raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rows of the cos / sin tables), "

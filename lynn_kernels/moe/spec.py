@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..attention.spec import values_checkable
+from ..runtime import values_checkable
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.spec import reciprocal
 

@@ -1,0 +1,168 @@
+"""The decode step on static buffers, captured once as a CUDA graph and replayed for every token.
+
+A :class:`DecodeStep` owns the first ``rows`` slots of a :class:`~lynn_model.cache.Cache` and runs one decode step
+of all of them, embedding to sampled token, from tensors that stay in place: ``tokens`` (in: each row's last token;
+out: the token sampled), ``lengths`` (tokens cached per row), ``active`` (rows that take part) and the sampling
+settings. Everything a step needs besides is derived on the device inside the step: positions (``lengths``),
+where each new key goes (the block table), the sequence lengths attention reads, the sampling counter; and the step
+ends by writing its tokens back into ``tokens`` and advancing ``lengths``. So a replay needs no input from the host
+at all, and nothing inside it synchronises. An inactive row (padding up to the bucket size, or a sequence that has
+finished) writes no key (slot -1), attends to nothing and keeps its length; its recurrent states are scratch.
+
+On a GPU the step is captured (after a warm-up that compiles and autotunes every kernel it meets, at the cache's
+full length) and :meth:`replay` launches the graph; under the interpreter or the reference backend the same step
+runs eagerly. Both run the same kernels on the same shapes, so they give the same tokens bit for bit.
+
+Example::
+
+    cache = model.new_cache(max_batch=4, max_tokens=8192)
+    step = DecodeStep(model, cache, rows=4, params=SamplingParams.build([Sampling()] * 4, "cuda"))
+    ...                                          # cache.add(), prefill with model.step, cache.reserve(...)
+    step.begin(first_tokens, slots)              # static inputs from the prefill
+    for _ in range(n):
+        step.replay()                            # step.tokens: the new token of every row
+"""
+
+from __future__ import annotations
+
+import torch
+
+import lynn_kernels
+
+from .cache import Batch, Cache
+from .model import Model
+from .sampling import SamplingParams, sample_rows
+
+#: Batch sizes a decode step is captured for; a batch runs in the smallest bucket that holds it.
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def bucket_for(n: int, buckets=BUCKETS) -> int:
+    """The smallest bucket >= ``n`` (``n`` itself when ``buckets`` is None)."""
+    if buckets is None:
+        return n
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"a batch of {n} sequences is larger than the largest decode bucket ({max(buckets)})")
+
+
+class DecodeStep:
+    """One decode step of rows ``0..rows-1`` of ``cache`` on static buffers (see the module docstring).
+
+    ``graph``: capture a CUDA graph (default: on a GPU with the compiled kernels); ``pool``: a graph memory pool to
+    share with other steps (``torch.cuda.graph_pool_handle()``). Build it while the cache holds no sequence: the
+    warm-up runs real steps over the rows (their states are zeroed again after)."""
+
+    def __init__(self, model: Model, cache: Cache, rows: int, params: SamplingParams, *, graph: bool | None = None,
+                 pool=None):
+        if rows < 1 or rows > cache.max_batch:
+            raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
+        if params.temperature.shape != (rows,):
+            raise ValueError(f"params has {tuple(params.temperature.shape)} rows of settings; expected ({rows},)")
+        if any(cache.active):
+            raise ValueError(f"build a DecodeStep while the cache holds no sequence (its warm-up writes states and "
+                             f"page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
+        if cache.config != model.config or cache.device != model.device:
+            raise ValueError("the cache was built for another model: use model.new_cache(...)")
+        self.model, self.cache, self.rows, self.params = model, cache, rows, params
+        dev = cache.device
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.lengths = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.kv_slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.block_table = cache.block_table[:rows]                   # a view: pages given later are seen
+        self.batch = Batch([1] * rows, [1] * rows, self.positions, None, decode=True, kv_slots=self.kv_slots,
+                           rows=slice(0, rows), seq_lens=self.seq_lens, block_table=self.block_table)
+        if graph is None:
+            graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
+        if graph and dev.type != "cuda":
+            raise ValueError("graph=True needs the model on a CUDA device")
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if graph:
+            self._capture(pool)
+
+    def _forward(self) -> None:
+        """The step itself: everything from the static buffers, the results written back into them."""
+        self.prologue()
+        x = self.model._trunk(self.tokens, self.batch, self.cache)
+        self.epilogue(self.model.lm_head(x))
+
+    def prologue(self) -> None:
+        """Positions, cache slots and sequence lengths of this step, from ``lengths``, ``active`` and the pages."""
+        page, width = self.cache.page_size, self.block_table.shape[1]
+        pos = self.lengths
+        block = self.block_table.gather(1, (pos // page).clamp_max(width - 1)[:, None])[:, 0].to(torch.int64)
+        self.positions.copy_(pos)
+        self.kv_slots.copy_(torch.where(self.active, block * page + pos % page, -1))
+        self.seq_lens.copy_(torch.where(self.active, pos + 1, 0))
+
+    def epilogue(self, logits: torch.Tensor) -> None:
+        """Sample each row's next token into ``tokens``; advance the active rows' ``lengths``."""
+        self.tokens.copy_(sample_rows(logits, self.params, self.lengths + 1))
+        self.lengths.add_(self.active.to(torch.int64))
+
+    def _run(self) -> None:
+        with torch.inference_mode(), lynn_kernels.trusted():
+            self._forward()
+
+    def _capture(self, pool) -> None:
+        # warm-up at the cache's full length, so the autotuners time real work: every row active, reading pages
+        # the block table gives them (unallocated rows: page 0), writing one key each
+        cap = self.block_table.shape[1] * self.cache.page_size
+        self.active.fill_(True)
+        self.lengths.fill_(cap - 1)
+        side = torch.cuda.Stream(self.cache.device)
+        side.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.lengths.fill_(cap - 1)
+                self._run()
+        torch.cuda.current_stream(self.cache.device).wait_stream(side)
+        self.active.fill_(False)
+        self.lengths.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), lynn_kernels.trusted(), torch.cuda.graph(self.graph, pool=pool):
+            self._forward()
+        torch.cuda.synchronize(self.cache.device)
+        self._scrub()
+
+    def _scrub(self) -> None:
+        """Zero what the warm-up wrote: the rows' conv and recurrent states, and page 0 of every KV pool."""
+        c = self.cache
+        for t in (*c.conv.values(), *c.state.values()):
+            t[:self.rows].zero_()
+        for t in (*c.k.values(), *c.v.values()):
+            t[0].zero_()
+        self.tokens.zero_()
+
+    def begin(self, tokens: torch.Tensor, slots: list[int]) -> None:
+        """Load the step's inputs: ``tokens [len(slots)]`` the last token of each sequence ``slots[b]`` (a slot in
+        ``0..rows-1`` whose pages :meth:`Cache.reserve` has given for every step to come); the other rows idle."""
+        if len(slots) != tokens.shape[0] or any(not 0 <= s < self.rows for s in slots):
+            raise ValueError(f"slots {slots} must be {tokens.shape[0]} rows in 0..{self.rows - 1}")
+        for s in slots:
+            self.cache._check_slot(s)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.tokens.device)
+        self.tokens.zero_()
+        self.tokens[idx] = tokens.to(self.tokens.device, torch.int64)
+        self.active.fill_(False)
+        self.active[idx] = True
+        self.lengths.zero_()
+        self.lengths[idx] = torch.tensor([self.cache.lengths[s] for s in slots], dtype=torch.int64,
+                                         device=self.tokens.device)
+
+    def stop(self, slots: list[int]) -> None:
+        """Rows that take no further part (a finished sequence): from the next step on they write nothing."""
+        if slots:
+            self.active[torch.tensor(slots, dtype=torch.long, device=self.active.device)] = False
+
+    def replay(self) -> None:
+        """One decode step of every active row (the graph's launch on a GPU, the eager step elsewhere). The host
+        keeps :attr:`Cache.lengths` itself (:meth:`Cache.advance`)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()

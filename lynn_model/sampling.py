@@ -1,0 +1,160 @@
+"""Sampling on the device, reproducible per request: greedy, temperature, top-k and top-p, with a seed of its own.
+
+A draw is the Gumbel-max trick with counter-based noise: each candidate token ``v`` of row ``b`` gets
+``g = -log(-log(u))`` with ``u`` a hash of ``(seed[b], counter[b], v)``, and the token is the argmax of
+``logits / temperature + g`` over the candidates the top-k and top-p filters keep (the argmax of a Gumbel-perturbed
+log-probability is an exact draw from the softmax). Nothing reads a generator's state and nothing returns to the
+host, so the same function runs inside a captured CUDA graph and eagerly, with the same result bit for bit; and a
+request's tokens depend on its own seed and positions only, not on what else shares the batch. ``counter`` is the
+index the new token will have in its sequence (the prompt's length for the first one).
+
+Example::
+
+    tok = sample(logits, temperature=0.8, top_k=40, top_p=0.95, seed=7, counter=prompt_len)      # int64 [N]
+    params = SamplingParams.build([Sampling(0.8, 40, 0.95, seed=7), Sampling()], device="cuda")   # per row
+    tok = sample_rows(logits2, params, counter=lengths)                                           # int64 [2]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's settings: ``temperature == 0`` is greedy (argmax, ties to the lowest id); ``top_k`` keeps the k
+    most likely tokens (None: all); ``top_p`` keeps the smallest set whose probability reaches it, the best token
+    always (None or 1: all); ``seed`` names the request's stream of draws."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature!r}: expected a number >= 0")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k = {self.top_k!r}: expected an int >= 1 or None")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p = {self.top_p!r}: expected a number in (0, 1] or None")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed = {self.seed!r}: expected an int in [0, 2^63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplingParams:
+    """Per-row tensors of a batch's :class:`Sampling` settings on the device (the static inputs of a captured step)
+    and ``candidates``, the fixed number of best tokens the filters look at: None when no row filters (a draw over
+    the whole vocabulary, no sort), else a power of two >= twice every row's ``top_k`` (so ties at the k-th value
+    are kept, as HF keeps them, up to that many), or the whole vocabulary when a sampled row has no ``top_k``.
+    ``greedy`` when every row is."""
+
+    temperature: torch.Tensor          #: fp32 [B]
+    top_k: torch.Tensor                #: int64 [B], 0: no limit
+    top_p: torch.Tensor                #: fp32 [B], 1: no limit
+    seed: torch.Tensor                 #: int64 [B]
+    candidates: int | None
+    greedy: bool
+
+    @staticmethod
+    def build(rows: list[Sampling], device, vocab: int | None = None) -> "SamplingParams":
+        dev = torch.device(device)
+        sampled = [r for r in rows if not r.greedy]
+        filters = any(r.top_k is not None or (r.top_p is not None and r.top_p < 1) for r in sampled)
+        if not filters:
+            cand = None                                 # greedy, or draws over the whole vocabulary
+        elif any(r.top_k is None for r in sampled):     # a row without top_k needs every token ranked
+            if vocab is None:
+                raise ValueError("a sampled row has no top_k while others filter: pass vocab (the whole vocabulary "
+                                 "is sorted)")
+            cand = vocab
+        else:                                           # a power of two >= 2 k: ties at the k-th value fit
+            cand = 1 << (2 * max(r.top_k for r in sampled) - 1).bit_length()
+            cand = min(cand, vocab) if vocab is not None else cand
+        return SamplingParams(
+            torch.tensor([float(r.temperature) for r in rows], dtype=torch.float32, device=dev),
+            torch.tensor([r.top_k or 0 for r in rows], dtype=torch.int64, device=dev),
+            torch.tensor([1.0 if r.top_p is None else float(r.top_p) for r in rows], dtype=torch.float32, device=dev),
+            torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev), cand, not sampled)
+
+    def copy_(self, other: "SamplingParams") -> None:
+        """Overwrite these tensors in place with ``other``'s (same rows, same ``candidates``): a captured step's
+        settings changed without a new capture."""
+        if (other.candidates, other.greedy) != (self.candidates, self.greedy) or \
+                other.temperature.shape != self.temperature.shape:
+            raise ValueError(f"sampling settings of another shape: {other.candidates, other.greedy} rows "
+                             f"{tuple(other.temperature.shape)}, this step was built for "
+                             f"{self.candidates, self.greedy} rows {tuple(self.temperature.shape)}")
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            getattr(self, name).copy_(getattr(other, name))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xor-shift-multiply rounds) on int64 values in ``[0, 2^32)``; the odd
+    multipliers stay below 2^31, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, counter: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 ``u`` in ``(0, 1)``, one per ``ids [B, C]`` entry, a hash of ``(seed[b], counter[b], ids[b, c])`` (24
+    random bits, offset by half a step so neither 0 nor 1 occurs)."""
+    key = _mix32((seed & _M32) ^ _mix32((seed >> 32) & _M32))
+    key = _mix32(key ^ _mix32(counter.to(torch.int64) & _M32))
+    h = _mix32(_mix32(key[:, None] ^ ids.to(torch.int64)) ^ 0x9E3779B9)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           seed: int = 0, counter=0) -> torch.Tensor:
+    """Next tokens int64 ``[N]`` from ``logits [N, vocab]``, one :class:`Sampling` for every row: greedy
+    (``temperature == 0``) or a draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` best (ties
+    with the k-th kept) and to the smallest set whose probability reaches ``top_p`` (the best token always stays),
+    in that order, as HF's warpers. ``counter``: the index the new token takes in its sequence, an int or ``[N]``
+    (a different counter or seed is an independent draw; the same ones, the same token)."""
+    rows = [Sampling(temperature, top_k, top_p, seed)] * logits.shape[0]
+    params = SamplingParams.build(rows, logits.device, vocab=logits.shape[-1])
+    if not isinstance(counter, torch.Tensor):
+        counter = torch.full((logits.shape[0],), int(counter), dtype=torch.int64, device=logits.device)
+    return sample_rows(logits, params, counter.to(logits.device))
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, counter: torch.Tensor) -> torch.Tensor:
+    """Next tokens int64 ``[B]`` from ``logits [B, vocab]`` (any float dtype, computed in fp32) under ``params``;
+    ``counter [B]`` is the index of the new token in each sequence. No host sync, no allocation that depends on
+    values: safe inside a CUDA-graph capture."""
+    x = logits.float()
+    best = x.argmax(-1)                                 # greedy rows; the first maximum: ties to the lowest id
+    if params.greedy:
+        return best
+    t = params.temperature.clamp_min(1e-6)[:, None]
+    if params.candidates is None:                       # no filter: every token is a candidate
+        ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+        z = x / t
+    else:
+        vals, ids = x.topk(params.candidates, dim=-1)   # sorted, best first
+        z = vals / t
+        rank = torch.arange(params.candidates, device=x.device)[None, :]
+        k = params.top_k[:, None]
+        kth = vals.gather(-1, (k - 1).clamp(0, params.candidates - 1))     # ties with the k-th value stay, as HF
+        z = z.masked_fill((k > 0) & (vals < kth), float("-inf"))
+        p = z.softmax(-1)
+        before = p.cumsum(-1) - p                       # probability of the better tokens
+        drop = (before >= params.top_p[:, None]) & (rank > 0)
+        z = z.masked_fill(drop, float("-inf"))
+    g = -torch.log(-torch.log(uniform(params.seed, counter, ids)))
+    choice = (z + g).argmax(-1, keepdim=True)
+    drawn = ids.gather(-1, choice)[:, 0]
+    return torch.where(params.temperature == 0, best, drawn)

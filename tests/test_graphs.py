@@ -1,0 +1,151 @@
+"""The decode step on static buffers (``lynn_model.graphs``): its contract on the CPU (eager, as the interpreter
+runs it), and on the H200 the captured CUDA graph against the same step run eagerly, token for token, plus the
+regression test for graphs disturbing later work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lynn_kernels
+import lynn_model
+from lynn_model.loader import random_model
+
+DEV = lynn_kernels.runtime.DEVICE
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with lynn_kernels.use_reference():
+        return random_model(lynn_model.preset("tiny-qwen3.5-moe"), weights="bf16", device="cpu", seed=1)
+
+
+def _params(n, **kw):
+    return lynn_model.SamplingParams.build([lynn_model.Sampling(**kw)] * n, "cpu", 512)
+
+
+def test_bucket_for():
+    from lynn_model.graphs import bucket_for
+
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
+    assert bucket_for(3, None) == 3
+    with pytest.raises(ValueError, match="largest decode bucket"):
+        bucket_for(33)
+
+
+def test_decode_step_refuses_a_busy_cache_and_bad_rows(tiny):
+    cache = tiny.new_cache(max_batch=4, max_tokens=64)
+    with pytest.raises(ValueError, match="rows = 5"):
+        lynn_model.DecodeStep(tiny, cache, 5, _params(5))
+    with pytest.raises(ValueError, match=r"rows of settings"):
+        lynn_model.DecodeStep(tiny, cache, 2, _params(3))
+    step = lynn_model.DecodeStep(tiny, cache, 2, _params(2), graph=False)
+    slot = cache.add()
+    with pytest.raises(ValueError, match="holds no sequence"):
+        lynn_model.DecodeStep(tiny, cache, 2, _params(2), graph=False)
+    with pytest.raises(ValueError, match="must be 1 rows in 0..1"):
+        step.begin(torch.tensor([3]), [2])
+    with pytest.raises(ValueError, match="not an active sequence"):
+        step.begin(torch.tensor([3]), [1])
+    step.begin(torch.tensor([3]), [slot])
+    assert step.active.tolist() == [True, False] and step.tokens.tolist() == [3, 0]
+    with pytest.raises(ValueError, match="graph=True needs"):
+        lynn_model.DecodeStep(tiny, tiny.new_cache(max_batch=1, max_tokens=16), 1, _params(1), graph=True)
+
+
+def test_an_idle_row_writes_nothing(tiny):
+    """Row 1 idles (padding): its cache pages, its length and row 0's tokens are what they are without it."""
+    with lynn_kernels.use_reference(), torch.no_grad():
+        runs = []
+        for rows in (1, 2):
+            cache = tiny.new_cache(max_batch=2, max_tokens=64)
+            step = lynn_model.DecodeStep(tiny, cache, rows, _params(rows), graph=False)
+            s = cache.add()
+            logits = tiny.step(torch.tensor([5, 6, 7]), cache, [s], [3])
+            cache.reserve([s], [8])
+            step.begin(logits.argmax(-1), [s])
+            toks = []
+            for _ in range(4):
+                step.replay()
+                toks.append(int(step.tokens[0]))
+            layer = tiny.config.attention_layers[0]
+            runs.append((toks, step.lengths.tolist(), cache.k[layer].clone()))
+        (t1, l1, k1), (t2, l2, k2) = runs
+        assert t1 == t2 and l1 == [7] and l2 == [7, 0]
+        assert torch.equal(k1, k2)
+
+
+def test_reserve_and_release_keep_the_block_table_honest(tiny):
+    cache = tiny.new_cache(max_batch=2, max_tokens=64)
+    s = cache.add()
+    cache.reserve([s], [40])                       # 3 pages of 16
+    assert len(cache._blocks[s]) == 3 and cache.block_table[s, :3].tolist() == [0, 1, 2]
+    with pytest.raises(lynn_model.CacheFull):
+        t = cache.add()
+        cache.reserve([t], [64])
+    cache.release(s)
+    assert cache.block_table[s].abs().sum() == 0   # no stale page numbers left for a captured step to read
+    with pytest.raises(ValueError, match="at most"):
+        cache.reserve([t], [1000])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# H200
+
+
+def _gen(model, prompts, n, graph, **kw):
+    stats = lynn_model.Stats()
+    out = lynn_model.generate(model, prompts, n, cuda_graph=graph, stats=stats, **kw)
+    return out, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
+def test_gpu_graph_decode_equals_eager_bit_for_bit(preset, batch, weights):
+    """The captured step and the same step run eagerly give the same tokens, greedy and sampled, for a batch of
+    prompts of different lengths (batch 3 runs in bucket 4: one idle row)."""
+    model = random_model(lynn_model.preset(preset), weights=weights, device="cuda", seed=3)
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, model.config.vocab_size, (5 + 7 * b,), generator=gen).tolist() for b in range(batch)]
+    for kw in ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5}, {"temperature": 1.0, "seed": 9}):
+        eager, _ = _gen(model, prompts, 24, False, **kw)
+        graph, stats = _gen(model, prompts, 24, True, **kw)
+        assert graph.tolist() == eager.tolist(), kw
+        assert stats.decode_steps == 23
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_leave_later_kernels_exact():
+    """The regression test for the disturbance issue 2 saw (a later dequantise wrong after graph timing): capture
+    and replay decode steps and launch graphs of the NVFP4 kernels into outputs of their own, free them, then
+    quantise and dequantise fresh tensors of 8192^2 and compare them bit for bit with the reference."""
+    from lynn_kernels import nvfp4
+    from lynn_kernels.nvfp4.triton_quant import launch_dequantize
+
+    model = random_model(lynn_model.preset("tiny-qwen3.5-moe"), weights="nvfp4", device="cuda", seed=4)
+    for _ in range(3):
+        _gen(model, [[1, 2, 3], [4, 5]], 16, True)
+    w = nvfp4.quantize(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16))
+    outs = [torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch_dequantize(w, outs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        for o in outs:
+            launch_dequantize(w, o)
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    del g, outs
+    torch.cuda.empty_cache()
+    for seed in range(3):
+        gen = torch.Generator("cuda").manual_seed(seed)
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, want = nvfp4.quantize(x), nvfp4.reference.quantize(x)
+        assert torch.equal(q.codes, want.codes) and torch.equal(q.scales, want.scales)
+        assert torch.equal(nvfp4.dequantize(q), nvfp4.reference.dequantize(q))
