@@ -172,9 +172,181 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     info.update(peak_gb=torch.cuda.max_memory_allocated() / 1e9, bytes_per_token=nbytes,
                 cache_gb=cache.nbytes() / 1e9)
     _log(f"{name}: decode at {CONTEXT}: {med:.2f} ms/token host, {k_ms:.2f} ms kernels")
-    del model, cache
+    del cache
+    torch.cuda.empty_cache()
+    for batch in GRAPH_BATCHES:
+        grows, ginfo = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph)", nbytes if batch == 1 else 0)
+        rows += grows
+        info[f"graph_b{batch}"] = ginfo
+    rows.append(generate_row(model, ids, ceilings, nbytes))
+    info["census"] = census(model)
+    del model
     torch.cuda.empty_cache()
     return rows, info
+
+
+GRAPH_BATCHES, GRAPH_STEPS = (1, 8), 64
+
+
+def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbytes: int) -> tuple[list[Result], dict]:
+    """Decode of ``batch`` sequences at ``CONTEXT`` tokens each by CUDA-graph replay of one
+    :class:`lynn_model.DecodeStep` (greedy): GPU time per step from CUDA events around ``GRAPH_STEPS`` replays, the
+    host's time per ``replay()`` call beside it. Checked first: the graph's tokens equal those of the same step run
+    eagerly on a second cache, 8 steps from the same prefill."""
+    from lynn_model import DecodeStep, Sampling, SamplingParams
+
+    cfg, dev = model.config, ids.device
+    runs = {}
+    for graph in (False, True):
+        cache = model.new_cache(max_batch=batch, max_tokens=batch * (CONTEXT + GRAPH_STEPS + 64))
+        t0 = time.perf_counter()
+        step = DecodeStep(model, cache, batch, SamplingParams.build([Sampling()] * batch, dev, cfg.vocab_size),
+                          graph=graph)
+        capture_s = time.perf_counter() - t0
+        slots = [cache.add() for _ in range(batch)]
+        with torch.no_grad():
+            first = torch.cat([model.step(ids[b:b + CONTEXT], cache, [s], [CONTEXT]).argmax(-1)
+                               for b, s in enumerate(slots)])
+        cache.reserve(slots, [CONTEXT + GRAPH_STEPS + 16] * batch)
+        step.begin(first, slots)
+        toks = []
+        for _ in range(8):
+            step.replay()
+            toks.append(step.tokens.tolist())
+        runs[graph] = (toks, step, cache, capture_s)
+    exact = runs[True][0] == runs[False][0]
+    if not exact:
+        raise AssertionError(f"batch {batch}: graph tokens {runs[True][0]} differ from eager {runs[False][0]}")
+    step, capture_s = runs[True][1], runs[True][3]
+    del runs[False]
+    times, host = [], []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        t0 = time.perf_counter()
+        for _ in range(GRAPH_STEPS // 5):
+            step.replay()
+        host.append((time.perf_counter() - t0) / (GRAPH_STEPS // 5))
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / (GRAPH_STEPS // 5))
+    med = statistics.median(times)
+    val = {"passed": True, "graph_tokens_equal_eager": exact, "steps_compared": 8}
+    dims = {"B": batch, "context": CONTEXT}
+    row = _row("decoder.decode", provider, cfg.name, dims, times, ceilings, bytes_=nbytes,
+               ceiling="read_gbps" if nbytes else None,
+               note=f"{batch * 1e3 / med:,.1f} tok/s{' aggregate' if batch > 1 else ''}; replay of a captured step, "
+                    f"CUDA events over {GRAPH_STEPS // 5} replays, median of 5; host {statistics.median(host) * 1e6:.0f}"
+                    f" us per replay() call; graph tokens = eager tokens over 8 steps", validation=val)
+    _log(f"{cfg.name}: graph decode, batch {batch}: {med:.3f} ms/step ({batch * 1e3 / med:,.1f} tok/s), capture "
+         f"{capture_s:.1f} s")
+    info = {"ms_per_step": med, "tok_s": batch * 1e3 / med, "capture_s": capture_s,
+            "host_us_per_replay": statistics.median(host) * 1e6}
+    del step, runs
+    torch.cuda.empty_cache()
+    return [row], info
+
+
+def generate_row(model, ids, ceilings: Ceilings, nbytes: int) -> Result:
+    """What ``lynn_model.generate`` gives a user on the GPU: a ``CONTEXT``-token prompt, 128 new tokens (greedy),
+    the decode step captured and replayed, the host reading tokens one step behind."""
+    import lynn_model
+
+    stats = lynn_model.Stats()
+    prompt = ids[None, :CONTEXT].cpu()
+    lynn_model.generate(model, prompt, 16)                            # compile / autotune the prefill shapes
+    lynn_model.generate(model, prompt, 128, stats=stats)
+    ms = stats.decode_s * 1e3 / max(1, stats.decode_steps)
+    _log(f"{model.config.name}: generate(): prefill {stats.prefill_tok_s:,.0f} tok/s, decode {stats.decode_tok_s:.1f}"
+         f" tok/s, capture {stats.capture_s:.1f} s")
+    return _row("decoder.decode", "lynn nvfp4 generate() (graph)", model.config.name, {"B": 1, "context": CONTEXT},
+                [ms], ceilings, bytes_=nbytes, ceiling="read_gbps",
+                note=f"{stats.decode_tok_s:.1f} tok/s over {stats.decode_steps} steps, host-timed loop; capture "
+                     f"{stats.capture_s:.1f} s, prefill {stats.prefill_tok_s:,.0f} tok/s")
+
+
+def census(model) -> dict:
+    """Kernels (GPU operations: kernels, copies, memsets) and their GPU time in one batch-1 decode step, by part,
+    from the CUDA profiler over one eager run of each part on a :class:`lynn_model.DecodeStep`'s static buffers;
+    ``per_step`` adds them up by the layer counts, ``whole_step`` profiles the whole step as a check."""
+    import torch.nn.functional as F
+    from lynn_model import DecodeStep, Sampling, SamplingParams
+
+    import lynn_kernels
+
+    cfg = model.config
+    cache = model.new_cache(max_batch=1, max_tokens=CONTEXT + 64)
+    step = DecodeStep(model, cache, 1, SamplingParams.build([Sampling()], "cuda", cfg.vocab_size), graph=False)
+    s = cache.add()
+    with torch.no_grad():
+        first = model.step(torch.randint(0, cfg.vocab_size, (CONTEXT,), device="cuda"), cache, [s], [CONTEXT])
+    cache.reserve([s], [CONTEXT + 16])
+    step.begin(first.argmax(-1), [s])
+    step.prologue()
+    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=model.dtype)
+    logits = torch.randn(1, cfg.vocab_size, device="cuda", dtype=model.dtype)
+    gdn = next(m for m in model.layers if m.kind != "full_attention")
+    attn = next(m for m in model.layers if m.kind == "full_attention")
+    parts = {
+        "embedding": (lambda: F.embedding(step.tokens, model.embed_tokens), 1),
+        "step prologue (positions, slots, lengths)": (step.prologue, 1),
+        "norm + residual add": (lambda: model.norm(x, residual=x), 2 * cfg.num_hidden_layers + 1),
+        "Gated DeltaNet mixer": (lambda: gdn.mixer(x, step.batch, cache), len(cfg.linear_layers)),
+        "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
+        "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
+        "LM head": (lambda: model.lm_head(x), 1),
+        "sampler + epilogue": (lambda: step.epilogue(logits), 1),
+    }
+    out = {}
+    with torch.inference_mode(), lynn_kernels.trusted():
+        for name, (fn, times) in parts.items():
+            n, us = _profile(fn)
+            out[name] = {"kernels": n, "us": us, "per_step": times}
+        n, us = _profile(step._forward)
+    total = sum(v["kernels"] * v["per_step"] for v in out.values())
+    out["per_step"] = {"kernels": total, "us": sum(v["us"] * v["per_step"] for v in out.values() if "us" in v)}
+    out["whole_step"] = {"kernels": n, "us": us}
+    for name, v in out.items():
+        _log(f"census {name}: {v['kernels']} kernels, {v['us']:.1f} us" + (f" x {v['per_step']}" if "per_step" in v
+                                                                             and name != "per_step" else ""))
+    del step, cache
+    return out
+
+
+def _profile(fn) -> tuple[int, float]:
+    """GPU operations one call of ``fn`` launches and their summed GPU time (us), median of 5 profiled calls."""
+    fn()
+    torch.cuda.synchronize()
+    counts, times = [], []
+    for _ in range(5):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts.append(len(ev))
+        times.append(sum(e.time_range.elapsed_us() for e in ev))
+    return int(statistics.median(counts)), float(statistics.median(times))
+
+
+def _bf16_graph(name: str, ceilings: Ceilings) -> list[Result]:
+    """The same decoder with bf16 weights (cuBLAS projections, the bf16-weight MoE kernels), graph-replayed at
+    batch 1: what 4-bit weights buy, on the same shapes and the same random draw."""
+    import lynn_model
+    from lynn_model.loader import random_model
+
+    cfg = lynn_model.preset(name)
+    t0 = time.perf_counter()
+    model = random_model(cfg, weights="bf16", device="cuda", seed=0)
+    torch.cuda.synchronize()
+    _log(f"{name}: random bf16 model built in {time.perf_counter() - t0:.1f} s, "
+         f"{torch.cuda.memory_allocated() / 1e9:.1f} GB")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + STEPS + 8,), device="cuda", generator=gen)
+    rows, _ = graph_decode(model, ids, 1, ceilings, "lynn bf16 weights, cuBLAS (graph)", decode_bytes(model, CONTEXT))
+    del model
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _hf(name: str, ceilings: Ceilings) -> list[Result]:
@@ -246,7 +418,8 @@ def _hf_active(cfg) -> int:
 def _bench(name: str, with_hf: bool):
     def run(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         rows, info = _ours(name, ceilings)
-        run.extra = {name: info}          # build time, GB of weights, peak memory, bytes per token (saved as "info")
+        run.extra = {name: info}          # build time, GB of weights, peak memory, bytes per token, census ("info")
+        rows += _bf16_graph(name, ceilings) if with_hf else []
         return rows + (_hf(name, ceilings) if with_hf else [])
 
     run.extra = {}
