@@ -25,5 +25,5 @@ from .model import Model
 from .sampling import Sampling, SamplingParams, sample, sample_rows
 
 __all__ = ["Batch", "Cache", "CacheFull", "Config", "ConfigError", "PRESETS", "preset", "Model", "from_pretrained",
-           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "BUCKETS", "Stats",
-           "Tokenizer", "TextStream"]
+           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "BUCKETS",
+           "Stats", "Tokenizer", "TextStream"]

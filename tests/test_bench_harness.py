@@ -368,3 +368,46 @@ def test_docs_tables_label_the_tree_state(prov, label):
     doc = {"provenance": {"gpu": "g", "date": "d", "torch": "t", "triton": "tr", "command": "c", **prov},
            "ceilings": CEILINGS.as_dict()}
     assert f", {label}, torch t" in report._head("op", doc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the decoder's perf gate (lynn_kernels/bench/gate.py)
+
+
+def _bench_file(tmp_path, name, rows, sha="abc1234"):
+    f = tmp_path / f"{name}.json"
+    f.write_text(json.dumps({"op": name, "provenance": {"git_sha": sha, "date": "2026-12-01"}, "results": [
+        {"op": op, "provider": prov, "shape": "s", "dims": dims, "median_ms": ms} for op, prov, dims, ms in rows]}))
+    return f
+
+
+def test_perf_gate_fails_a_regression_beyond_noise_and_a_missing_row(tmp_path):
+    from lynn_kernels.bench import gate
+
+    rows = [("decoder.decode", "lynn nvfp4 (graph)", {"B": 1}, 4.0),
+            ("decoder.decode", "lynn nvfp4 (graph)", {"B": 8}, 8.0),
+            ("decoder.prefill", "lynn nvfp4 (eager)", {"T": 2048}, 100.0),
+            ("decoder.decode", "lynn nvfp4 (eager)", {"B": 1}, 90.0)]          # host-timed: not gated
+    base = tmp_path / "baseline.json"
+    made = gate.make_baseline([_bench_file(tmp_path, "decoder.x", rows)], base)
+    assert len(made["rows"]) == 3
+    ok = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.029, 0.9, 1.049, 3.0))]
+    passed, report = gate.check([_bench_file(tmp_path, "decoder.x", ok)], base)
+    assert passed and [r["verdict"] for r in report] == ["ok"] * 3
+    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.031, 1.0, 1.0, 1.0))]   # decode +3.1%
+    passed, report = gate.check([_bench_file(tmp_path, "decoder.x", slow)], base)
+    assert not passed and report[0]["verdict"] == "REGRESSION"
+    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.0, 1.0, 1.051, 1.0))]   # prefill +5.1%
+    assert not gate.check([_bench_file(tmp_path, "decoder.x", slow)], base)[0]
+    passed, report = gate.check([_bench_file(tmp_path, "decoder.x", rows[1:])], base)     # a gated row dropped
+    assert not passed and report[0]["verdict"] == "MISSING"
+    with pytest.raises(ValueError, match="gates none"):
+        gate.check([_bench_file(tmp_path, "decoder.other", rows)], base)
+
+
+def test_perf_gate_committed_baseline_matches_its_results():
+    """The committed baseline was made from the committed decoder results: they pass it exactly."""
+    from lynn_kernels.bench import gate
+
+    passed, report = gate.check([gate.BASELINE.parent / "decoder.qwen3.5-35b-a3b.json"])
+    assert passed and all(r["slowdown"] == 0 for r in report) and len(report) == 5

@@ -241,8 +241,9 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
     row = _row("decoder.decode", provider, cfg.name, dims, times, ceilings, bytes_=nbytes,
                ceiling="read_gbps" if nbytes else None,
                note=f"{batch * 1e3 / med:,.1f} tok/s{' aggregate' if batch > 1 else ''}; replay of a captured step, "
-                    f"CUDA events over {GRAPH_STEPS // 5} replays, median of 5; host {statistics.median(host) * 1e6:.0f}"
-                    f" us per replay() call; graph tokens = eager tokens over 8 steps", validation=val)
+                    f"CUDA events over {GRAPH_STEPS // 5} replays, median of 5; host "
+                    f"{statistics.median(host) * 1e6:.0f} us per replay() call; graph tokens = eager tokens over 8 "
+                    f"steps", validation=val)
     _log(f"{cfg.name}: graph decode, batch {batch}: {med:.3f} ms/step ({batch * 1e3 / med:,.1f} tok/s), capture "
          f"{capture_s:.1f} s")
     info = {"ms_per_step": med, "tok_s": batch * 1e3 / med, "capture_s": capture_s,

@@ -1,0 +1,93 @@
+"""The decoder's performance gate: today's benchmark rows against a committed baseline, failing beyond noise.
+
+``data/bench/h200/perf_baseline.json`` holds, per gated row (benchmark, op, provider, dims), the median time of a
+reference run and where it came from (git sha, date). ``lynn bench decoder --check`` runs the benchmarks and then
+:func:`check`; ``lynn bench --check-only FILE...`` checks result files already written; ``lynn bench
+--make-baseline FILE...`` writes the baseline from result files (after a change that is meant to move the figures,
+with the reason in the commit). A gated row slower than its baseline by more than the tolerance of its op (decode
+3%, prefill 5%) fails the gate; a gated row missing from the results fails it too, so a benchmark cannot quietly
+drop what it is gated on. Only device-bound rows are gated (graph replays, ``generate()`` on the graph path, the
+prefill): host-timed eager decode steps move with the host, not the code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: slowdown allowed before a row fails, by op
+TOLERANCE = {"decoder.decode": 0.03, "decoder.prefill": 0.05}
+
+#: providers whose rows are gated (device-bound figures)
+GATED = ("lynn nvfp4 (graph)", "lynn nvfp4 generate() (graph)", "lynn bf16 weights, cuBLAS (graph)",
+         "lynn nvfp4 (eager)@decoder.prefill")
+
+BASELINE = Path(__file__).resolve().parents[2] / "data" / "bench" / "h200" / "perf_baseline.json"
+
+
+def _key(bench: str, row: dict) -> str:
+    dims = ",".join(f"{k}={v}" for k, v in sorted(row.get("dims", {}).items()))
+    return f"{bench} | {row['op']} | {row['provider']} | {row.get('shape', '')} | {dims}"
+
+
+def _gated(row: dict) -> bool:
+    return row["provider"] in GATED or f"{row['provider']}@{row['op']}" in GATED
+
+
+def gated_rows(result_files: list) -> dict[str, dict]:
+    """``{key: {"median_ms", "git_sha", "date"}}`` for the gated rows of benchmark result files."""
+    rows = {}
+    for f in result_files:
+        data = json.loads(Path(f).read_text())
+        prov = data.get("provenance", {})
+        for row in data["results"]:
+            if _gated(row):
+                rows[_key(data["op"], row)] = {"median_ms": row["median_ms"], "git_sha": prov.get("git_sha"),
+                                               "date": prov.get("date"), "note": row.get("note", "")}
+    return rows
+
+
+def make_baseline(result_files: list, path: Path = BASELINE) -> dict:
+    """Write the baseline from ``result_files`` (their gated rows); returns it."""
+    rows = gated_rows(result_files)
+    if not rows:
+        raise ValueError(f"no gated rows ({GATED}) in {[str(f) for f in result_files]}")
+    base = {"schema": 1, "tolerance": TOLERANCE, "made_from": [str(Path(f).name) for f in result_files],
+            "rows": rows}
+    Path(path).write_text(json.dumps(base, indent=1) + "\n")
+    return base
+
+
+def check(result_files: list, path: Path = BASELINE) -> tuple[bool, list[dict]]:
+    """Compare the gated rows of ``result_files`` with the baseline. Returns ``(passed, report)``: one entry per
+    baseline row of the benchmarks present (missing rows fail), with its ratio and verdict."""
+    base = json.loads(Path(path).read_text())
+    now = gated_rows(result_files)
+    benches = {json.loads(Path(f).read_text())["op"] for f in result_files}
+    report = []
+    for key, ref in base["rows"].items():
+        bench, op = key.split(" | ")[:2]
+        if bench not in benches:
+            continue
+        tol = base.get("tolerance", TOLERANCE).get(op, TOLERANCE.get(op, 0.03))
+        got = now.get(key)
+        if got is None:
+            report.append({"row": key, "baseline_ms": ref["median_ms"], "now_ms": None, "slowdown": None,
+                           "tolerance": tol, "verdict": "MISSING"})
+            continue
+        slow = got["median_ms"] / ref["median_ms"] - 1
+        report.append({"row": key, "baseline_ms": ref["median_ms"], "now_ms": got["median_ms"], "slowdown": slow,
+                       "tolerance": tol, "verdict": "ok" if slow <= tol else "REGRESSION"})
+    if not report:
+        raise ValueError(f"the baseline {path} gates none of the benchmarks in {sorted(benches)}")
+    return all(r["verdict"] == "ok" for r in report), report
+
+
+def format_report(report: list[dict]) -> str:
+    lines = [f"{'verdict':<10} {'baseline ms':>11} {'now ms':>9} {'change':>8}  row"]
+    for r in report:
+        now = "-" if r["now_ms"] is None else f"{r['now_ms']:.3f}"
+        change = "-" if r["slowdown"] is None else f"{r['slowdown']:+.1%}"
+        lines.append(f"{r['verdict']:<10} {r['baseline_ms']:>11.3f} {now:>9} {change:>8}  {r['row']}"
+                     f" (allowed +{r['tolerance']:.0%})")
+    return "\n".join(lines)
