@@ -164,6 +164,24 @@ DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "models" / "lynn-dem
 DEMO_PROMPT = "It was a cold morning in the harbour, and the captain"
 
 
+def _weights(model):
+    """Every weight tensor of ``model`` once (NVFP4 ones as their objects)."""
+    import torch
+    from lynn_model.model import Linear, SparseMoE
+
+    seen = [model.embed_tokens]
+    for m in model.modules():
+        if isinstance(m, Linear):
+            seen.append(m.weight)
+        elif isinstance(m, SparseMoE):
+            seen += [m.router, m.w13, m.w2]
+            if m.shared is not None:
+                seen += [m.shared.w13, m.shared.w2, m.shared.gate_weight]
+        else:
+            seen += [t for name, t in vars(m).items() if isinstance(t, torch.Tensor) and not name.startswith("_")]
+    return {id(t): t for t in seen}.values()
+
+
 def _peak_memory(device) -> str:
     import resource
 
@@ -239,13 +257,16 @@ def _cmd_generate(args) -> int:
         with lynn_kernels.use_reference(reference):
             lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=seed, stop_ids=stops, stream=stream,
-                                stats=stats)
+                                stats=stats, max_tokens=args.max_tokens)
     finally:
         torch.set_num_threads(threads)               # main() may be called in-process (tests, notebooks)
     out.write("\n")
     out.flush()
+    decode = f"CUDA graph, captured in {stats.capture_s:.1f} s" if stats.cuda_graph else "eager steps"
+    weights = sum(t.nbytes for t in _weights(model))
     print(f"[loaded in {load_s:.1f} s; prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
-          f"{stats.new_tokens} new tokens at {stats.decode_tok_s:,.1f} tok/s; {_peak_memory(model.device)}]",
+          f"{stats.new_tokens} new tokens at {stats.decode_tok_s:,.1f} tok/s ({decode}); weights "
+          f"{weights / 2**20:,.1f} MiB, cache {stats.cache_bytes / 2**20:,.1f} MiB; {_peak_memory(model.device)}]",
           file=sys.stderr)
     return 0
 
@@ -302,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="HF model folder (config.json, safetensors, tokenizer.json); default: the demo model, "
                         "data/models/lynn-demo")
     p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="the cache's token budget (default: the prompt plus --max-new-tokens)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)

@@ -32,6 +32,8 @@ class Stats:
     decode_s: float = 0.0
     decode_steps: int = 0
     capture_s: float = 0.0           #: building the decode step (its warm-up and graph capture, on a GPU)
+    cuda_graph: bool = False         #: the decode steps replayed a captured graph
+    cache_bytes: int = 0             #: the KV cache and the Gated DeltaNet states
 
     @property
     def prefill_tok_s(self) -> float:
@@ -97,6 +99,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     stats.prompt_tokens, stats.batch = sum(map(len, rows)), nseq
     budget = max_tokens or sum(len(r) + max_new_tokens for r in rows)
     cache = model.new_cache(max_batch=width, max_tokens=budget + 16 * nseq)
+    stats.cache_bytes, stats.cuda_graph = cache.nbytes(), bool(cuda_graph) and max_new_tokens > 1
     out = [list(r) for r in rows]
     if max_new_tokens == 0:
         return _pack(out)

@@ -1,7 +1,11 @@
-"""The whole decoder (``lynn_model``) at real shapes, random weights: batch-1 decode at a long context and a prefill.
+"""The whole decoder (``lynn_model``) at real shapes, random weights: decode at a long context and a prefill.
 
 * ``lynn nvfp4 (eager)``: ``lynn_model.loader.random_model(preset, weights="nvfp4")`` quantised on the GPU (the LM
-  head, router and gates stay bf16), run step by step from Python, as :func:`lynn_model.generate` does;
+  head, router and gates stay bf16), run step by step from Python (``model.step``);
+* ``lynn nvfp4 (graph)``: the same model's decode step captured as a CUDA graph (:class:`lynn_model.DecodeStep`),
+  batch 1 and 8, its tokens checked against the same step run eagerly; ``generate()``: what a user's call gives;
+  the census of GPU operations per part of a step; ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
+  weights, graph-replayed (what 4-bit weights buy);
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
   same process (Qwen3.5-35B-A3B only: the 80B model in bf16 does not fit beside ours).
 
