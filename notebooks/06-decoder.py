@@ -624,10 +624,12 @@ except lynn_model.CacheFull as e:
 # ## 5. Generation
 #
 # `lynn_model.generate(model, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
-# stop_ids=None)` is one packed prefill of the prompts and then batched decode steps. Greedy is `argmax` (ties to
-# the lowest id, as HF); sampling divides by the temperature, keeps the `top_k` best and the smallest set that
-# reaches `top_p`, and draws from a generator seeded on the model's device. On the bf16 kernels, against HF's
-# own `generate` in bf16 on the same prompt:
+# stop_ids=None)` is one packed prefill of the prompts and then one decode step of the batch per token (on a GPU a
+# CUDA graph, `lynn_model.DecodeStep`; here the same step, eagerly). Greedy is `argmax` (ties to the lowest id, as
+# HF); sampling divides by the temperature, keeps the `top_k` best (ties with the k-th too) and the smallest set that
+# reaches `top_p`, and draws by the Gumbel-max trick with noise hashed from the seed, the new token's position and
+# the token id (`lynn_model.sampling`; docs/decoder.md, section 5). On the bf16 kernels, against HF's own
+# `generate` in bf16 on the same prompt:
 
 # %%
 prompt = ids[:, :6]
@@ -656,8 +658,7 @@ print("ours, sampled", SAMPLING, sampled[0, 6:].tolist())
 from lynn_model import sample
 
 logits = torch.tensor([[2.0, 1.0, 1.0, 0.5, -3.0]])
-kept = lambda **kw: sorted({int(sample(logits, generator=torch.Generator().manual_seed(s), **kw))   # noqa: E731
-                            for s in range(200)})
+kept = lambda **kw: sorted({int(sample(logits, seed=s, **kw)) for s in range(200)})   # noqa: E731
 print("sampled ids from the prompt:", sampled.shape[1] - 6, "new, all in [0, vocab):",
       "yes" if int(sampled.min()) >= 0 and int(sampled.max()) < m16.config.vocab_size else "NO")
 print("a toy distribution, logits", logits[0].tolist())
@@ -674,9 +675,13 @@ print("  top_p = 0.5            ->", kept(temperature=1.0, top_p=0.5), "(the bes
 # head, routers and gates stay bf16), batch 1:
 #
 # * **prefill**: one call of 2,048 tokens;
-# * **decode**: a 4,096-token context prefilled once, then one `model.step` per token, timed from the host (what a
-#   user of the eager decoder waits for); the `(kernel)` row is the GPU time of one step's kernels from the CUDA
-#   profiler: what a CUDA-graph replay of the same step would pay;
+# * **decode, eager**: a 4,096-token context prefilled once, then one `model.step` per token, timed from the host;
+#   the `(kernel)` row is the GPU time of one step's kernels from the CUDA profiler;
+# * **decode, CUDA graph**: the whole step (embedding to sampled token) captured once as a graph
+#   (`lynn_model.DecodeStep`, docs/decoder.md section 5) and replayed per token, batch 1 and 8, its tokens first
+#   checked against the same step run eagerly; `generate()` is what a user's call gets on the GPU (it uses the
+#   graph); the same decoder with **bf16 weights** (cuBLAS projections) by graph shows what 4-bit weights buy;
+# * **the launch census**: the GPU operations of each part of one step and their time;
 # * **bytes per token**: every weight one decode step reads (non-expert weights, the top-k routed and the shared
 #   expert of each layer, the bf16 LM head), the KV cache at 4,096 tokens and the Gated DeltaNet states read and
 #   written, held against the read bandwidth measured in the same process;
@@ -707,15 +712,19 @@ for shape in SHAPES:
         print(e)
 
 
-def pick(doc, op, provider):
-    return next((r for r in doc["results"] if r["op"] == op and r["provider"] == provider), None)
+def pick(doc, op, provider, batch=1):
+    return next((r for r in doc["results"] if r["op"] == op and r["provider"] == provider
+                 and r["dims"].get("B", 1) == batch), None)
 
 
 def perf_rows(shape, doc):
     read = doc["ceilings"]["read_gbps"]
     out = []
     for who, prov in (("ours NVFP4, eager", "lynn nvfp4 (eager)"),
-                      ("ours NVFP4, kernel time (= a CUDA graph)", "lynn nvfp4 (kernel)"),
+                      ("ours NVFP4, kernel time of the eager step", "lynn nvfp4 (kernel)"),
+                      ("ours NVFP4, CUDA graph", "lynn nvfp4 (graph)"),
+                      ("ours NVFP4, generate() (graph)", "lynn nvfp4 generate() (graph)"),
+                      ("ours, bf16 weights (cuBLAS), CUDA graph", "lynn bf16 weights, cuBLAS (graph)"),
                       ("HF transformers bf16, eager", "HF transformers bf16 (eager)")):
         pre, dec = pick(doc, "decoder.prefill", prov), pick(doc, "decoder.decode", prov)
         if pre is None and dec is None:
@@ -746,19 +755,33 @@ for shape, doc in BENCH.items():
     print(f"validated before timing: kernels vs references, cosine {v['cosine']:.6f} over the first 4 layers, "
           f"{v['full_depth_cosine']:.6f} over all layers")
     print(render_table(perf_rows(shape, doc)))
+    b8 = pick(doc, "decoder.decode", "lynn nvfp4 (graph)", batch=8)
+    if b8:
+        print(f"batch 8, CUDA graph: {b8['median_ms']:.2f} ms per step, {8e3 / b8['median_ms']:,.0f} tok/s "
+              f"aggregate")
+    census = info.get("census")
+    if census and "error" not in census:
+        parts = [{"part": k, "operations": v["kernels"], "us each": f"{v['us']:.1f}", "times per step": v["per_step"],
+                  "us per step": f"{v['us'] * v['per_step']:,.0f}"} for k, v in census.items()
+                 if k not in ("per_step", "whole_step")]
+        print(f"\nlaunch census, one batch-1 step: {census['whole_step']['kernels']} GPU operations, "
+              f"{census['whole_step']['us']:,.0f} us profiled as a whole")
+        print(render_table(parts))
 
 # %% [markdown]
-# The decode figures as bars (log scale): HF bf16 eager, ours eager, the kernel time of our step (what a CUDA
-# graph would reach) and the bound that the bytes of one step set at the measured read bandwidth.
+# The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
+# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth (the
+# Qwen3-Next file predates the graph step: it has no graph bars).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 BARS = (("HF bf16, eager", "HF transformers bf16 (eager)", "tab:gray"),
         ("ours, eager", "lynn nvfp4 (eager)", "tab:blue"),
-        ("ours, kernel time\n(a CUDA graph)", "lynn nvfp4 (kernel)", "tab:green"),
+        ("ours, bf16 weights,\nCUDA graph", "lynn bf16 weights, cuBLAS (graph)", "tab:orange"),
+        ("ours, CUDA graph", "lynn nvfp4 (graph)", "tab:green"),
         ("read-bandwidth\nbound", None, "tab:red"))
 fig, ax = plt.subplots(figsize=(10, 4.4))
-width = 0.2
+width = 0.16
 for k, (label, prov, colour) in enumerate(BARS):
     for g, (shape, doc) in enumerate(BENCH.items()):
         ours = pick(doc, "decoder.decode", "lynn nvfp4 (eager)")
@@ -766,7 +789,7 @@ for k, (label, prov, colour) in enumerate(BARS):
         if prov and r is None:
             continue
         tok_s = 1e3 / r["median_ms"] if r else doc["ceilings"]["read_gbps"] * 1e9 / ours["bytes"]
-        x = g + (k - 1.5) * width
+        x = g + (k - 2) * width
         ax.bar(x, tok_s, width * 0.9, color=colour, label=label if g == 0 or k == 1 else None,
                alpha=0.55 if prov is None else 1.0)
         ax.text(x, tok_s * 1.08, f"{tok_s:,.0f}" if tok_s >= 100 else f"{tok_s:.1f}", ha="center", fontsize=8)
@@ -774,7 +797,7 @@ ax.set_yscale("log")
 ax.set_ylim(1, 5000)
 ax.set_xticks(range(len(BENCH)), [f"{s}\n(batch 1, context 4,096)" for s in BENCH])
 ax.set_ylabel("decode tokens / s (log)")
-ax.set_title("decode on the H200: eager, kernel time, and the bandwidth bound", fontsize=10)
+ax.set_title("decode on the H200: eager, CUDA graph, and the bandwidth bound", fontsize=10)
 handles, labels = ax.get_legend_handles_labels()
 seen_labels = dict(zip(labels, handles))
 ax.legend(seen_labels.values(), seen_labels.keys(), fontsize=8, loc="upper left")
@@ -784,7 +807,7 @@ plt.show()
 # %%
 # NBVAL_IGNORE_OUTPUT
 for shape, doc in BENCH.items():
-    eager, kern = (pick(doc, "decoder.decode", f"lynn nvfp4 ({k})") for k in ("eager", "kernel"))
+    eager, kern, graph = (pick(doc, "decoder.decode", f"lynn nvfp4 ({k})") for k in ("eager", "kernel", "graph"))
     pre, hf_pre = pick(doc, "decoder.prefill", "lynn nvfp4 (eager)"), pick(doc, "decoder.prefill",
                                                                            "HF transformers bf16 (eager)")
     hf_dec = pick(doc, "decoder.decode", "HF transformers bf16 (eager)")
@@ -794,6 +817,9 @@ for shape, doc in BENCH.items():
             f"({1 - kern['median_ms'] / eager['median_ms']:.0%}) is Python and launches. The kernels alone would "
             f"give {1e3 / kern['median_ms']:.0f} tok/s, {kern['median_ms'] / bound_ms:.1f}x the "
             f"{bound_ms:.2f} ms the bytes need.")
+    if graph:
+        line += (f" Replayed as a CUDA graph the step takes {graph['median_ms']:.2f} ms: "
+                 f"{1e3 / graph['median_ms']:.0f} tok/s.")
     if hf_dec:
         line += (f" Against HF bf16: prefill {hf_pre['median_ms'] / pre['median_ms']:.1f}x, eager decode "
                  f"{hf_dec['median_ms'] / eager['median_ms']:.1f}x faster.")
@@ -802,19 +828,18 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # How to read it:
 #
-# * **The eager decoder is bound by the host.** At batch 1 a decode step is several hundred small calls (the
-#   dozen or so of section 1 per layer, 40 or 48 layers, and the kernels inside each MoE block); each costs the
-#   host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU (notebook 02 shows
-#   the same for one projection, call time against kernel time). Hence about 56 ms per token from the host
-#   against 4.9 ms of kernels (Qwen3.5-35B-A3B): some 90% of an eager step is launch overhead.
-# * **The next issue is the CUDA-graph decode step**: capture one `model.step` and replay it, so that a token
-#   pays the kernel time only, about 200 tok/s instead of 18 (the cache, the block table and the norm's in-place
-#   outputs are fixed buffers already, with this in mind). Fusing launches shortens the step further.
-# * **Then the bytes**: even the kernel time of a step is 7 to 9 times what its 2.6-2.8 GB need at the read
-#   bandwidth. The packed NVFP4 GEMV is itself short of its roofline (notebook 02), and the bf16 LM head alone is
-#   about 1 GB of those bytes.
-# * **Prefill** is not host-bound (2,048 tokens per call): about 23,600 tok/s on Qwen3.5-35B-A3B, 4.6x HF bf16 on
-#   the same shape.
+# * **The eager decoder is bound by the host.** At batch 1 a decode step is about 900 GPU operations (the census);
+#   each costs the host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU
+#   (notebook 02 shows the same for one projection). From the host a step takes 56-95 ms (it moves with the
+#   host) against 4.4 ms of kernels.
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (4.48 ms, 223 tok/s at
+#   Qwen3.5-35B-A3B, 971 tok/s aggregate at batch 8), and `generate()` gets the same.
+# * **Then the bytes and the launches**: the graph's step is still 6-7 times what its 2.6 GB need at the read
+#   bandwidth. The MoE blocks are half of it (43.6 us per layer for ~16 MB of experts), then the Gated DeltaNet
+#   and attention layers (35-45 us for ~23 MB each). With bf16 weights the same graph takes 5.6 ms: 4-bit weights
+#   buy 1.25x so far, not the 2.3x their bytes allow, because the step is not yet bound by its bytes.
+# * **Prefill** is not host-bound in the same way (2,048 tokens per call): 15,000-24,000 tok/s on Qwen3.5-35B-A3B
+#   across runs, 3-5x HF bf16 on the same shape.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache
@@ -932,8 +957,7 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200); eager, it is bound by the host. The next issue is the **CUDA-graph decode step**: capture one
-# `model.step` and replay it, so that a token costs the kernel time (about 5 ms, ~200 tok/s at Qwen3.5-35B-A3B)
-# instead of the Python around it. After that, fewer launches (fused q/k/v and Gated DeltaNet input
-# projections) and the bytes: the packed GEMV at its byte roofline. `docs/decoder.md` has the model's math and
+# H200), and on a GPU its decode step is a CUDA graph (223 tok/s at batch 1 on Qwen3.5-35B-A3B). Next: fewer
+# launches (the norm in the next projection, one GEMV for a layer's input projections, the MoE decode path in
+# three launches) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
 # dtypes, the loader's rules and what is not supported yet; `docs/performance.md` the full benchmark record.

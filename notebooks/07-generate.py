@@ -181,8 +181,9 @@ print(f"held-out text: {len(heldout_text):,} characters, {len(heldout_ids):,} to
 # * **top-k**: keep only the `k` most likely tokens before drawing.
 # * **top-p** (nucleus): keep the smallest set of most likely tokens whose probabilities reach `p` (the best
 #   token always stays).
-# * **seed**: the draws come from a `torch.Generator` seeded with it, so the same seed, settings and machine give
-#   the same text.
+# * **seed**: each draw is a hash of the seed, the new token's position and the token id (the Gumbel-max trick,
+#   `lynn_model.sampling`), so the same seed, settings and machine give the same text, captured as a CUDA graph or
+#   not.
 #
 # `lynn_model.sample` applies them in that order: temperature, then top-k, then top-p. The checkpoint's
 # `generation_config.json` (what `lynn generate` uses by default) says `T = 0.8`, top-k 40, top-p 0.95. The same
@@ -250,8 +251,8 @@ for t in TEMPS:
 print(render_table(rows))
 
 # the same count from lynn_model.sample itself: 4,000 draws with both cut-offs never leave the kept set
-draws = lynn_model.sample(next_logits.expand(4000, -1), temperature=1.0, top_k=TOP_K, top_p=TOP_P,
-                          generator=torch.Generator().manual_seed(0))
+draws = lynn_model.sample(next_logits.expand(4000, -1), temperature=1.0, top_k=TOP_K, top_p=TOP_P, seed=0,
+                          counter=torch.arange(4000))                 # 4,000 positions: independent draws
 allowed = set(order[:rows[1]["both keep"]].tolist())
 print(f"\nsample(T=1, top_k={TOP_K}, top_p={TOP_P}), 4,000 draws: {len(set(draws.tolist()))} distinct tokens, "
       f"all among the {len(allowed)} kept: {set(draws.tolist()) <= allowed}")
@@ -293,8 +294,8 @@ plt.show()
 # ## 4. The token stream, with probabilities
 #
 # To see what the model thought at every step, the cell below runs the same loop as `generate` (a cache from
-# `model.new_cache`, a prefill with `model.step`, then one `model.step` per token, `lynn_model.sample` with a
-# seeded generator) and keeps the model's distribution at each step: the probability of the token drawn and the
+# `model.new_cache`, a prefill with `model.step`, then one `model.step` per token, `lynn_model.sample` with the
+# seed and the new token's position) and keeps the model's distribution at each step: the probability of the token drawn and the
 # five most likely tokens. The probabilities are the model's own (softmax of the logits, `T = 1`), before the
 # sampling settings reshape them. With the same seed and settings the tokens are exactly `generate`'s:
 
@@ -303,15 +304,14 @@ def token_stream(prompt, n, temperature=0.8, top_k=40, top_p=0.95, seed=0, logit
     """n tokens after `prompt` (a list of ids) as lynn_model.generate draws them, with the model's distribution
     at each step: a list of (token, p(token), [(alternative, p), ...top 5]); `logits_out`, a list, gets each
     step's logits."""
-    gen = torch.Generator(device=model.device).manual_seed(seed)
     cache = model.new_cache(max_batch=1, max_tokens=len(prompt) + n + 16)
     slot = cache.add()
     step_in, steps = torch.tensor(prompt), []
     with lk.use_reference(), torch.inference_mode():
-        for _ in range(n):
+        for i in range(n):
             logits = model.step(step_in, cache, [slot], [step_in.numel()])        # [1, vocab]: the last position
-            nxt = lynn_model.sample(logits, temperature=temperature, top_k=top_k or None, top_p=top_p,
-                                    generator=gen)
+            nxt = lynn_model.sample(logits, temperature=temperature, top_k=top_k or None, top_p=top_p, seed=seed,
+                                    counter=len(prompt) + i)               # the index the new token takes
             probs = logits[0].float().softmax(-1)
             top = probs.topk(5)
             if logits_out is not None:
@@ -673,9 +673,10 @@ plt.show()
 # On a GPU `lynn generate` runs the same model on the compiled Triton kernels. The committed output
 # (`data/models/lynn-demo/generate-h200.txt`) is two runs measured there: the first, 64 greedy tokens in a fresh
 # process, includes compiling every kernel (hence its prefill "speed" and its 42 s); the second, 200 sampled
-# tokens with `--seed 1` and the kernels in Triton's cache, is the text quoted in `docs/quantization.md`. Decode
-# at batch 1 is host-bound (each token is a few hundred small kernel launches; notebook 06), not bound by the
-# GPU's bandwidth.
+# tokens with `--seed 1` and the kernels in Triton's cache, is the text quoted in `docs/quantization.md`. Both were
+# measured at a9532a3, before the decode step became a CUDA graph and before the present sampler: their decode
+# speeds are the eager step's (host-bound: each token a few hundred small kernel launches), and `--seed 1` now
+# draws other tokens (the greedy run is unchanged: the check below still holds).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -707,13 +708,13 @@ print("the H200's greedy run and this CPU's greedy 64 tokens (torch reference), 
 #
 # Text streams to stdout, the statistics to stderr. On a CPU the same commands run the torch reference path (and
 # say so); `--backend interpreter` runs the Triton kernels through Triton's interpreter instead (slow). A seed
-# repeats a run on the same kind of device only: the CPU and CUDA generators draw different random numbers, and
-# the two devices' bf16 arithmetic differs in the last bits (section 5), so a CPU run with `--seed 1` writes a
-# different text in the same voice. The perplexity table is reproduced by `python experiments/demo_model/quality.py`
+# repeats a run on the same kind of device only: the draws' noise is the same integers everywhere, but the two
+# devices' bf16 arithmetic differs in the last bits (section 5), and once one token differs the texts part, so a
+# CPU run with `--seed 1` writes a different text in the same voice. The perplexity table is reproduced by `python experiments/demo_model/quality.py`
 # (CPU, about 12 minutes) and `python experiments/demo_model/quality.py --kernels` (GPU, about a minute).
 #
 # ## What's next
 #
 # The demo model makes the cost of the format measurable: 1.6% in perplexity for the default NVFP4 targets.
 # `docs/quantization.md` has the whole record (corpus, tokenizer, training, the table); `docs/decoder.md` the
-# decoder the model runs on; the next step for speed is the CUDA-graph decode step of notebook 06.
+# decoder the model runs on, and docs/performance.md the decode step as a CUDA graph on the H200.
