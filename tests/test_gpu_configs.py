@@ -197,6 +197,11 @@ def test_route_and_router_gpu_tiles(poison_empty):
     w_ref, ids_ref = moe_reference.route((x.float() @ r.float().t()).to(BF16), top_k)
     assert torch.equal(ids, ids_ref)
     assert compare(w, w_ref).max_abs <= 1e-6
+    g, gate = randn(H, seed=4, dtype=BF16, scale=0.1), torch.empty(M, device=DEV)    # the shared gate, row E
+    triton_route.launch_router(x, r, top_k, True, w, ids, config=triton_route.ROUTER_CONFIG, gate_weight=g,
+                               gate=gate)
+    assert torch.equal(ids, ids_ref) and compare(w, w_ref).max_abs <= 1e-6
+    assert (gate - torch.sigmoid(x.float() @ g.float())).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("M, top_k, E", [pytest.param(160, 8, 60, id="S1280-two-chunks-E60"),

@@ -158,6 +158,25 @@ def test_fused_router(M, E, top_k, H, dtype, poison_empty):
     assert int(split_k_counter(x.device, 1)[0]) == 0
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+@pytest.mark.parametrize("M, E, top_k, H", ROUTER_CASES)
+def test_fused_router_with_the_shared_gate(M, E, top_k, H, dtype, poison_empty):
+    """The shared expert's gate as row E of the router's product: the routing is the same as without it, and
+    ``gate`` equals ``sigmoid(x @ g)`` with the fp32 product (the reference's), to a few fp32 ulps."""
+    x = (torch.randn(M, H, generator=_gen(M + H)) * 0.5).to(dtype).to(runtime.DEVICE)
+    r = (torch.randn(E, H, generator=_gen(E)) * 0.5).to(dtype).to(runtime.DEVICE)
+    g = (torch.randn(H, generator=_gen(E + 1)) * 0.1).to(dtype).to(runtime.DEVICE)
+    want = reference.route((x.float() @ r.float().t()).to(dtype), top_k)
+    want_gate = torch.sigmoid(x.float() @ g.float())
+    w = torch.full((M, top_k), float("nan"), device=runtime.DEVICE)
+    ids = torch.full((M, top_k), -1, dtype=torch.int32, device=runtime.DEVICE)
+    gate = torch.full((M,), float("nan"), device=runtime.DEVICE)
+    launch_router(x, r, top_k, True, w, ids, gate_weight=g, gate=gate)
+    _assert_route((w, ids), want, M, top_k)
+    assert (gate - want_gate).abs().max() <= 1e-6, (gate, want_gate)      # interpreter: <= 1.5e-7
+    assert int(split_k_counter(x.device, 1)[0]) == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. align: the contract, restated from scratch; kernel == reference, bit for bit
 

@@ -182,6 +182,15 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         grows, ginfo = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph)", nbytes if batch == 1 else 0)
         rows += grows
         info[f"graph_b{batch}"] = ginfo
+    from ..moe import triton_experts
+
+    triton_experts.FOLD_SHARED_GATE = False      # the fusion's figure either way: the shared gate on its own
+    try:
+        grows, info["graph_b1_gate_unfolded"] = graph_decode(model, ids, 1, ceilings,
+                                                             "lynn nvfp4 (graph, shared gate unfolded)", nbytes)
+        rows += grows
+    finally:
+        triton_experts.FOLD_SHARED_GATE = True
     rows.append(generate_row(model, ids, ceilings, nbytes))
     try:
         info["census"] = census(model)
@@ -304,6 +313,7 @@ def census(model) -> dict:
         "Gated DeltaNet mixer": (lambda: gdn.mixer(x, step.batch, cache), len(cfg.linear_layers)),
         "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
         "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
+        "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded(model.layers[0].mlp, x), 0),
         "LM head": (lambda: model.lm_head(x), 1),
         "sampler + epilogue": (lambda: step.epilogue(logits), 1),
     }
@@ -321,6 +331,17 @@ def census(model) -> dict:
                                                                              and name != "per_step" else ""))
     del step, cache
     return out
+
+
+def _unfolded(mlp, x):
+    """The MoE block with the shared expert's gate as its own fp32 GEMV and sigmoid (``FOLD_SHARED_GATE=False``)."""
+    from ..moe import triton_experts
+
+    triton_experts.FOLD_SHARED_GATE = False
+    try:
+        return mlp(x)
+    finally:
+        triton_experts.FOLD_SHARED_GATE = True
 
 
 def _profile(fn) -> tuple[int, float]:

@@ -32,6 +32,11 @@ from .triton_route import ROUTER_MAX_M, launch_route, launch_router
 #: Largest batch that takes the decode path (FMA kernels, one slot per program, no align): the matmul GEMV's limit.
 DECODE_MAX_M = GEMV_MAX_M
 
+#: At M <= ROUTER_MAX_M, compute the shared expert's gate as one more row of the router's product (in its launch)
+#: instead of an fp32 GEMV and a sigmoid of their own (four launches). Both paths are exact up to the fp32 sum's
+#: order; the switch exists so the benchmark can time both (docs/performance.md, issue 16).
+FOLD_SHARED_GATE = True
+
 #: GPU tiles of the prefill GEMM kernels (starting points from the matmul's small-M GEMM configs).
 PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 #: GPU tiles of the two decode kernels (FMA, one slot or token per program), ``(M <= 2, M > 2)``: the best of 16 by
@@ -578,8 +583,13 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
         return out.reshape(x.shape)
     weights = torch.empty((M, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((M, top_k), dtype=torch.int32, device=x.device)
+    gate = None
     if M <= ROUTER_MAX_M and router_weight.dtype == x.dtype:      # logits and routing in one launch
-        launch_router(x2, router_weight.contiguous(), top_k, renormalize, weights, ids)
+        fold = FOLD_SHARED_GATE and shared is not None and shared.gate_weight.dtype == x.dtype
+        if fold:                                                   # the shared gate: one more row of the product
+            gate = torch.empty(M, dtype=torch.float32, device=x.device)
+        launch_router(x2, router_weight.contiguous(), top_k, renormalize, weights, ids,
+                      gate_weight=shared.gate_weight.reshape(-1).contiguous() if fold else None, gate=gate)
     else:
         if runtime.INTERPRET or x.dtype == torch.float32 or router_weight.dtype != x.dtype:
             logits = (x2.float() @ router_weight.float().t()).to(x.dtype)       # [M, E], the reference's product
@@ -588,7 +598,8 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
         launch_route(logits, top_k, renormalize, weights, ids)
     shared_out = None
     if shared is not None:
-        gate = torch.sigmoid(x2.float() @ shared.gate_weight.float().t()).view(-1)   # fp32 [M]
+        if gate is None:
+            gate = torch.sigmoid(x2.float() @ shared.gate_weight.float().t()).view(-1)   # fp32 [M]
         h = torch.empty((M, shared.w2.shape[-1]), dtype=intermediate_dtype(x.dtype), device=x.device)
         shared_out = torch.empty((M, H), dtype=torch.float32, device=x.device)
         launch_shared_expert(x2, shared, gate, h, shared_out)

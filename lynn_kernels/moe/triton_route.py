@@ -92,20 +92,23 @@ def _route_kernel(
 
 @triton.jit
 def _router_kernel(
-    x_ptr, r_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr,
+    x_ptr, r_ptr, g_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, gate_ptr,
     M, E, H, stride_xm, stride_re,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, X_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr, ROUTE_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_GATE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Router logits and routing in one launch, for at most 16 tokens: program ``(i, s)`` computes the fp32 logits
     of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
     ``part[s]``; the last program to take a ticket adds the slices in order, rounds the logits to x's dtype (as a
-    GEMM in that dtype does) and runs :func:`_route_rows` on them."""
+    GEMM in that dtype does) and runs :func:`_route_rows` on them. With ``HAS_GATE`` the shared expert's gate
+    ``g [H]`` is row ``E`` of the product: its fp32 logit is summed the same way, not rounded, and
+    ``sigmoid(logit)`` goes to ``gate [M]``."""
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
     n_split = tl.num_programs(1)
+    E_ALL = E + HAS_GATE                                 # the product's rows: the experts, then the gate
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
     offs_m = tl.arange(0, 16)
@@ -117,12 +120,15 @@ def _router_kernel(
         offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
         r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
                     mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
+        if HAS_GATE:                                     # row E: the gate (loaded by the one tile that holds it)
+            r += tl.load(g_ptr + offs_h[None, :] + 0 * offs_e[:, None],
+                         mask=(offs_e == E)[:, None] & (offs_h[None, :] < H), other=0)
         xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
                      mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
         acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE), to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE),
                      acc, input_precision=PRECISION)                                 # [BLOCK_E, 16]
-    tl.store(part_ptr + pid_h * (M * E) + offs_m[None, :] * E + offs_e[:, None], acc,
-             mask=mask_e[:, None] & mask_m[None, :])
+    tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m[None, :] * E_ALL + offs_e[:, None], acc,
+             mask=(offs_e < E_ALL)[:, None] & mask_m[None, :])
     tl.debug_barrier()                                   # every thread's partial is written before the ticket
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) * n_split - 1:       # the last program: all partial logits are in
@@ -133,11 +139,17 @@ def _router_kernel(
             mask = (rows[:, None] < M) & mask_all[None, :]
             logits = tl.zeros((ROUTE_M, ALL_E), dtype=tl.float32)
             for s in range(0, n_split):                  # in split order: the same sum on every run
-                logits += tl.load(part_ptr + s * (M * E) + rows[:, None] * E + offs_all[None, :], mask=mask,
-                                  other=0.0, cache_modifier=".cg")
+                logits += tl.load(part_ptr + s * (M * E_ALL) + rows[:, None] * E_ALL + offs_all[None, :],
+                                  mask=mask, other=0.0, cache_modifier=".cg")
             logits = tl.where(mask_all[None, :], round_to_dtype(logits, X_DTYPE, INTERPRET), float("-inf"))
             w, ids = _route_rows(logits, offs_all, mask_all, TOP_K, RENORMALIZE, ROUTE_M, ALL_E, BLOCK_K)
             _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K)
+            if HAS_GATE:
+                g = tl.zeros((ROUTE_M,), dtype=tl.float32)
+                for s in range(0, n_split):
+                    g += tl.load(part_ptr + s * (M * E_ALL) + rows * E_ALL + E, mask=rows < M, other=0.0,
+                                 cache_modifier=".cg")
+                tl.store(gate_ptr + rows, 1.0 / (1.0 + tl.exp(-g)), mask=rows < M)
         tl.atomic_xchg(count_ptr, 0)                     # ready for the next call
 
 
@@ -186,18 +198,22 @@ ROUTER_CONFIG = {"BLOCK_E": 16, "BLOCK_H": 512, "num_warps": 4}
 
 
 def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
-                  weights: torch.Tensor, ids: torch.Tensor,
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  weights: torch.Tensor, ids: torch.Tensor, config: dict | None = None,
+                  gate_weight: torch.Tensor | None = None,
+                  gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync): the router logits ``x2 @ router_weight^T`` (``x2 [M, H]`` with
     ``M <= ROUTER_MAX_M``, ``router_weight [E, H]`` in x's dtype, both unit stride along H), rounded to x's dtype,
     and their routing, in one launch, into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``. The fp32
     partial logits go to a small workspace; the ticket counter is the matmul's shared zeroed buffer (one stream at a
     time). ``config`` (``BLOCK_E``, ``BLOCK_H``, ``num_warps``) replaces the tiles, e.g. :data:`ROUTER_CONFIG` under
-    the interpreter (tests)."""
+    the interpreter (tests). With ``gate_weight`` (the shared expert's gate, ``H`` values of x's dtype, unit
+    stride) the same launch also writes ``gate [M]`` fp32: ``sigmoid(x2 @ gate_weight)``, the product in fp32 and
+    not rounded, as the reference's."""
     M, H = x2.shape
     E = router_weight.shape[0]
     if M == 0:
         return weights, ids
+    has_gate = gate_weight is not None
     c = kernel_constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
     all_e = max(16, runtime.next_power_of_2(E))
     if runtime.INTERPRET:
@@ -208,13 +224,15 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     if config is not None:
         meta = dict(config)
     warps = meta.pop("num_warps", 4)
-    n_e = runtime.cdiv(E, meta["BLOCK_E"])
+    n_e = runtime.cdiv(E + has_gate, meta["BLOCK_E"])
     split = split_k_for(n_e, H, meta["BLOCK_H"], 32)               # about 64 programs, no empty H slice
-    part = torch.empty((split, M, E), dtype=torch.float32, device=x2.device)
+    part = torch.empty((split, M, E + has_gate), dtype=torch.float32, device=x2.device)
+    g = kernel_view(gate_weight) if has_gate else x2                # valid pointers when unused
     _router_kernel[(n_e, split)](
-        kernel_view(x2), kernel_view(router_weight), part, split_k_counter(x2.device, 1), weights, ids,
-        M, E, H, x2.stride(0), router_weight.stride(0),
+        kernel_view(x2), kernel_view(router_weight), g, part, split_k_counter(x2.device, 1), weights, ids,
+        gate if has_gate else weights, M, E, H, x2.stride(0), router_weight.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
-        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), **meta, num_warps=warps, INTERPRET=c["INTERPRET"])
+        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, **meta, num_warps=warps,
+        INTERPRET=c["INTERPRET"])
     return weights, ids
