@@ -173,7 +173,7 @@ def test_fused_router_with_the_shared_gate(M, E, top_k, H, dtype, poison_empty):
     gate = torch.full((M,), float("nan"), device=runtime.DEVICE)
     launch_router(x, r, top_k, True, w, ids, gate_weight=g, gate=gate)
     _assert_route((w, ids), want, M, top_k)
-    assert (gate - want_gate).abs().max() <= 1e-6, (gate, want_gate)      # interpreter: <= 1.5e-7
+    assert (gate - want_gate).abs().max() <= 1e-6, (gate, want_gate)      # interpreter: <= 2.4e-7
     assert int(split_k_counter(x.device, 1)[0]) == 0
 
 

@@ -103,32 +103,46 @@ def _router_kernel(
     of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
     ``part[s]``; the last program to take a ticket adds the slices in order, rounds the logits to x's dtype (as a
     GEMM in that dtype does) and runs :func:`_route_rows` on them. With ``HAS_GATE`` the shared expert's gate
-    ``g [H]`` is row ``E`` of the product: its fp32 logit is summed the same way, not rounded, and
-    ``sigmoid(logit)`` goes to ``gate [M]``."""
+    ``g [H]`` is row ``E`` of the product, computed by one more row of programs (an fp32 multiply and sum, not a
+    tile of its own, to keep the registers of the expert tiles'): its partial logits are summed the same way, not
+    rounded, and ``sigmoid(logit)`` goes to ``gate [M]``."""
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
     n_split = tl.num_programs(1)
-    E_ALL = E + HAS_GATE                                 # the product's rows: the experts, then the gate
+    if HAS_GATE:                                         # the product's rows: the experts, then the gate
+        E_ALL = E + 1
+    else:
+        E_ALL = E
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
     offs_m = tl.arange(0, 16)
     mask_m = offs_m < M
     n_chunks = tl.cdiv(H, BLOCK_H)
     per_split = tl.cdiv(n_chunks, n_split)
-    acc = tl.zeros((BLOCK_E, 16), dtype=tl.float32)
-    for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
-        offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-        r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
-                    mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
-        if HAS_GATE:                                     # row E: the gate (loaded by the one tile that holds it)
-            r += tl.load(g_ptr + offs_h[None, :] + 0 * offs_e[:, None],
-                         mask=(offs_e == E)[:, None] & (offs_h[None, :] < H), other=0)
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
-                     mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
-        acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE), to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE),
-                     acc, input_precision=PRECISION)                                 # [BLOCK_E, 16]
-    tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m[None, :] * E_ALL + offs_e[:, None], acc,
-             mask=(offs_e < E_ALL)[:, None] & mask_m[None, :])
+    is_gate = pid_e < 0
+    if HAS_GATE:                                         # the last row of programs computes the gate's row
+        is_gate = pid_e == tl.cdiv(E, BLOCK_E)
+    if is_gate:
+        acc_g = tl.zeros((16,), dtype=tl.float32)
+        for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
+            offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+            g = tl.load(g_ptr + offs_h, mask=offs_h < H, other=0)
+            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
+                         mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
+            acc_g += tl.sum(to_float32(g, X_DTYPE, INTERPRET)[:, None] * to_float32(xt, X_DTYPE, INTERPRET), axis=0)
+        tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m * E_ALL + E, acc_g, mask=mask_m)
+    else:
+        acc = tl.zeros((BLOCK_E, 16), dtype=tl.float32)
+        for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
+            offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+            r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
+                        mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
+            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
+                         mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
+            acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE),
+                         to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE), acc, input_precision=PRECISION)
+        tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m[None, :] * E_ALL + offs_e[:, None], acc,
+                 mask=mask_e[:, None] & mask_m[None, :])
     tl.debug_barrier()                                   # every thread's partial is written before the ticket
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) * n_split - 1:       # the last program: all partial logits are in
@@ -224,7 +238,7 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     if config is not None:
         meta = dict(config)
     warps = meta.pop("num_warps", 4)
-    n_e = runtime.cdiv(E + has_gate, meta["BLOCK_E"])
+    n_e = runtime.cdiv(E, meta["BLOCK_E"]) + has_gate             # the gate: one more row of programs
     split = split_k_for(n_e, H, meta["BLOCK_H"], 32)               # about 64 programs, no empty H slice
     part = torch.empty((split, M, E + has_gate), dtype=torch.float32, device=x2.device)
     g = kernel_view(gate_weight) if has_gate else x2                # valid pointers when unused
