@@ -5,7 +5,9 @@
 * ``lynn nvfp4 (graph)``: the same model's decode step captured as a CUDA graph (:class:`lynn_model.DecodeStep`),
   batch 1 and 8, its tokens checked against the same step run eagerly; ``generate()``: what a user's call gives;
   the census of GPU operations per part of a step; ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
-  weights, graph-replayed (what 4-bit weights buy);
+  weights, graph-replayed (what 4-bit weights buy); graph rows at contexts of 1k, 4k and 32k (batch 1) and 4k
+  (batch 8), one with the shared expert's gate unfolded (the fusion's figure either way); prefill of 2,048 and
+  16,384 tokens, each with the profiler's kernel time beside it;
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
   same process (Qwen3.5-35B-A3B only: the 80B model in bf16 does not fit beside ours).
 
@@ -32,6 +34,9 @@ from . import register
 from .harness import Ceilings, Result, derive, kernel_ms, validated
 
 CONTEXT, PREFILL, STEPS = 4096, 2048, 24
+#: the prefill lengths timed, and the (batch, context) pairs of the graph decode rows
+PREFILLS = (PREFILL, 16384)
+GRAPH_CASES = ((1, 1024), (1, CONTEXT), (1, 32768), (8, CONTEXT))
 
 
 def _log(msg: str) -> None:
@@ -115,7 +120,8 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     weights_gb = torch.cuda.memory_allocated() / 1e9
     _log(f"{name}: random NVFP4 model built in {build_s:.1f} s, {weights_gb:.1f} GB")
     gen = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + STEPS + 8,), device="cuda", generator=gen)
+    longest = max(max(PREFILLS), max(c for _, c in GRAPH_CASES) + 8)
+    ids = torch.randint(0, cfg.vocab_size, (longest + STEPS + 8,), device="cuda", generator=gen)
 
     # validate the kernel path against the reference path on the same weights before timing anything: the first
     # 4 layers (every layer kind) and the head, as a model of its own; a random net 40 layers deep amplifies bf16
@@ -136,22 +142,24 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
          f"{val['full_depth_cosine']:.6f} over all {cfg.num_hidden_layers}")
 
     rows, info = [], {"build_s": build_s, "weights_gb": weights_gb}
-    dims = {"B": 1, "T": PREFILL}
-    cache = model.new_cache(max_batch=1, max_tokens=CONTEXT + STEPS + 64)
-    with torch.no_grad():
-        def prefill():
-            s = cache.add()
-            model.step(ids[:PREFILL], cache, [s], [PREFILL])
-            cache.release(s)
-
-        prefill()                                                # compile + autotune
-        times = _events_ms(prefill, 5)
+    cache = model.new_cache(max_batch=1, max_tokens=max(max(PREFILLS), CONTEXT + STEPS) + 64)
     head = cfg.hidden_size * cfg.vocab_size                  # logits of the last token only (model.step)
-    flops = 2 * (active_params(model) - head) * PREFILL + 2 * head
-    rows.append(_row("decoder.prefill", "lynn nvfp4 (eager)", cfg.name, dims, times, ceilings, flops=flops,
-                     ceiling="bf16_tflops", note=f"{PREFILL * 1e3 / statistics.median(times):,.0f} tok/s",
-                     validation=val))
-    _log(f"{name}: prefill {PREFILL}: {statistics.median(times):.1f} ms")
+    for n in PREFILLS:
+        with torch.no_grad():
+            def prefill():
+                s = cache.add()
+                model.step(ids[:n], cache, [s], [n])
+                cache.release(s)
+
+            prefill()                                            # compile + autotune
+            times = _events_ms(prefill, 5)
+            k_ms = kernel_ms(prefill, n=3)
+        flops = 2 * (active_params(model) - head) * n + 2 * head
+        rows.append(_row("decoder.prefill", "lynn nvfp4 (eager)", cfg.name, {"B": 1, "T": n}, times, ceilings,
+                         flops=flops, ceiling="bf16_tflops",
+                         note=f"{n * 1e3 / statistics.median(times):,.0f} tok/s; its kernels {k_ms:.1f} ms "
+                              f"({n * 1e3 / k_ms:,.0f} tok/s if launches cost nothing)", validation=val))
+        _log(f"{name}: prefill {n}: {statistics.median(times):.1f} ms, kernels {k_ms:.1f} ms")
 
     with torch.no_grad():
         s = cache.add()
@@ -178,10 +186,11 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     _log(f"{name}: decode at {CONTEXT}: {med:.2f} ms/token host, {k_ms:.2f} ms kernels")
     del cache
     torch.cuda.empty_cache()
-    for batch in GRAPH_BATCHES:
-        grows, ginfo = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph)", nbytes if batch == 1 else 0)
+    for batch, context in GRAPH_CASES:
+        grows, ginfo = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph)",
+                                    decode_bytes(model, context) if batch == 1 else 0, context=context)
         rows += grows
-        info[f"graph_b{batch}"] = ginfo
+        info[f"graph_b{batch}" + ("" if context == CONTEXT else f"_ctx{context}")] = ginfo
     from ..moe import triton_experts
 
     triton_experts.FOLD_SHARED_GATE = False      # the fusion's figure either way: the shared gate on its own
@@ -202,11 +211,12 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     return rows, info
 
 
-GRAPH_BATCHES, GRAPH_STEPS = (1, 8), 64
+GRAPH_STEPS = 64
 
 
-def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbytes: int) -> tuple[list[Result], dict]:
-    """Decode of ``batch`` sequences at ``CONTEXT`` tokens each by CUDA-graph replay of one
+def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbytes: int,
+                 context: int = CONTEXT) -> tuple[list[Result], dict]:
+    """Decode of ``batch`` sequences at ``context`` tokens each by CUDA-graph replay of one
     :class:`lynn_model.DecodeStep` (greedy): GPU time per step from CUDA events around ``GRAPH_STEPS`` replays, the
     host's time per ``replay()`` call beside it. Checked first: the graph's tokens equal those of the same step run
     eagerly on a second cache, 8 steps from the same prefill."""
@@ -215,16 +225,16 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
     cfg, dev = model.config, ids.device
     runs = {}
     for graph in (False, True):
-        cache = model.new_cache(max_batch=batch, max_tokens=batch * (CONTEXT + GRAPH_STEPS + 64))
+        cache = model.new_cache(max_batch=batch, max_tokens=batch * (context + GRAPH_STEPS + 64))
         t0 = time.perf_counter()
         step = DecodeStep(model, cache, batch, SamplingParams.build([Sampling()] * batch, dev, cfg.vocab_size),
                           graph=graph)
         capture_s = time.perf_counter() - t0
         slots = [cache.add() for _ in range(batch)]
         with torch.no_grad():
-            first = torch.cat([model.step(ids[b:b + CONTEXT], cache, [s], [CONTEXT]).argmax(-1)
+            first = torch.cat([model.step(ids[b:b + context], cache, [s], [context]).argmax(-1)
                                for b, s in enumerate(slots)])
-        cache.reserve(slots, [CONTEXT + GRAPH_STEPS + 16] * batch)
+        cache.reserve(slots, [context + GRAPH_STEPS + 16] * batch)
         step.begin(first, slots)
         toks = []
         for _ in range(8):
@@ -250,14 +260,14 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
         times.append(a.elapsed_time(b) / (GRAPH_STEPS // 5))
     med = statistics.median(times)
     val = {"passed": True, "graph_tokens_equal_eager": exact, "steps_compared": 8}
-    dims = {"B": batch, "context": CONTEXT}
+    dims = {"B": batch, "context": context}
     row = _row("decoder.decode", provider, cfg.name, dims, times, ceilings, bytes_=nbytes,
                ceiling="read_gbps" if nbytes else None,
                note=f"{batch * 1e3 / med:,.1f} tok/s{' aggregate' if batch > 1 else ''}; replay of a captured step, "
                     f"CUDA events over {GRAPH_STEPS // 5} replays, median of 5; host "
                     f"{statistics.median(host) * 1e6:.0f} us per replay() call; graph tokens = eager tokens over 8 "
                     f"steps", validation=val)
-    _log(f"{cfg.name}: graph decode, batch {batch}: {med:.3f} ms/step ({batch * 1e3 / med:,.1f} tok/s), capture "
+    _log(f"{cfg.name}: graph decode, batch {batch}, context {context}: {med:.3f} ms/step ({batch * 1e3 / med:,.1f} tok/s), capture "
          f"{capture_s:.1f} s")
     info = {"ms_per_step": med, "tok_s": batch * 1e3 / med, "capture_s": capture_s,
             "host_us_per_replay": statistics.median(host) * 1e6}
