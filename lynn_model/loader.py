@@ -494,8 +494,8 @@ class Assembler:
             g.conv_weight = value.squeeze(1).contiguous()
         elif name == "norm":
             g.norm_weight = value
-        elif name in ("dt_bias", "A_log"):
-            setattr(g, name, value)
+        elif name in ("dt_bias", "A_log"):           # the gates are computed in fp32 from them: cast once, here,
+            setattr(g, name, value.float())           # not in every decode step (exact: bf16 -> fp32)
         elif name == "in_proj_qkvz":
             qkv, z = split_qkvz(value, self.c)
             g.in_proj_qkv.weight, g.in_proj_z.weight = qkv, z
