@@ -480,7 +480,9 @@ class Assembler:
         rest = ".".join(parts[3:])
         if rest in ("input_layernorm", "post_attention_layernorm"):
             getattr(layer, rest).weight = value
-        elif rest.startswith("self_attn."):                    # projections and q_norm / k_norm
+        elif rest in ("self_attn.q_norm", "self_attn.k_norm"):  # read by qk_norm_rope only, which takes them in
+            getattr(layer.self_attn, rest[len("self_attn."):]).weight = value.float()   # fp32: cast once (exact)
+        elif rest.startswith("self_attn."):                    # the projections
             getattr(layer.self_attn, rest[len("self_attn."):]).weight = value
         elif rest.startswith("linear_attn."):
             self._put_gdn(layer.linear_attn, rest[len("linear_attn."):], value)

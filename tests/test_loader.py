@@ -274,7 +274,8 @@ def deq(q: NVFP4Tensor, dtype=FP32) -> torch.Tensor:
 
 def compare(got: dict, want: dict, dtype: torch.dtype) -> None:
     """Same modules, same kinds; NVFP4: the same codes, block scales and global scale(s) and the same dequantised
-    values; float: ``want`` cast to ``dtype``, bit for bit (``A_log`` / ``dt_bias``: that, held in fp32)."""
+    values; float: ``want`` cast to ``dtype``, bit for bit (``A_log``, ``dt_bias``, ``q_norm``, ``k_norm``: that,
+    held in fp32)."""
     assert sorted(got) == sorted(want)
     for k, w in want.items():
         g = got[k]
@@ -284,7 +285,7 @@ def compare(got: dict, want: dict, dtype: torch.dtype) -> None:
             assert torch.equal(g.scales.view(torch.uint8), w.scales.view(torch.uint8)), k
             assert bool((g.global_scale == w.global_scale).all()), k
             assert torch.equal(deq(g), deq(w)), k
-        elif k.endswith((".A_log", ".dt_bias")):     # kept as fp32 copies of the run-dtype values (cast once)
+        elif k.endswith((".A_log", ".dt_bias", ".q_norm", ".k_norm")):   # fp32 copies of the run-dtype values
             assert g.dtype == FP32 and tuple(g.shape) == tuple(w.shape), (k, g.dtype, g.shape, w.shape)
             assert torch.equal(g, w.to(dtype).float()), k
         else:
