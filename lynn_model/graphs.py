@@ -113,7 +113,6 @@ class DecodeStep:
         # the block table gives them (unallocated rows: page 0), writing one key each
         cap = self.block_table.shape[1] * self.cache.page_size
         self.active.fill_(True)
-        self.lengths.fill_(cap - 1)
         side = torch.cuda.Stream(self.cache.device)
         side.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(side):

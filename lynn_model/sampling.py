@@ -86,17 +86,6 @@ class SamplingParams:
             torch.tensor([1.0 if r.top_p is None else float(r.top_p) for r in rows], dtype=torch.float32, device=dev),
             torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev), cand, not sampled)
 
-    def copy_(self, other: "SamplingParams") -> None:
-        """Overwrite these tensors in place with ``other``'s (same rows, same ``candidates``): a captured step's
-        settings changed without a new capture."""
-        if (other.candidates, other.greedy) != (self.candidates, self.greedy) or \
-                other.temperature.shape != self.temperature.shape:
-            raise ValueError(f"sampling settings of another shape: {other.candidates, other.greedy} rows "
-                             f"{tuple(other.temperature.shape)}, this step was built for "
-                             f"{self.candidates, self.greedy} rows {tuple(self.temperature.shape)}")
-        for name in ("temperature", "top_k", "top_p", "seed"):
-            getattr(self, name).copy_(getattr(other, name))
-
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit integer hash (xor-shift-multiply rounds) on int64 values in ``[0, 2^32)``; the odd

@@ -24,6 +24,7 @@ so no speed is reported for a wrong decoder.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -191,15 +192,10 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
                                     decode_bytes(model, context) if batch == 1 else 0, context=context)
         rows += grows
         info[f"graph_b{batch}" + ("" if context == CONTEXT else f"_ctx{context}")] = ginfo
-    from ..moe import triton_experts
-
-    triton_experts.FOLD_SHARED_GATE = False      # the fusion's figure either way: the shared gate on its own
-    try:
+    with _gate_unfolded():                       # the fusion's figure either way: the shared gate on its own
         grows, info["graph_b1_gate_unfolded"] = graph_decode(model, ids, 1, ceilings,
                                                              "lynn nvfp4 (graph, shared gate unfolded)", nbytes)
-        rows += grows
-    finally:
-        triton_experts.FOLD_SHARED_GATE = True
+    rows += grows
     rows.append(generate_row(model, ids, ceilings, nbytes))
     try:
         info["census"] = census(model)
@@ -323,7 +319,7 @@ def census(model) -> dict:
         "Gated DeltaNet mixer": (lambda: gdn.mixer(x, step.batch, cache), len(cfg.linear_layers)),
         "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
         "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
-        "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded(model.layers[0].mlp, x), 0),
+        "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded_moe(model.layers[0].mlp, x), 0),
         "LM head": (lambda: model.lm_head(x), 1),
         "sampler + epilogue": (lambda: step.epilogue(logits), 1),
     }
@@ -343,15 +339,21 @@ def census(model) -> dict:
     return out
 
 
-def _unfolded(mlp, x):
-    """The MoE block with the shared expert's gate as its own fp32 GEMV and sigmoid (``FOLD_SHARED_GATE=False``)."""
+@contextlib.contextmanager
+def _gate_unfolded():
+    """The MoE blocks with the shared expert's gate as its own fp32 GEMV and sigmoid (``FOLD_SHARED_GATE=False``)."""
     from ..moe import triton_experts
 
     triton_experts.FOLD_SHARED_GATE = False
     try:
-        return mlp(x)
+        yield
     finally:
         triton_experts.FOLD_SHARED_GATE = True
+
+
+def _unfolded_moe(mlp, x):
+    with _gate_unfolded():
+        return mlp(x)
 
 
 def _profile(fn) -> tuple[int, float]:
