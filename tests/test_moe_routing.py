@@ -55,12 +55,19 @@ ROUTE_CASES = [
 ]
 
 
-def _assert_route(got, want, M, top_k):
+def _assert_route(got, want, M, top_k, rtol=4e-6):
     (w, ids), (w_ref, ids_ref) = got, want
     assert w.dtype == FP32 and ids.dtype == torch.int32
     assert tuple(w.shape) == tuple(ids.shape) == (M, top_k)
     assert torch.equal(ids.cpu(), ids_ref.cpu())
-    torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=4e-6, atol=1e-8)   # a few fp32 ulps
+    torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=rtol, atol=1e-8)   # a few fp32 ulps
+
+
+def _router_rtol(dtype):
+    """The fused router's weights against the reference's: bf16 logits are rounded, so both sides route the same
+    values (a few ulps of the softmax); fp32 logits are not, and the kernel sums H in split-K slices where cuBLAS
+    uses its own order: 4.7e-6 measured on the H200 (M5-E60-k4-H144, 8c40726), so twice that."""
+    return 1e-5 if dtype == FP32 else 4e-6
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
@@ -154,7 +161,7 @@ def test_fused_router(M, E, top_k, H, dtype, poison_empty):
         ids = torch.full((M, top_k), -1, dtype=torch.int32, device=runtime.DEVICE)
         got = launch_router(x, r, top_k, True, w, ids)
         assert got[0] is w and got[1] is ids
-        _assert_route((w, ids), want, M, top_k)
+        _assert_route((w, ids), want, M, top_k, _router_rtol(dtype))
     assert int(split_k_counter(x.device, 1)[0]) == 0
 
 
@@ -172,7 +179,7 @@ def test_fused_router_with_the_shared_gate(M, E, top_k, H, dtype, poison_empty):
     ids = torch.full((M, top_k), -1, dtype=torch.int32, device=runtime.DEVICE)
     gate = torch.full((M,), float("nan"), device=runtime.DEVICE)
     launch_router(x, r, top_k, True, w, ids, gate_weight=g, gate=gate)
-    _assert_route((w, ids), want, M, top_k)
+    _assert_route((w, ids), want, M, top_k, _router_rtol(dtype))
     assert (gate - want_gate).abs().max() <= 1e-6, (gate, want_gate)      # interpreter: <= 2.4e-7
     assert int(split_k_counter(x.device, 1)[0]) == 0
 
