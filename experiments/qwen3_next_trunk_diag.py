@@ -1,7 +1,7 @@
 """Qwen3-Next-80B-A3B shape, random NVFP4 weights: the 4-layer trunk stage by stage, kernel path against reference
 path, to find where the decoder benchmark's gate failed at 3182a39 (GPU machine only; not yet run).
 
-    PYTHONPATH=. python3 experiments/qwen3_next_trunk_diag.py [--dirty] [--repeats 3] [--out $OUT/trunk_diag.json]
+    PYTHONPATH=. python3 experiments/qwen3_next_trunk_diag.py [--dirty] [--repeats 3] [--layers 0] [--out $OUT/trunk_diag.json]
 
 `experiments/qwen3_next_validation_diag.py` found every module of layers 0 and 3 in agreement on fresh inputs, while
 the benchmark's 4-layer logits disagreed (cosine 0.707). This runs what the benchmark runs, ``Model._trunk``'s chain
@@ -55,6 +55,10 @@ def main() -> int:
     ap.add_argument("--dirty", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=80)
+    ap.add_argument("--layers", type=int, default=4, help="layers of the trunk to chain (0: all of them)")
+    ap.add_argument("--determinism", type=int, default=0, metavar="N",
+                    help="only run each stage N times on the kernels, on one input, and list the stages whose outputs "
+                         "differ between runs")
     ap.add_argument("--preset", default="qwen3-next-80b-a3b", help="e.g. tiny-qwen3-next to try it on a CPU")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "trunk_diag.json"))
     args = ap.parse_args()
@@ -68,8 +72,26 @@ def main() -> int:
     ids = torch.randint(0, cfg.vocab_size, (args.tokens,), device=dev, generator=gen)
     rec = {"git_sha": os.environ.get("LYNN_GIT_SHA"), "preset": args.preset, "dirty": args.dirty, "tokens": args.tokens, "stages": [],
            "repeats": []}
-    chain = stages(model, ids, 4)
+    n_layers = args.layers or len(model.layers)
+    rec["layers"] = n_layers
+    chain = stages(model, ids, n_layers)
     x = None
+    if args.determinism:
+        rec["unequal_stages"] = []
+        with torch.no_grad():
+            for name, fn in chain:
+                outs = [first(fn(x)).clone() for _ in range(args.determinism)]
+                same = [bool(torch.equal(outs[0], o)) for o in outs[1:]]
+                if not all(same):
+                    d = max(float((outs[0].float() - o.float()).abs().max()) for o in outs[1:])
+                    rec["unequal_stages"].append({"stage": name, "equal": same, "max_abs_diff": d})
+                    print(f"{name:48s} runs equal {same} max diff {d:.3e}", flush=True)
+                x = fn(x)
+        print(f"tokens {args.tokens}: {len(rec['unequal_stages'])} of {len(chain)} stages differ between runs")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
+        return 0
     with torch.no_grad():
         for name, fn in chain:
             got = fn(x)
@@ -92,15 +114,15 @@ def main() -> int:
         sh = torch.nn.Module.__new__(type(model))
         sh.__dict__.update(model.__dict__)
         sh._modules = dict(model._modules)
-        sh.layers = model.layers[:4]
+        sh.layers = model.layers[:n_layers]
         full_k = sh.forward(ids[None]).float()[0]
         with lynn_kernels.use_reference():
             full_r = sh.forward(ids[None]).float()[0]
         m = compare(full_k, full_r)
-        rec["forward_4_layers"] = {"cosine": m.cosine, "rel_l2": m.rel_l2,
+        rec["forward"] = {"cosine": m.cosine, "rel_l2": m.rel_l2,
                                    "equal_to_chain": bool(torch.equal(full_k, logits[0]))}
     print("kernel chain repeats equal:", rec["repeats"])
-    print("Model.forward over 4 layers:", rec["forward_4_layers"])
+    print(f"Model.forward over {n_layers} layers:", rec["forward"])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)

@@ -1,0 +1,102 @@
+"""Which op of a Gated DeltaNet prefill repeats unequal on the GPU? Each sub-op of layer 0's mixer (the two packed
+projections, the conv, the gates, the chunk scan, the gated norm, the output projection) runs ``--runs`` times on
+one fixed input, with the allocator's free memory scribbled on between runs (so an output a kernel forgets to
+write, or a read of memory nobody wrote, shows as a difference), and the sub-ops whose outputs differ are listed.
+
+    PYTHONPATH=. python3 experiments/gdn_determinism.py [--preset qwen3-next-80b-a3b] [--tokens 80] [--runs 30]
+
+Found by ``experiments/qwen3_next_trunk_diag.py --determinism``: on the H200 at 83e42ff, 3 of 36 Gated DeltaNet
+mixers at 80 tokens gave a different output in one of five runs (max difference 5.6e29); nothing else did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+import lynn_kernels
+import lynn_model
+from lynn_kernels import deltanet
+from lynn_model.cache import Batch
+from lynn_model.loader import random_model
+
+
+def scribble(dev, mb: int, gen) -> None:
+    """Fill and free ``mb`` MiB of fresh allocations with random bytes: the next allocations reuse them."""
+    bufs = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(mb)]
+    for b in bufs:
+        b.random_(0, 256, generator=gen)
+    del bufs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-next-80b-a3b")
+    ap.add_argument("--tokens", type=int, default=80)
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--scribble-mb", type=int, default=256)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "gdn_determinism.json"))
+    args = ap.parse_args()
+    cfg = lynn_model.preset(args.preset)
+    first = cfg.layer_types.index("linear_attention")
+    cfg = dataclasses.replace(cfg, num_hidden_layers=first + 1, layer_types=cfg.layer_types[:first + 1])
+    dev = lynn_kernels.runtime.DEVICE
+    model = random_model(cfg, weights="nvfp4", device=dev, seed=0)
+    L = model.layers[first].mixer
+    gen = torch.Generator(device=dev).manual_seed(1)
+    T = args.tokens
+    x = (torch.randn(T, cfg.hidden_size, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    batch = Batch.uncached([T], dev)
+    with torch.no_grad():
+        qkv, z = L.in_proj_qkv(x), L.in_proj_z(x)
+        b, a = L.in_proj_b(x), L.in_proj_a(x)
+        y, _ = deltanet.causal_conv1d(qkv[None], L.conv_weight, None, cu_seqlens=batch.cu_seqlens)
+        q, k, v = L._split(y)
+        g, beta = deltanet.gates(L.A_log, a[None], L.dt_bias, b[None])
+        o, _ = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=batch.cu_seqlens)
+        zz = z.view(1, T, L.nv, L.dv)
+        on = deltanet.gated_rmsnorm(o, zz, L.norm_weight, eps=L.eps)
+        ops = {
+            "in_proj_qkv (packed GEMM)": lambda: L.in_proj_qkv(x),
+            "in_proj_z (packed GEMM)": lambda: L.in_proj_z(x),
+            "in_proj_b / a (bf16)": lambda: torch.cat([L.in_proj_b(x), L.in_proj_a(x)], -1),
+            "causal_conv1d (packed)": lambda: deltanet.causal_conv1d(qkv[None], L.conv_weight, None,
+                                                                     cu_seqlens=batch.cu_seqlens)[0],
+            "causal_conv1d (unpacked)": lambda: deltanet.causal_conv1d(qkv[None], L.conv_weight, None)[0],
+            "gates": lambda: torch.cat(deltanet.gates(L.A_log, a[None], L.dt_bias, b[None]), -1),
+            "chunk_gated_delta_rule (packed)": lambda: deltanet.chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=batch.cu_seqlens)[0],
+            "chunk_gated_delta_rule (unpacked)": lambda: deltanet.chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm=True)[0],
+            "chunk on contiguous q, k, v": lambda: deltanet.chunk_gated_delta_rule(
+                q.contiguous(), k.contiguous(), v.contiguous(), g, beta, use_qk_l2norm=True)[0],
+            "gated_rmsnorm": lambda: deltanet.gated_rmsnorm(o, zz, L.norm_weight, eps=L.eps),
+            "out_proj (packed GEMM)": lambda: L.out_proj(on.reshape(T, -1)),
+            "whole mixer": lambda: L(x, batch, None),
+        }
+        rec = {"git_sha": os.environ.get("LYNN_GIT_SHA"), "preset": args.preset, "tokens": T, "runs": args.runs,
+               "ops": []}
+        for name, fn in ops.items():
+            want = fn().clone()
+            bad, worst = 0, 0.0
+            for _ in range(args.runs - 1):
+                scribble(dev, args.scribble_mb, gen)
+                got = fn()
+                if not torch.equal(got, want):
+                    bad += 1
+                    worst = max(worst, float((got.float() - want.float()).abs().nan_to_num(float("inf")).max()))
+            rec["ops"].append({"op": name, "unequal_runs": bad, "max_abs_diff": worst})
+            print(f"{name:36s} unequal {bad:3d} / {args.runs - 1}  max diff {worst:.3e}", flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rec, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
