@@ -8,6 +8,7 @@ cases run compiled.
 
 from __future__ import annotations
 
+import importlib
 import textwrap
 import time
 from collections.abc import Callable
@@ -68,42 +69,68 @@ def check_norm() -> list[dict]:
     return rows()
 
 
+def _family(name: str) -> str:
+    """The family a check name belongs to: ``nvfp4`` of ``nvfp4``, ``nvfp4.quantize`` and ``nvfp4 round trip``."""
+    return name.split(".")[0].split(" ")[0]
+
+
+def _picks(name: str, op: str) -> bool:
+    return name == op or op.startswith(name + ".")
+
+
+def family_ops(family: str) -> tuple[str, ...] | None:
+    """The op names a family's rows carry (its ``check.OPS``), without running anything; None for a family
+    registered from outside the package (tests), whose op names are only known once it has run."""
+    try:
+        return importlib.import_module(f"lynn_kernels.{family}.check").OPS
+    except ModuleNotFoundError:
+        return None
+
+
 def run_checks(families: list[str] | None = None, *, on_family: Callable[[str, int, int], None] | None = None,
                on_row: Callable[[dict], None] | None = None) -> tuple[list[dict], float]:
     """The rows of the named checks: a name is a family (``nvfp4``) or an op the table prints (``nvfp4.quantize``,
-    which runs its family and keeps that op's rows); none: every family. An unknown name is a ``ValueError`` that
-    lists the families.
+    which runs its family and keeps that op's rows); none: every family. An unknown family or op is a ``ValueError``
+    that lists the choices, raised before anything runs (each family's ``check.OPS`` names its ops; a row whose op
+    is not there is a ``RuntimeError``, so the list stays true).
 
     To show rows as they come (``lynn check``): ``on_family(family, i, n)`` is called before the ``i``-th of the ``n``
     families runs (``i`` from 1), and ``on_row(row)`` with each row kept, as soon as it is computed (each family's
     ``check.iter_rows()`` yields its rows one by one). The return value is the same with or without the
     callbacks."""
     names = list(families or [])
-    fams = {n.split(".")[0] for n in names}
-    unknown = sorted(n for n in names if n.split(".")[0] not in CHECKS)
+    unknown = sorted(n for n in names if _family(n) not in CHECKS)
     if unknown:
         raise ValueError(f"unknown check {', '.join(unknown)}: expected a family ({', '.join(CHECKS)}) or an op "
                          "name as the table prints it (e.g. nvfp4.quantize)")
-    def picks(name, op):
-        return name == op or op.startswith(name + ".")
-
-    t0 = time.perf_counter()
-    rows, ops = [], set()
+    fams = {_family(n) for n in names}
     run = [f for f in CHECKS if not names or f in fams]
+    ops = {f: family_ops(f) for f in run}               # None: a family from outside the package (tests)
+
+    def refuse_missing(ops: dict) -> None:
+        missing = [n for n in names if n not in CHECKS and ops[_family(n)] is not None
+                   and not any(_picks(n, op) for op in ops[_family(n)])]
+        if missing:
+            raise ValueError(f"no check of op {', '.join(missing)}; the ops of {', '.join(sorted(fams))}: "
+                             f"{', '.join(op for f in sorted(fams) for op in ops[f] or ())}")
+
+    refuse_missing(ops)                                  # before anything runs
+    t0 = time.perf_counter()
+    rows, seen = [], {f: [] for f in run}
     for i, fam in enumerate(run, 1):
         if on_family is not None:
             on_family(fam, i, len(run))
-        wanted = [n for n in names if n.split(".")[0] == fam]
+        wanted = [n for n in names if _family(n) == fam]
         for row in CHECKS[fam]():
-            ops.add(row["op"])
-            if not names or fam in wanted or any(picks(n, row["op"]) for n in wanted):
+            if ops[fam] is not None and row["op"] not in ops[fam]:
+                raise RuntimeError(f"lynn_kernels/{fam}/check.py yields op {row['op']!r}, not in its OPS")
+            if row["op"] not in seen[fam]:
+                seen[fam].append(row["op"])
+            if not names or fam in wanted or any(_picks(n, row["op"]) for n in wanted):
                 rows.append({"backend": runtime.backend(), **row})
                 if on_row is not None:
                     on_row(rows[-1])
-    missing = [n for n in names if "." in n and not any(picks(n, op) for op in ops)]
-    if missing:
-        raise ValueError(f"no check of op {', '.join(missing)}; the ops of {', '.join(sorted(fams))}: "
-                         f"{', '.join(sorted(ops))}")
+    refuse_missing({f: ops[f] if ops[f] is not None else tuple(seen[f]) for f in run})
     return rows, time.perf_counter() - t0
 
 

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-baseline", nargs="+", metavar="JSON", help="run nothing: write the baseline from result "
                                                                       "files")
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("lab", help="open JupyterLab on notebooks/ (other options go to jupyter lab)")
+    p = sub.add_parser("lab", help="open JupyterLab at the repository root, showing notebooks/ (other options go to jupyter lab)")
     p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("info", help="show the device and backend")
     p.set_defaults(func=_cmd_info)

@@ -60,6 +60,28 @@ def test_check_unknown_names_are_usage_errors(capsys):
 def test_check_takes_op_names_as_the_table_prints_them():
     rows, _ = checks.run_checks(["nvfp4.quantize"])
     assert rows and {r["op"] for r in rows} == {"nvfp4.quantize"}
+    rows, _ = checks.run_checks(["nvfp4 round trip"])                 # printed without a dot
+    assert rows and {r["op"] for r in rows} == {"nvfp4 round trip"}
+
+
+def test_check_refuses_a_bad_op_before_running_anything(monkeypatch, capsys):
+    """A bad op name of a real family is refused up front, not after its family's checks have run."""
+    def boom():
+        raise AssertionError("a check ran before the bad name was refused")
+
+    monkeypatch.setitem(checks.CHECKS, "matmul", boom)
+    with pytest.raises(ValueError, match="no check of op matmul.bogus; the ops of matmul: matmul.nvfp4_gemv"):
+        checks.run_checks(["matmul.bogus"])
+    assert main(["check", "matmul.bogus"]) == 2
+    assert "no check of op matmul.bogus" in capsys.readouterr().err
+
+
+def test_every_family_lists_its_ops():
+    """Each family's check.OPS: the op names its rows carry (run_checks raises on a row outside it)."""
+    for fam in checks.CHECKS:
+        ops = checks.family_ops(fam)
+        assert ops and len(set(ops)) == len(ops)
+        assert all(checks._family(op) == fam for op in ops), (fam, ops)
 
 
 def test_version(capsys):

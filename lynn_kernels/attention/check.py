@@ -28,6 +28,10 @@ MIN_COSINE = 0.9999
 MAX_ERR_RATIO = 4.0
 
 
+#: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
+OPS = ("attention.prefill", "attention.decode", "attention.qk_norm_rope")
+
+
 def _row(op: str, case: str, got: torch.Tensor, want32: torch.Tensor) -> dict:
     baseline = want32.to(got.dtype) if got.dtype != torch.float32 else None
     m = compare(got, want32, baseline=baseline)

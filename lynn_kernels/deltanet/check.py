@@ -17,6 +17,13 @@ from .. import runtime
 from ..validate import compare
 
 
+#: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
+OPS = (
+    "deltanet.chunk", "deltanet.chunk state", "deltanet.recurrent", "deltanet.recurrent state", "deltanet.conv",
+    "deltanet.conv state", "deltanet.conv update", "deltanet.gated_rmsnorm",
+)
+
+
 def _inputs(B, T, H, HV, K, V, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
 

@@ -24,6 +24,13 @@ from ..validate import compare
 MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1e-3}
 
 
+#: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
+OPS = (
+    "matmul.nvfp4_gemv", "matmul.nvfp4_gemv packed", "matmul.nvfp4_gemm", "matmul.nvfp4_gemm packed",
+    "matmul.nvfp4_linear", "matmul.nvfp4_linear packed", "matmul.tensor-core gemv packed", "matmul.fma gemv packed",
+)
+
+
 def iter_rows() -> Iterator[dict]:
     from ..nvfp4 import quantize
     from . import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, pack, reference

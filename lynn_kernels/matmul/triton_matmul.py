@@ -2,7 +2,8 @@
 
 Both kernels compute the transposed product ``y^T [N, M] = W [N, K] @ x^T [K, M]``, so the weight, decoded in
 registers, is the first ``tl.dot`` operand (Hopper's wgmma can take that one straight from registers) and the small
-activation tile is the second. Each weight tile is decoded the same way (:func:`_load_w_tile`):
+activation tile is the second (docs/matmul.md derives the decode, its exactness and the split-K reduce; what
+follows is the map of this file). Each weight tile is decoded the same way (:func:`_load_w_tile`):
 
 * a byte holds two E2M1 codes; each nibble's 3 magnitude bits dropped into an fp16 exponent/mantissa (and its sign
   bit into the fp16 sign) give the exact value times ``2^-14`` (subnormals included), one integer op chain per

@@ -19,6 +19,10 @@ from ..validate import compare
 from .spec import SharedExpert, fuse_w13, stack_w13
 
 
+#: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
+OPS = ("moe.route", "moe.align", "moe.moe_experts", "moe.moe_block")
+
+
 def _weights(E: int, H: int, I: int, gen: torch.Generator):
     dev = runtime.DEVICE
 

@@ -16,6 +16,10 @@ from .. import runtime
 from ..validate import bit_mismatches, compare
 
 
+#: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
+OPS = ("norm.rmsnorm", "norm.rmsnorm residual")
+
+
 def iter_rows() -> Iterator[dict]:
     from . import reference, rmsnorm
 
