@@ -712,9 +712,11 @@ for shape in SHAPES:
         print(e)
 
 
-def pick(doc, op, provider, batch=1):
+def pick(doc, op, provider, batch=1, context=4096, tokens=2048):
+    """The row of ``provider`` at this batch, decode context and prefill length (rows of other contexts exist)."""
     return next((r for r in doc["results"] if r["op"] == op and r["provider"] == provider
-                 and r["dims"].get("B", 1) == batch), None)
+                 and r["dims"].get("B", 1) == batch and r["dims"].get("context", context) == context
+                 and r["dims"].get("T", tokens) == tokens), None)
 
 
 def perf_rows(shape, doc):
@@ -771,7 +773,9 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
 # replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth (the
-# Qwen3-Next file predates the graph step: it has no graph bars).
+# Qwen3-Next file predates the graph step: it has no graph bars; its run at 83e42ff stopped when the graph's tokens
+# parted from the eager step's, a Gated DeltaNet prefill that does not repeat on the GPU at that shape:
+# docs/performance.md).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
