@@ -1,7 +1,10 @@
 """Which op of a Gated DeltaNet prefill repeats unequal on the GPU? Each sub-op of layer 0's mixer (the two packed
 projections, the conv, the gates, the chunk scan, the gated norm, the output projection) runs ``--runs`` times on
 one fixed input, with the allocator's free memory scribbled on between runs (so an output a kernel forgets to
-write, or a read of memory nobody wrote, shows as a difference), and the sub-ops whose outputs differ are listed.
+write, or a read of memory nobody wrote, shows as a difference), and the sub-ops whose outputs differ are listed,
+with how often a run left split-K tickets unreset. The packed GEMMs also run with split-K off (``split_k=1``): the
+first suspect is the split-K reduce of the prefill GEMM (a mixer output of 5.6e29 cannot pass the gated norm, which
+bounds each element by sqrt(128), so it came from ``in_proj_z`` or ``out_proj``).
 
     PYTHONPATH=. python3 experiments/gdn_determinism.py [--preset qwen3-next-80b-a3b] [--tokens 80] [--runs 30]
 
@@ -22,6 +25,7 @@ import torch
 import lynn_kernels
 import lynn_model
 from lynn_kernels import deltanet
+from lynn_kernels.matmul.triton_matmul import _counters, launch_gemm
 from lynn_model.cache import Batch
 from lynn_model.loader import random_model
 
@@ -77,21 +81,35 @@ def main() -> int:
                 q.contiguous(), k.contiguous(), v.contiguous(), g, beta, use_qk_l2norm=True)[0],
             "gated_rmsnorm": lambda: deltanet.gated_rmsnorm(o, zz, L.norm_weight, eps=L.eps),
             "out_proj (packed GEMM)": lambda: L.out_proj(on.reshape(T, -1)),
+            "in_proj_z, split-K off": lambda: gemm(x, L.in_proj_z.weight, 1),
+            "out_proj, split-K off": lambda: gemm(on.reshape(T, -1), L.out_proj.weight, 1),
+            "in_proj_z, GEMM launch as chosen": lambda: gemm(x, L.in_proj_z.weight, None),
             "whole mixer": lambda: L(x, batch, None),
         }
+        def gemm(a, w, split_k):
+            """The packed GEMM launched directly (split_k=1: no tickets, no partials)."""
+            y = torch.empty(a.shape[0], w.shape[0], dtype=a.dtype, device=dev)
+            return launch_gemm(a, w, None, y, split_k=split_k)
+
+        def tickets_left() -> int:
+            """Split-K tickets not reset to 0 on any stream (every kernel that takes them resets them)."""
+            return sum(int((buf != 0).sum()) for buf in _counters.values())
+
         rec = {"git_sha": os.environ.get("LYNN_GIT_SHA"), "preset": args.preset, "tokens": T, "runs": args.runs,
                "ops": []}
         for name, fn in ops.items():
             want = fn().clone()
-            bad, worst = 0, 0.0
+            bad, worst, dirty = 0, 0.0, 0
             for _ in range(args.runs - 1):
                 scribble(dev, args.scribble_mb, gen)
                 got = fn()
+                dirty += tickets_left() > 0
                 if not torch.equal(got, want):
                     bad += 1
                     worst = max(worst, float((got.float() - want.float()).abs().nan_to_num(float("inf")).max()))
-            rec["ops"].append({"op": name, "unequal_runs": bad, "max_abs_diff": worst})
-            print(f"{name:36s} unequal {bad:3d} / {args.runs - 1}  max diff {worst:.3e}", flush=True)
+            rec["ops"].append({"op": name, "unequal_runs": bad, "max_abs_diff": worst, "runs_leaving_tickets": dirty})
+            print(f"{name:36s} unequal {bad:3d} / {args.runs - 1}  max diff {worst:.3e}  tickets left after "
+                  f"{dirty} runs", flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)
