@@ -120,7 +120,7 @@ def main() -> int:
             full_r = sh.forward(ids[None]).float()[0]
         m = compare(full_k, full_r)
         rec["forward"] = {"cosine": m.cosine, "rel_l2": m.rel_l2,
-                                   "equal_to_chain": bool(torch.equal(full_k, logits[0]))}
+                          "equal_to_chain": bool(torch.equal(full_k, logits[0]))}
     print("kernel chain repeats equal:", rec["repeats"])
     print(f"Model.forward over {n_layers} layers:", rec["forward"])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
