@@ -62,6 +62,24 @@ def test_reference_path_matches_hf_fp32(ckpts, hf_logits, name):
     assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, m     # measured: rel_l2 ~2e-7
 
 
+@pytest.mark.oracle("transformers")
+def test_decoder_sparse_step_places_moe_layers_as_hf(tmp_path):
+    """Qwen3-Next with ``decoder_sparse_step = 2`` and a dense layer listed in ``mlp_only_layers``: a layer is MoE
+    where HF builds one ((i + 1) % step == 0 and i not listed), dense elsewhere, and the logits equal HF's
+    (reference path, fp32)."""
+    hf = tiny_hf.build("next", decoder_sparse_step=2, mlp_only_layers=[3])
+    kinds = tuple("moe" if type(layer.mlp).__name__.endswith("SparseMoeBlock") else "mlp" for layer in hf.model.layers)
+    assert kinds == ("mlp", "moe", "mlp", "mlp")                  # what HF itself built from the config
+    hf.save_pretrained(tmp_path)
+    with lynn_kernels.use_reference(), torch.no_grad():
+        model = lynn_model.from_pretrained(tmp_path, device="cpu")
+        assert model.config.ffn_types == kinds
+        got = model.forward(_ids()).float()
+        want = hf(input_ids=_ids(), use_cache=False).logits.float()
+    m = validate.compare(got, want)
+    assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, m
+
+
 @pytest.mark.parametrize("name", tiny_hf.NAMES)
 def test_kernel_path_matches_hf_bf16(ckpts, hf_logits, name):
     """bf16 on the kernels: as close to HF fp32 as HF's own bf16 forward is (measured on the CPU: error ratios

@@ -30,8 +30,9 @@ NAMES = ("next", "q35", "q35moe", "q35vl", "q35moevl")
 MOE_NAMES = ("next", "q35moe", "q35moevl")
 
 
-def build(name: str, seed: int = 0):
-    """The HF model ``name`` (fp32, eval mode), built from a fixed seed."""
+def build(name: str, seed: int = 0, **next_config):
+    """The HF model ``name`` (fp32, eval mode), built from a fixed seed; ``next_config`` replaces fields of the
+    Qwen3-Next config (e.g. ``decoder_sparse_step``)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5ForCausalLM,
@@ -42,8 +43,9 @@ def build(name: str, seed: int = 0):
 
     torch.manual_seed(seed)
     if name == "next":
-        m = Qwen3NextForCausalLM(Qwen3NextConfig(**COMMON, **MOE, intermediate_size=96, decoder_sparse_step=1,
-                                                 mlp_only_layers=[1], norm_topk_prob=True, rope_parameters=ROPE))
+        cfg = dict(COMMON, **MOE, intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1],
+                   norm_topk_prob=True, rope_parameters=ROPE)
+        m = Qwen3NextForCausalLM(Qwen3NextConfig(**{**cfg, **next_config}))
     elif name == "q35":
         m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON, intermediate_size=96, rope_parameters=MROPE))
     elif name == "q35moe":
@@ -56,6 +58,8 @@ def build(name: str, seed: int = 0):
             text_config=dict(COMMON, **MOE, rope_parameters=MROPE), vision_config=VISION, **MM_IDS))
     else:
         raise KeyError(name)
+    if next_config and name != "next":
+        raise ValueError(f"config overrides are for the Qwen3-Next model, not {name!r}")
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, p in m.named_parameters():
