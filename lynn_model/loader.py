@@ -21,6 +21,7 @@ import fnmatch
 import json
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,6 +287,11 @@ class Module:
     fmt: str = ""                               #: "float", "compressed-tensors", "modelopt", "packed"
 
 
+#: The scales of an FP8 KV cache (ModelOpt ``kv_cache_quant_algo: "FP8"``, llm-compressor ``kv_cache_scheme``) on an
+#: attention layer: ``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale`` or ``self_attn.{k,v}_scale``.
+_KV_SCALE = re.compile(r"\.self_attn(\.[kv]_proj)?\.[kv]_scale$")
+
+
 def _err_shape(e: Entry, want, what="") -> LoadError:
     return LoadError(f"{e.name} in {e.file.name} has shape {list(e.shape)}; expected {list(want)}{what}")
 
@@ -295,6 +301,7 @@ def plan(config: Config, entries: list[Entry], quant: QuantConfig) -> tuple[dict
     want = targets(config)
     mods: dict[str, Module] = {}
     packed: dict[str, Module] = {}
+    kv_scales: list[str] = []
     for e in entries:
         name = canonical(e.name)
         if name is None:
@@ -302,6 +309,12 @@ def plan(config: Config, entries: list[Entry], quant: QuantConfig) -> tuple[dict
         if name.endswith((".input_scale", ".input_global_scale")):       # W4A4 activation scales: unused
             if e.dtype != torch.float32:
                 raise LoadError(f"{e.name} in {e.file.name} has dtype {e.dtype}; expected torch.float32")
+            continue
+        if _KV_SCALE.search(name):                     # an FP8 KV cache's scales: the cache stays bf16, said once
+            if e.dtype != torch.float32 or _numel(e.shape) != 1:
+                raise LoadError(f"{e.name} in {e.file.name} has dtype {e.dtype} {list(e.shape)}; an FP8 KV-cache "
+                                f"scale is one fp32 value")
+            kv_scales.append(e.name)
             continue
         pm = _PACKED_EXPERTS.match(name)
         if pm:
@@ -342,6 +355,9 @@ def plan(config: Config, entries: list[Entry], quant: QuantConfig) -> tuple[dict
                     raise LoadError(f"unexpected tensor {ent.name} in {ent.file.name}: layer {prefix.split('.')[2]} "
                                     f"of this config has no routed experts")
                 want.pop(key)
+    if kv_scales:
+        warnings.warn(f"{len(kv_scales)} FP8 KV-cache scales (e.g. {kv_scales[0]}) are not used: the decoder keeps "
+                      f"its KV cache in the activations' dtype, not FP8", stacklevel=3)
     missing = [n for n in want if n not in mods]
     if missing:
         folder = entries[0].file.parent if entries else "?"

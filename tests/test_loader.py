@@ -413,6 +413,25 @@ def test_modelopt_folder_without_hf_quant_config(ckpt, tmp_path):
     compare(model_weights(load(d)), model_weights(load(src)), FP32)
 
 
+def test_fp8_kv_cache_scales_are_named_and_left_unused(ckpt, tmp_path):
+    """A ModelOpt export made with ``kv_cache_quant_algo: "FP8"`` carries one fp32 scale per attention layer's k and v
+    (``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale``; other tools write ``self_attn.k_scale``): the
+    model loads with the same weights, saying once that its KV cache stays in the activations' dtype; a scale that
+    is not one fp32 value is an error naming it."""
+    src = ckpt("q35-mo")
+    d = clone(src, tmp_path / "kv")
+    edit_tensors(d, lambda t: t.update({"model.layers.3.self_attn.k_proj.k_scale": torch.tensor(0.02),
+                                        "model.layers.3.self_attn.v_proj.v_scale": torch.tensor(0.03)}))
+    edit_json(d, lambda c: c["quantization"].update(kv_cache_quant_algo="FP8"), "hf_quant_config.json")
+    with pytest.warns(UserWarning, match=r"2 FP8 KV-cache scales \(e.g. model.layers.3.self_attn.[kv]_proj.[kv]_scale"
+                                         r"\) are not used"):
+        model = load(d)
+    compare(model_weights(model), model_weights(load(src)), FP32)
+    edit_tensors(d, lambda t: t.update({"model.layers.3.self_attn.k_scale": torch.ones(2)}))
+    with pytest.raises(LoadError, match=r"model.layers.3.self_attn.k_scale in model.safetensors .* one fp32 value"):
+        load(d)
+
+
 @pytest.mark.parametrize("key", ["q35-ct", "q35moe-mo"])
 def test_bf16_mode_dequantises(ckpt, key):
     """``weights="bf16"`` of an NVFP4 folder: every weight float (bf16 by default), the NVFP4 ones equal to
