@@ -410,4 +410,11 @@ def test_perf_gate_committed_baseline_matches_its_results():
     from lynn_kernels.bench import gate
 
     passed, report = gate.check([gate.BASELINE.parent / "decoder.qwen3.5-35b-a3b.json"])
-    assert passed and all(r["slowdown"] == 0 for r in report) and len(report) == 5
+    assert passed and all(r["slowdown"] == 0 for r in report)
+    gated = {r["row"].split(" | ", 2)[2] for r in report}
+    assert gated == {"lynn nvfp4 (eager) | qwen3.5-35b-a3b | B=1,T=2048",
+                     "lynn nvfp4 (eager) | qwen3.5-35b-a3b | B=1,T=16384",
+                     *(f"lynn nvfp4 (graph) | qwen3.5-35b-a3b | B=1,context={c}" for c in (1024, 4096, 32768)),
+                     "lynn nvfp4 (graph) | qwen3.5-35b-a3b | B=8,context=4096",
+                     "lynn nvfp4 generate() (graph) | qwen3.5-35b-a3b | B=1,context=4096",
+                     "lynn bf16 weights, cuBLAS (graph) | qwen3.5-35b-a3b | B=1,context=4096"}   # not the unfolded row
