@@ -31,8 +31,11 @@ from lynn_model.loader import random_model
 
 
 def scribble(dev, mb: int, gen) -> None:
-    """Fill and free ``mb`` MiB of fresh allocations with random bytes: the next allocations reuse them."""
-    bufs = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(mb)]
+    """Fill and free ``mb`` MiB of fresh allocations with random bytes: the next allocations reuse them. Half in
+    1 MiB blocks (the caching allocator's small pool), half in 12 MiB ones (the large pool: the GEMMs' split-K
+    workspaces and outputs come from there)."""
+    bufs = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(mb // 2)]
+    bufs += [torch.empty(12 << 20, dtype=torch.uint8, device=dev) for _ in range(max(1, mb // 24))]
     for b in bufs:
         b.random_(0, 256, generator=gen)
     del bufs

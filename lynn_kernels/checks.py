@@ -81,9 +81,12 @@ def _picks(name: str, op: str) -> bool:
 def family_ops(family: str) -> tuple[str, ...] | None:
     """The op names a family's rows carry (its ``check.OPS``), without running anything; None for a family
     registered from outside the package (tests), whose op names are only known once it has run."""
+    module = f"lynn_kernels.{family}.check"
     try:
-        return importlib.import_module(f"lynn_kernels.{family}.check").OPS
-    except ModuleNotFoundError:
+        return importlib.import_module(module).OPS
+    except ModuleNotFoundError as e:
+        if e.name not in (module, f"lynn_kernels.{family}"):
+            raise                                        # a real check module failing to import is an error
         return None
 
 
@@ -131,6 +134,10 @@ def run_checks(families: list[str] | None = None, *, on_family: Callable[[str, i
                 if on_row is not None:
                     on_row(rows[-1])
     refuse_missing({f: ops[f] if ops[f] is not None else tuple(seen[f]) for f in run})
+    empty = [n for n in names if n not in CHECKS and not any(_picks(n, r["op"]) for r in rows)]
+    if empty:                                            # e.g. a GPU-only op's rows under the reference backend
+        raise ValueError(f"{', '.join(empty)}: no rows on backend {runtime.backend()} (its checks need another "
+                         f"backend)")
     return rows, time.perf_counter() - t0
 
 

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="validate every kernel against its reference on this device")
     p.add_argument("family", nargs="*", metavar="NAME",
                    help="families (nvfp4 matmul attention deltanet moe norm) or op names as the table prints them "
-                        "(e.g. nvfp4.quantize); default: all")
+                        "(e.g. nvfp4.quantize; quote a name with spaces: 'nvfp4 round trip'); default: all")
     p.set_defaults(func=_cmd_check)
     p = sub.add_parser("bench", help="run GPU benchmarks, write data/bench/<gpu>/<op>.json")
     p.add_argument("op", nargs="*", help="benchmarks to run, by name prefix (default: all)")
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-baseline", nargs="+", metavar="JSON", help="run nothing: write the baseline from result "
                                                                       "files")
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("lab", help="open JupyterLab at the repository root, showing notebooks/ (other options go to jupyter lab)")
+    p = sub.add_parser("lab", help="open JupyterLab at the repository root, showing notebooks/ (other options go "
+                                   "to jupyter lab)")
     p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("info", help="show the device and backend")
     p.set_defaults(func=_cmd_info)

@@ -289,7 +289,9 @@ class Module:
 
 #: The scales of an FP8 KV cache (ModelOpt ``kv_cache_quant_algo: "FP8"``, llm-compressor ``kv_cache_scheme``) on an
 #: attention layer: ``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale`` or ``self_attn.{k,v}_scale``.
-_KV_SCALE = re.compile(r"\.self_attn(\.[kv]_proj)?\.[kv]_scale$")
+_KV_SCALE = re.compile(r"\.self_attn\.(?:k_proj\.k|v_proj\.v|[kv])_scale$")
+#: Most values an FP8 KV-cache scale may hold (per tensor, per KV head or per channel of one head).
+_KV_SCALE_MAX = 4096
 
 
 def _err_shape(e: Entry, want, what="") -> LoadError:
@@ -311,9 +313,9 @@ def plan(config: Config, entries: list[Entry], quant: QuantConfig) -> tuple[dict
                 raise LoadError(f"{e.name} in {e.file.name} has dtype {e.dtype}; expected torch.float32")
             continue
         if _KV_SCALE.search(name):                     # an FP8 KV cache's scales: the cache stays bf16, said once
-            if e.dtype != torch.float32 or _numel(e.shape) != 1:
+            if e.dtype not in _FLOATS or _numel(e.shape) > _KV_SCALE_MAX:
                 raise LoadError(f"{e.name} in {e.file.name} has dtype {e.dtype} {list(e.shape)}; an FP8 KV-cache "
-                                f"scale is one fp32 value")
+                                f"scale is a float tensor of at most {_KV_SCALE_MAX} values")
             kv_scales.append(e.name)
             continue
         pm = _PACKED_EXPERTS.match(name)

@@ -832,18 +832,20 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # How to read it:
 #
-# * **The eager decoder is bound by the host.** At batch 1 a decode step is about 900 GPU operations (the census);
+# * **The eager decoder is bound by the host.** At batch 1 a decode step is about 600 GPU operations (the census);
 #   each costs the host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU
 #   (notebook 02 shows the same for one projection). From the host a step takes 56-95 ms (it moves with the
-#   host) against 4.4 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (4.48 ms, 223 tok/s at
-#   Qwen3.5-35B-A3B, 971 tok/s aggregate at batch 8), and `generate()` gets the same.
-# * **Then the bytes and the launches**: the graph's step is still 6-7 times what its 2.6 GB need at the read
-#   bandwidth. The MoE blocks are half of it (43.6 us per layer for ~16 MB of experts), then the Gated DeltaNet
-#   and attention layers (35-45 us for ~23 MB each). With bf16 weights the same graph takes 5.6 ms: 4-bit weights
-#   buy 1.25x so far, not the 2.3x their bytes allow, because the step is not yet bound by its bytes.
-# * **Prefill** is not host-bound in the same way (2,048 tokens per call): 15,000-24,000 tok/s on Qwen3.5-35B-A3B
-#   across runs, 3-5x HF bf16 on the same shape.
+#   host) against 3.6 ms of kernels.
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (3.58 ms, 280 tok/s at
+#   Qwen3.5-35B-A3B, 1,024 tok/s aggregate at batch 8), and `generate()` gets the same.
+# * **Then the bytes and the launches**: the graph's step is still 5.5 times what its 2.6 GB need at the read
+#   bandwidth. The MoE blocks are the largest part (28.2 us per layer for ~16 MB of experts, 39% of the step), then
+#   the Gated DeltaNet and attention layers (33.5 and 42.0 us for ~23 MB each). With bf16 weights the same graph
+#   takes 4.74 ms: 4-bit weights buy 1.33x so far, not the 2.3x their bytes allow, because the step is not yet bound
+#   by its bytes.
+# * **Prefill** is not host-bound in the same way: 2,048 tokens per call ran at 15,000-24,000 tok/s on
+#   Qwen3.5-35B-A3B across runs (the host still shows: 94 ms against 70 ms of kernels in the last), 16,384 tokens
+#   at 31,436 tok/s (98% kernels), 5.6x HF bf16 on the same shape at 2,048.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache
@@ -961,7 +963,8 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200), and on a GPU its decode step is a CUDA graph (223 tok/s at batch 1 on Qwen3.5-35B-A3B). Next: fewer
-# launches (the norm in the next projection, one GEMV for a layer's input projections, the MoE decode path in
-# three launches) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
+# H200), and on a GPU its decode step is a CUDA graph (280 tok/s at batch 1 on Qwen3.5-35B-A3B). At the
+# Qwen3-Next-80B shape its compiled Gated DeltaNet prefill did not repeat bit for bit on the H200 (about 2% of calls;
+# `docs/performance.md`): found, not yet fixed. Next: that fault, fewer launches (the norm in the next projection,
+# one GEMV for a layer's input projections, the Gated DeltaNet decode chain) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
 # dtypes, the loader's rules and what is not supported yet; `docs/performance.md` the full benchmark record.

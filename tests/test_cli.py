@@ -76,6 +76,16 @@ def test_check_refuses_a_bad_op_before_running_anything(monkeypatch, capsys):
     assert "no check of op matmul.bogus" in capsys.readouterr().err
 
 
+def test_check_refuses_an_op_without_rows_on_this_backend(monkeypatch):
+    """A real op whose checks need another backend (the packed decode kernels under the reference) is an error,
+    not an empty table that passes."""
+    rows = [{"op": "nvfp4.quantize", "case": "c", "mismatches": 0, "passed": True}]
+    monkeypatch.setitem(checks.CHECKS, "nvfp4", lambda: iter(rows))
+    with pytest.raises(ValueError, match="nvfp4.dequantize: no rows on backend"):
+        checks.run_checks(["nvfp4.dequantize"])
+    assert checks.run_checks(["nvfp4.quantize"])[0] == [{"backend": lynn_kernels.runtime.backend(), **rows[0]}]
+
+
 def test_every_family_lists_its_ops():
     """Each family's check.OPS: the op names its rows carry (run_checks raises on a row outside it)."""
     for fam in checks.CHECKS:

@@ -415,9 +415,10 @@ def test_modelopt_folder_without_hf_quant_config(ckpt, tmp_path):
 
 def test_fp8_kv_cache_scales_are_named_and_left_unused(ckpt, tmp_path):
     """A ModelOpt export made with ``kv_cache_quant_algo: "FP8"`` carries one fp32 scale per attention layer's k and v
-    (``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale``; other tools write ``self_attn.k_scale``): the
-    model loads with the same weights, saying once that its KV cache stays in the activations' dtype; a scale that
-    is not one fp32 value is an error naming it."""
+    (``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale``; other tools write ``self_attn.k_scale``, per
+    tensor or per KV head): the model loads with the same weights, saying once that its KV cache stays in the
+    activations' dtype. A name that pairs k with v is not one of them (an unexpected tensor); an integer scale is
+    an error naming it."""
     src = ckpt("q35-mo")
     d = clone(src, tmp_path / "kv")
     edit_tensors(d, lambda t: t.update({"model.layers.3.self_attn.k_proj.k_scale": torch.tensor(0.02),
@@ -426,9 +427,19 @@ def test_fp8_kv_cache_scales_are_named_and_left_unused(ckpt, tmp_path):
     with pytest.warns(UserWarning, match=r"2 FP8 KV-cache scales \(e.g. model.layers.3.self_attn.[kv]_proj.[kv]_scale"
                                          r"\) are not used"):
         model = load(d)
-    compare(model_weights(model), model_weights(load(src)), FP32)
-    edit_tensors(d, lambda t: t.update({"model.layers.3.self_attn.k_scale": torch.ones(2)}))
-    with pytest.raises(LoadError, match=r"model.layers.3.self_attn.k_scale in model.safetensors .* one fp32 value"):
+    want = model_weights(load(src))
+    compare(model_weights(model), want, FP32)
+    d2 = clone(src, tmp_path / "kv-heads")                         # the other spelling, one scale per KV head
+    edit_tensors(d2, lambda t: t.update({"model.layers.3.self_attn.k_scale": torch.full((2,), 0.02, dtype=BF16),
+                                         "model.layers.3.self_attn.v_scale": torch.full((2,), 0.03, dtype=BF16)}))
+    with pytest.warns(UserWarning, match="2 FP8 KV-cache scales"):
+        compare(model_weights(load(d2)), want, FP32)
+    edit_tensors(d2, lambda t: t.update({"model.layers.3.self_attn.k_proj.v_scale": torch.tensor(0.02)}))
+    with pytest.raises(LoadError, match=r"unexpected tensor model.layers.3.self_attn.k_proj.v_scale"), \
+            pytest.warns(UserWarning, match="2 FP8 KV-cache scales"):   # said before the module checks refuse it
+        load(d2)
+    edit_tensors(d, lambda t: t.update({"model.layers.3.self_attn.k_scale": torch.ones(2, dtype=torch.int32)}))
+    with pytest.raises(LoadError, match=r"model.layers.3.self_attn.k_scale in model.safetensors .* float tensor"):
         load(d)
 
 
