@@ -165,6 +165,37 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
     return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
 
 
+def _triton_version() -> tuple[int, int]:
+    return tuple(int(p) for p in triton.__version__.split(".")[:2])
+
+
+def _register_dot_hazard() -> bool:
+    """Hopper with a Triton older than 3.8 (see :data:`REGISTER_DOT_HAZARD`)."""
+    if INTERPRET or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability()[0] == 9 and _triton_version() < (3, 8)
+
+
+#: Whether this Triton can corrupt a pipelined ``tl.dot`` whose first operand lives in registers. On Hopper a
+#: ``tl.dot`` becomes ``wgmma.mma_async``; when its first operand is a register tensor (a weight tile decoded in
+#: registers, as in every packed matmul and expert kernel here) the PTX rules forbid writing those registers until
+#: a ``wgmma.wait_group`` has covered that wgmma. Triton 3.6's software pipeliner (``num_stages >= 2``) leaves up
+#: to seven of a loop's wgmmas in flight while the next iteration already decodes into their registers
+#: (triton-lang/triton#9433; with 8 warps the wait also fails to cover the other warpgroup, #11047). Measured on
+#: the H200 with Triton 3.6 (docs/performance.md): the packed GEMM at M = 80, 4 warps, 3 stages gave 8 weight
+#: rows of garbage (near 1e31) in 0.4-0.7% of calls, and at M = 2048 with 8 warps and 3 stages 42% of the output
+#: on every call; with ``num_stages=1`` none in 1,000 and 250 calls. Upstream fixed both in 2026 (#9514, #11056);
+#: we measured the fault on 3.6 only, and take every Triton below 3.8 as affected. Where this is True the kernels
+#: with a register operand compile with one stage (:func:`register_dot_stages`).
+REGISTER_DOT_HAZARD: bool = _register_dot_hazard()
+
+
+def register_dot_stages(stages: int) -> int:
+    """``num_stages`` for a kernel whose ``tl.dot`` takes a register operand: ``stages``, or 1 where
+    :data:`REGISTER_DOT_HAZARD` says this Triton would pipeline it unsafely."""
+    return 1 if REGISTER_DOT_HAZARD else stages
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceil division for host code. ``triton.cdiv`` is a constexpr function (triton 3.8): about 6 us per call from
     Python, several times per launch, on the hot path of a decode step."""

@@ -277,7 +277,8 @@ def _gemm_configs():
         (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 256, 4, 3),
         (128, 16, 256, 8, 3), (64, 16, 256, 4, 3),
     ]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=st)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
+                          num_stages=runtime.register_dot_stages(st))      # one stage on Hopper + Triton < 3.8
             for bn, bm, bk, w, st in shapes]
 
 
@@ -292,7 +293,7 @@ def _prune_gemm(configs, named_args, **kwargs):
     if bucket in GEMM_SMALL_M:
         bn, bm, bk, w, st = GEMM_SMALL_M[bucket]
         return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
-                              num_stages=st)]
+                              num_stages=runtime.register_dot_stages(st))]
     packed = kwargs.get("PACKED_LAYOUT", False)        # a packed tile covers whole 128-column chunks
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)
             and (not packed or c.kwargs["BLOCK_K"] % CHUNK == 0)]
@@ -476,7 +477,7 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     if m > meta["BLOCK_M"] or meta["BLOCK_M"] not in (8, 16):
         raise ValueError(f"config BLOCK_M = {meta['BLOCK_M']}: the GEMV pads M = {m} to BLOCK_M, 8 or 16")
     warps = meta.pop("num_warps")
-    extra = {"num_stages": meta.pop("num_stages")} if "num_stages" in meta else {}
+    extra = {"num_stages": runtime.register_dot_stages(meta.pop("num_stages", 3))}    # 3: Triton's default
     tiles = runtime.cdiv(n, meta["BLOCK_N"])
     split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
@@ -525,7 +526,7 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         _nvfp4_gemm_kernel[grid](*args, **flags)
     else:
         meta = {"GROUP_N": 8, **config}
-        warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 3)
+        warps, stages = meta.pop("num_warps", 4), runtime.register_dot_stages(meta.pop("num_stages", 3))
         _nvfp4_gemm_kernel.fn[grid(meta)](*args, **flags, **meta, num_warps=warps, num_stages=stages)
     return y
 

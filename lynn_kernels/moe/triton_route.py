@@ -248,5 +248,5 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
         BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, **meta, num_warps=warps,
-        INTERPRET=c["INTERPRET"])
+        num_stages=runtime.register_dot_stages(3), INTERPRET=c["INTERPRET"])   # 3: Triton's default
     return weights, ids
