@@ -1,17 +1,21 @@
 """Where does the split-K prefill GEMM go wrong on the H200? ``gdn_determinism.py`` showed that the packed GEMM at
-M = 80 with split-K gives, in about one call of 40, an output with elements near 1e31 (memory nobody wrote), and
-that the same GEMM without split-K never does. This runs the GEMM at that shape many times, with freed memory
-scribbled on between calls, keeping the fp32 partial tiles each call wrote, and tells apart:
+M = 80 with split-K gives, in about one call of 40, an output with elements near 1e31, and that the same GEMM
+without split-K did not in 39 calls. This runs the library's GEMM kernel directly at several shapes, tiles and
+stage counts, many times each with freed memory scribbled on between calls, keeps the fp32 partial tiles each
+split-K call wrote, and tells apart:
 
-* ``partials differ``: a program wrote a wrong partial tile (a race inside the program, before the ticket);
+* ``partials differ``: a program computed a wrong partial tile (a fault in its main loop, before the ticket);
 * ``partials equal, y differs``: the partials were right but the last program read some that were not yet visible
   (the hand-off between programs through the ticket).
 
-Variants: the library kernel as dispatched (3 stages) and with one stage; a copy of it whose every thread fences
-(``fence.acq_rel.gpu``) after its partial stores, before the barrier and the ticket; and the two-pass form (the
-kernel writes partials only, a second kernel adds them in split order).
+It also times each variant (``do_bench`` of the launch with its two allocations) and writes the compiled TTGIR /
+PTX of the 64 x 128 x 128 tile at each stage count beside the JSON. What it found on the H200 with Triton 3.6
+(``data/bench/h200/split-k-race-d96117f.json``): the partials themselves were wrong (8 weight rows x every token,
+the register-operand wgmma hazard that :data:`lynn_kernels.runtime.REGISTER_DOT_HAZARD` describes), only with the
+software pipeliner on (``num_stages >= 2``; with 8 warps on every call), never with one stage. The ticket hand-off
+and the two-pass reduce (``_gemm_variant`` + ``_reduce``) were never wrong.
 
-    PYTHONPATH=. python3 experiments/split_k_race.py [--runs 300] [--out $OUT/split_k_race.json]
+    PYTHONPATH=. python3 experiments/split_k_race.py [--runs 2000] [--out $OUT/split_k_race.json]
 """
 
 from __future__ import annotations

@@ -165,15 +165,13 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
     return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
 
 
-def _triton_version() -> tuple[int, int]:
-    return tuple(int(p) for p in triton.__version__.split(".")[:2])
-
-
-def _register_dot_hazard() -> bool:
-    """Hopper with a Triton older than 3.8 (see :data:`REGISTER_DOT_HAZARD`)."""
-    if INTERPRET or not torch.cuda.is_available():
+def register_dot_hazard(capability: tuple[int, int] | None, triton_version: str) -> bool:
+    """Hopper (capability 9.x) with a Triton older than 3.8; ``capability`` None (no GPU, the interpreter) is never
+    affected. See :data:`REGISTER_DOT_HAZARD`."""
+    if capability is None:
         return False
-    return torch.cuda.get_device_capability()[0] == 9 and _triton_version() < (3, 8)
+    major_minor = tuple(int(p) for p in triton_version.split("+")[0].split(".")[:2])
+    return capability[0] == 9 and major_minor < (3, 8)
 
 
 #: Whether this Triton can corrupt a pipelined ``tl.dot`` whose first operand lives in registers. On Hopper a
@@ -187,7 +185,8 @@ def _register_dot_hazard() -> bool:
 #: on every call; with ``num_stages=1`` none in 1,000 and 250 calls. Upstream fixed both in 2026 (#9514, #11056);
 #: we measured the fault on 3.6 only, and take every Triton below 3.8 as affected. Where this is True the kernels
 #: with a register operand compile with one stage (:func:`register_dot_stages`).
-REGISTER_DOT_HAZARD: bool = _register_dot_hazard()
+REGISTER_DOT_HAZARD: bool = register_dot_hazard(
+    None if INTERPRET or not torch.cuda.is_available() else torch.cuda.get_device_capability(), triton.__version__)
 
 
 def register_dot_stages(stages: int) -> int:

@@ -222,3 +222,67 @@ def test_host_cdiv_matches_triton(a, b):
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 16, 17, 1000, 4096, 4097])
 def test_host_next_power_of_2_matches_triton(n):
     assert runtime.next_power_of_2(n) == triton.next_power_of_2(n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton's register-operand wgmma hazard (runtime.REGISTER_DOT_HAZARD): the kernels whose tl.dot takes a register
+# operand compile with one stage where it applies. The fault itself shows only compiled on Hopper with Triton 3.6:
+# tests/test_matmul.py's churn test and experiments/split_k_race.py cover it there.
+
+@pytest.mark.parametrize("capability,version,affected", [
+    ((9, 0), "3.6.0", True), ((9, 0), "3.7.1", True), ((9, 0), "3.8.0", False), ((9, 0), "3.10.0", False),
+    ((9, 0), "3.6.0+git1234abcd", True), ((8, 0), "3.6.0", False), ((10, 0), "3.6.0", False), (None, "3.6.0", False)])
+def test_register_dot_hazard_is_hopper_with_a_triton_before_3_8(capability, version, affected):
+    assert runtime.register_dot_hazard(capability, version) is affected
+
+
+class _Launch:
+    """Stands in for a ``@triton.jit`` kernel: records the keyword arguments of each ``kernel[grid](...)``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+    @property
+    def fn(self):
+        return self
+
+
+@pytest.mark.parametrize("affected", [True, False])
+def test_the_register_operand_kernels_take_one_stage_where_the_hazard_applies(monkeypatch, affected):
+    from lynn_kernels.matmul import pack, triton_matmul
+    from lynn_kernels.moe import triton_experts, triton_route
+
+    monkeypatch.setattr(runtime, "REGISTER_DOT_HAZARD", affected)
+    want = (lambda st: 1) if affected else (lambda st: st)
+    # the GEMM's autotune configs and the one config of each small-M bucket
+    configs = triton_matmul._gemm_configs()
+    assert [c.num_stages for c in configs] == [want(st) for *_, st in triton_matmul._GEMM_SHAPES]
+    for bucket, (*_, st) in triton_matmul.GEMM_SMALL_M.items():
+        (cfg,) = triton_matmul._prune_gemm(configs, {"M_BUCKET": bucket})
+        assert cfg.num_stages == want(st), bucket
+    # the tensor-core GEMV, the GEMM with a given config, the router, the MoE prefill experts
+    w = pack(nvfp4.quantize(torch.randn(64, 256, dtype=torch.bfloat16)))
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    y = torch.empty(4, 64, dtype=torch.bfloat16)
+    for name in ("_nvfp4_gemv_kernel", "_nvfp4_gemm_kernel"):
+        monkeypatch.setattr(triton_matmul, name, _Launch())
+    triton_matmul.launch_gemv(x, w, None, y)
+    triton_matmul.launch_gemm(x, w, None, y, config={"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_stages": 3})
+    stages = [triton_matmul._nvfp4_gemv_kernel.calls[0]["num_stages"],
+              triton_matmul._nvfp4_gemm_kernel.calls[0]["num_stages"]]
+    monkeypatch.setattr(triton_route, "_router_kernel", _Launch())
+    triton_route.launch_router(x, torch.randn(8, 256, dtype=torch.bfloat16), 2, True,
+                               torch.empty(4, 2), torch.empty(4, 2, dtype=torch.int32))
+    stages.append(triton_route._router_kernel.calls[0]["num_stages"])
+    for name in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+        monkeypatch.setattr(triton_experts, name, _Launch())
+    ww = triton_experts._Weights(x, x, x, 0, 1)
+    slots = torch.zeros(16, dtype=torch.int32)
+    triton_experts._launch_ffn(x, torch.ones(4, 2), slots, slots, 1, 8, 2, ww, ww, True, torch.empty(8, 64), y,
+                               False, 16, config={"num_stages": 3})
+    stages += [triton_experts._moe_gate_up_kernel.calls[0]["num_stages"],
+               triton_experts._moe_down_kernel.calls[0]["num_stages"]]
+    assert stages == [want(3)] * 5

@@ -271,15 +271,18 @@ def _nvfp4_gemv_kernel(
 # GEMM: M > 16
 
 
+#: The GEMM's autotune tiles: BLOCK_N (MMA rows: weight), BLOCK_M (MMA cols: tokens), BLOCK_K, warps, stages.
+_GEMM_SHAPES = [
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3),
+    (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 256, 4, 3),
+    (128, 16, 256, 8, 3), (64, 16, 256, 4, 3),
+]
+
+
 def _gemm_configs():
-    shapes = [  # BLOCK_N (MMA rows: weight), BLOCK_M (MMA cols: tokens), BLOCK_K, warps, stages
-        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3),
-        (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (128, 32, 128, 8, 3), (64, 32, 256, 4, 3),
-        (128, 16, 256, 8, 3), (64, 16, 256, 4, 3),
-    ]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
                           num_stages=runtime.register_dot_stages(st))      # one stage on Hopper + Triton < 3.8
-            for bn, bm, bk, w, st in shapes]
+            for bn, bm, bk, w, st in _GEMM_SHAPES]
 
 
 #: Token buckets below 256 get one config each (kernels of 10-100 us: autotuning would rank host noise); from 256 up
