@@ -772,10 +772,10 @@ for shape, doc in BENCH.items():
 
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
-# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth (the
-# Qwen3-Next file predates the graph step: it has no graph bars; its run at 83e42ff stopped when the graph's tokens
-# parted from the eager step's, a Gated DeltaNet prefill that does not repeat on the GPU at that shape:
-# docs/performance.md).
+# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
+# Qwen3.5 file is from 8c40726, the Qwen3-Next file from 88f5896: the first run at that shape to pass its gates,
+# after a Triton 3.6 compiler fault on Hopper was found and worked around (a pipelined `tl.dot` on a register tile
+# now and then multiplied garbage; docs/performance.md, a compiler fault). HF bf16 at 80B does not fit beside ours.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -963,8 +963,8 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200), and on a GPU its decode step is a CUDA graph (280 tok/s at batch 1 on Qwen3.5-35B-A3B). At the
-# Qwen3-Next-80B shape its compiled Gated DeltaNet prefill did not repeat bit for bit on the H200 (about 2% of calls;
-# `docs/performance.md`): found, not yet fixed. Next: that fault, fewer launches (the norm in the next projection,
+# H200), and on a GPU its decode step is a CUDA graph (280 tok/s at batch 1 on Qwen3.5-35B-A3B, 213 on
+# Qwen3-Next-80B-A3B). The Qwen3-Next figures needed a workaround for a Triton 3.6 compiler fault on Hopper
+# (`docs/performance.md`). Next: the Qwen3.5 figures re-measured after it, fewer launches (the norm in the next projection,
 # one GEMV for a layer's input projections, the Gated DeltaNet decode chain) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
 # dtypes, the loader's rules and what is not supported yet; `docs/performance.md` the full benchmark record.
