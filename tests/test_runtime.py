@@ -286,3 +286,24 @@ def test_the_register_operand_kernels_take_one_stage_where_the_hazard_applies(mo
     stages += [triton_experts._moe_gate_up_kernel.calls[0]["num_stages"],
                triton_experts._moe_down_kernel.calls[0]["num_stages"]]
     assert stages == [want(3)] * 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runtime.REGISTER_DOT_HAZARD, reason="this Triton / GPU does not have the register-operand "
+                    "wgmma hazard (runtime.REGISTER_DOT_HAZARD); the workaround is off")
+def test_gpu_no_compiled_decoder_kernel_pipelines_a_register_operand_wgmma(tmp_path):
+    """What the decoder compiles at the real shapes (one Gated DeltaNet and one attention layer of each family, prefill
+    of 1 to 2,048 tokens, a few decode steps) into a fresh Triton cache, then its TTGIR read back: no kernel may
+    pair a register-operand ``warp_group_dot`` with a wait that leaves wgmmas pending (experiments/rs_wgmma_scan.py;
+    docs/performance.md, a compiler fault). Written at 88f5896; not yet run on the H200."""
+    out = tmp_path / "scan.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "rs_wgmma_scan.py"), "--skip-checks",
+                           "--out", str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+    rec = json.loads(out.read_text())
+    assert sum(1 for k in rec["kernels"] if k["wgmma_dots"]) > 0, "the scan found no wgmma at all: it tests nothing"
+    exposed = sorted({k["kernel"] for k in rec["kernels"] if k["exposed"]})
+    assert not exposed, f"kernels still pipelining a register-operand wgmma on this Triton: {exposed}"
