@@ -18,7 +18,7 @@ from torch import nn
 
 import lynn_kernels
 from lynn_kernels import NVFP4Tensor, deltanet, moe, nvfp4_linear, rmsnorm
-from lynn_kernels.matmul import PackedNVFP4
+from lynn_kernels.matmul import PackedNVFP4, concat_rows
 from lynn_kernels.attention import decode_attention, flash_attention, qk_norm_rope, split_q_gate
 
 from .cache import Batch, Cache
@@ -56,6 +56,23 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {kind}"
 
 
+def fuse_linears(parts: list[Linear]) -> Linear | None:
+    """One :class:`Linear` whose weight stacks ``parts``' along N (projections of the same input): packed NVFP4
+    parts through :func:`~lynn_kernels.matmul.concat_rows` (each row keeps its global scale: exact), float parts of
+    one dtype through ``torch.cat``. None when the parts are not all of one of those kinds (a checkpoint may keep one
+    of them in bf16): they then stay apart."""
+    ws = [p.weight for p in parts]
+    if all(isinstance(w, PackedNVFP4) for w in ws):
+        weight = concat_rows(ws)
+    elif all(isinstance(w, torch.Tensor) and w.dtype == ws[0].dtype and w.device.type != "meta" for w in ws):
+        weight = torch.cat(ws)
+    else:
+        return None
+    fused = Linear(parts[0].in_features, sum(p.out_features for p in parts))
+    fused.weight = weight
+    return fused
+
+
 class Norm(nn.Module):
     """HF's zero-centred RMSNorm: ``rmsnorm(x) * (1 + w)`` in fp32, one rounding (``lynn_kernels.rmsnorm``)."""
 
@@ -82,12 +99,28 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, self.hkv * self.d)
         self.o_proj = Linear(self.hq * self.d, h)
         self.q_norm, self.k_norm = Norm(self.d, self.eps), Norm(self.d, self.eps)
+        self.qkv_proj: Linear | None = None                   # [q | k | v] in one GEMV (fuse_input_projections)
+
+    def fuse_input_projections(self) -> list[str]:
+        """Replace q_proj, k_proj, v_proj by one ``qkv_proj`` where their weights are of one kind (one launch
+        instead of three); returns the fused group's name, or nothing."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj]) if self.qkv_proj is None else None
+        if fused is None:
+            return []
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+        return ["q_proj|k_proj|v_proj"]
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = split_q_gate(self.q_proj(x), self.hq, self.d)               # views [T, Hq, D]
-        k = self.k_proj(x).view(t, self.hkv, self.d)
-        v = self.v_proj(x).view(t, self.hkv, self.d)
+        nq, nk = 2 * self.hq * self.d, self.hkv * self.d
+        if self.qkv_proj is not None:                          # strided views of one output, no copy
+            qkv = self.qkv_proj(x)
+            qg, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = split_q_gate(qg, self.hq, self.d)                            # views [T, Hq, D]
+        k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         kc = vc = None
         if cache is not None:
             kc, vc = cache.k[self.layer], cache.v[self.layer]
@@ -124,6 +157,38 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias, self.A_log = _placeholder(self.nv), _placeholder(self.nv)
         self.norm_weight = _placeholder(self.dv)              # plain w (not 1 + w)
         self.out_proj = Linear(self.nv * self.dv, h)
+        self.in_proj_qkvz: Linear | None = None               # [qkv | z] and [b | a] in one GEMV each
+        self.in_proj_ba: Linear | None = None                 # (fuse_input_projections)
+
+    def fuse_input_projections(self) -> list[str]:
+        """Replace in_proj_qkv and in_proj_z by one ``in_proj_qkvz``, in_proj_b and in_proj_a by one
+        ``in_proj_ba``, each pair where its weights are of one kind (a checkpoint keeps b / a in bf16, qkv / z in
+        NVFP4: two launches instead of four); returns the fused groups' names."""
+        done = []
+        if self.in_proj_qkvz is None and (fused := fuse_linears([self.in_proj_qkv, self.in_proj_z])) is not None:
+            self.in_proj_qkvz = fused
+            del self.in_proj_qkv, self.in_proj_z
+            done.append("in_proj_qkv|in_proj_z")
+        if self.in_proj_ba is None and (fused := fuse_linears([self.in_proj_b, self.in_proj_a])) is not None:
+            self.in_proj_ba = fused
+            del self.in_proj_b, self.in_proj_a
+            done.append("in_proj_b|in_proj_a")
+        return done
+
+    def _projections(self, x: torch.Tensor) -> tuple:
+        """``(qkv [T, C], z [T, nv dv], b [T, nv], a [T, nv])``: strided views where the projections are fused."""
+        if self.in_proj_qkvz is not None:
+            qkvz = self.in_proj_qkvz(x)
+            c = qkvz.shape[-1] - self.nv * self.dv
+            qkv, z = qkvz[:, :c], qkvz[:, c:]
+        else:
+            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        if self.in_proj_ba is not None:
+            ba = self.in_proj_ba(x)
+            b, a = ba[:, :self.nv], ba[:, self.nv:]
+        else:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        return qkv, z, b, a
 
     def _split(self, y: torch.Tensor) -> tuple:
         """Views q, k ``[..., nk, dk]`` and v ``[..., nv, dv]`` of the conv output ``y [..., C]`` (no copy)."""
@@ -133,8 +198,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         t = x.shape[0]
-        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self._projections(x)
         if batch.decode:                                       # [B, ...]: one token per sequence
             conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
             y = deltanet.causal_conv1d_update(qkv, conv, self.conv_weight)            # rolls conv in place
@@ -232,6 +296,18 @@ class Model(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
+
+    def fuse_input_projections(self) -> dict[str, int]:
+        """Stack each mixer's projections of its input into one GEMV where their weights are of one kind
+        (attention ``q | k | v``; Gated DeltaNet ``qkv | z`` and ``b | a``), exactly (per-row global scales kept).
+        In place, once, after loading; returns how many layers each group was fused in. Fewer launches per step;
+        the products are the same per row, but a split-K GEMM may sum a row's partials in another grouping, so a
+        fused model is not bit-equal to the unfused one (docs/decoder.md)."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            for name in layer.mixer.fuse_input_projections():
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def _trunk(self, ids: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         """``ids [T]`` -> the final-normed hidden states ``[T, H]``; residual adds fused into the norms."""

@@ -797,6 +797,44 @@ def test_packed_word_order_is_the_mma_fragment_order():
         assert cols == [128 * c + 16 * s + h + 2 * q + b for s in (2 * i, 2 * i + 1) for h in (0, 8) for b in (0, 1)]
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 17, 40])
+def test_concat_rows_is_the_stacked_product(m, make_nvfp4, device):
+    """Three weights of one K (37, 64 and 5 rows, each its own global scale) stacked by concat_rows: the stacked
+    weight dequantises to the three stacked bit for bit, and one product through it equals the three products
+    side by side, bit for bit where the kernel's per-row reduction does not depend on N (the FMA GEMV, M = 1, 2)
+    and within the one-rounding bound where a split-K GEMV / GEMM may group a row's partials otherwise."""
+    k = 208
+    parts = [pack(make_nvfp4(n, k, seed=s, scale=sc)).to(device) for n, s, sc in ((37, 1, 0.05), (64, 2, 0.5),
+                                                                                   (5, 3, 0.002))]
+    cat = packed.concat_rows(parts)
+    assert cat.shape == (106, k) and cat.rows_per_global() == 1
+    want_w = torch.cat([p.dequantize(FP32) for p in parts])
+    assert_bit_equal(cat.dequantize(FP32), want_w, "dequantised")
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 0.5).to(BF16).to(device)
+    got = nvfp4_linear(x, cat)
+    want = torch.cat([nvfp4_linear(x, p) for p in parts], dim=-1)
+    if m <= 2 and triton_matmul.use_fma_gemv(m, 106) and all(triton_matmul.use_fma_gemv(m, p.shape[0]) for p in parts):
+        assert_bit_equal(got, want, f"M={m}")
+    assert_close_to_reference(got, reference.nvfp4_linear(x, cat.unpack()), f"M={m}")
+    assert_close_to_reference(torch.cat([reference.nvfp4_linear(x, p.unpack()) for p in parts], -1),
+                              reference.nvfp4_linear(x, cat.unpack()), f"M={m}, references")
+
+
+def test_concat_rows_keeps_one_shared_scalar_scale_and_refuses_mismatches(make_nvfp4):
+    w = make_nvfp4(48, 64, seed=4)
+    a, b = NVFP4Tensor(w.codes[:16], w.scales[:16], w.global_scale), NVFP4Tensor(w.codes[16:], w.scales[16:],
+                                                                                 w.global_scale)
+    cat = packed.concat_rows([pack(a), pack(b)])
+    assert cat.rows_per_global() == 48 and cat.global_scale.numel() == 1
+    assert torch.equal(cat.words, pack(w).words) and torch.equal(cat.scales, pack(w).scales)
+    with pytest.raises(ValueError, match=r"weights\[1\].*K and device must match"):
+        packed.concat_rows([pack(a), pack(make_nvfp4(16, 80))])
+    with pytest.raises(TypeError, match=r"weights\[0\] must be a PackedNVFP4"):
+        packed.concat_rows([a, pack(b)])
+    with pytest.raises(ValueError, match="at least one"):
+        packed.concat_rows([])
+
+
 @pytest.mark.parametrize("recipe", ["modelopt", "compressed-tensors"])
 @pytest.mark.parametrize("n,k", [(1, 16), (37, 208), (130, 1040)])
 def test_pack_unpack_round_trip(n, k, recipe, make_nvfp4):

@@ -198,6 +198,38 @@ def test_nvfp4_model_equals_its_dequantised_weights_on_the_references(ckpts, nam
     assert validate.compare(got, want).rel_l2 < 1e-5
 
 
+@pytest.mark.parametrize("name, weights", [("next", "nvfp4"), ("q35", "bf16"), ("q35moe", "bf16")])
+def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
+    """``model.fuse_input_projections()`` (one GEMV for attention's q | k | v and for the Gated DeltaNet's qkv | z
+    and b | a): every group whose weights are of one kind is fused in every layer (b / a stay bf16 in an NVFP4
+    model, so they pair with each other), the originals are gone, a second call fuses nothing, and the model gives
+    the unfused one's logits (prefill and decode; a split-K product may group a row's partials otherwise, so within
+    bf16 rounding) and greedy tokens."""
+    model = lynn_model.from_pretrained(ckpts[name], weights=weights)
+    c = model.config
+    ids = _ids(9, seed=2).to(model.device)
+    with torch.no_grad():
+        want_logits = model.forward(ids)
+        want_tokens = lynn_model.generate(model, ids, 5)
+    counts = model.fuse_input_projections()
+    expect = {"q_proj|k_proj|v_proj": len(c.attention_layers)}
+    if c.linear_layers:
+        expect.update({"in_proj_qkv|in_proj_z": len(c.linear_layers), "in_proj_b|in_proj_a": len(c.linear_layers)})
+    assert counts == expect
+    assert model.fuse_input_projections() == {}
+    for layer in model.layers:
+        m = layer.mixer
+        gone = ("q_proj", "k_proj", "v_proj") if layer.kind == "full_attention" else \
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        assert not any(hasattr(m, g) for g in gone), gone
+    with torch.no_grad():
+        got_logits = model.forward(ids)
+        got_tokens = lynn_model.generate(model, ids, 5)
+    m = validate.compare(got_logits, want_logits)
+    assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
+    assert got_tokens.tolist() == want_tokens.tolist()
+
+
 @pytest.mark.parametrize("name, fmt", [("next", "compressed-tensors"), ("q35", "modelopt"),
                                        ("q35moevl", "compressed-tensors"), ("q35moe", "modelopt")])
 def test_nvfp4_checkpoints_run_on_the_kernels(ckpts, tmp_path, name, fmt):

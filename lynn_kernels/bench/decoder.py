@@ -6,7 +6,8 @@
   batch 1 and 8, its tokens checked against the same step run eagerly; ``generate()``: what a user's call gives;
   the census of GPU operations per part of a step; ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
   weights, graph-replayed (what 4-bit weights buy); graph rows at contexts of 1k, 4k and 32k (batch 1) and 4k
-  (batch 8), one with the shared expert's gate unfolded (the fusion's figure either way); prefill of 2,048 and
+  (batch 8), one with the shared expert's gate unfolded and one with each mixer's input projections in one GEMV
+  (``model.fuse_input_projections()``, measured last: the fusions' figures either way); prefill of 2,048 and
   16,384 tokens, each with the profiler's kernel time beside it;
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
   same process (Qwen3.5-35B-A3B only: the 80B model in bf16 does not fit beside ours).
@@ -202,6 +203,13 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:                     # the timed rows above stand; the census's failure is recorded
         info["census"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"census failed: {err!r}")
+    fused = model.fuse_input_projections()       # in place: after every row of the default model
+    _log(f"{name}: input projections fused: {fused}")
+    grows, info["graph_b1_inputs_fused"] = graph_decode(model, ids, 1, ceilings,
+                                                        "lynn nvfp4 (graph, input projections fused)",
+                                                        decode_bytes(model, CONTEXT))
+    info["graph_b1_inputs_fused"]["fused"] = fused
+    rows += grows
     del model
     torch.cuda.empty_cache()
     return rows, info

@@ -8,7 +8,8 @@ Public ops (names and argument order are a contract):
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
   either form of ``w``; the packed one reaches the FMA GEMV for ``M = 1, 2`` where ``use_fma_gemv`` says, the tensor-core GEMV for the
-  rest of ``M <= 16`` (docs/matmul.md).
+  rest of ``M <= 16`` (docs/matmul.md); ``concat_rows(ws)`` stacks packed weights of one ``K`` along N, each row
+  keeping its global scale (one GEMV for several projections of the same input).
 
 Each op has a same-signature torch reference in :mod:`.reference`; argument checks and the dispatch limits
 (``GEMV_MAX_M``, ``FMA_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (checkpoint layout) and
@@ -18,7 +19,7 @@ Each op has a same-signature torch reference in :mod:`.reference`; argument chec
 from .. import runtime
 from . import reference, spec
 from .linear import NVFP4Linear, quantize_linears
-from .packed import PackedNVFP4, pack, unpack
+from .packed import PackedNVFP4, concat_rows, pack, unpack
 from .triton_matmul import nvfp4_gemm_triton, nvfp4_gemv_triton, nvfp4_linear_triton
 
 nvfp4_linear = runtime.public_op(reference.nvfp4_linear, nvfp4_linear_triton)
@@ -26,4 +27,4 @@ nvfp4_gemv = runtime.public_op(reference.nvfp4_gemv, nvfp4_gemv_triton)
 nvfp4_gemm = runtime.public_op(reference.nvfp4_gemm, nvfp4_gemm_triton)
 
 __all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference", "spec",
-           "PackedNVFP4", "pack", "unpack"]
+           "PackedNVFP4", "pack", "unpack", "concat_rows"]

@@ -191,6 +191,30 @@ def pack(w: NVFP4Tensor) -> PackedNVFP4:
     return PackedNVFP4(word, scales, w.global_scale.to(torch.float32), w.rows_per_global(), k)
 
 
+def concat_rows(weights) -> PackedNVFP4:
+    """Packed weights ``[N_i, K]`` stacked along N into one ``[sum N_i, K]`` (one GEMV reads several projections of
+    the same input): exact, each row keeps its own global scale. Parts that share one scalar global scale keep it;
+    otherwise the result has one global scale per row (``rows_per_g = 1``, as a per-row NVFP4Tensor; 4 bytes a row).
+    Every part must be a :class:`PackedNVFP4` of the same ``K`` on the same device."""
+    weights = list(weights)
+    if not weights:
+        raise ValueError("concat_rows needs at least one weight")
+    for i, w in enumerate(weights):
+        if not isinstance(w, PackedNVFP4):
+            raise TypeError(f"weights[{i}] must be a PackedNVFP4 (pack() it first), got {type(w).__name__}")
+        if w.k != weights[0].k or w.device != weights[0].device:
+            raise ValueError(f"weights[{i}] is [{w.shape[0]}, {w.k}] on {w.device}; weights[0] is "
+                             f"[{weights[0].shape[0]}, {weights[0].k}] on {weights[0].device}: K and device must match")
+    n = sum(w.shape[0] for w in weights)
+    g0 = weights[0].global_scale
+    if all(w.rows_per_g == w.shape[0] and torch.equal(w.global_scale, g0) for w in weights):
+        g, grain = g0.clone(), n                                   # one scalar scale for every part
+    else:
+        g, grain = torch.cat([w.global_scale.repeat_interleave(w.rows_per_g) for w in weights]), 1
+    return PackedNVFP4(torch.cat([w.words for w in weights]), torch.cat([w.scales for w in weights]), g, grain,
+                       weights[0].k)
+
+
 def unpack(p: PackedNVFP4) -> NVFP4Tensor:
     """The checkpoint layout of a packed weight: an NVFP4Tensor that dequantises to the same values exactly."""
     if not isinstance(p, PackedNVFP4):
