@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import warnings
 
 import torch
 
@@ -165,34 +166,54 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
     return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
 
 
+#: The first Triton taken as free of the register-operand wgmma hazard below: none yet. The fault was measured on
+#: 3.6; upstream fixed its two parts in 2026 (#9514 in February; #11056, for 8 warps, in July, after the 3.8
+#: release branch opened), and 3.7 / 3.8 have not been run on a GPU here. Our local 3.8 compiles the GEMM's tiles
+#: without the overlap (one ``warp_group_dot`` per step, ``pendings = 0``), which says nothing of the 8-warp part.
+REGISTER_DOT_SAFE_FROM = (3, 9)
+
+
 def register_dot_hazard(capability: tuple[int, int] | None, triton_version: str) -> bool:
-    """Hopper (capability 9.x) with a Triton older than 3.8; ``capability`` None (no GPU, the interpreter) is never
-    affected. See :data:`REGISTER_DOT_HAZARD`."""
+    """Hopper (capability 9.x) with a Triton older than :data:`REGISTER_DOT_SAFE_FROM`; ``capability`` None (no GPU,
+    the interpreter) is never affected.
+
+    On Hopper a ``tl.dot`` becomes ``wgmma.mma_async``; when its first operand is a register tensor (a weight tile
+    decoded in registers) the PTX rules forbid writing those registers until a ``wgmma.wait_group`` has covered that
+    wgmma. Triton 3.6's software pipeliner (``num_stages >= 2``) leaves up to seven of a loop's wgmmas in flight
+    while the next iteration already decodes into their registers (triton-lang/triton#9433; with 8 warps the wait
+    also fails to cover the other warpgroup, #11047). Measured on the H200 with Triton 3.6 (docs/performance.md, a
+    compiler fault): the packed GEMM at M = 80, 4 warps, 3 stages gave 8 weight rows of garbage (near 1e31) in
+    0.4-0.7% of calls, and at M = 2048 with 8 warps and 3 stages 42% of the output on every call; with one stage,
+    none in 1,000 and 250 calls."""
     if capability is None:
         return False
     major_minor = tuple(int(p) for p in triton_version.split("+")[0].split(".")[:2])
-    return capability[0] == 9 and major_minor < (3, 8)
+    return capability[0] == 9 and major_minor < REGISTER_DOT_SAFE_FROM
 
 
-#: Whether this Triton can corrupt a pipelined ``tl.dot`` whose first operand lives in registers. On Hopper a
-#: ``tl.dot`` becomes ``wgmma.mma_async``; when its first operand is a register tensor (a weight tile decoded in
-#: registers, as in every packed matmul and expert kernel here) the PTX rules forbid writing those registers until
-#: a ``wgmma.wait_group`` has covered that wgmma. Triton 3.6's software pipeliner (``num_stages >= 2``) leaves up
-#: to seven of a loop's wgmmas in flight while the next iteration already decodes into their registers
-#: (triton-lang/triton#9433; with 8 warps the wait also fails to cover the other warpgroup, #11047). Measured on
-#: the H200 with Triton 3.6 (docs/performance.md): the packed GEMM at M = 80, 4 warps, 3 stages gave 8 weight
-#: rows of garbage (near 1e31) in 0.4-0.7% of calls, and at M = 2048 with 8 warps and 3 stages 42% of the output
-#: on every call; with ``num_stages=1`` none in 1,000 and 250 calls. Upstream fixed both in 2026 (#9514, #11056);
-#: we measured the fault on 3.6 only, and take every Triton below 3.8 as affected. Where this is True the kernels
-#: with a register operand compile with one stage (:func:`register_dot_stages`).
-REGISTER_DOT_HAZARD: bool = register_dot_hazard(
-    None if INTERPRET or not torch.cuda.is_available() else torch.cuda.get_device_capability(), triton.__version__)
+@functools.lru_cache(maxsize=None)
+def register_dot_hazard_here() -> bool:
+    """:func:`register_dot_hazard` for this process's GPU and Triton (asked on first use, not at import: reading
+    the GPU's capability initialises CUDA)."""
+    cap = None if INTERPRET or not torch.cuda.is_available() else torch.cuda.get_device_capability()
+    return register_dot_hazard(cap, triton.__version__)
 
 
-def register_dot_stages(stages: int) -> int:
+def register_dot_stages(stages: int, requested: bool = False) -> int:
     """``num_stages`` for a kernel whose ``tl.dot`` takes a register operand: ``stages``, or 1 where
-    :data:`REGISTER_DOT_HAZARD` says this Triton would pipeline it unsafely."""
-    return 1 if REGISTER_DOT_HAZARD else stages
+    :func:`register_dot_hazard_here` says this Triton would pipeline it unsafely. Called at launch time by the
+    packed and checkpoint-layout GEMM (its autotune configs, in the pruner) and tensor-core GEMV, the MoE prefill
+    expert kernels and the router. Attention and the Gated DeltaNet kernels keep their stages: their loops rescale
+    or consume the accumulator every step (docs/performance.md says what is and is not known). ``requested``: the
+    caller asked for ``stages`` (a ``config=`` override); overriding it then warns, so a sweep does not time one
+    stage under another's name."""
+    if not register_dot_hazard_here() or stages <= 1:
+        return stages
+    if requested:
+        warnings.warn(f"num_stages={stages} requested, compiled with 1: this Triton on Hopper pipelines a register-"
+                      f"operand tl.dot unsafely (lynn_kernels.runtime.register_dot_hazard)", RuntimeWarning,
+                      stacklevel=3)
+    return 1
 
 
 def cdiv(a: int, b: int) -> int:

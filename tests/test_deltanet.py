@@ -392,6 +392,23 @@ def test_gated_rmsnorm(dtype, w_dtype, shape, poison_empty, make_weight):
         assert compare(y, want).rel_l2 < 1e-6
 
 
+@pytest.mark.parametrize("lead", ["prefill", "decode"])
+def test_gated_rmsnorm_reads_a_fused_projections_z_in_place(lead, make_weight, device):
+    """z as the model's fused ``in_proj_qkvz`` gives it: heads of a strided slice of a wider row (``[1, T, nv, dv]``
+    in a prefill, ``[T, 1, nv, dv]`` in a decode step). The kernel reads it through its strides, with no copy, and
+    gives what it gives on a contiguous z."""
+    from lynn_kernels.deltanet import triton_norm
+
+    t, nv, dv, c = 5, 3, 32, 80
+    qkvz = make_weight((t, c + nv * dv), BF16, seed=4)
+    z = qkvz[:, c:].view(1, t, nv, dv) if lead == "prefill" else qkvz[:, c:].view(t, 1, nv, dv)
+    x = make_weight(tuple(z.shape), BF16, seed=5) * 3
+    w = (1 + make_weight((dv,), FP32, seed=6, scale=0.2)).to(BF16)
+    assert triton_norm._rows(z, dv).data_ptr() == z.data_ptr()          # a view of the fused output: no copy
+    got = deltanet.gated_rmsnorm(x, z, w)
+    assert compare(got, deltanet.gated_rmsnorm(x, z.contiguous(), w), exact=True).mismatches == 0
+
+
 @pytest.mark.oracle("transformers")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_rmsnorm_matches_hf(dtype, make_weight):

@@ -751,7 +751,7 @@ def test_gpu_split_k_gemm_repeats_bit_for_bit_under_memory_churn(n, k, make_weig
     mixer runs it, 60 times on one input with the allocator's freed memory scribbled on between calls: every output
     bit-equal to the first and the tickets back at zero. Written for the fault the decoder benchmark found on the H200
     at 83e42ff (a Qwen3-Next mixer at 80 tokens differing in ~2% of calls). On the H200 with Triton 3.6 it failed at
-    28ed237 (two shapes, 1 of 60 calls each: the register-operand wgmma hazard of runtime.REGISTER_DOT_HAZARD) and
+    28ed237 (two of the three shapes: the register-operand wgmma hazard of runtime.register_dot_hazard) and
     passed at 88f5896, where those kernels compile with one stage (docs/performance.md)."""
     m = 80
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -203,13 +203,17 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:                     # the timed rows above stand; the census's failure is recorded
         info["census"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"census failed: {err!r}")
-    fused = model.fuse_input_projections()       # in place: after every row of the default model
-    _log(f"{name}: input projections fused: {fused}")
-    grows, info["graph_b1_inputs_fused"] = graph_decode(model, ids, 1, ceilings,
-                                                        "lynn nvfp4 (graph, input projections fused)",
-                                                        decode_bytes(model, CONTEXT))
-    info["graph_b1_inputs_fused"]["fused"] = fused
-    rows += grows
+    try:                                         # in place, so after every row of the default model; a failure
+        fused = model.fuse_input_projections()   # here is recorded and keeps the rows above
+        _log(f"{name}: input projections fused: {fused}")
+        grows, info["graph_b1_inputs_fused"] = graph_decode(model, ids, 1, ceilings,
+                                                            "lynn nvfp4 (graph, input projections fused)",
+                                                            decode_bytes(model, CONTEXT))
+        info["graph_b1_inputs_fused"]["fused"] = fused
+        rows += grows
+    except Exception as err:
+        info["graph_b1_inputs_fused"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"fused input projections failed: {err!r}")
     del model
     torch.cuda.empty_cache()
     return rows, info

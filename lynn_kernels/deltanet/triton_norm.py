@@ -22,22 +22,24 @@ MAX_D = 16384
 @triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
-    R, D, eps,
-    stride_xr, stride_zr,
+    R, D, H, eps,
+    stride_xo, stride_xh, stride_zo, stride_zh,
     X_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """``WX_DTYPE``: the promoted dtype of weight and x, in which HF rounds ``weight * normed``."""
+    """``WX_DTYPE``: the promoted dtype of weight and x, in which HF rounds ``weight * normed``. Row ``r`` of x and z
+    is head ``r % H`` of token ``r // H``, each at its own strides (a strided view of a fused projection, no copy)."""
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     mask_r = offs_r < R
     mask_d = offs_d < D
     mask = mask_r[:, None] & mask_d[None, :]
-    x = to_float32(tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_d[None, :], mask=mask, other=0),
-                   X_DTYPE, INTERPRET)                                                # [BLOCK_R, BLOCK_D]
-    z = to_float32(tl.load(z_ptr + offs_r[:, None].to(tl.int64) * stride_zr + offs_d[None, :], mask=mask, other=0),
-                   Z_DTYPE, INTERPRET)
+    tok, head = (offs_r // H).to(tl.int64), (offs_r % H).to(tl.int64)
+    x = to_float32(tl.load(x_ptr + (tok * stride_xo + head * stride_xh)[:, None] + offs_d[None, :], mask=mask,
+                           other=0), X_DTYPE, INTERPRET)                              # [BLOCK_R, BLOCK_D]
+    z = to_float32(tl.load(z_ptr + (tok * stride_zo + head * stride_zh)[:, None] + offs_d[None, :], mask=mask,
+                           other=0), Z_DTYPE, INTERPRET)
     w = to_float32(tl.load(w_ptr + offs_d, mask=mask_d, other=0), W_DTYPE, INTERPRET)   # [BLOCK_D]
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)                           # [BLOCK_R]
     normed = round_to_dtype(x * rstd[:, None], X_DTYPE, INTERPRET)                         # HF: .to(input_dtype)
@@ -58,20 +60,23 @@ def gated_rmsnorm_triton(x, z, weight, eps=1e-6):
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
-    return spec.last_dim_contiguous(t.reshape(-1, d))
+    """``t [..., H, D]`` as ``[tokens, H, D]``: a view for a contiguous tensor and for the strided head views of a
+    fused projection's output (``z`` of ``in_proj_qkvz``), a copy only for other layouts."""
+    h = t.shape[-2] if t.dim() >= 2 else 1
+    return spec.last_dim_contiguous(t.reshape(-1, h, d))
 
 
 def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor) -> torch.Tensor:
     """Launch only, into a contiguous ``y`` of x's shape."""
     D = x.shape[-1]
     xr, zr = _rows(x, D), _rows(z, D)
-    R = xr.shape[0]
+    R, H = xr.shape[0] * xr.shape[1], xr.shape[1]
     BLOCK_D = max(16, runtime.next_power_of_2(D))
     BLOCK_R = max(1, min(64, 4096 // BLOCK_D)) if runtime.INTERPRET else max(1, min(16, 2048 // BLOCK_D))
     wx_dtype = torch.promote_types(weight.dtype, x.dtype)
     _gated_rmsnorm_kernel[(runtime.cdiv(R, BLOCK_R),)](
-        kernel_view(xr), kernel_view(zr), kernel_view(weight.contiguous()), kernel_view(y), R, D, eps,
-        xr.stride(0), zr.stride(0),
+        kernel_view(xr), kernel_view(zr), kernel_view(weight.contiguous()), kernel_view(y), R, D, H, eps,
+        xr.stride(0), xr.stride(1), zr.stride(0), zr.stride(1),
         X_DTYPE=runtime.TORCH_TO_TL[x.dtype], Z_DTYPE=runtime.TORCH_TO_TL[z.dtype],
         W_DTYPE=runtime.TORCH_TO_TL[weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx_dtype],
         BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, **runtime.kernel_flags())

@@ -280,9 +280,14 @@ _GEMM_SHAPES = [
 
 
 def _gemm_configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
-                          num_stages=runtime.register_dot_stages(st))      # one stage on Hopper + Triton < 3.8
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=st)
             for bn, bm, bk, w, st in _GEMM_SHAPES]
+
+
+def _staged(c: triton.Config) -> triton.Config:
+    """``c`` with :func:`lynn_kernels.runtime.register_dot_stages` applied (at launch time, not at import)."""
+    st = runtime.register_dot_stages(c.num_stages)
+    return c if st == c.num_stages else triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=st)
 
 
 #: Token buckets below 256 get one config each (kernels of 10-100 us: autotuning would rank host noise); from 256 up
@@ -298,7 +303,7 @@ def _prune_gemm(configs, named_args, **kwargs):
         return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
                               num_stages=runtime.register_dot_stages(st))]
     packed = kwargs.get("PACKED_LAYOUT", False)        # a packed tile covers whole 128-column chunks
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)
+    kept = [_staged(c) for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)
             and (not packed or c.kwargs["BLOCK_K"] % CHUNK == 0)]
     return sorted(kept, key=lambda c: -c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])   # the interpreter runs the first
 
@@ -480,7 +485,8 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     if m > meta["BLOCK_M"] or meta["BLOCK_M"] not in (8, 16):
         raise ValueError(f"config BLOCK_M = {meta['BLOCK_M']}: the GEMV pads M = {m} to BLOCK_M, 8 or 16")
     warps = meta.pop("num_warps")
-    extra = {"num_stages": runtime.register_dot_stages(meta.pop("num_stages", 3))}    # 3: Triton's default
+    extra = {"num_stages": runtime.register_dot_stages(meta.pop("num_stages", 3),         # 3: Triton's default
+                                                       requested="num_stages" in (config or {}))}
     tiles = runtime.cdiv(n, meta["BLOCK_N"])
     split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
@@ -529,7 +535,8 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
         _nvfp4_gemm_kernel[grid](*args, **flags)
     else:
         meta = {"GROUP_N": 8, **config}
-        warps, stages = meta.pop("num_warps", 4), runtime.register_dot_stages(meta.pop("num_stages", 3))
+        warps = meta.pop("num_warps", 4)
+        stages = runtime.register_dot_stages(meta.pop("num_stages", 3), requested="num_stages" in config)
         _nvfp4_gemm_kernel.fn[grid(meta)](*args, **flags, **meta, num_warps=warps, num_stages=stages)
     return y
 

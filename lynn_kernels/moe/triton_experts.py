@@ -449,19 +449,20 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     M, H = x2.shape
     I = h.shape[-1]
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET)
+    asked = "num_stages" in (config or {})
     meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config)
     _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, **flags, BLOCK_M=block_m, **meta,
-        num_warps=warps, num_stages=runtime.register_dot_stages(stages))    # tl.dot on a decoded weight tile
+        num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))  # tl.dot, decoded tile
     meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config)
     _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta,
-        num_warps=warps, num_stages=runtime.register_dot_stages(stages))
+        num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))
 
 
 def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None = None) -> None:
