@@ -198,7 +198,7 @@ def test_nvfp4_model_equals_its_dequantised_weights_on_the_references(ckpts, nam
     assert validate.compare(got, want).rel_l2 < 1e-5
 
 
-@pytest.mark.parametrize("name, weights", [("next", "nvfp4"), ("q35", "bf16"), ("q35moe", "bf16")])
+@pytest.mark.parametrize("name, weights", [("next", "nvfp4"), ("q35moe", "bf16")])   # both mixers, both kinds
 def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
     """``model.fuse_input_projections()`` (one GEMV for attention's q | k | v and for the Gated DeltaNet's qkv | z
     and b | a): every group whose weights are of one kind is fused in every layer (b / a stay bf16 in an NVFP4
@@ -210,7 +210,7 @@ def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
     ids = _ids(9, seed=2).to(model.device)
     with torch.no_grad():
         want_logits = model.forward(ids)
-        want_tokens = lynn_model.generate(model, ids, 5)
+        want_tokens = lynn_model.generate(model, ids, 3)
     counts = model.fuse_input_projections()
     expect = {"q_proj|k_proj|v_proj": len(c.attention_layers)}
     if c.linear_layers:
@@ -224,7 +224,7 @@ def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
         assert not any(hasattr(m, g) for g in gone), gone
     with torch.no_grad():
         got_logits = model.forward(ids)
-        got_tokens = lynn_model.generate(model, ids, 5)
+        got_tokens = lynn_model.generate(model, ids, 3)
     m = validate.compare(got_logits, want_logits)
     assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
     assert got_tokens.tolist() == want_tokens.tolist()
