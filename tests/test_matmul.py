@@ -827,6 +827,14 @@ def test_concat_rows_keeps_one_shared_scalar_scale_and_refuses_mismatches(make_n
     cat = packed.concat_rows([pack(a), pack(b)])
     assert cat.rows_per_global() == 48 and cat.global_scale.numel() == 1
     assert torch.equal(cat.words, pack(w).words) and torch.equal(cat.scales, pack(w).scales)
+    # a part whose global scale covers groups of rows (two halves): repeated to one scale per row, values kept
+    halves = PackedNVFP4(pack(w).words, pack(w).scales, torch.stack([w.global_scale, 2 * w.global_scale]).float(),
+                         24, 64)
+    mixed = packed.concat_rows([halves, pack(a)])
+    assert mixed.rows_per_global() == 1 and mixed.global_scale.numel() == 64
+    whole = pack(w).dequantize(FP32)                      # (unpack itself takes only a scalar or per-row scale)
+    assert_bit_equal(mixed.dequantize(FP32), torch.cat([whole[:24], 2 * whole[24:], pack(a).dequantize(FP32)]),
+                     "a grouped global scale")
     with pytest.raises(ValueError, match=r"weights\[1\].*K and device must match"):
         packed.concat_rows([pack(a), pack(make_nvfp4(16, 80))])
     with pytest.raises(TypeError, match=r"weights\[0\] must be a PackedNVFP4"):
