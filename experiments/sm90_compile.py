@@ -78,7 +78,7 @@ def _packed_gemv(m: int, n: int, k: int, block_n: int, tw: int, warps: int) -> d
     f = kernel_constexprs(torch.bfloat16, None, torch.bfloat16, False, True)
     ce = {"stride_xk": 1, "HAS_BIAS": False, "X_DTYPE": f["X_DTYPE"], "BIAS_DTYPE": f["BIAS_DTYPE"], "OUT_DTYPE": f["OUT_DTYPE"],
           "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": block_n, "TW": tw, "EVEN_N": n % block_n == 0,
-          "EVEN_K": (k // 8) % tw == 0, "USE_PDL": False, "INTERPRET": False}
+          "EVEN_K": (k // 8) % tw == 0, "USE_PDL": False, "EARLY_RELEASE": False, "INTERPRET": False}
     return compile_sm90(packed_gemv_kernel, sig, ce, warps, divisible=("N", "K", "KW", "stride_xm", "stride_ym"))
 
 

@@ -216,6 +216,59 @@ def register_dot_stages(stages: int, requested: bool = False) -> int:
     return 1
 
 
+#: Launch the decode kernels through their compiled launcher (:class:`DirectLaunch`); ``LYNN_DIRECT_LAUNCH=0``
+#: sends every launch through Triton's own ``kernel[grid](...)`` path.
+DIRECT_LAUNCH = os.environ.get("LYNN_DIRECT_LAUNCH", "1") != "0"
+
+
+class DirectLaunch:
+    """A ``@triton.jit`` kernel launched straight through its compiled launcher on repeat calls.
+
+    ``kernel[grid](...)`` binds and specialises every argument on every call (tens of microseconds on a slow host,
+    more than a decode GEMV takes on the GPU). A :class:`DirectLaunch` makes the first call with a given ``key``
+    through that path, keeps the compiled kernel it returns, and from then on calls the kernel's launcher with the
+    arguments as they are. ``key`` is the caller's promise: it must change whenever anything Triton specialises on
+    changes, i.e. the constexprs, the launch options, every integer argument's value and every pointer argument's
+    dtype and alignment to 16 bytes (:meth:`key_of` builds the generic one). What the direct path skips: Triton's
+    launch hooks (profilers that register ``launch_enter_hook`` see only first calls) and its check that the
+    kernel's global variables have not changed. Under the interpreter, or with ``DIRECT_LAUNCH`` off, every call is
+    a plain ``kernel[grid](...)``.
+    """
+
+    __slots__ = ("fn", "compiled")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled: dict = {}
+
+    @staticmethod
+    def key_of(args) -> tuple:
+        """The generic specialisation key of positional arguments: each tensor's dtype and 16-byte alignment, every
+        other argument as it is (integers by value)."""
+        return tuple((a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def __call__(self, grid: tuple, key, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+                  launch_pdl: bool = False) -> None:
+        entry = self.compiled.get(key)
+        if entry is None:
+            extra = {"launch_pdl": True} if launch_pdl else {}
+            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **extra)
+            if DIRECT_LAUNCH and not INTERPRET and kernel is not None:
+                names = self.fn.arg_names[len(args):]
+                missing = [n for n in names if n not in constexprs]
+                if missing:
+                    raise TypeError(f"{self.fn.__name__}: DirectLaunch needs every argument after the positional "
+                                    f"ones by name; missing {missing}")
+                self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata,
+                                      tuple(constexprs[n] for n in names))
+            return
+        run, function, metadata, tail = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), function, metadata,
+            None, None, None, *args, *tail)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceil division for host code. ``triton.cdiv`` is a constexpr function (triton 3.8): about 6 us per call from
     Python, several times per launch, on the hot path of a decode step."""

@@ -949,7 +949,9 @@ def test_packed_decode_kernels_every_m(dtype, make_weight, make_nvfp4, device, p
 
 @pytest.mark.parametrize("config", [pytest.param({"BLOCK_N": 16, "TW": 128, "num_warps": 4}, id="gpu-16x128"),
                                     pytest.param({"BLOCK_N": 32, "TW": 128, "num_warps": 4}, id="gpu-32x128"),
-                                    pytest.param({"BLOCK_N": 8, "TW": 64, "num_warps": 2}, id="8x64")])
+                                    pytest.param({"BLOCK_N": 8, "TW": 64, "num_warps": 2}, id="8x64"),
+                                    pytest.param({"BLOCK_N": 8, "TW": 64, "num_warps": 2, "PROGRAMS": 2},
+                                                 id="8x64-2-programs")])
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_packed_fma_gemv_configs(config, m, make_weight, make_nvfp4, device, poison_empty):
     """The FMA GEMV under the GPU's tiles: 2064 = 2 x 1024 + 16, so a full unmasked step, a masked tail, and rows
@@ -960,6 +962,31 @@ def test_packed_fma_gemv_configs(config, m, make_weight, make_nvfp4, device, poi
     y = torch.empty(m, n, dtype=BF16, device=device)
     launch_packed_gemv(x, pack(w), None, y, config)
     assert_close_to_reference(y, reference.nvfp4_linear(x, w), str(config))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("n,k,programs", [(64, 1024, 3), (37, 208, 2), (130, 2064, 5)])
+def test_packed_fma_gemv_programs_take_tiles_in_turn(n, k, programs, pdl, make_weight, make_nvfp4, device,
+                                                     poison_empty):
+    """A grid smaller than the tiles: each program streams several tiles (4 tiles over 3 programs on an even shape,
+    uneven shares and a partial last tile on odd ones), bit-equal to one program per tile; with PDL (and its early
+    release) the same bits."""
+    w = pack(make_nvfp4(n, k, seed=n + k))
+    x = make_weight((2, k), BF16, seed=k)
+    base = {"BLOCK_N": 16, "TW": 64, "num_warps": 4}
+    want = launch_packed_gemv(x, w, None, torch.empty(2, n, dtype=BF16, device=device), base)
+    assert_close_to_reference(want, reference.nvfp4_linear(x, unpack(w)), "one program per tile")
+    for early in (False, True):
+        got = launch_packed_gemv(x, w, None, torch.empty(2, n, dtype=BF16, device=device),
+                                 {**base, "PROGRAMS": programs, "EARLY_RELEASE": early}, pdl=pdl)
+        assert_bit_equal(got, want, f"{programs} programs, early release {early}")
+
+
+def test_packed_fma_gemv_refuses_unknown_config_keys(make_weight, make_nvfp4, device):
+    w = pack(make_nvfp4(8, 32))
+    with pytest.raises(ValueError, match="not FMA GEMV settings"):
+        launch_packed_gemv(make_weight((1, 32), BF16), w, None, torch.empty(1, 8, dtype=BF16, device=device),
+                           {"BLOCK_K": 64})
 
 
 def test_packed_fma_gemv_refuses_more_than_4_rows(make_weight, make_nvfp4, device):
@@ -1004,6 +1031,40 @@ def test_gpu_packed_matches_reference_with_pdl_and_graphs(m, dtype, make_weight,
     g.replay()
     torch.cuda.synchronize()
     assert_bit_equal(out, y, "graph replay")
+
+
+@pytest.mark.gpu
+def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
+    """The H200: the FMA GEMV's direct launch (runtime.DirectLaunch) gives the bits of Triton's own launch path,
+    eager and in a CUDA graph; an x view that is not 16-byte aligned gets its own compiled kernel (the alignment is
+    part of the key)."""
+    from lynn_kernels import runtime
+    from lynn_kernels.matmul.triton_matmul import _FMA_GEMV
+
+    n, k = 4096, 2048
+    w = make_nvfp4(n, k, seed=5, scale=0.02)
+    p = pack(w)
+    big = make_weight((1, k + 8), BF16, seed=3)
+    xs = {"aligned": big[:, :k], "x 2 bytes off 16": big[:, 1:k + 1]}
+    runtime.DIRECT_LAUNCH = False
+    try:
+        _FMA_GEMV.compiled.clear()
+        want = {name: nvfp4_linear(x, p) for name, x in xs.items()}
+    finally:
+        runtime.DIRECT_LAUNCH = True
+    assert not _FMA_GEMV.compiled, "nothing is kept with the direct launch off"
+    for name, x in xs.items():
+        nvfp4_linear(x, p)                                      # the first call of a key goes through Triton
+        assert_bit_equal(nvfp4_linear(x, p), want[name], f"direct launch, {name}")
+    assert len(_FMA_GEMV.compiled) == 2, "the misaligned view must not reuse the aligned kernel"
+    x = xs["aligned"]
+    out = torch.empty_like(want["aligned"])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(nvfp4_linear(x, p))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bit_equal(out, want["aligned"], "direct launch captured in a graph")
 
 
 @triton.jit

@@ -330,3 +330,21 @@ def test_gpu_no_compiled_decoder_kernel_pipelines_a_register_operand_wgmma(tmp_p
     assert sum(1 for k in rec["kernels"] if k["wgmma_dots"]) > 0, "the scan found no wgmma at all: it tests nothing"
     exposed = sorted({k["kernel"] for k in rec["kernels"] if k["exposed"]})
     assert not exposed, f"kernels still pipelining a register-operand wgmma on this Triton: {exposed}"
+
+
+def test_direct_launch_key_and_interpreter():
+    """DirectLaunch's generic key: a tensor by dtype and 16-byte alignment (two views of one storage 2 bytes apart
+    differ), anything else by value; under the interpreter every call takes Triton's path and nothing is kept."""
+    t = torch.zeros(16, dtype=torch.bfloat16)
+    k0 = runtime.DirectLaunch.key_of((t, 3, None))
+    assert k0 == ((torch.bfloat16, t.data_ptr() & 15), 3, None)
+    assert runtime.DirectLaunch.key_of((t[1:], 3, None)) != k0
+    assert runtime.DirectLaunch.key_of((t.float(), 3, None))[0][0] == torch.float32
+    if runtime.INTERPRET:
+        from lynn_kernels.matmul import nvfp4_linear, pack
+        from lynn_kernels.matmul.triton_matmul import _FMA_GEMV
+        from lynn_kernels.nvfp4 import quantize
+
+        p = pack(quantize(torch.randn(8, 32, dtype=torch.bfloat16)))
+        nvfp4_linear(torch.randn(1, 32, dtype=torch.bfloat16), p)
+        assert not _FMA_GEMV.compiled

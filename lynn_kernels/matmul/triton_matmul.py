@@ -417,11 +417,10 @@ def split_k_counter(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _prepare(x: torch.Tensor, w, bias):
-    check_linear_args(x, w, bias)
+    check_linear_args(x, w, bias)                            # x, w and bias on one device
     runtime.check_device("x", x)
-    runtime.check_device("w", w.words if isinstance(w, PackedNVFP4) else w.codes)
     n, k = w.shape
-    x2 = x.reshape(-1, k)                                   # a view where possible; strides go to the kernel
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)             # a view where possible; strides go to the kernel
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     return x2, y
 
@@ -546,39 +545,59 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
     a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
-    in docs/performance.md ranked them."""
+    in docs/performance.md ranked them; ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off."""
     tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
     block_n, most = 4, 16 if m > 1 or k < 8192 else 32
     while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
         block_n *= 2
-    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4}
+    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
 
 
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
                        pdl: bool = False) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
-    weight into ``y [M, N]`` on the FMA GEMV. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``) replaces
-    :func:`fma_config`; ``pdl`` launches it with
-    programmatic dependent launch (Hopper: the weights load before the wait on the kernel before)."""
+    weight into ``y [M, N]`` on the FMA GEMV. ``config`` replaces keys of :func:`fma_config`: ``BLOCK_N``, ``TW``,
+    ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at most that many
+    programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
+    program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
+    the wait on the kernel before)."""
     m, k = x2.shape
     n = w.shape[0]
     kw = w.words.shape[1]
     if m > 4:
         raise ValueError(f"the FMA GEMV takes at most 4 rows of x, got M = {m}")
-    meta = {**fma_config(n, k, _sm_count(x2.device), m), **(config or {})}      # a copy: the cached dict stays
-    warps = meta.pop("num_warps")
-    block_n, tw = meta["BLOCK_N"], meta["TW"]
-    flags = kernel_constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, True)
-    use_pdl = bool(pdl) and not runtime.INTERPRET
-    extra = {"launch_pdl": True} if use_pdl else {}
-    packed_gemv_kernel[(runtime.cdiv(n, block_n),)](
-        kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
-        m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
-        HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
-        OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=runtime.next_power_of_2(m), BLOCK_N=block_n, TW=tw,
-        EVEN_N=n % block_n == 0, EVEN_K=kw % tw == 0 and 8 * kw == k, USE_PDL=use_pdl, INTERPRET=runtime.INTERPRET,
-        num_warps=warps, num_stages=1, **extra)
+    meta = fma_config(n, k, _sm_count(x2.device), m)            # cached: read, never changed
+    if config:
+        meta = {**meta, **config}
+        unknown = set(meta) - {"BLOCK_N", "TW", "num_warps", "PROGRAMS", "EARLY_RELEASE"}
+        if unknown:
+            raise ValueError(f"config keys {sorted(unknown)} are not FMA GEMV settings (BLOCK_N, TW, num_warps, "
+                             f"PROGRAMS, EARLY_RELEASE)")
+    block_n, tw, warps = meta["BLOCK_N"], meta["TW"], meta["num_warps"]
+    tiles = runtime.cdiv(n, block_n)
+    programs = min(tiles, meta["PROGRAMS"]) if meta["PROGRAMS"] > 0 else tiles
+    spec = (x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.next_power_of_2(m), block_n, tw,
+            n % block_n == 0, kw % tw == 0 and 8 * kw == k, bool(pdl) and not runtime.INTERPRET,
+            bool(meta["EARLY_RELEASE"]))
+    args = (kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
+            m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global())
+    key = (spec, warps, m, n, k, kw, args[10], args[11], args[12], args[13], args[0].data_ptr() & 15,
+           w.words.data_ptr() & 15, w.scales.data_ptr() & 15, w.global_scale.data_ptr() & 15,
+           args[4].data_ptr() & 15, args[5].data_ptr() & 15)
+    _FMA_GEMV((programs,), key, args, _fma_constexprs(*spec), warps, 1, spec[8])
     return y
+
+
+_FMA_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early) -> dict:
+    """The FMA GEMV's constexprs for one specialisation (cached: built once, not per call)."""
+    flags = kernel_constexprs(x_dtype, bias_dtype, y_dtype, runtime.INTERPRET, True)
+    return dict(HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
+                OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=block_m, BLOCK_N=block_n, TW=tw, EVEN_N=even_n, EVEN_K=even_k,
+                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET)
 
 
 def use_fma_gemv(m: int, n: int) -> bool:
@@ -621,4 +640,4 @@ def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | No
     x2, y = _prepare(x, w, bias)
     if x2.shape[0] > 0:
         (_launch_small if x2.shape[0] <= GEMV_MAX_M else launch_gemm)(x2, w, bias, y)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])

@@ -251,40 +251,62 @@ def _row_out(acc, m, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS: t
 
 
 @triton.jit
+def _step_coords(i, pid, nprog, steps, TW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step ``i`` of a program's stream -> (first row of its tile, its first word): tiles ``pid``, ``pid + nprog``,
+    ... in turn, ``steps`` steps of ``TW`` words each."""
+    t = i // steps
+    return (pid + t * nprog) * BLOCK_N, (i - t * steps) * TW
+
+
+@triton.jit
 def packed_gemv_kernel(
     x_ptr, words_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr,
     M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
-    it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units: one program per
-    ``BLOCK_N`` rows and the whole of K, no split; ``TW`` words (``8 TW`` weights, ``TW`` a multiple of 16) of each
-    row per step, ``KW`` words a row (``K`` padded to a multiple of 128). Each thread owns 16-byte runs (4 words,
-    32 weights) of its rows; the next step's weights load while this one is multiplied. One accumulator per x row,
-    each in the weight tile's own layout. ``EVEN_K``: ``KW`` a multiple of ``TW`` and ``K`` not padded."""
+    it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units, no split of K:
+    the ``BLOCK_N``-row tiles go to the programs in turn (tile ``pid``, ``pid + num_programs``, ...; a grid of one
+    program per tile gives each one tile), each tile in steps of ``TW`` words (``8 TW`` weights, ``TW`` a multiple
+    of 16), ``KW`` words a row (``K`` padded to a multiple of 128). A program's steps are one stream: the next
+    step's weights, of this tile or the next, load while this one is multiplied. Each thread owns 16-byte runs (4
+    words, 32 weights) of its rows; one accumulator per x row, each in the weight tile's own layout. ``EVEN_K``:
+    ``KW`` a multiple of ``TW`` and ``K`` not padded.
+
+    ``USE_PDL`` (programmatic dependent launch): the first step's weights load before the wait on the kernel
+    before; ``EARLY_RELEASE`` lets the next kernel launch as soon as every program has started (otherwise when
+    every program has finished its main loop). Nothing is written before the wait."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rows < N
+    nprog = tl.num_programs(0)
+    steps = tl.cdiv(KW, TW)
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, nprog) * steps         # this program's steps, all its tiles
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)            # words of a step: 16-byte runs
     offs_s = tl.arange(0, TW)                                                  # the same, no hint: 8-byte scale loads
-    wrow = words_ptr + rows[:, None].to(tl.int64) * KW
-    mask_w = mask_n[:, None]
+    lane_n = tl.arange(0, BLOCK_N)
     EVEN: tl.constexpr = EVEN_N and EVEN_K
-    q, v = _load_words(wrow, scales_ptr, rows, mask_w, 0, offs, offs_s, KW, EVEN)
+    n0, w0 = _step_coords(0, pid, nprog, steps, TW, BLOCK_N)
+    rows = n0 + lane_n
+    q, v = _load_words(words_ptr + rows[:, None].to(tl.int64) * KW, scales_ptr, rows, (rows < N)[:, None], w0,
+                       offs, offs_s, KW, EVEN)
     if USE_PDL:
+        if EARLY_RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()                     # the weights are in flight; x comes from the kernel before
     acc0 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
-    for k0 in range(0, KW, TW):
+    for i in range(0, total):
+        n0, k0 = _step_coords(i, pid, nprog, steps, TW, BLOCK_N)
         if EVEN:        # the last step reloads its own words (an L2 hit) instead of a masked load
-            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, tl.minimum(k0 + TW, KW - TW), offs,
-                                         offs_s, KW, EVEN)
+            n1, k1 = _step_coords(tl.minimum(i + 1, total - 1), pid, nprog, steps, TW, BLOCK_N)
         else:
-            q_next, v_next = _load_words(wrow, scales_ptr, rows, mask_w, k0 + TW, offs, offs_s, KW, EVEN)
+            n1, k1 = _step_coords(i + 1, pid, nprog, steps, TW, BLOCK_N)
+        rows1 = n1 + lane_n
+        q_next, v_next = _load_words(words_ptr + rows1[:, None].to(tl.int64) * KW, scales_ptr, rows1,
+                                     (rows1 < N)[:, None], k1, offs, offs_s, KW, EVEN)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
         if INTERPRET:                                                          # the two blocks of each word
             sa, sb = decode_scales(v, 0x60000000)
@@ -301,15 +323,24 @@ def packed_gemv_kernel(
             acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
                              stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         q, v = q_next, v_next
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    g = tl.load(g_ptr + rows // ROWS_PER_G, mask=mask_n, other=0.0) * FMA_UNIT
-    _row_out(acc0, 0, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, INTERPRET)
-    if BLOCK_M > 1:
-        _row_out(acc1, 1, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
-                 INTERPRET)
-    if BLOCK_M > 2:
-        _row_out(acc2, 2, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
-                 INTERPRET)
-        _row_out(acc3, 3, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
-                 INTERPRET)
+        if k0 + TW >= KW:                            # the tile's last step: write its rows, start the next tile
+            if USE_PDL and not EARLY_RELEASE:
+                if i == total - 1:
+                    tl.extra.cuda.gdc_launch_dependents()
+            rows = n0 + lane_n
+            mask_n = rows < N
+            g = tl.load(g_ptr + rows // ROWS_PER_G, mask=mask_n, other=0.0) * FMA_UNIT
+            _row_out(acc0, 0, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                     INTERPRET)
+            acc0 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+            if BLOCK_M > 1:
+                _row_out(acc1, 1, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                         INTERPRET)
+                acc1 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+            if BLOCK_M > 2:
+                _row_out(acc2, 2, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                         INTERPRET)
+                _row_out(acc3, 3, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS, BIAS_DTYPE, OUT_DTYPE,
+                         INTERPRET)
+                acc2 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+                acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
