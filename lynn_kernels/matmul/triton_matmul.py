@@ -240,7 +240,9 @@ def _nvfp4_gemv_kernel(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
     ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
+    """``PREFETCH``: as :func:`_nvfp4_gemm_kernel`'s (the weight rows that many steps ahead asked into L2)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -251,9 +253,12 @@ def _nvfp4_gemv_kernel(
     n_chunks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(n_chunks, n_split)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
+    c_hi = tl.minimum(pid_k * per_split + per_split, n_chunks)
+    for chunk in range(pid_k * per_split, c_hi):
         k0 = chunk * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        if PREFETCH > 0 and PACKED_LAYOUT and not INTERPRET:
+            _prefetch_rows(codes_ptr, scales_ptr, offs_n, tl.minimum(chunk + PREFETCH, c_hi - 1) * BLOCK_K, K)
         # the M rows padded to 16 on the tensor cores: the decode is the work, the MMA is nearly free; x loads
         # along its rows (contiguous in K), transposed in registers
         xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk,
@@ -269,6 +274,23 @@ def _nvfp4_gemv_kernel(
 
 # ---------------------------------------------------------------------------------------------------------------
 # GEMM: M > 16
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """GPU only: ``prefetch.global.L2`` of each address (the data stays in L2 for the load that follows)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(words_ptr, scales_ptr, offs_n, k0, K):
+    """GPU only: ask L2 for a packed weight's rows ``offs_n`` at column ``k0`` (a multiple of 128): a row's words
+    of one 128- or 256-column step are one 64- or 128-byte run, so one prefetch per row (and one for its scale
+    bytes) covers them."""
+    kw = tl.cdiv(K, 128) * 16
+    _prefetch_l2(words_ptr.to(tl.pointer_type(tl.uint8)) + offs_n.to(tl.int64) * (kw * 4) + k0 // 2)
+    _prefetch_l2(scales_ptr + offs_n.to(tl.int64) * (kw // 2) + k0 // 16)
 
 
 #: The GEMM's autotune tiles: BLOCK_N (MMA rows: weight), BLOCK_M (MMA cols: tokens), BLOCK_K, warps, stages.
@@ -318,8 +340,11 @@ def _nvfp4_gemm_kernel(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
     ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
+    """``PREFETCH`` (packed layout, GPU): each step asks L2 for the weight rows ``PREFETCH`` steps ahead, so the
+    one-stage compile of ``runtime.register_dot_stages`` (no software pipelining) still has the weight stream in
+    flight; 0 leaves it to the compiler's stages."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -338,12 +363,14 @@ def _nvfp4_gemm_kernel(
     n_chunks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(n_chunks, n_split)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
+    c_lo = pid_k * per_split
+    c_hi = tl.minimum(c_lo + per_split, n_chunks)
+    for chunk in range(c_lo, c_hi):
         k0 = chunk * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
-                     mask=mask_k[:, None] & mask_m[None, :], other=0)
+        if PREFETCH > 0 and PACKED_LAYOUT and not INTERPRET:
+            _prefetch_rows(codes_ptr, scales_ptr, offs_n, tl.minimum(chunk + PREFETCH, c_hi - 1) * BLOCK_K, K)
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[:, None] *
+                     stride_xk, mask=((k0 + tl.arange(0, BLOCK_K)) < K)[:, None] & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)             # [BLOCK_N, BLOCK_K]
@@ -545,7 +572,12 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
     a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
-    in docs/performance.md ranked them; ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off."""
+    in docs/performance.md ranked them; one x row on 8,192 rows or more with K from 512 to 8,191 takes 32 rows of 64
+    words (four steps on K = 2048: 7.35 against 8.95 us at 2048->8192, 9.66 against 10.89 at 2048->12288 on the
+    H200, git a906a61). ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off: the H200 measured
+    neither faster (docs/performance.md)."""
+    if m == 1 and n >= 8192 and 512 <= k < 8192:
+        return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
     tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
     block_n, most = 4, 16 if m > 1 or k < 8192 else 32
     while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
