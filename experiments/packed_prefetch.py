@@ -8,6 +8,9 @@ against the same tile's plain loop (bit-equal: the prefetch changes no arithmeti
 on rotating weight sets (``graph_us``). Writes ``$OUT/packed_prefetch.json`` and prints tables.
 
     PYTHONPATH=. python3 experiments/packed_prefetch.py
+
+Run it at git 286151a: the ``PREFETCH`` option measured slower in 27 of 34 cells (GEMV config; the GEMM by its best tile)
+(``data/bench/h200/packed_prefetch-286151a.json``) and was removed after that run.
 """
 
 import json

@@ -775,24 +775,6 @@ def test_gpu_split_k_gemm_repeats_bit_for_bit_under_memory_churn(n, k, make_weig
         assert unequal == 0, f"{name}: {unequal} of 60 repeats differ from the first call"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split", [1, 2])
-def test_packed_gemm_prefetch_is_the_same_product(split, dtype, make_weight, make_nvfp4, device, poison_empty):
-    """The GEMM asking L2 for the weights two steps ahead (PREFETCH: packed layout, GPU only; the interpreter runs
-    the plain loop) gives the plain loop's bits: K = 400 pads its last chunk, N = 65 and M = 33 leave partial
-    tiles, split-K 2 gives each slice its own first and last step (the prefetch is clamped to the slice)."""
-    m, n, k = 33, 65, 400
-    x = make_weight((m, k), dtype, seed=3)
-    w = pack(make_nvfp4(n, k, seed=8))
-    bias = make_bias(n, dtype, device)
-    cfg = {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
-    plain = launch_gemm(x, w, bias, torch.empty(m, n, dtype=dtype, device=device), config=cfg, split_k=split)
-    assert_close_to_reference(plain, reference.nvfp4_linear(x, w.unpack(), bias), "plain loop")
-    got = launch_gemm(x, w, bias, torch.empty(m, n, dtype=dtype, device=device), config={**cfg, "PREFETCH": 2},
-                      split_k=split)
-    assert_bit_equal(got, plain, f"prefetched loop, split_k={split}")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 11. the packed kernel layout (lynn_kernels.matmul.pack): exact, and every kernel that reads it
 

@@ -240,9 +240,7 @@ def _nvfp4_gemv_kernel(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
     ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
 ):
-    """``PREFETCH``: as :func:`_nvfp4_gemm_kernel`'s (the weight rows that many steps ahead asked into L2)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -253,12 +251,9 @@ def _nvfp4_gemv_kernel(
     n_chunks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(n_chunks, n_split)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    c_hi = tl.minimum(pid_k * per_split + per_split, n_chunks)
-    for chunk in range(pid_k * per_split, c_hi):
+    for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
         k0 = chunk * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if PREFETCH > 0 and PACKED_LAYOUT and not INTERPRET:
-            _prefetch_rows(codes_ptr, scales_ptr, offs_n, tl.minimum(chunk + PREFETCH, c_hi - 1) * BLOCK_K, K)
         # the M rows padded to 16 on the tensor cores: the decode is the work, the MMA is nearly free; x loads
         # along its rows (contiguous in K), transposed in registers
         xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk,
@@ -274,23 +269,6 @@ def _nvfp4_gemv_kernel(
 
 # ---------------------------------------------------------------------------------------------------------------
 # GEMM: M > 16
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """GPU only: ``prefetch.global.L2`` of each address (the data stays in L2 for the load that follows)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(words_ptr, scales_ptr, offs_n, k0, K):
-    """GPU only: ask L2 for a packed weight's rows ``offs_n`` at column ``k0`` (a multiple of 128): a row's words
-    of one 128- or 256-column step are one 64- or 128-byte run, so one prefetch per row (and one for its scale
-    bytes) covers them."""
-    kw = tl.cdiv(K, 128) * 16
-    _prefetch_l2(words_ptr.to(tl.pointer_type(tl.uint8)) + offs_n.to(tl.int64) * (kw * 4) + k0 // 2)
-    _prefetch_l2(scales_ptr + offs_n.to(tl.int64) * (kw // 2) + k0 // 16)
 
 
 #: The GEMM's autotune tiles: BLOCK_N (MMA rows: weight), BLOCK_M (MMA cols: tokens), BLOCK_K, warps, stages.
@@ -340,11 +318,8 @@ def _nvfp4_gemm_kernel(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr, PACKED_LAYOUT: tl.constexpr,
     ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    INTERPRET: tl.constexpr,
 ):
-    """``PREFETCH`` (packed layout, GPU): each step asks L2 for the weight rows ``PREFETCH`` steps ahead, so the
-    one-stage compile of ``runtime.register_dot_stages`` (no software pipelining) still has the weight stream in
-    flight; 0 leaves it to the compiler's stages."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -363,14 +338,12 @@ def _nvfp4_gemm_kernel(
     n_chunks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(n_chunks, n_split)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    c_lo = pid_k * per_split
-    c_hi = tl.minimum(c_lo + per_split, n_chunks)
-    for chunk in range(c_lo, c_hi):
+    for chunk in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, n_chunks)):
         k0 = chunk * BLOCK_K
-        if PREFETCH > 0 and PACKED_LAYOUT and not INTERPRET:
-            _prefetch_rows(codes_ptr, scales_ptr, offs_n, tl.minimum(chunk + PREFETCH, c_hi - 1) * BLOCK_K, K)
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[:, None] *
-                     stride_xk, mask=((k0 + tl.arange(0, BLOCK_K)) < K)[:, None] & mask_m[None, :], other=0)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk,
+                     mask=mask_k[:, None] & mask_m[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE,
                     PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)             # [BLOCK_N, BLOCK_K]
