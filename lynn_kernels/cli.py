@@ -225,6 +225,9 @@ def _cmd_generate(args) -> int:
     except (ValueError, OSError) as err:
         print(f"lynn generate: error: {err}", file=sys.stderr)
         return 2
+    fused = {}
+    if backend == "kernels" and torch.cuda.is_available() and not args.unfused:
+        fused = model.fuse_input_projections()       # the decode fast path: fewer GEMVs a step (docs/performance.md)
     load_s = time.perf_counter() - t0
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
@@ -241,8 +244,9 @@ def _cmd_generate(args) -> int:
              "kernels": f"the Triton kernels ({lynn_kernels.backend()})",
              "interpreter": "the Triton kernels through Triton's interpreter (slow: for reading, not for speed)"}
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
-    print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights, on {where[backend]}; seed {seed}]",
-          file=sys.stderr)
+    fusion = (f", input projections fused ({', '.join(f'{k} x{v}' for k, v in fused.items())})" if fused else "")
+    print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights, on {where[backend]}{fusion}; "
+          f"seed {seed}]", file=sys.stderr)
     stops = sorted(set(tok.stop_ids) | set(model.config.eos_token_ids)) if not args.ignore_eos else []
     stats = lynn_model.Stats()
     out = sys.stdout
@@ -340,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                         "threads mostly wait on each other; 0 keeps torch's default)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
+    p.add_argument("--unfused", action="store_true",
+                   help="keep each mixer's input projections as separate GEMVs (on a GPU the compiled kernels fuse "
+                        "them by default: attention q|k|v, Gated DeltaNet qkv|z and b|a, one GEMV each)")
     p.set_defaults(func=_cmd_generate)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":

@@ -133,8 +133,9 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
 
 
 def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok):
-    """No --model, no prompt: the demo model and the built-in prompt, on the compiled kernels with a GPU and the torch
-    reference path without one, a printed seed, and stdin never read."""
+    """No --model, no prompt: the demo model and the built-in prompt, on the compiled kernels with a GPU (input
+    projections fused, the decode fast path) and the torch reference path without one, a printed seed, and stdin
+    never read."""
     class NoStdin(io.StringIO):
         def read(self, *a):
             raise AssertionError("lynn generate read stdin")
@@ -145,8 +146,11 @@ def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok):
     gpu = torch.cuda.is_available()
     with lynn_kernels.use_reference(not gpu):
         model = lynn_model.from_pretrained(DEMO_MODEL)
+        if gpu:
+            assert model.fuse_input_projections()
         want = lynn_model.generate(model, prompt.to(model.device), 12)[0, prompt.shape[1]:].tolist()
     assert cap.out == DEMO_PROMPT + tok.decode(want, skip_special_tokens=True) + "\n"
     assert "lynn-demo" in cap.err and "seed" in cap.err
     assert ("on the Triton kernels" if gpu else "on the torch reference path") in cap.err
+    assert ("input projections fused" in cap.err) == gpu
     assert "12 new tokens" in cap.err and "peak" in cap.err
