@@ -773,9 +773,9 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
 # replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
-# Qwen3.5 file is from 8c40726, the Qwen3-Next file from 88f5896: the first run at that shape to pass its gates,
+# Qwen3.5 file is from b794a50, the Qwen3-Next file from 88f5896: the first run at that shape to pass its gates,
 # after a Triton 3.6 compiler fault on Hopper was found and worked around (a pipelined `tl.dot` on a register tile
-# now and then multiplied garbage; docs/performance.md, a compiler fault). HF bf16 at 80B does not fit beside ours.
+# now and then multiplied garbage; docs/performance.md, a compiler fault); both runs have the workaround. HF bf16 at 80B does not fit beside ours.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -836,13 +836,14 @@ for shape, doc in BENCH.items():
 #   each costs the host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU
 #   (notebook 02 shows the same for one projection). From the host a step takes 56-95 ms (it moves with the
 #   host) against 3.6 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (3.58 ms, 280 tok/s at
-#   Qwen3.5-35B-A3B, 1,024 tok/s aggregate at batch 8), and `generate()` gets the same.
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (3.52 ms, 284 tok/s at
+#   Qwen3.5-35B-A3B, 1,021 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
+#   projections fused into one GEMV (as `lynn generate` runs on a GPU) 3.24 ms, 309 tok/s.
 # * **Then the bytes and the launches**: the graph's step is still 5.5 times what its 2.6 GB need at the read
-#   bandwidth. The MoE blocks are the largest part (28.2 us per layer for ~16 MB of experts, 39% of the step), then
-#   the Gated DeltaNet and attention layers (33.5 and 42.0 us for ~23 MB each). With bf16 weights the same graph
-#   takes 4.74 ms: 4-bit weights buy 1.33x so far, not the 2.3x their bytes allow, because the step is not yet bound
-#   by its bytes.
+#   bandwidth. The MoE blocks are the largest part (27.7 us per layer for ~16 MB of experts, 39% of the step), then
+#   the Gated DeltaNet and attention layers (32.4 and 41.2 us for ~23 MB each). With bf16 weights the same graph
+#   takes 4.71 ms: 4-bit weights buy 1.34x so far (1.46x fused), not the 2.3x their bytes allow, because the step
+#   is not yet bound by its bytes.
 # * **Prefill** is not host-bound in the same way: 2,048 tokens per call ran at 15,000-24,000 tok/s on
 #   Qwen3.5-35B-A3B across runs (the host still shows: 94 ms against 70 ms of kernels in the last), 16,384 tokens
 #   at 31,436 tok/s (98% kernels), 5.6x HF bf16 on the same shape at 2,048.
@@ -963,8 +964,8 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200), and on a GPU its decode step is a CUDA graph (280 tok/s at batch 1 on Qwen3.5-35B-A3B, 213 on
-# Qwen3-Next-80B-A3B). The Qwen3-Next figures needed a workaround for a Triton 3.6 compiler fault on Hopper
-# (`docs/performance.md`). Next: the Qwen3.5 figures re-measured after it, fewer launches (the norm in the next projection,
-# one GEMV for a layer's input projections, the Gated DeltaNet decode chain) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
+# H200), and on a GPU its decode step is a CUDA graph (284 tok/s at batch 1 on Qwen3.5-35B-A3B, 309 with the input
+# projections fused, 213 on Qwen3-Next-80B-A3B). Both needed a workaround for a Triton 3.6 compiler fault on Hopper
+# (`docs/performance.md`). Next: fewer launches (the norm in the next projection, the Gated DeltaNet decode chain,
+# the MoE block in three) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
 # dtypes, the loader's rules and what is not supported yet; `docs/performance.md` the full benchmark record.
