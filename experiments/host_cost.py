@@ -7,33 +7,15 @@ decoder shape at M = 1. Each figure is the wall time of 2,000 back-to-back calls
 
 import json
 import os
-import time
 
 import torch
-import triton
-import triton.language as tl
 
-from lynn_kernels.bench.harness import provenance
+from lynn_kernels.bench.harness import host_us, provenance
+from lynn_kernels.bench.matmul_graph import empty_launch
 from lynn_kernels.matmul import nvfp4_linear, pack
 from lynn_kernels.matmul.triton_matmul import kernel_constexprs, launch_packed_gemv
 from lynn_kernels.matmul.triton_packed import packed_gemv_kernel
 from lynn_kernels.nvfp4 import dequantize, quantize
-
-
-@triton.jit
-def _empty(x_ptr):
-    pass
-
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 n, k = 4096, 2048
@@ -48,12 +30,12 @@ raw_kw = dict(HAS_BIAS=False, X_DTYPE=f["X_DTYPE"], BIAS_DTYPE=f["BIAS_DTYPE"], 
               BLOCK_N=16, TW=128, EVEN_N=True, EVEN_K=True, USE_PDL=False, EARLY_RELEASE=False, INTERPRET=False, num_warps=4,
               num_stages=1)
 rows = {
-    "empty Triton kernel, 1 argument": per_call_us(lambda: _empty[(1,)](x)),
-    "packed_gemv_kernel[grid](...) (14 arguments, 12 constexprs)": per_call_us(
+    "empty Triton kernel, 1 argument": host_us(lambda: empty_launch(x)),
+    "packed_gemv_kernel[grid](...) (14 arguments, 12 constexprs)": host_us(
         lambda: packed_gemv_kernel[(n // 16,)](*raw_args, **raw_kw)),
-    "launch_packed_gemv (config, constexprs, launch)": per_call_us(lambda: launch_packed_gemv(x, p, None, y)),
-    "nvfp4_linear (dispatch, checks, output allocation, launch)": per_call_us(lambda: nvfp4_linear(x, p)),
-    "torch.nn.functional.linear (cuBLAS bf16)": per_call_us(lambda: torch.nn.functional.linear(x, wb)),
+    "launch_packed_gemv (config, constexprs, launch)": host_us(lambda: launch_packed_gemv(x, p, None, y)),
+    "nvfp4_linear (dispatch, checks, output allocation, launch)": host_us(lambda: nvfp4_linear(x, p)),
+    "torch.nn.functional.linear (cuBLAS bf16)": host_us(lambda: torch.nn.functional.linear(x, wb)),
 }
 out = os.environ.get("OUT", "out")
 os.makedirs(out, exist_ok=True)

@@ -18,14 +18,12 @@ Writes ``$OUT/packed_gemv_stream.json`` (rewritten after every part) and prints 
 
 import json
 import os
-import time
 
 import torch
-import triton
 
 from lynn_kernels import runtime
-from lynn_kernels.bench.harness import l2_bytes, provenance
-from lynn_kernels.bench.matmul_graph import graph_us, pure_read
+from lynn_kernels.bench.harness import host_us, l2_bytes, provenance
+from lynn_kernels.bench.matmul_graph import empty_launch, graph_us, pure_read
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import _FMA_GEMV, fma_config, launch_gemv, launch_packed_gemv
 from lynn_kernels.nvfp4 import dequantize, quantize
@@ -172,37 +170,21 @@ save()
 
 
 # 4. host cost
-@triton.jit
-def _empty(x_ptr):
-    pass
-
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 n, k = 4096, 2048
 q = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
 p, wb = pack(q), dequantize(q)
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
 hc = res["host_us"]
-hc["empty Triton kernel, 1 argument"] = per_call_us(lambda: _empty[(1,)](x))
+hc["empty Triton kernel, 1 argument"] = host_us(lambda: empty_launch(x))
 for direct in (False, True):
     runtime.DIRECT_LAUNCH = direct
     _FMA_GEMV.compiled.clear()
     tag = "direct launch" if direct else "Triton's launch path"
-    hc[f"launch_packed_gemv, {tag}"] = per_call_us(lambda: launch_packed_gemv(x, p, None, y))
-    hc[f"nvfp4_linear, {tag}"] = per_call_us(lambda: nvfp4_linear(x, p))
-hc["torch.nn.functional.linear (cuBLAS bf16)"] = per_call_us(lambda: torch.nn.functional.linear(x, wb))
-hc["torch.empty(1, 4096)"] = per_call_us(lambda: torch.empty(1, n, device="cuda", dtype=torch.bfloat16))
+    hc[f"launch_packed_gemv, {tag}"] = host_us(lambda: launch_packed_gemv(x, p, None, y))
+    hc[f"nvfp4_linear, {tag}"] = host_us(lambda: nvfp4_linear(x, p))
+hc["torch.nn.functional.linear (cuBLAS bf16)"] = host_us(lambda: torch.nn.functional.linear(x, wb))
+hc["torch.empty(1, 4096)"] = host_us(lambda: torch.empty(1, n, device="cuda", dtype=torch.bfloat16))
 save()
 for name, us in hc.items():
     print(f"host {us:8.2f} us  {name}")

@@ -201,6 +201,21 @@ def time_fn(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 200) ->
     return float(med), float(p20), float(p80)
 
 
+def host_us(fn: Callable[[], object], n: int = 2000) -> float:
+    """Microseconds per call of ``n`` back-to-back eager calls (after 50 warm-up calls), synchronised at both ends:
+    the host's cost of a call when the GPU work behind it is shorter (a launch's host cost)."""
+    import time
+
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def kernel_ms(fn: Callable[[], object], n: int = 30) -> float:
     """Median over ``n`` calls of the summed GPU duration of the kernels one call launches (CUDA profiler).
 
