@@ -229,7 +229,9 @@ class DirectLaunch:
     through that path, keeps the compiled kernel it returns, and from then on calls the kernel's launcher with the
     arguments as they are. ``key`` is the caller's promise: it must change whenever anything Triton specialises on
     changes, i.e. the constexprs, the launch options, every integer argument's value and every pointer argument's
-    dtype and alignment to 16 bytes (:meth:`key_of` builds the generic one). What the direct path skips: Triton's
+    dtype and alignment to 16 bytes (:meth:`key_of` builds the generic one); the current device is added to it
+    here. Triton's process-wide options (``knobs.runtime.debug``, instrumentation) are not in it: changing them
+    after a kept launch needs a new :class:`DirectLaunch`. What the direct path skips: Triton's
     launch hooks (profilers that register ``launch_enter_hook`` see only first calls) and its check that the
     kernel's global variables have not changed. Under the interpreter, or with ``DIRECT_LAUNCH`` off, every call is
     a plain ``kernel[grid](...)``.
@@ -244,16 +246,20 @@ class DirectLaunch:
     @staticmethod
     def key_of(args) -> tuple:
         """The generic specialisation key of positional arguments: each tensor's dtype and 16-byte alignment, every
-        other argument as it is (integers by value)."""
-        return tuple((a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a for a in args)
+        other argument with its type (Triton compiles ``True``, ``1`` and ``1.0`` differently; Python hashes them
+        alike) and value."""
+        return tuple((a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
 
     def __call__(self, grid: tuple, key, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
                   launch_pdl: bool = False) -> None:
-        entry = self.compiled.get(key)
+        direct = DIRECT_LAUNCH and not INTERPRET
+        device = torch.cuda.current_device() if direct else None     # Triton launches on the current device
+        key = (device, key)                                           # a kernel loaded on one GPU serves that one
+        entry = self.compiled.get(key) if direct else None
         if entry is None:
             extra = {"launch_pdl": True} if launch_pdl else {}
             kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **extra)
-            if DIRECT_LAUNCH and not INTERPRET and kernel is not None:
+            if direct and kernel is not None:
                 names = self.fn.arg_names[len(args):]
                 missing = [n for n in names if n not in constexprs]
                 if missing:
@@ -265,8 +271,8 @@ class DirectLaunch:
         run, function, metadata, tail = entry
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), function, metadata,
-            None, None, None, *args, *tail)
+        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None, *args,
+            *tail)
 
 
 def cdiv(a: int, b: int) -> int:

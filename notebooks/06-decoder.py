@@ -844,9 +844,9 @@ for shape, doc in BENCH.items():
 #   the Gated DeltaNet and attention layers (32.4 and 41.2 us for ~23 MB each). With bf16 weights the same graph
 #   takes 4.71 ms: 4-bit weights buy 1.34x so far (1.46x fused), not the 2.3x their bytes allow, because the step
 #   is not yet bound by its bytes.
-# * **Prefill** is not host-bound in the same way: 2,048 tokens per call ran at 15,000-24,000 tok/s on
-#   Qwen3.5-35B-A3B across runs (the host still shows: 94 ms against 70 ms of kernels in the last), 16,384 tokens
-#   at 31,436 tok/s (98% kernels), 5.6x HF bf16 on the same shape at 2,048.
+# * **Prefill** is less host-bound: 2,048 tokens per call ran at 14,700-24,000 tok/s on Qwen3.5-35B-A3B across
+#   runs (the host still shows: 140 ms against 74 ms of kernels in the last), 16,384 tokens at 28,580 tok/s (98%
+#   kernels), 2.9x HF bf16 on the same shape at 2,048.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache

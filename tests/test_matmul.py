@@ -982,6 +982,22 @@ def test_packed_fma_gemv_programs_take_tiles_in_turn(n, k, programs, pdl, make_w
         assert_bit_equal(got, want, f"{programs} programs, early release {early}")
 
 
+def test_fma_config_takes_the_measured_tiles():
+    """fma_config's choices from the H200 sweeps (docs/performance.md): 32 x 64 for one x row on 8,192+ rows at
+    K = 2048 (the only K that tile was measured at), the rows-per-SM rule elsewhere; never a streaming grid or an
+    early PDL release by default."""
+    from lynn_kernels.matmul.triton_matmul import fma_config
+
+    assert fma_config(8192, 2048, 132) == {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0,
+                                           "EARLY_RELEASE": False}
+    assert fma_config(12288, 2048, 132)["BLOCK_N"] == 32
+    assert (fma_config(8192, 8192, 132)["BLOCK_N"], fma_config(8192, 8192, 132)["TW"]) == (32, 128)
+    assert (fma_config(8192, 2048, 132, m=2)["BLOCK_N"], fma_config(8192, 2048, 132, m=2)["TW"]) == (16, 128)
+    assert (fma_config(4096, 2048, 132)["BLOCK_N"], fma_config(2048, 4096, 132)["BLOCK_N"]) == (16, 8)
+    assert all(fma_config(n, k, 132, m)["PROGRAMS"] == 0 and not fma_config(n, k, 132, m)["EARLY_RELEASE"]
+               for n, k, m in [(8192, 2048, 1), (37, 208, 2), (248320, 2048, 1)])
+
+
 def test_packed_fma_gemv_refuses_unknown_config_keys(make_weight, make_nvfp4, device):
     w = pack(make_nvfp4(8, 32))
     with pytest.raises(ValueError, match="not FMA GEMV settings"):

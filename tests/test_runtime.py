@@ -334,10 +334,12 @@ def test_gpu_no_compiled_decoder_kernel_pipelines_a_register_operand_wgmma(tmp_p
 
 def test_direct_launch_key_and_interpreter():
     """DirectLaunch's generic key: a tensor by dtype and 16-byte alignment (two views of one storage 2 bytes apart
-    differ), anything else by value; under the interpreter every call takes Triton's path and nothing is kept."""
+    differ), anything else by type and value (True, 1 and 1.0 differ); under the interpreter every call takes
+    Triton's path and nothing is kept."""
     t = torch.zeros(16, dtype=torch.bfloat16)
     k0 = runtime.DirectLaunch.key_of((t, 3, None))
-    assert k0 == ((torch.bfloat16, t.data_ptr() & 15), 3, None)
+    assert k0 == ((torch.bfloat16, t.data_ptr() & 15), (int, 3), (type(None), None))
+    assert len({runtime.DirectLaunch.key_of((v,)) for v in (True, 1, 1.0)}) == 3
     assert runtime.DirectLaunch.key_of((t[1:], 3, None)) != k0
     assert runtime.DirectLaunch.key_of((t.float(), 3, None))[0][0] == torch.float32
     if runtime.INTERPRET:
