@@ -1121,6 +1121,80 @@ print(render_table(verdict))
 # On the LM head and 8192 x 8192, M = 1 reads at 1.6-2.2 TB/s, 47-50% of the same-bytes read.
 
 # %% [markdown]
+# ### A round of experiments (2026-12-02): tiles, streaming programs, PDL's release, the host
+#
+# `experiments/packed_gemv_stream.py` ran on the H200 (git a906a61) with every variant bit-checked against the
+# default launch first (168 of 168 equal). Its sweep gave the FMA GEMV 6 tiles (rows x words a step) and 5 grids:
+# one program per tile, as the dispatch runs it, or 1-4 programs per SM, each taking tiles `pid`, `pid + grid`, ...
+# as one stream of steps (`launch_packed_gemv(..., config={"PROGRAMS": n})`). The picture: the projection that
+# every Gated DeltaNet and attention layer runs, 2048->8192 at M = 1, in microseconds (lower is better); the old
+# default was 16 rows x 128 words, one program per tile.
+
+# %%
+import json
+
+from matplotlib.colors import LogNorm
+
+from lynn_kernels.bench.harness import DATA_DIR
+
+STREAM = json.loads((DATA_DIR / "h200" / "packed_gemv_stream-a906a61.json").read_text())
+SWEEP = {(r["shape"], r["M"], r["variant"]): r for r in STREAM["sweep"]}
+TILES = ["4x128", "8x128", "16x128", "8x64", "16x64", "32x64"]
+GRIDS = ["tiles", 132, 264, 396, 528]
+cell = [[SWEEP[("qkv 2048->8192", 1, f"{t} grid {g}")]["us"] for g in GRIDS] for t in TILES]
+fig, ax = plt.subplots(figsize=(7.5, 4.2))
+ax.imshow(cell, cmap="viridis_r", norm=LogNorm())
+for i, row in enumerate(cell):
+    for j, v in enumerate(row):
+        ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=9, color="w" if v > 12 else "k")
+ax.set_xticks(range(len(GRIDS)), ["one per\ntile"] + [f"{g // 132} per\nSM" for g in GRIDS[1:]])
+ax.set_yticks(range(len(TILES)), [f"{t.replace('x', ' rows x ')} words" for t in TILES])
+ax.set_xlabel("programs")
+ax.set_title("FMA GEMV 2048->8192, M = 1: us a call (graph replay; darker is slower)", fontsize=10)
+fig.tight_layout()
+plt.show()
+
+# %%
+rows = []
+for shape in dict.fromkeys(r["shape"] for r in STREAM["sweep"]):
+    for m in (1, 2):
+        cands = [r for (s_, m_, v), r in SWEEP.items() if s_ == shape and m_ == m and r["config"]]
+        if not cands:
+            continue
+        best = min(cands, key=lambda r: r["us"])
+        rows.append({"shape": shape, "M": m, "old default us": f"{SWEEP[shape, m, 'default']['us']:.2f}",
+                     "tensor-core GEMV us": f"{SWEEP[shape, m, 'tensor-core GEMV']['us']:.2f}",
+                     "best": best["variant"], "best us": f"{best['us']:.2f}",
+                     "pure read us": f"{best['read_us']:.2f}"})
+print(render_table(rows))
+print("\nthe 30-GEMV chain of 10 GDN layers (M = 1), one graph:")
+print(render_table([{"variant": r["variant"], "PDL": r["pdl"], "us": f"{r['us']:.1f}", "GB/s": f"{r['gbps']:,.0f}",
+                     "of copy (4,219 GB/s)": f"{r['gbps'] / 4219:.1%}"} for r in STREAM["chain"]]))
+print("\nhost cost of one call, back-to-back eager calls (4096 x 2048, M = 1):")
+print(render_table([{"call": k, "us": f"{v:.1f}"} for k, v in STREAM["host_us"].items()]))
+
+# %% [markdown]
+# What it says:
+#
+# * **More rows a program, shorter steps**: 32 rows of 64 words (four steps on K = 2048) took 2048->8192 from
+#   8.95 to 7.35 us and 2048->12288 from 10.89 to 9.66; `fma_config` now picks that tile for one x row there. The
+#   other shapes kept their tiles (within 1%), and the LM head stays on the tensor-core GEMV.
+# * **Fewer, longer-lived programs lose** where each keeps little in flight: one program per SM is up to 2.8x
+#   slower, because a program has one step of weights in flight and only more resident programs put more bytes in
+#   flight. Two per SM helps the 16 x 128 tile here (7.9 against 9.0 us) but not the 32 x 64 one, which is as fast
+#   one program per tile; `PROGRAMS` stays an option, not the default.
+# * **Releasing the next kernel early** under PDL (`EARLY_RELEASE`) makes the chain 14-22% slower: its programs
+#   take SM slots and wait while this kernel's later programs still need them. The best chain, 167 us, is 27% of
+#   the copy bandwidth; the goal is 75%.
+# * **The host**: `runtime.DirectLaunch` keeps the compiled kernel of a launch's first call and then calls its
+#   launcher straight away, so `nvfp4_linear` costs 20.6 us instead of 71.9 (an empty Triton kernel costs 15 us
+#   there through Triton's own path).
+#
+# A second experiment, an L2 prefetch of the weight rows in the tensor-core GEMV and GEMM, was slower in 27 of
+# 34 cells and is not in the code (`docs/performance.md` has it, and what the one-stage compile of Triton 3.6's
+# fault costs the GEMM: 0.36-0.47x cuBLAS at M = 512 and 4096).
+
+# %% [markdown]
 # ## 5. Validation table
 #
 # `lynn check matmul` runs the three entry points on awkward shapes (M = 1, 2, 3, 17, 129; K = 208, 400, 1040,
