@@ -1053,7 +1053,7 @@ def test_gpu_packed_matches_reference_with_pdl_and_graphs(m, dtype, make_weight,
 def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
     """The H200: the FMA GEMV's direct launch (runtime.DirectLaunch) gives the bits of Triton's own launch path,
     eager and in a CUDA graph; an x view that is not 16-byte aligned gets its own compiled kernel (the alignment is
-    part of the key)."""
+    part of the key), and so do a bias, PDL and two x rows, each then launched directly with the same bits."""
     from lynn_kernels import runtime
     from lynn_kernels.matmul.triton_matmul import _FMA_GEMV
 
@@ -1073,6 +1073,21 @@ def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
         nvfp4_linear(x, p)                                      # the first call of a key goes through Triton
         assert_bit_equal(nvfp4_linear(x, p), want[name], f"direct launch, {name}")
     assert len(_FMA_GEMV.compiled) == 2, "the misaligned view must not reuse the aligned kernel"
+    # kept kernels with a bias, with PDL, and with two x rows: each key's second call runs directly
+    bias = make_weight((n,), BF16, seed=6)
+    x2 = make_weight((2, k), BF16, seed=8)
+    cases = {"bias": (xs["aligned"], bias, False), "PDL": (xs["aligned"], None, True), "M = 2": (x2, None, False)}
+    runtime.DIRECT_LAUNCH = False
+    try:
+        slow = {name: launch_packed_gemv(x, p, b, torch.empty(x.shape[0], n, dtype=BF16, device=device), pdl=pdl)
+                for name, (x, b, pdl) in cases.items()}
+    finally:
+        runtime.DIRECT_LAUNCH = True
+    for name, (x, b, pdl) in cases.items():
+        for _ in range(2):
+            y = launch_packed_gemv(x, p, b, torch.empty(x.shape[0], n, dtype=BF16, device=device), pdl=pdl)
+            assert_bit_equal(y, slow[name], f"direct launch, {name}")
+    assert len(_FMA_GEMV.compiled) == 5, "bias, PDL and M = 2 each keep their own kernel"
     x = xs["aligned"]
     out = torch.empty_like(want["aligned"])
     g = torch.cuda.CUDAGraph()
