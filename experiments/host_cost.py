@@ -27,7 +27,8 @@ f = kernel_constexprs(x.dtype, None, y.dtype, False, True)
 raw_args = (x, p.words, p.scales, p.global_scale, y, y, 1, n, k, p.words.shape[1], x.stride(0), x.stride(1),
             y.stride(0), n)
 raw_kw = dict(HAS_BIAS=False, X_DTYPE=f["X_DTYPE"], BIAS_DTYPE=f["BIAS_DTYPE"], OUT_DTYPE=f["OUT_DTYPE"], BLOCK_M=1,
-              BLOCK_N=16, TW=128, EVEN_N=True, EVEN_K=True, USE_PDL=False, EARLY_RELEASE=False, INTERPRET=False, num_warps=4,
+              BLOCK_N=16, TW=128, EVEN_N=True, EVEN_K=True, USE_PDL=False, EARLY_RELEASE=False, INTERPRET=False,
+              num_warps=4,
               num_stages=1)
 rows = {
     "empty Triton kernel, 1 argument": host_us(lambda: empty_launch(x)),

@@ -153,7 +153,8 @@ for name, cfgs, pdl in [("default", {s: None for s in shapes}, False),
                         ("default + PDL early release", {s: {"EARLY_RELEASE": True} for s in shapes}, True),
                         ("best grid", best, False),
                         ("best grid + PDL", best, True),
-                        ("best grid + PDL early release", {s: {**best[s], "EARLY_RELEASE": True} for s in shapes}, True),
+                        ("best grid + PDL early release",
+                         {s: {**best[s], "EARLY_RELEASE": True} for s in shapes}, True),
                         *[(f"{g // SMS} programs per SM + PDL early release",
                            {s: {"PROGRAMS": g, "EARLY_RELEASE": True} for s in shapes}, True) for g in GRIDS[1:]]]:
     calls = []
