@@ -301,8 +301,9 @@ class Model(nn.Module):
         """Stack each mixer's projections of its input into one GEMV where their weights are of one kind
         (attention ``q | k | v``; Gated DeltaNet ``qkv | z`` and ``b | a``), exactly (per-row global scales kept).
         In place, once, after loading; returns how many layers each group was fused in. Fewer launches per step;
-        the products are the same per row, but a split-K GEMM may sum a row's partials in another grouping, so a
-        fused model is not bit-equal to the unfused one (docs/decoder.md)."""
+        the products are the same per row, but a kernel picks its split-K or its step width from the output's
+        width and may sum a row's partials in another grouping, so a fused model is not bit-equal to the unfused
+        one (docs/decoder.md)."""
         counts: dict[str, int] = {}
         for layer in self.layers:
             for name in layer.mixer.fuse_input_projections():
