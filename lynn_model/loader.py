@@ -646,7 +646,8 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
         dtype: the activation dtype; default bf16 for ``weights="bf16"``, else the checkpoint's float dtype.
         keep: regexes of module names kept in a float dtype by ``weights="nvfp4"`` (:data:`DEFAULT_KEEP`).
         recipe: the NVFP4 recipe for quantising on load (``"modelopt"`` or ``"compressed-tensors"``).
-        layout: ``"packed"`` (NVFP4 projections in the packed kernels' layout, made once here: the fast path) or
+        layout: ``"packed"`` (NVFP4 projections and expert stacks in the packed kernels' layout, made once here,
+            the shared expert joined to the routed stacks where its shape allows: the fast path) or
             ``"checkpoint"`` (kept as stored, for comparing the two).
     """
     folder = Path(path)
@@ -706,20 +707,35 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     asm.finish()
     if layout == "packed":
         pack_linears(model)
+        pack_moe_experts(model)
     model.eval()
     return model
 
 
 def pack_linears(model: Model) -> int:
     """Put every NVFP4 projection of ``model`` (a :class:`~lynn_model.model.Linear`) in the packed kernels'
-    layout (:func:`lynn_kernels.matmul.pack`, exact, once at load); returns how many. The MoE experts keep the
-    checkpoint layout (the grouped kernels read it)."""
+    layout (:func:`lynn_kernels.matmul.pack`, exact, once at load); returns how many. The MoE experts:
+    :func:`pack_moe_experts`."""
     from .model import Linear
 
     n = 0
     for m in model.modules():
         if isinstance(m, Linear) and isinstance(m.weight, NVFP4Tensor):
             m.weight = pack(m.weight)
+            n += 1
+    return n
+
+
+def pack_moe_experts(model: Model) -> int:
+    """Put the NVFP4 experts of every MoE block in the packed layout (:func:`lynn_kernels.moe.pack_experts`,
+    exact, once at load), the shared expert into the same stacks where its shape allows (the decode step then runs
+    it as one more routed slot); returns how many blocks."""
+    from .model import SparseMoE
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, SparseMoE) and isinstance(m.w13, NVFP4Tensor) and isinstance(m.w2, NVFP4Tensor):
+            m.w13, m.w2, m.shared = moe.pack_experts(m.w13, m.w2, m.shared)
             n += 1
     return n
 
@@ -785,6 +801,7 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
     asm.finish()
     if layout == "packed":
         pack_linears(model)
+        pack_moe_experts(model)
     return model.eval()
 
 
@@ -796,8 +813,8 @@ def dequantize_model(model: Model, dtype: torch.dtype | None = None) -> Model:
     dtype = dtype or model.dtype
 
     def deq(w):
-        if isinstance(w, PackedNVFP4):
-            w = unpack(w)
+        if isinstance(w, (PackedNVFP4, moe.PackedExperts)):
+            w = w.unpack()
         return lynn_kernels.dequantize(w, dtype) if isinstance(w, NVFP4Tensor) else w
 
     out = copy.deepcopy(model)

@@ -32,6 +32,10 @@ import lynn_kernels
 import lynn_model
 from lynn_kernels import NVFP4Tensor, nvfp4
 from lynn_kernels.matmul import PackedNVFP4, unpack
+from lynn_kernels.moe import PackedExperts
+from lynn_kernels.moe.packed import shared_slot
+from lynn_kernels.moe.spec import as_nvfp4
+from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.nvfp4.spec import reciprocal
 from lynn_model import LoadError, loader
 from lynn_model.model import SparseMoE
@@ -205,16 +209,17 @@ def model_weights(model) -> dict:
         if isinstance(layer.mlp, SparseMoE):
             mlp, n = layer.mlp, c.moe_intermediate_size
             out[m + "gate"] = mlp.router
+            w13s, w2s = as_nvfp4(mlp.w13), as_nvfp4(mlp.w2)                  # packed experts: unpacked, exact
             for e in range(c.num_experts):
-                w13 = mlp.w13[e]
+                w13 = w13s[e]
                 out[m + f"experts.{e}.gate_proj"], out[m + f"experts.{e}.up_proj"] = _rows(w13, 0, n), \
                     _rows(w13, n, 2 * n)
-                out[m + f"experts.{e}.down_proj"] = mlp.w2[e]
+                out[m + f"experts.{e}.down_proj"] = w2s[e]
             if mlp.shared is not None:
                 s = c.shared_expert_intermediate_size
-                out[m + "shared_expert.gate_proj"] = _rows(mlp.shared.w13, 0, s)
-                out[m + "shared_expert.up_proj"] = _rows(mlp.shared.w13, s, 2 * s)
-                out[m + "shared_expert.down_proj"] = mlp.shared.w2
+                out[m + "shared_expert.gate_proj"] = _rows(as_nvfp4(mlp.shared.w13), 0, s)
+                out[m + "shared_expert.up_proj"] = _rows(as_nvfp4(mlp.shared.w13), s, 2 * s)
+                out[m + "shared_expert.down_proj"] = as_nvfp4(mlp.shared.w2)
                 out[m + "shared_expert_gate"] = mlp.shared.gate_weight
         else:
             for n in ("gate_proj", "up_proj", "down_proj"):
@@ -338,9 +343,10 @@ def test_nvfp4_folder_loads_what_the_files_hold(ckpt, key, fmt):
 
 
 def test_projections_load_packed_and_match_the_checkpoint_layout(ckpt):
-    """``layout="packed"`` (the default) puts every NVFP4 projection in the packed kernels' layout and leaves the
-    experts' stacks alone; ``layout="checkpoint"`` keeps them as stored. The two hold the same bytes (packed,
-    unpacked) and give the same logits bit for bit on the references."""
+    """``layout="packed"`` (the default) puts every NVFP4 projection and expert stack in the packed kernels' layout,
+    the shared expert joined to the routed stacks (one more slot of the decode kernels); ``layout="checkpoint"``
+    keeps them as stored. The two hold the same bytes (packed, unpacked) and give the same logits bit for bit on the
+    references."""
     folder = ckpt("q35moe-ct")
     packed, plain = load(folder), load(folder, layout="checkpoint")
     pairs = [(a.weight, b.weight) for a, b in zip(packed.modules(), plain.modules())
@@ -349,7 +355,18 @@ def test_projections_load_packed_and_match_the_checkpoint_layout(ckpt):
     for p, w in pairs:
         u = unpack(p)
         assert torch.equal(u.codes, w.codes) and torch.equal(u.scales.view(torch.uint8), w.scales.view(torch.uint8))
-    assert all(isinstance(m.w13, NVFP4Tensor) for m in packed.modules() if isinstance(m, SparseMoE))
+    blocks = [(a, b) for a, b in zip(packed.modules(), plain.modules()) if isinstance(b, SparseMoE)]
+    assert blocks
+    for a, b in blocks:
+        assert isinstance(a.w13, PackedExperts) and isinstance(a.w2, PackedExperts)
+        joins = b.shared is not None and tuple(b.shared.w13.shape) == tuple(b.w13.shape[1:])   # Is == I
+        assert shared_slot(a.w13, a.w2, a.shared) == joins
+        assert b.shared is None or isinstance(a.shared.w13, PackedNVFP4)
+        for p, w in ((a.w13, b.w13), (a.w2, b.w2)) + (((a.shared.w13, b.shared.w13), (a.shared.w2, b.shared.w2))
+                                                       if b.shared is not None else ()):
+            u = p.unpack()
+            assert torch.equal(u.codes, w.codes) and torch.equal(u.scales.view(torch.uint8), w.scales.view(torch.uint8))
+            assert torch.equal(nvfp4_reference.dequantize(u, FP32), nvfp4_reference.dequantize(w, FP32))
     ids = torch.randint(0, packed.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
     with lynn_kernels.use_reference():
         assert torch.equal(packed.forward(ids), plain.forward(ids))

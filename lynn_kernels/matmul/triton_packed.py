@@ -13,6 +13,11 @@ The tensor-core tile (:func:`packed_w_tile`) decodes the same words to bf16 and 
 in each word the eight elements one thread holds of the ``mma`` A operand, so the compiled kernel feeds the decoded
 registers to the tensor cores with no shared-memory round trip (docs/matmul.md).
 
+Public helpers the MoE decode kernels (:mod:`lynn_kernels.moe.triton_experts`) reuse: :func:`decode_word`,
+:func:`fma_scales` (a word's two block scales for the FMA path), :func:`load_words` (a step's words and scale pairs),
+:func:`fma_row_step` (one x row's FMAs over a step) and :func:`split8` (x in word order, by element), with
+:data:`FMA_UNIT`.
+
 The range this buys: ``|x|`` below ``2^64`` (``x * 2^64`` stays finite) and products above ``2^-64`` stay normal;
 beyond, fp32 itself would be the limit of the reference too (``e2m1 * scale * x`` near fp32's ends).
 """
@@ -91,6 +96,16 @@ def _decode_scales_asm(v, OR: tl.constexpr):
 
 
 @triton.jit
+def fma_scales(v, INTERPRET: tl.constexpr):
+    """A word's two re-encoded scale bytes -> the two fp32 block scales ``s * 2^75`` of the FMA kernels: inline PTX
+    on the GPU (:func:`_decode_scales_asm`), :func:`decode_scales` under the interpreter."""
+    if INTERPRET:
+        return decode_scales(v, 0x60000000)
+    else:
+        return _decode_scales_asm(v, 0x60000000)
+
+
+@triton.jit
 def _word_scales(scales_ptr, rows, mask_rows, w, KW, EVEN: tl.constexpr):
     """The 16-bit scale pair of each word ``w`` (word indices of a row, any shape broadcasting with ``rows``): word
     ``16 c + 4 q + i`` spans the blocks ``8 c + 2 i`` and ``8 c + 2 i + 1``, adjacent bytes of the row's scales."""
@@ -113,7 +128,7 @@ def _fragment_tile(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _split8(x, TW: tl.constexpr):
+def split8(x, TW: tl.constexpr):
     """``x [TW, 8]`` -> its 8 columns ``x[:, j]`` in order (``[TW]`` each)."""
     even, odd = tl.split(tl.reshape(x, (TW, 4, 2)))        # j = 2u + c
     e_lo, e_hi = tl.split(tl.reshape(even, (TW, 2, 2)))     # u = 2a + b: b = 0 -> j = 0, 4; b = 1 -> j = 2, 6
@@ -202,7 +217,7 @@ def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.con
 
 
 @triton.jit
-def _load_words(wrow, scales_ptr, rows, mask_w, k0, offs, offs_s, KW, EVEN: tl.constexpr):
+def load_words(wrow, scales_ptr, rows, mask_w, k0, offs, offs_s, KW, EVEN: tl.constexpr):
     """A step's words ``[BLOCK_N, TW]`` (16-byte runs: ``offs`` says 4 contiguous) and each word's 16-bit scale
     pair (``offs_s``: the same word indices, with no hint, so the four pairs of a run load as 8 bytes)."""
     if EVEN:
@@ -215,8 +230,8 @@ def _load_words(wrow, scales_ptr, rows, mask_w, k0, offs, offs_s, KW, EVEN: tl.c
 
 
 @triton.jit
-def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm, stride_xk,
-              TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+def fma_row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm, stride_xk,
+                 TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """One x row's share of a step: ``acc [BLOCK_N, TW] += sa * sum_{j<4} e_j x_j + sb * sum_{j>=4} e_j x_j`` (fp32
     FMAs), ``x_j`` the x element at the ``K`` position of word element ``j`` (the layout's order)."""
     kx = 8 * k0 + tl.arange(0, 8 * TW)                                       # the step's x, contiguous
@@ -229,7 +244,7 @@ def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, o
     xt = tl.reshape(xt, (TW // 16, 4, 2, 2, 4, 2))                           # [c, i, j2, j1, q, j0]
     xt = tl.reshape(tl.permute(xt, (0, 4, 1, 2, 3, 5)), (TW, 8))              # [c, q, i, j2, j1, j0]: the words
     xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, TW)
+    x0, x1, x2, x3, x4, x5, x6, x7 = split8(xt, TW)
     pa = e0 * x0[None, :]
     pa = tl.fma(e1, x1[None, :], pa)
     pa = tl.fma(e2, x2[None, :], pa)
@@ -288,7 +303,7 @@ def packed_gemv_kernel(
     EVEN: tl.constexpr = EVEN_N and EVEN_K
     n0, w0 = _step_coords(0, pid, nprog, steps, TW, BLOCK_N)
     rows = n0 + lane_n
-    q, v = _load_words(words_ptr + rows[:, None].to(tl.int64) * KW, scales_ptr, rows, (rows < N)[:, None], w0,
+    q, v = load_words(words_ptr + rows[:, None].to(tl.int64) * KW, scales_ptr, rows, (rows < N)[:, None], w0,
                        offs, offs_s, KW, EVEN)
     if USE_PDL:
         if EARLY_RELEASE:
@@ -305,22 +320,19 @@ def packed_gemv_kernel(
         else:
             n1, k1 = _step_coords(i + 1, pid, nprog, steps, TW, BLOCK_N)
         rows1 = n1 + lane_n
-        q_next, v_next = _load_words(words_ptr + rows1[:, None].to(tl.int64) * KW, scales_ptr, rows1,
+        q_next, v_next = load_words(words_ptr + rows1[:, None].to(tl.int64) * KW, scales_ptr, rows1,
                                      (rows1 < N)[:, None], k1, offs, offs_s, KW, EVEN)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
-        if INTERPRET:                                                          # the two blocks of each word
-            sa, sb = decode_scales(v, 0x60000000)
-        else:
-            sa, sb = _decode_scales_asm(v, 0x60000000)
-        acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
+        sa, sb = fma_scales(v, INTERPRET)                                      # the two blocks of each word
+        acc0 = fma_row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
                          stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 1:
-            acc1 = _row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
+            acc1 = fma_row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
                              stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 2:
-            acc2 = _row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
+            acc2 = fma_row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
                              stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
-            acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
+            acc3 = fma_row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
                              stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         q, v = q_next, v_next
         if k0 + TW >= KW:                            # the tile's last step: write its rows, start the next tile

@@ -12,6 +12,11 @@ signature in :mod:`.reference`; layouts and checks in :mod:`.spec`):
 * ``moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True) -> [..., H]``: router, routing,
   experts and the :class:`SharedExpert`, summed and rounded once.
 
+The kernel layout (:mod:`.packed`): ``pack_experts(w13, w2, shared=None) -> (w13, w2, shared)`` puts the expert
+stacks into the packed layout of :func:`lynn_kernels.matmul.pack` (:class:`PackedExperts`), once at load time, and
+the shared expert into the same stacks as expert ``E`` where its shape allows: every op takes the result, and
+``moe_block``'s decode step then runs in three launches (router, gate_up, down), the shared expert one more slot.
+
 Loader helpers (:mod:`.spec`): ``stack_w13(gates, ups) -> w13 [E, 2I, H]`` and ``fuse_w13(gate, up) -> [2I, H]``
 build ``w13`` from a checkpoint's separate gate_proj / up_proj weights (NVFP4 or float), each keeping its own global
 scale (per-shard scales become one global scale per row, which the kernels apply exactly).
@@ -31,6 +36,7 @@ Example (a decode batch of 4 tokens over Qwen3.5's 256 experts)::
 
 from .. import runtime
 from . import reference, spec
+from .packed import PackedExperts, pack_experts
 from .spec import SharedExpert, fuse_w13, max_padded, stack_w13
 from .triton_align import align_triton
 from .triton_experts import moe_block_triton, moe_experts_triton

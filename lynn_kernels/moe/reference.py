@@ -88,7 +88,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
 def _fp32(w) -> torch.Tensor:
     """An expert weight in fp32: NVFP4 dequantised (every row with its own global scale, so per-shard gate / up
     scales apply exactly), a float tensor as it is."""
-    return nvfp4_reference.dequantize(w, torch.float32) if spec.is_nvfp4(w) else w.float()
+    return nvfp4_reference.dequantize(spec.as_nvfp4(w), torch.float32) if spec.is_nvfp4(w) else w.float()
 
 
 def _ffn(xf: torch.Tensor, w13, w2) -> torch.Tensor:

@@ -14,8 +14,9 @@ Layouts:
 * routing ``weights`` fp32 ``[M, top_k]`` and ``ids`` int32 ``[M, top_k]``, best expert first;
 * a *slot* is a flat index ``t * top_k + j`` into ``ids.view(-1)``: token ``t``'s ``j``-th choice;
 * experts, stacked: ``w13 [E, 2I, H]`` (gate rows ``0..I-1``, then up rows) and ``w2 [E, H, I]``, of one kind:
-  both NVFP4 (:class:`~lynn_kernels.nvfp4.NVFP4Tensor`) or both plain float tensors of x's dtype (the unquantised
-  baseline, e.g. an HF bf16 checkpoint);
+  both NVFP4 (:class:`~lynn_kernels.nvfp4.NVFP4Tensor`, or both in the packed kernel layout:
+  :class:`~lynn_kernels.moe.PackedExperts` stacks, :class:`~lynn_kernels.matmul.PackedNVFP4` for the shared expert)
+  or both plain float tensors of x's dtype (the unquantised baseline, e.g. an HF bf16 checkpoint);
 * NVFP4 global scales: ``()`` (one per tensor) or ``[E]`` (one per expert); for ``w13`` also ``[E, 2I]``, one per
   row, which is how separate gate / up (per-shard) scales are kept exactly: every gate row of expert ``e`` holds its
   gate_proj's scale, every up row its up_proj's. :func:`stack_w13` builds that from per-expert gate / up weights
@@ -29,8 +30,10 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import values_checkable
+from ..matmul.packed import PackedNVFP4
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.spec import reciprocal
+from .packed import PackedExperts
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -245,17 +248,35 @@ def check_ids_in_range(ids: torch.Tensor, num_experts: int) -> None:
 
 
 def is_nvfp4(w) -> bool:
-    """True for NVFP4 expert weights, False for plain float ones (the two kinds the MoE ops take)."""
-    return isinstance(w, NVFP4Tensor)
+    """True for NVFP4 expert weights (checkpoint layout, or packed: :class:`PackedExperts` stacks and
+    :class:`~lynn_kernels.matmul.PackedNVFP4` single experts), False for plain float ones."""
+    return isinstance(w, (NVFP4Tensor, PackedExperts, PackedNVFP4))
+
+
+def is_packed(w) -> bool:
+    """True for expert weights in the packed kernel layout."""
+    return isinstance(w, (PackedExperts, PackedNVFP4))
+
+
+def as_nvfp4(w):
+    """An NVFP4 expert weight in the checkpoint layout (packed ones unpacked, exactly); others as they are."""
+    return w.unpack() if is_packed(w) else w
 
 
 def weight_data(name: str, w) -> tuple[str, torch.Tensor]:
-    """``(name, tensor)`` of what a weight keeps on the device (its codes, or the float tensor), for device checks."""
+    """``(name, tensor)`` of what a weight keeps on the device (its codes or words, or the float tensor), for
+    device checks."""
+    if is_packed(w):
+        return name + ".words", w.words
     return (name + ".codes", w.codes) if is_nvfp4(w) else (name, w)
 
 
 def _kind(w) -> str:
     return "an NVFP4Tensor" if is_nvfp4(w) else f"a {str(w.dtype)[6:]} tensor"
+
+
+def _layout(w) -> str:
+    return f"packed ({type(w).__name__})" if is_packed(w) else "in the checkpoint layout (NVFP4Tensor)"
 
 
 def _check_weight(name: str, w, ndim: int, layout: str, x_dtype: torch.dtype) -> None:
@@ -267,7 +288,7 @@ def _check_weight(name: str, w, ndim: int, layout: str, x_dtype: torch.dtype) ->
         raise TypeError(f"{name} has dtype {str(w.dtype)[6:]}; float expert weights must have x's dtype "
                         f"({str(x_dtype)[6:]}), or be NVFP4Tensors")
     if w.dim() != ndim:
-        what = "NVFP4Tensor" if is_nvfp4(w) else "tensor"
+        what = type(w).__name__ if is_nvfp4(w) else "tensor"
         raise ValueError(f"{name} must be a {ndim}-D {what} {layout}, found shape {tuple(w.shape)}")
 
 
@@ -284,6 +305,9 @@ def check_ffn(x_name: str, x_dtype: torch.dtype, H: int, w13, w2, stacked: bool,
                         f"NVFP4Tensors, or float tensors of x's dtype), found {_kind(w2)}")
     _check_weight(n13, w13, 2 + stacked, l13, x_dtype)
     _check_weight(n2, w2, 2 + stacked, l2, x_dtype)
+    if is_packed(w13) != is_packed(w2):
+        raise TypeError(f"{n13} is {_layout(w13)} but {n2} is {_layout(w2)}: both weights of an FFN must be in one "
+                        f"layout (lynn_kernels.moe.pack_experts packs both)")
     lead = tuple(w13.shape[:1]) if stacked else ()
     lead_s = "".join(f"{d}, " for d in lead)
     if tuple(w13.shape[:len(lead)]) != lead or w13.shape[-1] != H or w13.shape[-2] % 2:

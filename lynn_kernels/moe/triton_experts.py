@@ -23,8 +23,10 @@ import triton.language as tl
 from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
 from ..matmul.triton_matmul import kernel_constexprs, w_halves, w_tile
+from ..matmul.triton_packed import FMA_UNIT, X_PRESCALE, decode_word, fma_row_step, fma_scales, load_words, split8
 from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
+from .packed import shared_slot
 from .spec import SharedExpert
 from .triton_align import MAX_EXPERTS, launch_align
 from .triton_route import ROUTER_MAX_M, launch_route, launch_router
@@ -46,6 +48,10 @@ DECODE_UP_CONFIGS = ({"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages
                      {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3})
 DECODE_DOWN_CONFIGS = ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
                        {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})
+#: GPU tiles of the packed decode kernels (FMA on the packed layout, :mod:`.packed`), ``(M <= 2, M > 2)``:
+#: ``BLOCK_N`` rows per program, ``TW`` words of K per step. Chosen on the H200 (docs/moe.md, section 6).
+PACKED_UP_CONFIGS = ({"BLOCK_N": 8, "TW": 64, "num_warps": 4}, {"BLOCK_N": 8, "TW": 64, "num_warps": 4})
+PACKED_DOWN_CONFIGS = ({"BLOCK_N": 4, "TW": 32, "num_warps": 4}, {"BLOCK_N": 4, "TW": 32, "num_warps": 4})
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,12 +85,17 @@ def _round_h(h, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def _expert(w_ptr, scales_ptr, e, N, K, FLOAT_W: tl.constexpr):
-    """Expert ``e`` of a stack ``[E, N, K]``: the bases of its codes ``[N, K/2]`` and block scales ``[N, K/16]``, or
-    with ``FLOAT_W`` of its float rows ``[N, K]`` (the scales pointer is then unused)."""
+def _expert(w_ptr, scales_ptr, e, N, K, FLOAT_W: tl.constexpr, PACKED_LAYOUT: tl.constexpr = False):
+    """Expert ``e`` of a stack ``[E, N, K]``: the bases of its codes ``[N, K/2]`` and block scales ``[N, K/16]``, of
+    its packed words ``[N, Kp/8]`` and scales ``[N, Kp/16]`` (``PACKED_LAYOUT``), or with ``FLOAT_W`` of its float
+    rows ``[N, K]`` (the scales pointer is then unused)."""
     if FLOAT_W:
         w_e = w_ptr + e * N * K
         scales_e = scales_ptr
+    elif PACKED_LAYOUT:
+        KW = tl.cdiv(K, 128) * 16
+        w_e = w_ptr + e * N * KW
+        scales_e = scales_ptr + e * N * (KW // 2)
     else:
         w_e = w_ptr + e * N * (K // 2)
         scales_e = scales_ptr + e * N * (K // 16)
@@ -94,10 +105,10 @@ def _expert(w_ptr, scales_ptr, e, N, K, FLOAT_W: tl.constexpr):
 @triton.jit
 def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, PACKED_LAYOUT: tl.constexpr = False, ACC_UNIT: tl.constexpr = 1.0):
     """W[offs_n, k0:k0+BLOCK_K] of one expert ``[N, K]`` in ``DOT_DTYPE``, the first ``tl.dot`` operand: float
-    weights (x's dtype) loaded as they are, or NVFP4 decoded by the matmul's ``w_tile`` (times ``2^-7`` with
-    ``PACKED_DECODE``)."""
+    weights (x's dtype) loaded as they are, or NVFP4 decoded by the matmul's ``w_tile`` (from either layout; the
+    tile is ``W / ACC_UNIT``)."""
     if FLOAT_W:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
@@ -105,7 +116,7 @@ def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr
         return to_float32(w, X_DTYPE, INTERPRET).to(DOT_DTYPE)                        # [BLOCK_N, BLOCK_K]
     else:
         return w_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE, PACKED_DECODE,
-                      INTERPRET)
+                      INTERPRET, PACKED_LAYOUT, ACC_UNIT)
 
 
 @triton.jit
@@ -126,11 +137,11 @@ def _weight_halves(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constex
 
 @triton.jit
 def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, FLOAT_W: tl.constexpr,
-                G_PER_ROW: tl.constexpr, PACKED_DECODE: tl.constexpr):
+                G_PER_ROW: tl.constexpr, ACC_UNIT: tl.constexpr):
     """The global scales of expert ``e``'s gate rows ``offs_n`` and up rows ``I + offs_n``, fp32 ``[BLOCK_N]`` each,
-    times ``2^7`` with ``PACKED_DECODE`` (undoing the packed decode's ``2^-7``): 1 for float weights; one per row
+    times ``ACC_UNIT`` (undoing the power of two the weight decode leaves): 1 for float weights; one per row
     with ``G_PER_ROW`` (``g[e * 2I + row]``: per-shard gate / up scales); else one, ``g[e * G_STRIDE]``."""
-    unit = 128.0 if PACKED_DECODE else 1.0
+    unit = ACC_UNIT
     if FLOAT_W:
         g_gate = tl.full((BLOCK_N,), 1.0, tl.float32)
         g_up = g_gate
@@ -145,13 +156,13 @@ def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, FL
 
 
 @triton.jit
-def _w2_global(g_ptr, offs, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr):
-    """``g[offs]`` (one expert's, or ``[TOP_K_P2]`` experts') times ``2^7`` with ``PACKED_DECODE``; 1 for float
-    weights (``g_ptr`` unused)."""
+def _w2_global(g_ptr, offs, FLOAT_W: tl.constexpr, ACC_UNIT: tl.constexpr):
+    """``g[offs]`` (one expert's, or ``[TOP_K_P2]`` experts') times ``ACC_UNIT``; 1 for float weights (``g_ptr``
+    unused)."""
     if FLOAT_W:
         g = (offs * 0).to(tl.float32) + 1.0
     else:
-        g = tl.load(g_ptr + offs) * (128.0 if PACKED_DECODE else 1.0)
+        g = tl.load(g_ptr + offs) * ACC_UNIT
     return g
 
 
@@ -161,6 +172,7 @@ def _moe_gate_up_kernel(
     S, H, I, stride_xm, G_STRIDE,
     TOP_K: tl.constexpr, DENSE: tl.constexpr, FLOAT_W: tl.constexpr, G_PER_ROW: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
+    PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -171,7 +183,7 @@ def _moe_gate_up_kernel(
     token = slot // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
-    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, 2 * I, H, FLOAT_W)     # expert e of [E, 2I, H]
+    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, 2 * I, H, FLOAT_W, PACKED_LAYOUT)   # expert e, [2I, H]
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -180,13 +192,13 @@ def _moe_gate_up_kernel(
                      mask=(offs_k[:, None] < H) & valid[None, :], other=0)
         xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
         wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
-                          FLOAT_W, PACKED_DECODE, INTERPRET)                       # gate rows [BLOCK_N, BLOCK_K]
+                          FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # gate rows [BN, BK]
         acc_gate = tl.dot(wt, xt, acc_gate, input_precision=PRECISION)
         wt = _weight_tile(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
-                          FLOAT_W, PACKED_DECODE, INTERPRET)                       # up rows
+                          FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # up rows
         acc_up = tl.dot(wt, xt, acc_up, input_precision=PRECISION)
     g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW,
-                               PACKED_DECODE)                                      # [BLOCK_N] each
+                               ACC_UNIT)                                           # [BLOCK_N] each
     gate = acc_gate * g_gate[:, None]
     h = gate * tl.sigmoid(gate) * (acc_up * g_up[:, None])                         # [BLOCK_N, BLOCK_M]
     tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None], _round_h(h, X_DTYPE, DOT_DTYPE, INTERPRET),
@@ -199,7 +211,7 @@ def _moe_down_kernel(
     S, H, I, stride_om, G_STRIDE,
     DENSE: tl.constexpr, FLOAT_W: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -208,16 +220,16 @@ def _moe_down_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
-    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, H, I, FLOAT_W)           # expert e of [E, H, I]
+    codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, H, I, FLOAT_W, PACKED_LAYOUT)   # expert e of [E, H, I]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + offs_k[:, None],
                      mask=(offs_k[:, None] < I) & valid[None, :], other=0).to(DOT_DTYPE)   # [BLOCK_K, BLOCK_M]
         wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
-                          FLOAT_W, PACKED_DECODE, INTERPRET)                       # [BLOCK_N, BLOCK_K]
+                          FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # [BLOCK_N, BLOCK_K]
         acc = tl.dot(wt, ht, acc, input_precision=PRECISION)
-    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, PACKED_DECODE)
+    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, ACC_UNIT)
     w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)   # routing weight [BLOCK_M]
     y = acc * g * w[None, :]
     tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None], cast_output(y, OUT_DTYPE, INTERPRET),
@@ -230,7 +242,8 @@ def _moe_decode_gate_up_kernel(
     H, I, stride_xm, G_STRIDE,
     TOP_K: tl.constexpr, DENSE: tl.constexpr, FLOAT_W: tl.constexpr, G_PER_ROW: tl.constexpr,
     X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-    PACKED_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PACKED_DECODE: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -254,7 +267,7 @@ def _moe_decode_gate_up_kernel(
         w_even, w_odd = _weight_halves(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, X_DTYPE,
                                        FLOAT_W, PACKED_DECODE, INTERPRET)
         acc_up += w_even * x_even[None, :] + w_odd * x_odd[None, :]
-    g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW, PACKED_DECODE)
+    g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW, ACC_UNIT)
     gate = tl.sum(acc_gate, axis=1) * g_gate
     h = gate * tl.sigmoid(gate) * (tl.sum(acc_up, axis=1) * g_up)             # [BLOCK_N]
     tl.store(h_ptr + slot.to(tl.int64) * I + offs_n, _round_h(h, X_DTYPE, H_DTYPE, INTERPRET), mask=mask_n)
@@ -266,7 +279,8 @@ def _moe_decode_down_kernel(
     H, I, stride_om, G_STRIDE,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, DENSE: tl.constexpr, HAS_SHARED: tl.constexpr,
     FLOAT_W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PACKED_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PACKED_DECODE: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -293,8 +307,146 @@ def _moe_decode_down_kernel(
                                        X_DTYPE, FLOAT_W, PACKED_DECODE, INTERPRET)
         acc += (tl.reshape(w_even, (TOP_K_P2, BLOCK_N, BLOCK_K // 2)) * h_even[:, None, :]
                 + tl.reshape(w_odd, (TOP_K_P2, BLOCK_N, BLOCK_K // 2)) * h_odd[:, None, :])
-    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, PACKED_DECODE)                            # [TOP_K_P2]
+    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, ACC_UNIT)                                 # [TOP_K_P2]
     w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)  # 0 past top_k
+    y = tl.sum(tl.sum(acc, axis=2) * (g * w)[:, None], axis=0)          # the combine: a fixed reduction order
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + t.to(tl.int64) * H + offs_n, mask=mask_n, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, cast_output(y, OUT_DTYPE, INTERPRET), mask=mask_n)
+
+
+@triton.jit
+def _moe_packed_gate_up_kernel(
+    x_ptr, words_ptr, scales_ptr, g_ptr, ids_ptr, h_ptr,
+    H, I, stride_xm, G_STRIDE,
+    SLOTS: tl.constexpr, DENSE: tl.constexpr, G_PER_ROW: tl.constexpr, X_DTYPE: tl.constexpr,
+    H_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr, EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Decode gate_up on packed experts (the FMA GEMV's word decode): program ``(slot, n)`` computes ``h[slot, n
+    * BLOCK_N : (n + 1) * BLOCK_N]`` of expert ``ids[slot]`` from token ``slot // SLOTS``, its gate and up rows in
+    steps of ``TW`` words, the next step's words loading while this one is multiplied."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if DENSE:                                                      # the shared expert alone: expert 0
+        e = (slot * 0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // SLOTS).to(tl.int64) * stride_xm
+    KW = tl.cdiv(H, 128) * 16
+    words_e, scales_e = _expert(words_ptr, scales_ptr, e, 2 * I, H, False, True)
+    offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)     # words of a step: 16-byte runs
+    offs_s = tl.arange(0, TW)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < I
+    gate_w = words_e + rows[:, None].to(tl.int64) * KW
+    up_w = words_e + (rows + I)[:, None].to(tl.int64) * KW
+    qg, vg = load_words(gate_w, scales_e, rows, mask_n[:, None], 0, offs, offs_s, KW, EVEN)
+    qu, vu = load_words(up_w, scales_e, rows + I, mask_n[:, None], 0, offs, offs_s, KW, EVEN)
+    acc_g = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+    for k0 in range(0, KW, TW):
+        if EVEN:                                     # the last step reloads its own words (an L2 hit), unmasked
+            k1 = tl.minimum(k0 + TW, KW - TW)
+        else:
+            k1 = k0 + TW
+        qg_next, vg_next = load_words(gate_w, scales_e, rows, mask_n[:, None], k1, offs, offs_s, KW, EVEN)
+        qu_next, vu_next = load_words(up_w, scales_e, rows + I, mask_n[:, None], k1, offs, offs_s, KW, EVEN)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(qg)                     # [BLOCK_N, TW] each
+        sa, sb = fma_scales(vg, INTERPRET)
+        acc_g = fma_row_step(acc_g, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_row, 0, 1, H, k0, offs, 0, 1, TW,
+                             EVEN_K, X_DTYPE, INTERPRET)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(qu)
+        sa, sb = fma_scales(vu, INTERPRET)
+        acc_u = fma_row_step(acc_u, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_row, 0, 1, H, k0, offs, 0, 1, TW,
+                             EVEN_K, X_DTYPE, INTERPRET)
+        qg, vg, qu, vu = qg_next, vg_next, qu_next, vu_next
+    g_gate, g_up = _w13_global(g_ptr, e, rows, mask_n, I, G_STRIDE, BLOCK_N, False, G_PER_ROW, FMA_UNIT)
+    gate = tl.sum(acc_g, axis=1) * g_gate
+    h = gate * tl.sigmoid(gate) * (tl.sum(acc_u, axis=1) * g_up)                 # [BLOCK_N]
+    tl.store(h_ptr + slot.to(tl.int64) * I + rows, _round_h(h, X_DTYPE, H_DTYPE, INTERPRET), mask=mask_n)
+
+
+@triton.jit
+def _slots_step(acc, q, v, h_rows, mask_j, k0, I, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                TW: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of the down kernel: ``acc [SLOTS_P2, BLOCK_N, TW] +=`` the products of the words ``q`` (rows of
+    every slot's expert, ``[SLOTS_P2 * BLOCK_N, TW]``) with each slot's own ``h`` row (``h_rows`` ``[SLOTS_P2]``
+    pointers), in the FMA GEMV's order: per half word a sum of four products, then one FMA by its block scale."""
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
+    sa, sb = fma_scales(v, INTERPRET)
+    kx = 8 * k0 + tl.arange(0, 8 * TW)                                          # the step's h columns
+    if EVEN_K:
+        mask_h = mask_j[:, None] & (kx >= 0)[None, :]
+    else:
+        mask_h = mask_j[:, None] & (kx < I)[None, :]
+    ht = tl.load(h_rows[:, None] + kx[None, :], mask=mask_h, other=0).to(tl.float32)   # [SLOTS_P2, 8 TW]
+    # K order -> word order, as fma_row_step does for one row (each slot's row is TW / 16 whole chunks)
+    ht = tl.reshape(ht, (SLOTS_P2 * TW // 16, 4, 2, 2, 4, 2))
+    ht = tl.reshape(tl.permute(ht, (0, 4, 1, 2, 3, 5)), (SLOTS_P2 * TW, 8)) * X_PRESCALE
+    x0, x1, x2, x3, x4, x5, x6, x7 = split8(ht, SLOTS_P2 * TW)
+    pa = _tile3(e0, SLOTS_P2, BLOCK_N, TW) * _row3(x0, SLOTS_P2, TW)
+    pa = tl.fma(_tile3(e1, SLOTS_P2, BLOCK_N, TW), _row3(x1, SLOTS_P2, TW), pa)
+    pa = tl.fma(_tile3(e2, SLOTS_P2, BLOCK_N, TW), _row3(x2, SLOTS_P2, TW), pa)
+    pa = tl.fma(_tile3(e3, SLOTS_P2, BLOCK_N, TW), _row3(x3, SLOTS_P2, TW), pa)
+    pb = _tile3(e4, SLOTS_P2, BLOCK_N, TW) * _row3(x4, SLOTS_P2, TW)
+    pb = tl.fma(_tile3(e5, SLOTS_P2, BLOCK_N, TW), _row3(x5, SLOTS_P2, TW), pb)
+    pb = tl.fma(_tile3(e6, SLOTS_P2, BLOCK_N, TW), _row3(x6, SLOTS_P2, TW), pb)
+    pb = tl.fma(_tile3(e7, SLOTS_P2, BLOCK_N, TW), _row3(x7, SLOTS_P2, TW), pb)
+    return tl.fma(pb, _tile3(sb, SLOTS_P2, BLOCK_N, TW), tl.fma(pa, _tile3(sa, SLOTS_P2, BLOCK_N, TW), acc))
+
+
+@triton.jit
+def _tile3(t, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr):
+    """``[SLOTS_P2 * BLOCK_N, TW]`` -> ``[SLOTS_P2, BLOCK_N, TW]``."""
+    return tl.reshape(t, (SLOTS_P2, BLOCK_N, TW))
+
+
+@triton.jit
+def _row3(x, SLOTS_P2: tl.constexpr, TW: tl.constexpr):
+    """A slot's x values ``[SLOTS_P2 * TW]`` -> ``[SLOTS_P2, 1, TW]``, broadcast over its rows."""
+    return tl.reshape(x, (SLOTS_P2, 1, TW))
+
+
+@triton.jit
+def _moe_packed_down_kernel(
+    h_ptr, words_ptr, scales_ptr, g_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr,
+    H, I, stride_om, G_STRIDE,
+    SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, DENSE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Decode down + combine on packed experts: program ``(t, n)`` computes ``out[t, n * BLOCK_N : ...]``, the
+    ``SLOTS`` slots of token ``t`` at once (one ``[SLOTS_P2 * BLOCK_N, TW]`` tile of words per step, each slot's
+    rows from its expert, so every slot's loads are in flight together), each slot's sum times its routing weight
+    and global scale, added in slot order."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_j = tl.arange(0, SLOTS_P2)
+    mask_j = offs_j < SLOTS
+    slots = t * SLOTS + offs_j
+    if DENSE:
+        e = (offs_j * 0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + slots, mask=mask_j, other=0).to(tl.int64)
+    KW = tl.cdiv(I, 128) * 16
+    offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)
+    offs_s = tl.arange(0, TW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    # rows e * H + n of the stack [E * H, KW]
+    rows = tl.reshape(e[:, None] * H + offs_n[None, :], (SLOTS_P2 * BLOCK_N,))
+    mask_rows = tl.reshape(mask_j[:, None] & mask_n[None, :], (SLOTS_P2 * BLOCK_N,))[:, None]
+    w_rows = words_ptr + rows[:, None].to(tl.int64) * KW
+    h_rows = h_ptr + slots.to(tl.int64) * I
+    q, v = load_words(w_rows, scales_ptr, rows, mask_rows, 0, offs, offs_s, KW, False)
+    acc = tl.zeros((SLOTS_P2, BLOCK_N, TW), dtype=tl.float32)
+    for k0 in range(0, KW, TW):
+        q_next, v_next = load_words(w_rows, scales_ptr, rows, mask_rows, k0 + TW, offs, offs_s, KW, False)
+        acc = _slots_step(acc, q, v, h_rows, mask_j, k0, I, SLOTS_P2, BLOCK_N, TW, EVEN_K, INTERPRET)
+        q, v = q_next, v_next
+    g = _w2_global(g_ptr, e * G_STRIDE, False, FMA_UNIT)                                    # [SLOTS_P2]
+    w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)  # 0 past SLOTS
     y = tl.sum(tl.sum(acc, axis=2) * (g * w)[:, None], axis=0)          # the combine: a fixed reduction order
     if HAS_SHARED:
         y += tl.load(shared_ptr + t.to(tl.int64) * H + offs_n, mask=mask_n, other=0.0)
@@ -364,36 +516,44 @@ def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def _flags(x_dtype: torch.dtype, float_w: bool, interpret: bool) -> dict:
+def _flags(x_dtype: torch.dtype, float_w: bool, interpret: bool, packed: bool = False) -> dict:
     """Constexprs of the expert kernels, from the matmul's: the dot in x's dtype on the GPU, fp32 for fp32 x and
-    under the interpreter; float weights (``FLOAT_W``) or NVFP4, with the packed bf16x2 decode for bf16 x on the
-    GPU."""
-    c = kernel_constexprs(x_dtype, None, x_dtype, interpret)
+    under the interpreter; float weights (``FLOAT_W``) or NVFP4 in the checkpoint layout (the bf16x2 decode for
+    bf16 x on the GPU) or the packed one (``PACKED_LAYOUT``); ``ACC_UNIT``, the power of two each tile leaves for
+    the epilogue."""
+    c = kernel_constexprs(x_dtype, None, x_dtype, interpret, packed)
     return {"FLOAT_W": float_w, "X_DTYPE": c["X_DTYPE"], "DOT_DTYPE": c["DOT_DTYPE"], "PRECISION": c["PRECISION"],
-            "PACKED_DECODE": c["PACKED_DECODE"] and not float_w, "INTERPRET": c["INTERPRET"]}
+            "PACKED_DECODE": c["PACKED_DECODE"] and not float_w, "PACKED_LAYOUT": packed,
+            "ACC_UNIT": 1.0 if float_w else c["ACC_UNIT"], "INTERPRET": c["INTERPRET"]}
 
 
-def _tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tuple[dict, int, int]:
+def _tiles(n: int, k: int, gpu_config: dict, config: dict | None,
+           packed: bool = False) -> tuple[dict, int, int]:
     """(``BLOCK_N`` / ``BLOCK_K`` constexprs, ``num_warps``, ``num_stages``): ``gpu_config`` on the GPU, under the
-    interpreter the largest tiles the shape can use (its cost is per program and loop step); ``config`` overrides."""
+    interpreter the largest tiles the shape can use (its cost is per program and loop step); ``config`` overrides.
+    A packed weight's tile covers whole 128-column chunks (``BLOCK_K`` a multiple of 128)."""
     if runtime.INTERPRET:
         meta = {"BLOCK_N": max(16, min(128, runtime.next_power_of_2(n))),
-                "BLOCK_K": max(16, min(256, runtime.next_power_of_2(k))), "num_warps": 4}
+                "BLOCK_K": max(128 if packed else 16, min(256, runtime.next_power_of_2(k))), "num_warps": 4}
     else:
         meta = dict(gpu_config)
     meta.update(config or {})
+    if packed and "BLOCK_K" in meta and meta["BLOCK_K"] % 128:
+        raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: a packed expert tile covers whole chunks of 128 "
+                         f"columns (BLOCK_K a multiple of 128)")
     return meta, meta.pop("num_warps"), meta.pop("num_stages", 1)
 
 
 class _Weights(NamedTuple):
-    """One weight's kernel arguments: codes, block scales and global scale (for float weights the tensor itself
-    three times: its rows, and two pointers never read), and how the global scale is laid out."""
+    """One weight's kernel arguments: codes (or packed words), block scales and global scale (for float weights the
+    tensor itself three times: its rows, and two pointers never read), and how the global scale is laid out."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     g: torch.Tensor
     g_stride: int                   #: 0: one scale (or none), 1: one per expert
     g_per_row: bool                 #: one per row of w13 (per-shard gate / up scales)
+    packed: bool = False            #: the packed kernel layout (PackedExperts / PackedNVFP4)
 
 
 def _weights(name: str, w, stacked: bool, w13: bool) -> _Weights:
@@ -403,14 +563,23 @@ def _weights(name: str, w, stacked: bool, w13: bool) -> _Weights:
     if not spec.is_nvfp4(w):
         v = kernel_view(w if w.is_contiguous() else w.contiguous())
         return _Weights(v, v, v, 0, False)
+    packed = spec.is_packed(w)
     g = w.global_scale
-    args = (w.codes, w.scales.view(torch.uint8), g)
+    args = (w.words, w.scales, g) if packed else (w.codes, w.scales.view(torch.uint8), g)
+    if not stacked and packed:                          # a PackedNVFP4 keeps its scale flat: one, or one per row
+        g_rows = w.rows_per_global()
+        if g_rows == w.shape[0]:
+            return _Weights(*args, 0, False, True)
+        if w13 and g_rows == 1:
+            return _Weights(*args, 0, True, True)
+        raise ValueError(f"{name}.global_scale holds one value per {g_rows} rows; the expert kernels take one per "
+                         f"tensor{', or one per row for w13' if w13 else ''}")
     if g.dim() == 0:
-        return _Weights(*args, 0, False)
+        return _Weights(*args, 0, False, packed)
     if stacked and g.dim() == 1:
-        return _Weights(*args, 1, False)
+        return _Weights(*args, 1, False, packed)
     if w13:                                             # [E, 2I] or [2 Is]: one per row
-        return _Weights(*args, 0, True)
+        return _Weights(*args, 0, True, packed)
     want = "() or [E]" if stacked else "()"
     raise ValueError(f"{name}.global_scale has shape {tuple(g.shape)}; the grouped expert kernels take {want} for "
                      f"the down projection (one scale per tensor{' or per expert' if stacked else ''}); per-row "
@@ -418,14 +587,62 @@ def _weights(name: str, w, stacked: bool, w13: bool) -> _Weights:
                      f"reference backend")
 
 
+def _packed_tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tuple[dict, int]:
+    """(``BLOCK_N`` / ``TW`` constexprs, ``num_warps``) of a packed decode kernel over ``n`` output rows and ``K =
+    k``: ``gpu_config`` on the GPU, under the interpreter large tiles (its cost is per program and step);
+    ``config`` overrides."""
+    kw = runtime.cdiv(k, 128) * 16
+    if runtime.INTERPRET:
+        meta = {"BLOCK_N": max(4, min(32, runtime.next_power_of_2(n))),
+                "TW": max(16, min(64, runtime.next_power_of_2(kw))), "num_warps": 4}
+    else:
+        meta = dict(gpu_config)
+    meta.update(config or {})
+    if meta["TW"] % 16 or meta["TW"] & (meta["TW"] - 1):
+        raise ValueError(f"config TW = {meta['TW']}: a packed decode step is a power of two of whole 16-word "
+                         f"chunks (TW in 16, 32, 64, ...)")
+    return meta, meta.pop("num_warps")
+
+
+def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weights, h, out, shared_out,
+                          dense: bool, config: dict | None = None) -> None:
+    """The decode path on packed experts: gate_up over the ``M * slots`` slots, then down + combine over the M
+    tokens (``slots`` per token: ``top_k``, or ``top_k + 1`` with the shared expert as the last one) into ``out``,
+    adding ``shared_out`` (fp32) if given. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``) replaces both kernels'
+    tiles (tests and experiments)."""
+    M, H = x2.shape
+    I = h.shape[-1]
+    f = _flags(x2.dtype, False, runtime.INTERPRET, True)
+    batch = M > 2
+    meta, warps = _packed_tiles(I, H, PACKED_UP_CONFIGS[batch], config)
+    even_k = H % 128 == 0 and (H // 8) % meta["TW"] == 0
+    _moe_packed_gate_up_kernel[(M * slots, runtime.cdiv(I, meta["BLOCK_N"]))](
+        kernel_view(x2), w13.codes, w13.scales, w13.g, ids, h, H, I, x2.stride(0), w13.g_stride,
+        SLOTS=slots, DENSE=dense, G_PER_ROW=w13.g_per_row, X_DTYPE=f["X_DTYPE"], H_DTYPE=f["DOT_DTYPE"], **meta,
+        EVEN=even_k and I % meta["BLOCK_N"] == 0, EVEN_K=even_k, INTERPRET=f["INTERPRET"], num_warps=warps,
+        num_stages=1)
+    meta, warps = _packed_tiles(H, I, PACKED_DOWN_CONFIGS[batch], config)
+    _moe_packed_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
+        h, w2.codes, w2.scales, w2.g, ids, kernel_view(weights), out if shared_out is None else shared_out,
+        kernel_view(out), H, I, out.stride(0), w2.g_stride,
+        SLOTS=slots, SLOTS_P2=runtime.next_power_of_2(slots), DENSE=dense, HAS_SHARED=shared_out is not None,
+        W_DTYPE=runtime.TORCH_TO_TL[weights.dtype], OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **meta,
+        EVEN_K=I % 128 == 0 and (I // 8) % meta["TW"] == 0, INTERPRET=f["INTERPRET"], num_warps=warps,
+        num_stages=1)
+
+
 def _launch_decode(x2, weights, ids, top_k, w13: _Weights, w2: _Weights, float_w: bool, h, out, shared_out,
                    dense: bool, config: dict | None = None) -> None:
     """The decode path: gate_up over the ``M * top_k`` slots (one slot per program), then down + combine over the
-    M tokens into ``out`` (x's dtype, or fp32 for the shared expert), adding ``shared_out`` (fp32) if given."""
+    M tokens into ``out`` (x's dtype, or fp32 for the shared expert), adding ``shared_out`` (fp32) if given.
+    Packed experts take :func:`_launch_packed_decode`."""
+    if w13.packed:
+        _launch_packed_decode(x2, weights, ids, top_k, w13, w2, h, out, shared_out, dense, config)
+        return
     M, H = x2.shape
     I = h.shape[-1]
     f = _flags(x2.dtype, float_w, runtime.INTERPRET)
-    flags = {k: f[k] for k in ("FLOAT_W", "X_DTYPE", "PACKED_DECODE", "INTERPRET")}
+    flags = {k: f[k] for k in ("FLOAT_W", "X_DTYPE", "PACKED_DECODE", "ACC_UNIT", "INTERPRET")}
     batch = M > 2
     meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIGS[batch], config)
     _moe_decode_gate_up_kernel[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
@@ -448,15 +665,15 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     itself)."""
     M, H = x2.shape
     I = h.shape[-1]
-    flags = _flags(x2.dtype, float_w, runtime.INTERPRET)
+    flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
     asked = "num_stages" in (config or {})
-    meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config)
+    meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config, w13.packed)
     _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, **flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))  # tl.dot, decoded tile
-    meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config)
+    meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config, w13.packed)
     _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
@@ -581,6 +798,18 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
     M = x2.shape[0]
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0:
+        return out.reshape(x.shape)
+    if (M <= min(ROUTER_MAX_M, DECODE_MAX_M) and router_weight.dtype == x.dtype and FOLD_SHARED_GATE
+            and shared_slot(w13, w2, shared) and shared.gate_weight.dtype == x.dtype):
+        # the shared expert is expert E of the packed stacks: one more slot of the router's and experts' launches
+        slots = top_k + 1
+        weights = torch.empty((M, slots), dtype=torch.float32, device=x.device)
+        ids = torch.empty((M, slots), dtype=torch.int32, device=x.device)
+        launch_router(x2, router_weight.contiguous(), top_k, renormalize, weights, ids,
+                      gate_weight=shared.gate_weight.reshape(-1).contiguous(), shared_slot=True)
+        h = torch.empty((M * slots, I), dtype=intermediate_dtype(x.dtype), device=x.device)
+        _launch_packed_decode(x2, weights.view(-1), ids.view(-1), slots, _weights("w13", w13, True, True),
+                              _weights("w2", w2, True, False), h, out, None, False)
         return out.reshape(x.shape)
     weights = torch.empty((M, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((M, top_k), dtype=torch.int32, device=x.device)

@@ -63,9 +63,14 @@ def _route_rows(x, offs_e, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexp
 
 
 @triton.jit
-def _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STRIDE: tl.constexpr = 0):
+    """Token rows ``offs_m`` of the routing into ``weights`` / ``ids``, ``STRIDE`` entries a row (0: ``TOP_K``)."""
     offs_k = tl.arange(0, BLOCK_K)
-    out = offs_m[:, None] * TOP_K + offs_k[None, :]
+    if STRIDE == 0:
+        out = offs_m[:, None] * TOP_K + offs_k[None, :]
+    else:
+        out = offs_m[:, None] * STRIDE + offs_k[None, :]
     mask_out = mask_m[:, None] & (offs_k[None, :] < TOP_K)
     tl.store(weights_ptr + out, w, mask=mask_out)
     tl.store(ids_ptr + out, ids, mask=mask_out)
@@ -97,7 +102,7 @@ def _router_kernel(
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, X_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr, ROUTE_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_GATE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_GATE: tl.constexpr, SHARED_SLOT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Router logits and routing in one launch, for at most 16 tokens: program ``(i, s)`` computes the fp32 logits
     of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
@@ -105,7 +110,9 @@ def _router_kernel(
     GEMM in that dtype does) and runs :func:`_route_rows` on them. With ``HAS_GATE`` the shared expert's gate
     ``g [H]`` is row ``E`` of the product, computed by one more row of programs (an fp32 multiply and sum, not a
     tile of its own, to keep the registers of the expert tiles'): its partial logits are summed the same way, not
-    rounded, and ``sigmoid(logit)`` goes to ``gate [M]``."""
+    rounded, and ``sigmoid(logit)`` goes to ``gate [M]``; with ``SHARED_SLOT`` instead to one more column of the
+    routing, ``weights[t, TOP_K]``, its id ``ids[t, TOP_K] = E`` (the shared expert as the stack's expert ``E``;
+    the routing's rows are then ``TOP_K + 1`` long)."""
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -157,13 +164,17 @@ def _router_kernel(
                                   mask=mask, other=0.0, cache_modifier=".cg")
             logits = tl.where(mask_all[None, :], round_to_dtype(logits, X_DTYPE, INTERPRET), float("-inf"))
             w, ids = _route_rows(logits, offs_all, mask_all, TOP_K, RENORMALIZE, ROUTE_M, ALL_E, BLOCK_K)
-            _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K)
+            _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K, TOP_K + SHARED_SLOT)
             if HAS_GATE:
                 g = tl.zeros((ROUTE_M,), dtype=tl.float32)
                 for s in range(0, n_split):
                     g += tl.load(part_ptr + s * (M * E_ALL) + rows * E_ALL + E, mask=rows < M, other=0.0,
                                  cache_modifier=".cg")
-                tl.store(gate_ptr + rows, 1.0 / (1.0 + tl.exp(-g)), mask=rows < M)
+                if SHARED_SLOT:
+                    tl.store(weights_ptr + rows * (TOP_K + 1) + TOP_K, 1.0 / (1.0 + tl.exp(-g)), mask=rows < M)
+                    tl.store(ids_ptr + rows * (TOP_K + 1) + TOP_K, rows * 0 + E, mask=rows < M)
+                else:
+                    tl.store(gate_ptr + rows, 1.0 / (1.0 + tl.exp(-g)), mask=rows < M)
         tl.atomic_xchg(count_ptr, 0)                     # ready for the next call
 
 
@@ -213,8 +224,8 @@ ROUTER_CONFIG = {"BLOCK_E": 16, "BLOCK_H": 512, "num_warps": 4}
 
 def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
                   weights: torch.Tensor, ids: torch.Tensor, config: dict | None = None,
-                  gate_weight: torch.Tensor | None = None,
-                  gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  gate_weight: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                  shared_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync): the router logits ``x2 @ router_weight^T`` (``x2 [M, H]`` with
     ``M <= ROUTER_MAX_M``, ``router_weight [E, H]`` in x's dtype, both unit stride along H), rounded to x's dtype,
     and their routing, in one launch, into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``. The fp32
@@ -222,12 +233,16 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     time). ``config`` (``BLOCK_E``, ``BLOCK_H``, ``num_warps``) replaces the tiles, e.g. :data:`ROUTER_CONFIG` under
     the interpreter (tests). With ``gate_weight`` (the shared expert's gate, ``H`` values of x's dtype, unit
     stride) the same launch also writes ``gate [M]`` fp32: ``sigmoid(x2 @ gate_weight)``, the product in fp32 and
-    not rounded, as the reference's."""
+    not rounded, as the reference's. With ``shared_slot`` (and ``gate_weight``, no ``gate``) ``weights`` and ``ids``
+    are ``[M, top_k + 1]``: the last column gets the gate and the id ``E``, the shared expert as one more slot."""
     M, H = x2.shape
     E = router_weight.shape[0]
     if M == 0:
         return weights, ids
     has_gate = gate_weight is not None
+    if shared_slot and (not has_gate or gate is not None or ids.shape[-1] != top_k + 1):
+        raise ValueError(f"shared_slot needs gate_weight, no gate, and weights / ids of top_k + 1 = {top_k + 1} "
+                         f"columns, got ids {tuple(ids.shape)}")
     c = kernel_constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
     all_e = max(16, runtime.next_power_of_2(E))
     if runtime.INTERPRET:
@@ -244,9 +259,10 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     g = kernel_view(gate_weight) if has_gate else x2                # valid pointers when unused
     _router_kernel[(n_e, split)](
         kernel_view(x2), kernel_view(router_weight), g, part, split_k_counter(x2.device, 1), weights, ids,
-        gate if has_gate else weights, M, E, H, x2.stride(0), router_weight.stride(0),
+        gate if gate is not None else weights, M, E, H, x2.stride(0), router_weight.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
-        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, **meta, num_warps=warps,
+        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, SHARED_SLOT=shared_slot, **meta,
+        num_warps=warps,
         num_stages=runtime.register_dot_stages(3), INTERPRET=c["INTERPRET"])   # 3: Triton's default
     return weights, ids
