@@ -697,3 +697,31 @@ def test_moe_real_shapes_gpu(E, top_k, M):
     got = moe_block(x, router, w13, w2, shared, top_k=top_k)
     m = compare(got, reference.moe_block(x, router, w13, w2, shared, top_k=top_k))
     assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, top_k, M", [(256, 8, 1), (256, 8, 8), (256, 8, 16), (256, 8, 64), (512, 10, 1),
+                                         (512, 10, 16), (512, 10, 512)],
+                         ids=["qwen35-M1", "qwen35-M8", "qwen35-M16", "qwen35-M64", "qwen3next-M1", "qwen3next-M16",
+                              "qwen3next-M512"])
+def test_moe_packed_real_shapes_gpu(E, top_k, M):
+    """The packed experts (``pack_experts``, the shared expert as expert E: 3 launches at M <= 16) at the real
+    shapes, bf16, compiled: the block against the reference on the checkpoint weights, deterministic, and the
+    routed experts alone against the reference (both paths)."""
+    from lynn_kernels.moe import pack_experts
+    from lynn_kernels.moe.packed import shared_slot
+
+    H, inter = 2048, 512
+    w13, w2 = _real_experts(E, H, inter)
+    shared = _shared(H, inter, seed=54)
+    p13, p2, pshared = pack_experts(w13, w2, shared)
+    assert shared_slot(p13, p2, pshared)
+    x = _x(M, H, BF16, seed=55)
+    router = (torch.randn(E, H, generator=_gen(53)) * 0.05).to(BF16).to(DEV)
+    got = moe_block(x, router, p13, p2, pshared, top_k=top_k)
+    m = compare(got, reference.moe_block(x, router, w13, w2, shared, top_k=top_k))
+    assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, m
+    assert bit_mismatches(got, moe_block(x, router, p13, p2, pshared, top_k=top_k)) == 0, "not deterministic"
+    weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
+    got = moe_experts(x, weights, ids, p13, p2)
+    assert_experts_close(got, x, weights, ids, w13, w2, what=f"packed E={E} M={M}")
