@@ -11,8 +11,9 @@ replay of ``LAYERS`` distinct blocks in a row (each with its own experts, so the
 
 First the packed kernels' tiles are swept at M = 1 (the Qwen3.5 shape), gate_up and down apart (each list timed
 with the other kernel at its shipped tile); then the three forms at M = 1 and 8 on both Qwen shapes with the best
-tiles, each validated against the fp32 reference on the checkpoint weights and repeated for bit-equality; then a
-per-kernel profile of the 3-launch block at M = 1.
+tiles (M = 1, 2, 4, 8), each validated against the fp32 reference on the checkpoint weights, repeated for
+bit-equality, and profiled per kernel (launches per call, CUDA time per kernel name); last, the router's parts at
+M = 1 (the whole one-launch router against the routing kernel alone on ready logits, top-k and top-1).
 
 Run: ``PYTHONPATH=. python3 experiments/moe_packed_decode.py`` (JSON under $OUT or out/).
 """
@@ -37,12 +38,12 @@ from lynn_kernels.validate import bit_mismatches, compare
 
 H, I = 2048, 512
 LAYERS = 8
-UP = [dict(BLOCK_N=n, TW=w, num_warps=nw) for n, w, nw in
-      ((4, 64, 4), (8, 64, 4), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (4, 128, 2), (4, 256, 4),
-       (8, 256, 8), (16, 32, 2))]
+#: run 1 (git b032481) swept 10 tiles of each kernel; run 2 (the down kernel's slots in two groups: 9 = 8 + 1, not
+#: one tile padded to 16) keeps the three best gate_up tiles and sweeps the down kernel again.
+UP = [dict(BLOCK_N=n, TW=w, num_warps=nw) for n, w, nw in ((8, 64, 4), (16, 64, 4), (4, 128, 2))]
 DOWN = [dict(BLOCK_N=n, TW=w, num_warps=nw) for n, w, nw in
-        ((1, 64, 2), (2, 64, 4), (2, 32, 2), (4, 32, 4), (4, 64, 8), (4, 16, 2), (8, 32, 8), (8, 16, 4),
-         (16, 16, 8), (2, 16, 1))]
+        ((2, 32, 2), (4, 32, 4), (4, 16, 2), (8, 32, 8), (8, 16, 4), (16, 16, 8), (8, 16, 2), (16, 16, 4),
+         (8, 64, 8), (16, 32, 8))]
 SHAPES = {"qwen3.5": (256, 8), "qwen3-next": (512, 10)}
 
 
@@ -92,18 +93,20 @@ def _calls(blocks: list[dict], form: str, xs: list[torch.Tensor], top_k: int) ->
     return [lambda b=b, x=x: moe_block(x, b["router"], *b[form], top_k=top_k) for b, x in zip(blocks, xs)]
 
 
-def per_kernel_us(fn, n: int = 20) -> dict[str, float]:
+def profile(fn, n: int = 20) -> tuple[dict[str, float], float]:
+    """(mean CUDA time per call of each kernel name ``fn`` launches, GPU operations per call)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    acc = collections.defaultdict(float)
+    acc, count = collections.defaultdict(float), 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             acc[e.name[:60]] += e.time_range.elapsed_us() / n
-    return dict(acc)
+            count += 1
+    return dict(acc), count / n
 
 
 def sweep(blocks: list[dict], gen) -> dict:
@@ -134,7 +137,7 @@ def sweep(blocks: list[dict], gen) -> dict:
 def compare_forms(name: str, E: int, top_k: int, gen) -> list[dict]:
     blocks = [_block(E, gen) for _ in range(LAYERS)]
     rows = []
-    for m in (1, 8):
+    for m in (1, 2, 4, 8):
         xs = [torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in blocks]
         b, x = blocks[0], xs[0]
         want = reference.moe_block(x, b["router"], *b["checkpoint"], top_k=top_k)
@@ -143,15 +146,37 @@ def compare_forms(name: str, E: int, top_k: int, gen) -> list[dict]:
             again = moe_block(x, b["router"], *b[form], top_k=top_k)
             metrics = compare(got, want)
             call = _calls(blocks[:1], form, xs[:1], top_k)[0]
+            per_kernel, launches = profile(call)
             row = dict(shape=name, E=E, top_k=top_k, M=m, form=form, cosine=metrics.cosine, rel_l2=metrics.rel_l2,
                        repeat_mismatches=bit_mismatches(got, again), graph_us=graph_us(_calls(blocks, form, xs, top_k)),
-                       kernels=len(per_kernel_us(call, 5)))
-            if m == 1:
-                row["per_kernel_us"] = per_kernel_us(call)
+                       kernels=launches, per_kernel_us=per_kernel)
             rows.append(row)
             print(row, flush=True)
     del blocks
     torch.cuda.empty_cache()
+    return rows
+
+
+def router_parts(gen) -> list[dict]:
+    """Where the router's time goes at M = 1: the whole router launch (logits, ticket, top-k in the last program)
+    against the routing kernel alone on ready logits (its top-k), by graph replay over 8 routers."""
+    from lynn_kernels.moe.triton_route import launch_route, launch_router
+
+    rows = []
+    for E, top_k in SHAPES.values():
+        rs = [(torch.randn(E, H, device="cuda", generator=gen) * 0.05).to(torch.bfloat16) for _ in range(LAYERS)]
+        gws = [(torch.randn(H, device="cuda", generator=gen) * 0.05).to(torch.bfloat16) for _ in range(LAYERS)]
+        x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = (x.float() @ rs[0].float().t()).to(torch.bfloat16)
+        w = torch.empty(1, top_k + 1, device="cuda")
+        ids = torch.empty(1, top_k + 1, device="cuda", dtype=torch.int32)
+        wk, ik = torch.empty(1, top_k, device="cuda"), torch.empty(1, top_k, device="cuda", dtype=torch.int32)
+        router = [lambda r=r, gw=gw: launch_router(x, r, top_k, True, w, ids, gate_weight=gw, shared_slot=True)
+                  for r, gw in zip(rs, gws)]
+        rows.append(dict(E=E, top_k=top_k, router_us=graph_us(router),
+                         route_only_us=graph_us([lambda: launch_route(logits, top_k, True, wk, ik)] * LAYERS),
+                         route_top1_us=graph_us([lambda: launch_route(logits, 1, True, wk[:, :1], ik[:, :1])] * LAYERS)))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -169,7 +194,7 @@ def main() -> dict:
     for name, (E, top_k) in SHAPES.items():
         forms += compare_forms(name, E, top_k, gen)
     return {"provenance": provenance(" ".join(["python3", *sys.argv])), "layers_chained": LAYERS,
-            "compiled": compiled, "tiles_m1_qwen3.5": tiles, "forms": forms}
+            "compiled": compiled, "tiles_m1_qwen3.5": tiles, "forms": forms, "router": router_parts(gen)}
 
 
 if __name__ == "__main__":
@@ -180,6 +205,6 @@ if __name__ == "__main__":
         json.dump(result, f, indent=1)
     print(f"\n{'shape':11} {'M':>2} {'form':22} {'kernels':>7} {'us/block':>9} {'cosine':>9} {'repeat':>6}")
     for r in result["forms"]:
-        print(f"{r['shape']:11} {r['M']:>2} {r['form']:22} {r['kernels']:>7} {r['graph_us']:9.2f} "
+        print(f"{r['shape']:11} {r['M']:>2} {r['form']:22} {r['kernels']:>7.0f} {r['graph_us']:9.2f} "
               f"{r['cosine']:9.6f} {r['repeat_mismatches']:>6}")
     print("best tiles at M = 1:", result["tiles_m1_qwen3.5"]["best"])

@@ -51,7 +51,7 @@ DECODE_DOWN_CONFIGS = ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stage
 #: GPU tiles of the packed decode kernels (FMA on the packed layout, :mod:`.packed`), ``(M <= 2, M > 2)``:
 #: ``BLOCK_N`` rows per program, ``TW`` words of K per step. Chosen on the H200 (docs/moe.md, section 6).
 PACKED_UP_CONFIGS = ({"BLOCK_N": 8, "TW": 64, "num_warps": 4}, {"BLOCK_N": 8, "TW": 64, "num_warps": 4})
-PACKED_DOWN_CONFIGS = ({"BLOCK_N": 4, "TW": 32, "num_warps": 4}, {"BLOCK_N": 4, "TW": 32, "num_warps": 4})
+PACKED_DOWN_CONFIGS = ({"BLOCK_N": 8, "TW": 16, "num_warps": 4}, {"BLOCK_N": 8, "TW": 16, "num_warps": 4})
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -409,45 +409,74 @@ def _row3(x, SLOTS_P2: tl.constexpr, TW: tl.constexpr):
 
 
 @triton.jit
-def _moe_packed_down_kernel(
-    h_ptr, words_ptr, scales_ptr, g_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr,
-    H, I, stride_om, G_STRIDE,
-    SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, DENSE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr,
-    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Decode down + combine on packed experts: program ``(t, n)`` computes ``out[t, n * BLOCK_N : ...]``, the
-    ``SLOTS`` slots of token ``t`` at once (one ``[SLOTS_P2 * BLOCK_N, TW]`` tile of words per step, each slot's
-    rows from its expert, so every slot's loads are in flight together), each slot's sum times its routing weight
-    and global scale, added in slot order."""
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_j = tl.arange(0, SLOTS_P2)
-    mask_j = offs_j < SLOTS
+def _slot_group(ids_ptr, weights_ptr, g_ptr, h_ptr, t, offs_n, mask_n, H, I, G_STRIDE, J0: tl.constexpr,
+                NJ: tl.constexpr, NJ_P2: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                DENSE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Slots ``J0 .. J0 + NJ`` of token ``t`` (``NJ_P2`` lanes, the last ones masked): the rows of their experts'
+    words in the stack ``[E * H, KW]`` (``[NJ_P2 * BLOCK_N]``) and their mask ``[NJ_P2 * BLOCK_N, 1]``, their
+    ``h`` rows and slot mask ``[NJ_P2]``, and each slot's coefficient: routing weight times global scale times
+    the FMA decode's unit (0 past the group)."""
+    offs_j = J0 + tl.arange(0, NJ_P2)
+    mask_j = offs_j < J0 + NJ
     slots = t * SLOTS + offs_j
     if DENSE:
         e = (offs_j * 0).to(tl.int64)
     else:
         e = tl.load(ids_ptr + slots, mask=mask_j, other=0).to(tl.int64)
+    rows = tl.reshape(e[:, None] * H + offs_n[None, :], (NJ_P2 * BLOCK_N,))
+    mask_rows = tl.reshape(mask_j[:, None] & mask_n[None, :], (NJ_P2 * BLOCK_N,))[:, None]
+    w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)
+    coef = _w2_global(g_ptr, e * G_STRIDE, False, FMA_UNIT) * w
+    return rows, mask_rows, h_ptr + slots.to(tl.int64) * I, mask_j, coef
+
+
+@triton.jit
+def _moe_packed_down_kernel(
+    h_ptr, words_ptr, scales_ptr, g_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr,
+    H, I, stride_om, G_STRIDE,
+    SLOTS: tl.constexpr, SLOTS_A: tl.constexpr, SLOTS_B_P2: tl.constexpr, DENSE: tl.constexpr,
+    HAS_SHARED: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    TW: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Decode down + combine on packed experts: program ``(t, n)`` computes ``out[t, n * BLOCK_N : ...]`` from the
+    ``SLOTS`` slots of token ``t`` at once, so that every slot's loads are in flight together: the first
+    ``SLOTS_A`` (a power of two) as one ``[SLOTS_A * BLOCK_N, TW]`` tile of words per step, the rest (e.g. the
+    shared expert's slot: 9 = 8 + 1) as a second tile of ``SLOTS_B_P2`` slots, rather than one tile padded to 16
+    slots; each slot's rows from its own expert. Each slot's sum times its routing weight and global scale, added
+    in slot order (a fixed order: the same bits on every run)."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    HAS_B: tl.constexpr = SLOTS > SLOTS_A
     KW = tl.cdiv(I, 128) * 16
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, TW), 4), 4)
     offs_s = tl.arange(0, TW)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
-    # rows e * H + n of the stack [E * H, KW]
-    rows = tl.reshape(e[:, None] * H + offs_n[None, :], (SLOTS_P2 * BLOCK_N,))
-    mask_rows = tl.reshape(mask_j[:, None] & mask_n[None, :], (SLOTS_P2 * BLOCK_N,))[:, None]
-    w_rows = words_ptr + rows[:, None].to(tl.int64) * KW
-    h_rows = h_ptr + slots.to(tl.int64) * I
-    q, v = load_words(w_rows, scales_ptr, rows, mask_rows, 0, offs, offs_s, KW, False)
-    acc = tl.zeros((SLOTS_P2, BLOCK_N, TW), dtype=tl.float32)
+    rows_a, mask_a, h_a, j_a, coef_a = _slot_group(ids_ptr, weights_ptr, g_ptr, h_ptr, t, offs_n, mask_n, H, I,
+                                                   G_STRIDE, 0, SLOTS_A, SLOTS_A, SLOTS, BLOCK_N, DENSE, W_DTYPE,
+                                                   INTERPRET)
+    w_a = words_ptr + rows_a[:, None].to(tl.int64) * KW
+    q_a, v_a = load_words(w_a, scales_ptr, rows_a, mask_a, 0, offs, offs_s, KW, False)
+    acc_a = tl.zeros((SLOTS_A, BLOCK_N, TW), dtype=tl.float32)
+    if HAS_B:
+        rows_b, mask_b, h_b, j_b, coef_b = _slot_group(ids_ptr, weights_ptr, g_ptr, h_ptr, t, offs_n, mask_n, H, I,
+                                                       G_STRIDE, SLOTS_A, SLOTS - SLOTS_A, SLOTS_B_P2, SLOTS,
+                                                       BLOCK_N, DENSE, W_DTYPE, INTERPRET)
+        w_b = words_ptr + rows_b[:, None].to(tl.int64) * KW
+        q_b, v_b = load_words(w_b, scales_ptr, rows_b, mask_b, 0, offs, offs_s, KW, False)
+        acc_b = tl.zeros((SLOTS_B_P2, BLOCK_N, TW), dtype=tl.float32)
     for k0 in range(0, KW, TW):
-        q_next, v_next = load_words(w_rows, scales_ptr, rows, mask_rows, k0 + TW, offs, offs_s, KW, False)
-        acc = _slots_step(acc, q, v, h_rows, mask_j, k0, I, SLOTS_P2, BLOCK_N, TW, EVEN_K, INTERPRET)
-        q, v = q_next, v_next
-    g = _w2_global(g_ptr, e * G_STRIDE, False, FMA_UNIT)                                    # [SLOTS_P2]
-    w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)  # 0 past SLOTS
-    y = tl.sum(tl.sum(acc, axis=2) * (g * w)[:, None], axis=0)          # the combine: a fixed reduction order
+        q_a_next, v_a_next = load_words(w_a, scales_ptr, rows_a, mask_a, k0 + TW, offs, offs_s, KW, False)
+        if HAS_B:
+            q_b_next, v_b_next = load_words(w_b, scales_ptr, rows_b, mask_b, k0 + TW, offs, offs_s, KW, False)
+        acc_a = _slots_step(acc_a, q_a, v_a, h_a, j_a, k0, I, SLOTS_A, BLOCK_N, TW, EVEN_K, INTERPRET)
+        q_a, v_a = q_a_next, v_a_next
+        if HAS_B:
+            acc_b = _slots_step(acc_b, q_b, v_b, h_b, j_b, k0, I, SLOTS_B_P2, BLOCK_N, TW, EVEN_K, INTERPRET)
+            q_b, v_b = q_b_next, v_b_next
+    y = tl.sum(tl.sum(acc_a, axis=2) * coef_a[:, None], axis=0)         # the combine: a fixed reduction order
+    if HAS_B:
+        y += tl.sum(tl.sum(acc_b, axis=2) * coef_b[:, None], axis=0)
     if HAS_SHARED:
         y += tl.load(shared_ptr + t.to(tl.int64) * H + offs_n, mask=mask_n, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, cast_output(y, OUT_DTYPE, INTERPRET), mask=mask_n)
@@ -622,10 +651,12 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
         EVEN=even_k and I % meta["BLOCK_N"] == 0, EVEN_K=even_k, INTERPRET=f["INTERPRET"], num_warps=warps,
         num_stages=1)
     meta, warps = _packed_tiles(H, I, PACKED_DOWN_CONFIGS[batch], config)
+    slots_a = 1 << (slots.bit_length() - 1)                       # the largest power of two <= slots
     _moe_packed_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, ids, kernel_view(weights), out if shared_out is None else shared_out,
         kernel_view(out), H, I, out.stride(0), w2.g_stride,
-        SLOTS=slots, SLOTS_P2=runtime.next_power_of_2(slots), DENSE=dense, HAS_SHARED=shared_out is not None,
+        SLOTS=slots, SLOTS_A=slots_a, SLOTS_B_P2=runtime.next_power_of_2(max(1, slots - slots_a)), DENSE=dense,
+        HAS_SHARED=shared_out is not None,
         W_DTYPE=runtime.TORCH_TO_TL[weights.dtype], OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **meta,
         EVEN_K=I % 128 == 0 and (I // 8) % meta["TW"] == 0, INTERPRET=f["INTERPRET"], num_warps=warps,
         num_stages=1)
