@@ -9,6 +9,8 @@ chunked prefill, batching, NVFP4 vs its dequantised weights).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -196,6 +198,46 @@ def test_nvfp4_model_equals_its_dequantised_weights_on_the_references(ckpts, nam
         with lynn_kernels.use_reference():
             want = twin.forward(ids)
     assert validate.compare(got, want).rel_l2 < 1e-5
+
+
+def test_shared_expert_as_a_routed_slot(tmp_path, monkeypatch):
+    """A MoE model whose shared expert has the routed experts' size (as every released Qwen3-Next / Qwen3.5 /
+    Qwen3.6 has; the tiny models' is larger): the loader joins it to the packed expert stacks as expert E, a decode
+    step runs each MoE block as router + gate_up + down over top_k + 1 slots (the shared expert's own launches
+    never run), and the model equals its dequantised weights on the references: the logits of a prefill on the
+    prefill path and of 5 tokens on the decode path (fp32), and greedy tokens (bf16)."""
+    from lynn_kernels.moe import PackedExperts, triton_experts
+    from lynn_kernels.moe.packed import shared_slot
+
+    folder = tmp_path / "next-shared-32"
+    tiny_hf.build("next", shared_expert_intermediate_size=tiny_hf.MOE["moe_intermediate_size"]).save_pretrained(
+        folder)
+    model = lynn_model.from_pretrained(folder, weights="nvfp4", dtype=torch.float32)
+    blocks = [m for m in model.modules() if isinstance(m, lynn_model.model.SparseMoE)]
+    assert blocks and all(isinstance(m.w13, PackedExperts) and shared_slot(m.w13, m.w2, m.shared) for m in blocks)
+    twin = loader.dequantize_model(model)
+    for n in (20, 5):                                          # prefill path (M > 16), decode path
+        ids = _ids(n, seed=n).to(model.device)
+        with torch.no_grad():
+            got = model.forward(ids)
+            with lynn_kernels.use_reference():
+                want = twin.forward(ids)
+        assert validate.compare(got, want).rel_l2 < 1e-5, n
+    calls = collections.Counter()
+    real_decode, real_shared = triton_experts._launch_packed_decode, triton_experts.launch_shared_expert
+    monkeypatch.setattr(triton_experts, "_launch_packed_decode",
+                        lambda *a, **k: calls.update([f"slots={a[3]}"]) or real_decode(*a, **k))
+    monkeypatch.setattr(triton_experts, "launch_shared_expert",
+                        lambda *a, **k: calls.update(["shared"]) or real_shared(*a, **k))
+    bf16 = lynn_model.from_pretrained(folder, weights="nvfp4")
+    ids = _ids(9, seed=3).to(bf16.device)
+    with torch.no_grad():
+        got = lynn_model.generate(bf16, ids, 6)
+        with lynn_kernels.use_reference():
+            want = lynn_model.generate(loader.dequantize_model(bf16), ids, 6)
+    assert got.tolist() == want.tolist()
+    top_k = model.config.num_experts_per_tok
+    assert calls[f"slots={top_k + 1}"] > 0 and calls["shared"] == 0, calls
 
 
 @pytest.mark.parametrize("name, weights", [("next", "nvfp4"), ("q35moe", "bf16")])   # both mixers, both kinds

@@ -196,14 +196,16 @@ def _case(M, top_k, E, H, inter, scales, experts=None, odd=False, name=""):
                         id=f"M{M}-k{top_k}-E{E}-H{H}-I{inter}-{scales}-{path}{'-' + name if name else ''}")
 
 
-#: Decode at M = 1, 2, 3, 16 (the FMA kernels; top_k 3: a masked slot row in the down kernel) and prefill at 17 and
-#: 40 (packed tiles in tl.dot), E not a power of two, H / I of 80 / 48 (one partial chunk of 128) and 128 / 64, every
-#: global-scale layout, experts without tokens, every slot on one expert, zero / negative block scales.
+#: Decode at M = 1, 2, 3, 16 (the FMA kernels; the down kernel takes a token's slots in two groups, a power of two
+#: and the rest: top_k 2, 3, 7 = 2, 2 + 1, 4 + 3 with one masked lane) and prefill at 17 and 40 (packed tiles in
+#: tl.dot), E not a power of two, H / I of 80 / 48 (one partial chunk of 128) and 128 / 64, every global-scale layout,
+#: experts without tokens, every slot on one expert, zero / negative block scales.
 PACKED_EXPERT_CASES = [
     _case(1, 2, 5, 80, 48, "gE"),
     _case(2, 3, 7, 128, 64, "g1"),
     _case(3, 3, 7, 80, 48, "per-row"),
     _case(3, 2, 6, 128, 64, "gE", experts=[4], name="all-on-expert4"),
+    _case(2, 7, 7, 80, 48, "g1", name="top7-every-expert"),
     _case(16, 2, 5, 80, 48, "gE", odd=True, name="odd-block-scales"),
     _case(17, 3, 7, 80, 48, "g1"),
     _case(40, 4, 6, 128, 64, "per-row", experts=[0, 2, 3, 5], name="experts-1-4-empty"),
@@ -253,16 +255,16 @@ def _bcase(shape, kind, dtype):
 
 
 #: x shapes (decode M = 1, 3, 16; prefill 2 x 9 = 18) x shared kinds x dtypes; M = 16 (the most slots of the decode
-#: path, the slowest under the interpreter) with the folded shared expert in both dtypes, the others in one each; a
-#: folded shared expert whose gate weight is not in x's dtype (fp32 under bf16 x) takes the shared expert's own launch.
+#: path, the slowest under the interpreter) with the folded shared expert in both dtypes and the separate one in bf16
+#: (routed experts alone at M = 16: test_moe_experts_packed); a folded shared expert whose gate weight is not in x's
+#: dtype (fp32 under bf16 x) takes the shared expert's own launch.
 PACKED_BLOCK_CASES = [
     *(_bcase(s, k, dt) for s in ((1, 1, 80), (1, 3, 80), (2, 9, 80)) for k in ("folded", "separate", "none")
       for dt in (BF16, FP32)),
     _bcase((1, 3, 80), "folded-fp32-gate", BF16),
-    _bcase((2, 8, 80), "folded", BF16),
-    _bcase((2, 8, 80), "folded", FP32),
-    _bcase((2, 8, 80), "separate", BF16),
-    _bcase((2, 8, 80), "none", FP32),
+    _bcase((2, 8, 64), "folded", BF16),
+    _bcase((2, 8, 64), "folded", FP32),
+    _bcase((2, 8, 64), "separate", BF16),
 ]
 
 
@@ -323,11 +325,13 @@ def test_moe_block_packed(shape, kind, dtype, launches, poison_empty):
         assert (m.rel_l2 < 1e-5) if dtype == FP32 else (m.cosine > 0.9999 and m.rel_l2 < 4e-3), f"vs unfolded: {m}"
 
 
-@pytest.mark.parametrize("shared_scales", ["folded-per-row", "folded-g1"])
-def test_moe_block_folded_with_per_row_scales(shared_scales, launches, poison_empty):
+@pytest.mark.parametrize("shared_scales, top_k", [pytest.param("folded-per-row", 3, id="shared-per-row-k3"),
+                                                   pytest.param("folded-g1", 6, id="shared-g1-k6")])
+def test_moe_block_folded_with_per_row_scales(shared_scales, top_k, launches, poison_empty):
     """Routed w13 with per-shard (per-row) global scales and a shared expert of the same shape (per-row or scalar
-    w13 scale) folded: the E + 1 stack holds one scale per row; decode M = 2, fp32, renormalised routing."""
-    E, top_k, H, inter = 5, 3, 80, 48
+    w13 scale) folded: the E + 1 stack holds one scale per row; decode M = 2, fp32, renormalised routing; top_k + 1
+    = 4 slots (one group in the down kernel) or 7 (4 + 3, the shared slot in the second group, one lane masked)."""
+    E, H, inter = 7, 80, 48
     w13, w2 = _routed(E, H, inter, "per-row", seed=31)
     shared = _make_shared(shared_scales, H, inter, seed=32)
     w13p, w2p, shared_p = pack_experts(w13, w2, shared)
@@ -346,12 +350,14 @@ def test_moe_block_folded_with_per_row_scales(shared_scales, launches, poison_em
 
 
 #: ``config`` tiles of both packed decode kernels (M <= 16). BLOCK_N 4: many row tiles; BLOCK_N 32 over I = 48 and
-#: H = 80: a half-masked last row tile; top_k 3: one masked slot row of four in the down kernel. H = 208 / I = 144
+#: H = 80: a half-masked last row tile; top_k 3 / 7: the down kernel's two slot groups (2 + 1; 4 + 3, one lane of
+#: the second masked). H = 208 / I = 144
 #: and H = 256 / I = 128 (beyond this module's usual H <= 128, needed for a second step of TW = 16 words): two K steps,
 #: the last a partial chunk (208 = 128 + 80, 144 = 128 + 16), or whole chunks (the EVEN path, whose last step reloads).
 SMALL_TILE_CASES = [
     pytest.param(2, 3, 5, 80, 48, {"BLOCK_N": 4, "TW": 16, "num_warps": 4}, id="BN4-TW16-H80-I48-k3"),
     pytest.param(3, 3, 5, 80, 48, {"BLOCK_N": 32, "TW": 16, "num_warps": 4}, id="BN32-TW16-H80-I48-k3-masked-rows"),
+    pytest.param(1, 7, 7, 80, 48, {"BLOCK_N": 32, "TW": 16, "num_warps": 4}, id="BN32-TW16-H80-I48-k7-slot-groups"),
     pytest.param(2, 3, 4, 208, 144, {"BLOCK_N": 32, "TW": 16, "num_warps": 4}, id="BN32-TW16-H208-I144-2-steps"),
     pytest.param(2, 2, 4, 256, 128, {"BLOCK_N": 16, "TW": 16, "num_warps": 4}, id="BN16-TW16-H256-I128-even-2-steps"),
 ]

@@ -98,11 +98,12 @@ class PackedExperts:
         return nvfp4.dequantize(self.unpack(), dtype)
 
 
-def _pack_stack(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed words ``[E, N, Kp/8]`` and scales ``[E, N, Kp/16]`` of a stack ``[E, N, K]`` (global scale apart)."""
-    e, n, k = w.shape
-    flat = NVFP4Tensor(w.codes.reshape(e * n, k // 2), w.scales.reshape(e * n, k // BLOCK),
-                       torch.ones((), dtype=torch.float32, device=w.device))
+def _pack_stack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed words ``[E, N, Kp/8]`` and scales ``[E, N, Kp/16]`` of an NVFP4 stack's codes ``[E, N, K/2]`` and
+    block scales ``[E, N, K/16]`` (the global scale is laid out apart)."""
+    e, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    flat = NVFP4Tensor(codes.reshape(e * n, k // 2), scales.reshape(e * n, k // BLOCK),
+                       torch.ones((), dtype=torch.float32, device=codes.device))
     p = pack(flat)
     return p.words.reshape(e, n, -1), p.scales.reshape(e, n, -1)
 
@@ -153,17 +154,16 @@ def pack_experts(w13: NVFP4Tensor, w2: NVFP4Tensor, shared=None):
     fold = (shared is not None and isinstance(shared.w13, NVFP4Tensor) and isinstance(shared.w2, NVFP4Tensor)
             and tuple(shared.w13.shape) == (n13, h) and tuple(shared.w2.shape) == tuple(w2.shape[1:])
             and shared.w13.device == w13.device and shared.w2.device == w2.device)
-    words13, scales13 = _pack_stack(w13)
-    words2, scales2 = _pack_stack(w2)
+    words13, scales13 = _pack_stack(w13.codes, w13.scales)
+    words2, scales2 = _pack_stack(w2.codes, w2.scales)
     g13, g2 = w13.global_scale.float().contiguous(), w2.global_scale.float().contiguous()
     if not fold:
         if (shared is not None and isinstance(shared.w13, NVFP4Tensor) and isinstance(shared.w2, NVFP4Tensor)
                 and shared.w13.dim() == 2 and shared.w2.dim() == 2):                  # packed on its own
             shared = SharedExpert(pack(shared.w13), pack(shared.w2), shared.gate_weight)
         return (PackedExperts(words13, scales13, g13, h), PackedExperts(words2, scales2, g2, w2.shape[2]), shared)
-    s13, ss13 = _pack_stack(NVFP4Tensor(shared.w13.codes[None], shared.w13.scales[None],
-                                        shared.w13.global_scale.float()))
-    s2, ss2 = _pack_stack(NVFP4Tensor(shared.w2.codes[None], shared.w2.scales[None], shared.w2.global_scale.float()))
+    s13, ss13 = _pack_stack(shared.w13.codes[None], shared.w13.scales[None])
+    s2, ss2 = _pack_stack(shared.w2.codes[None], shared.w2.scales[None])
     all13 = PackedExperts(torch.cat([words13, s13]), torch.cat([scales13, ss13]),
                           _stack_scales(g13, shared.w13.global_scale.float(), e, n13), h)
     all2 = PackedExperts(torch.cat([words2, s2]), torch.cat([scales2, ss2]),
