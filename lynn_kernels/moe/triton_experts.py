@@ -49,9 +49,11 @@ DECODE_UP_CONFIGS = ({"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages
 DECODE_DOWN_CONFIGS = ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
                        {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})
 #: GPU tiles of the packed decode kernels (FMA on the packed layout, :mod:`.packed`), ``(M <= 2, M > 2)``:
-#: ``BLOCK_N`` rows per program, ``TW`` words of K per step. Chosen on the H200 (docs/moe.md, section 6).
+#: ``BLOCK_N`` rows per program, ``TW`` words of K per step. The best of the H200 sweep at M = 1 (Qwen3.5 shape, the
+#: 3-launch block by graph replay over 8 layers: gate_up 10 tiles at b032481, down 10 at d34949b; docs/moe.md,
+#: section 6); not swept at M > 2.
 PACKED_UP_CONFIGS = ({"BLOCK_N": 8, "TW": 64, "num_warps": 4}, {"BLOCK_N": 8, "TW": 64, "num_warps": 4})
-PACKED_DOWN_CONFIGS = ({"BLOCK_N": 8, "TW": 16, "num_warps": 4}, {"BLOCK_N": 8, "TW": 16, "num_warps": 4})
+PACKED_DOWN_CONFIGS = ({"BLOCK_N": 8, "TW": 32, "num_warps": 8}, {"BLOCK_N": 8, "TW": 32, "num_warps": 8})
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
