@@ -1,7 +1,8 @@
 """``lynn check`` rows for the MoE family: routing and align exactly, the experts and the block against the fp32
 reference, on small awkward cases (an expert with no tokens, E not a power of two, top-k 1, the decode and the
 prefill paths), bf16 expert weights (the unquantised baseline through the same kernels), and NVFP4 experts whose
-gate and up halves have their own global scales (per-shard, ``stack_w13`` / ``fuse_w13``).
+gate and up halves have their own global scales (per-shard, ``stack_w13`` / ``fuse_w13``), and the experts in the
+packed layout with the shared expert as expert E of the stacks (``pack_experts``: decode in three launches).
 
 Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``; ``err_ratio`` is the kernel's error over the error
 of the exact answer rounded to bf16 (about 1: as good as a bf16 output can be).
@@ -16,6 +17,7 @@ import torch
 from .. import runtime
 from ..nvfp4 import quantize
 from ..validate import compare
+from .packed import pack_experts, shared_slot
 from .spec import SharedExpert, fuse_w13, stack_w13
 
 
@@ -107,6 +109,19 @@ def iter_rows() -> Iterator[dict]:
         path = "decode" if M <= 16 else "prefill"
         yield {"op": "moe.moe_block", "case": f"M{M} E{E} top{k} per-shard gate/up scales + shared ({path})",
                "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3}
+
+
+    # packed experts (pack_experts), the shared expert of the routed size as expert E: decode in three launches
+    sw13p, sw2p = _weights(1, H, I, gen)
+    shared_p = SharedExpert(sw13p[0], sw2p[0], shared.gate_weight)
+    p13, p2, pshared = pack_experts(w13, w2, shared_p)
+    for M in (1, 3, 33):
+        x = torch.randn(M, H, generator=gen).to(bf16).to(dev)
+        want = reference.moe_block(x, router, w13, w2, shared_p, top_k=k)       # on the checkpoint layout
+        m = compare(moe_block(x, router, p13, p2, pshared, top_k=k), want)
+        path = "decode, shared expert as a routed slot" if M <= 16 else "prefill"
+        yield {"op": "moe.moe_block", "case": f"M{M} E{E} top{k} packed experts + shared ({path})", "metrics": m,
+               "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and shared_slot(p13, p2, pshared)}
 
 
 def check_moe() -> list[dict]:
