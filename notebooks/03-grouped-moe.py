@@ -979,6 +979,94 @@ print(render_table(goal_rows, ["shape", "M", "goal", "measured", "verdict"]))
 # `docs/moe.md` section 4 and `docs/performance.md` keep the same record, with what was tried.
 
 # %% [markdown]
+# ### 6b. Packed experts, and the shared expert as one more slot
+#
+# The decoder loads its experts in a second layout, made once at load time: `moe.pack_experts(w13, w2, shared)`
+# lays every expert out as the packed projections of notebook 02 are laid out (eight codes to an int32 word in the
+# tensor cores' operand order, scales re-encoded so a shift decodes them) and stacks them (`PackedExperts`). The
+# decode kernels then multiply on the FMA units with the packed GEMV's word decode (13 integer operations for 8
+# weights instead of about 26).
+#
+# The shared expert of every released Qwen3-Next / Qwen3.5 / Qwen3.6 model has the routed experts' size, so
+# `pack_experts` appends it to the stacks as **expert E**. Then a decode step needs no launches of its own for it.
+# The router writes one more routing column per token, id `E` with weight `sigmoid(x @ gate_weight)` (the gate is
+# one more row of the router's product). gate_up and down then run `top_k + 1` slots per token: **three launches
+# per MoE block** instead of five. Nothing changes in the math: the shared expert's output is multiplied by its
+# gate and added to the routed ones, in fp32, rounded once.
+#
+# On a small block (fp32 x, so the kernels and the reference differ only in fp32 rounding), the packed block
+# against the reference on the original checkpoint-layout weights, and which host functions the decode call took:
+
+# %%
+E_P, K_P, H_P, I_P = 6, 2, 128, 64
+w13_p, w2_p = experts(E_P, H_P, I_P, seed=70)
+s13_p, s2_p = experts(1, H_P, I_P, seed=72)
+shared_p = SharedExpert(s13_p[0], s2_p[0], randn(1, H_P, seed=74, scale=0.1).to(DEVICE))
+router_p = randn(E_P, H_P, seed=75, scale=0.3).to(DEVICE)
+pw13, pw2, pshared = moe.pack_experts(w13_p, w2_p, shared_p)
+print("w13:", pw13, "| words", tuple(pw13.words.shape), pw13.words.dtype, "| scales", tuple(pw13.scales.shape))
+print("shared expert is expert E of the stacks:", moe.packed.shared_slot(pw13, pw2, pshared))
+print("packing is exact:", torch.equal(dq(pw13.unpack()), dq(w13_p)) and torch.equal(dq(pw2.unpack()), dq(w2_p)))
+
+calls = []
+real = {name: getattr(triton_experts, name) for name in ("_launch_packed_decode", "_launch_ffn")}
+triton_experts._launch_packed_decode = lambda *a, **k: calls.append(
+    f"decode kernels, {a[3]} slot(s) a token{' (dense: the shared expert alone)' if a[9] else ''}") \
+    or real["_launch_packed_decode"](*a, **k)
+triton_experts._launch_ffn = lambda *a, **k: calls.append(
+    "prefill kernels" + (" (dense: the shared expert alone)" if a[12] else "")) or real["_launch_ffn"](*a, **k)
+try:
+    for M_ in (1, 3, 20):
+        x_p = randn(M_, H_P, seed=80 + M_).to(DEVICE)
+        calls.clear()
+        got_p = moe.moe_block(x_p, router_p, pw13, pw2, pshared, top_k=K_P)
+        m_p = compare(got_p, reference.moe_block(x_p, router_p, w13_p, w2_p, shared_p, top_k=K_P))
+        print(f"M = {M_:2}: rel_l2 {r3(m_p.rel_l2)}; after the router: {'; '.join(calls)}")
+finally:
+    for name, fn in real.items():
+        setattr(triton_experts, name, fn)
+
+# %% [markdown]
+# On the H200 (`experiments/moe_packed_decode.py`, committed in `data/bench/h200/moe_packed_decode.json`): the same
+# block in its three forms, per block, by CUDA-graph replay of 8 distinct blocks in a row (their experts come from
+# HBM, not L2), each checked against the fp32 reference first:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import json
+
+PACKED = Path(lk.__file__).resolve().parents[1] / "data" / "bench" / "h200" / "moe_packed_decode.json"
+if PACKED.exists():
+    pk = json.loads(PACKED.read_text())
+    print(f"git {pk['provenance']['git_sha']}, {pk['provenance']['date'][:10]}, {pk['provenance']['gpu']}, "
+          f"triton {pk['provenance']['triton']}")
+    print(render_table([{"shape": r["shape"], "M": r["M"], "form": r["form"], "launches": round(r["kernels"]),
+                         "us per block": round(r["graph_us"], 1), "cosine": round(r["cosine"], 6)}
+                        for r in pk["forms"]]))
+    forms = ["checkpoint", "packed", "packed + shared slot"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for ax, shape in zip(axes, ("qwen3.5", "qwen3-next")):
+        rows_ = [r for r in pk["forms"] if r["shape"] == shape]
+        ms = sorted({r["M"] for r in rows_})
+        for i, form in enumerate(forms):
+            us = [next(r["graph_us"] for r in rows_ if r["M"] == m and r["form"] == form) for m in ms]
+            ax.bar(np.arange(len(ms)) + (i - 1) * 0.27, us, 0.27, label=form)
+        ax.set_xticks(np.arange(len(ms)), [f"M = {m}" for m in ms])
+        ax.set_ylabel("us per MoE block (graph replay)")
+        ax.set_title(shape)
+    axes[0].legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+else:
+    print("no committed results yet: run experiments/moe_packed_decode.py on a GPU")
+
+# %% [markdown]
+# At M = 1 the block went from 36.1 to 22.2 us at the Qwen3.5 shape, and from 50.1 to 29.4 us at the Qwen3-Next
+# shape. About half the gain is the layout (packed, still five launches), the rest the shared slot. In the decoder
+# (`lynn bench decoder`, notebook 06) the Qwen3.5 decode step went from 3.52 to 2.97 ms. The router (6.5 us) is
+# now the largest of the three kernels; most of its time is the top-k in its last program (docs/moe.md, section 6).
+
+# %% [markdown]
 # ## 7. Explorer: expert load and padding
 #
 # `explore_load(M, top_k, skew, block_m)` routes `M` tokens over 256 experts with the package's `route` (logits as

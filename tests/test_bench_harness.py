@@ -418,3 +418,19 @@ def test_perf_gate_committed_baseline_matches_its_results():
                      "lynn nvfp4 (graph) | qwen3.5-35b-a3b | B=8,context=4096",
                      "lynn nvfp4 generate() (graph) | qwen3.5-35b-a3b | B=1,context=4096",
                      "lynn bf16 weights, cuBLAS (graph) | qwen3.5-35b-a3b | B=1,context=4096"}   # not the unfolded row
+
+
+def test_decode_bytes_counts_every_weight_kind():
+    """``bench.decoder.decode_bytes`` counts the packed experts (stacks and the shared expert's views) as it counts
+    the checkpoint layout: the packed model reads at least as many bytes (K padded to 128), never fewer (a kind it
+    did not know used to count as 0 bytes)."""
+    import lynn_model
+    from lynn_kernels.bench.decoder import _nbytes, decode_bytes
+    from lynn_model.model import SparseMoE
+
+    config = lynn_model.preset("tiny-qwen3.5-moe")
+    packed = lynn_model.loader.random_model(config, device="cpu")
+    plain = lynn_model.loader.random_model(config, device="cpu", layout="checkpoint")
+    blocks = [m for m in packed.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(_nbytes(w) > 0 for m in blocks for w in (m.w13, m.w2, m.shared.w13, m.shared.w2))
+    assert decode_bytes(packed, 64) >= decode_bytes(plain, 64) > 0

@@ -47,9 +47,10 @@ def _log(msg: str) -> None:
 
 def _nbytes(w) -> int:
     from ..matmul import PackedNVFP4
+    from ..moe import PackedExperts
     from ..nvfp4 import NVFP4Tensor
 
-    if isinstance(w, (NVFP4Tensor, PackedNVFP4)):
+    if isinstance(w, (NVFP4Tensor, PackedNVFP4, PackedExperts)):
         return w.nbytes
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
 
