@@ -773,7 +773,9 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
 # replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
-# Qwen3.5 file is from b794a50, the Qwen3-Next file from 88f5896: the first run at that shape to pass its gates,
+# Qwen3.5 file is from e3e4b83 (the experts packed, the shared expert a routed slot; its bytes per token leave the
+# routed experts out, a counting bug fixed after the run: the step reads ~2.63 GB, not 2.07), the Qwen3-Next file
+# from 88f5896: the first run at that shape to pass its gates,
 # after a Triton 3.6 compiler fault on Hopper was found and worked around (a pipelined `tl.dot` on a register tile
 # now and then multiplied garbage; docs/performance.md, a compiler fault); both runs have the workaround. HF bf16 at 80B does not fit beside ours.
 
@@ -834,19 +836,20 @@ for shape, doc in BENCH.items():
 #
 # * **The eager decoder is bound by the host.** At batch 1 a decode step is about 600 GPU operations (the census);
 #   each costs the host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU
-#   (notebook 02 shows the same for one projection). From the host a step takes 56-95 ms (it moves with the
-#   host) against 3.6 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (3.52 ms, 284 tok/s at
-#   Qwen3.5-35B-A3B, 1,021 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
-#   projections fused into one GEMV (as `lynn generate` runs on a GPU) 3.24 ms, 309 tok/s.
-# * **Then the bytes and the launches**: the graph's step is still 5.5 times what its 2.6 GB need at the read
-#   bandwidth. The MoE blocks are the largest part (27.7 us per layer for ~16 MB of experts, 39% of the step), then
-#   the Gated DeltaNet and attention layers (32.4 and 41.2 us for ~23 MB each). With bf16 weights the same graph
-#   takes 4.71 ms: 4-bit weights buy 1.34x so far (1.46x fused), not the 2.3x their bytes allow, because the step
+#   (notebook 02 shows the same for one projection). From the host a step takes 49-95 ms (it moves with the
+#   host) against 3.1 ms of kernels.
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.97 ms, 336 tok/s at
+#   Qwen3.5-35B-A3B, 1,143 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
+#   projections fused into one GEMV (as `lynn generate` runs on a GPU) 2.71 ms, 370 tok/s.
+# * **Then the bytes and the launches**: the graph's step is still 4.5 times what its 2.6 GB need at the read
+#   bandwidth. The Gated DeltaNet layers are now the largest part (32.5 us each for ~23 MB), then the MoE blocks
+#   (20.9 us per layer for ~16 MB of experts, three launches since the experts are packed and the shared expert
+#   rides as a routed slot: notebook 03, section 6b) and attention (40.3 us). With bf16 weights the same graph
+#   takes 4.67 ms: 4-bit weights buy 1.57x so far (1.73x fused), not the 2.3x their bytes allow, because the step
 #   is not yet bound by its bytes.
 # * **Prefill** is less host-bound: 2,048 tokens per call ran at 14,700-24,000 tok/s on Qwen3.5-35B-A3B across
-#   runs (the host still shows: 140 ms against 74 ms of kernels in the last), 16,384 tokens at 28,580 tok/s (98%
-#   kernels), 2.9x HF bf16 on the same shape at 2,048.
+#   runs (88 ms against 71 ms of kernels in the last), 16,384 tokens at 29,632 tok/s (98% kernels), 4.1x HF bf16 on
+#   the same shape at 2,048.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache
@@ -964,8 +967,9 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200), and on a GPU its decode step is a CUDA graph (284 tok/s at batch 1 on Qwen3.5-35B-A3B, 309 with the input
-# projections fused, 213 on Qwen3-Next-80B-A3B). Both needed a workaround for a Triton 3.6 compiler fault on Hopper
-# (`docs/performance.md`). Next: fewer launches (the norm in the next projection, the Gated DeltaNet decode chain,
-# the MoE block in three) and the bytes: the expert and projection GEMVs at their byte roofline. `docs/decoder.md` has the model's math and
+# H200), and on a GPU its decode step is a CUDA graph (336 tok/s at batch 1 on Qwen3.5-35B-A3B, 370 with the input
+# projections fused; 213 on Qwen3-Next-80B-A3B, measured before the packed experts). Both needed a workaround for a
+# Triton 3.6 compiler fault on Hopper (`docs/performance.md`). Next: fewer launches (the norm in the next
+# projection, the Gated DeltaNet decode chain, the router's top-k) and the bytes: the expert and projection GEMVs
+# at their byte roofline. `docs/decoder.md` has the model's math and
 # dtypes, the loader's rules and what is not supported yet; `docs/performance.md` the full benchmark record.
