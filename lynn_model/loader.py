@@ -29,7 +29,7 @@ import torch
 
 import lynn_kernels
 from lynn_kernels import NVFP4Tensor, moe
-from lynn_kernels.matmul import PackedNVFP4, pack, unpack
+from lynn_kernels.matmul import PackedNVFP4, pack
 from lynn_kernels import runtime
 
 from .config import Config
