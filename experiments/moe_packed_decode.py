@@ -74,7 +74,8 @@ def _block(E: int, gen, per_expert: bool = True) -> dict:
 
 
 def _compile(args) -> str:
-    """Worker: compile one tile of one packed kernel (M = 1 and 8) into Triton's cache, in parallel."""
+    """Worker: compile one tile of one packed kernel (M = 1 and 8: both tile sets) into Triton's cache, in
+    parallel."""
     kind, i = args
     _set(**({"up": UP[i]} if kind == "up" else {"down": DOWN[i]}))
     gen = torch.Generator(device="cuda").manual_seed(i)

@@ -1008,23 +1008,29 @@ print("w13:", pw13, "| words", tuple(pw13.words.shape), pw13.words.dtype, "| sca
 print("shared expert is expert E of the stacks:", moe.packed.shared_slot(pw13, pw2, pshared))
 print("packing is exact:", torch.equal(dq(pw13.unpack()), dq(w13_p)) and torch.equal(dq(pw2.unpack()), dq(w2_p)))
 
-calls = []
-real = {name: getattr(triton_experts, name) for name in ("_launch_packed_decode", "_launch_ffn")}
-triton_experts._launch_packed_decode = lambda *a, **k: calls.append(
-    f"decode kernels, {a[3]} slot(s) a token{' (dense: the shared expert alone)' if a[9] else ''}") \
-    or real["_launch_packed_decode"](*a, **k)
-triton_experts._launch_ffn = lambda *a, **k: calls.append(
-    "prefill kernels" + (" (dense: the shared expert alone)" if a[12] else "")) or real["_launch_ffn"](*a, **k)
-try:
-    for M_ in (1, 3, 20):
-        x_p = randn(M_, H_P, seed=80 + M_).to(DEVICE)
-        calls.clear()
-        got_p = moe.moe_block(x_p, router_p, pw13, pw2, pshared, top_k=K_P)
-        m_p = compare(got_p, reference.moe_block(x_p, router_p, w13_p, w2_p, shared_p, top_k=K_P))
-        print(f"M = {M_:2}: rel_l2 {r3(m_p.rel_l2)}; after the router: {'; '.join(calls)}")
-finally:
-    for name, fn in real.items():
-        setattr(triton_experts, name, fn)
+for M_ in (1, 3, 20):
+    x_p = randn(M_, H_P, seed=80 + M_).to(DEVICE)
+    got_p = moe.moe_block(x_p, router_p, pw13, pw2, pshared, top_k=K_P)
+    m_p = compare(got_p, reference.moe_block(x_p, router_p, w13_p, w2_p, shared_p, top_k=K_P))
+    path = "decode: 3 launches" if M_ <= triton_experts.DECODE_MAX_M else "prefill: the shared expert on its own"
+    print(f"M = {M_:2} ({path}): rel_l2 {r3(m_p.rel_l2)}")
+
+# %% [markdown]
+# What the router hands the expert kernels at a decode step: `top_k + 1` columns a token, the last one the shared
+# expert (id `E` = 6) weighted by its gate `sigmoid(x @ gate_weight)`:
+
+# %%
+from lynn_kernels.moe.triton_route import launch_router
+
+x_p = randn(2, H_P, seed=90).to(DEVICE)
+w_slot = torch.empty((2, K_P + 1), device=DEVICE)
+ids_slot = torch.empty((2, K_P + 1), dtype=torch.int32, device=DEVICE)
+launch_router(x_p, router_p, K_P, True, w_slot, ids_slot, gate_weight=shared_p.gate_weight.reshape(-1),
+              shared_slot=True)
+print("ids:", ids_slot.tolist())
+print("weights:", [[round(v, 4) for v in row] for row in w_slot.tolist()])
+print("the last column is the shared gate:",
+      torch.allclose(w_slot[:, -1], torch.sigmoid(x_p @ shared_p.gate_weight.reshape(-1)), rtol=1e-6, atol=0))
 
 # %% [markdown]
 # On the H200 (`experiments/moe_packed_decode.py`, committed in `data/bench/h200/moe_packed_decode.json`): the same
@@ -1062,9 +1068,9 @@ else:
 
 # %% [markdown]
 # At M = 1 the block went from 36.1 to 22.2 us at the Qwen3.5 shape, and from 50.1 to 29.4 us at the Qwen3-Next
-# shape. About half the gain is the layout (packed, still five launches), the rest the shared slot. In the decoder
-# (`lynn bench decoder`, notebook 06) the Qwen3.5 decode step went from 3.52 to 2.97 ms. The router (6.5 us) is
-# now the largest of the three kernels; most of its time is the top-k in its last program (docs/moe.md, section 6).
+# shape. The layout alone (packed, still five launches) gives 58% and 76% of that gain, the shared slot the rest.
+# In the decoder (`lynn bench decoder`, notebook 06) the Qwen3.5 decode step went from 3.52 to 2.97 ms. The router
+# (6.5 us for a 1 MB product) now takes about as long as either expert kernel (docs/moe.md, section 6).
 
 # %% [markdown]
 # ## 7. Explorer: expert load and padding

@@ -420,6 +420,10 @@ def test_mixed_layout_errors(backend):
     pytest.param(2, {"BLOCK_N": 4, "TW": 48, "num_warps": 4}, r"config TW = 48", id="decode-TW48-not-pow2"),
     pytest.param(20, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}, r"config BLOCK_K = 64.*multiple of 128",
                  id="prefill-BLOCK_K64"),
+    pytest.param(2, {"BLOCK_N": 4, "BLOCK_K": 128, "num_stages": 3}, r"config keys \['BLOCK_K', 'num_stages'\] are "
+                 r"not settings of the packed decode kernels", id="decode-checkpoint-keys"),
+    pytest.param(20, {"BLOCK_N": 16, "TW": 64}, r"config keys \['TW'\] are not settings of these expert kernels",
+                 id="prefill-TW"),
 ])
 def test_bad_packed_tiles(M, config, match, poison_empty):
     weights, ids = _routing(M, 2, _E, seed=65)
@@ -427,6 +431,33 @@ def test_bad_packed_tiles(M, config, match, poison_empty):
     out = torch.empty((M, _H), dtype=FP32, device=DEV)
     with pytest.raises(ValueError, match=match):
         launch_moe_experts(x, weights, ids, _P13, _P2, out, moe_workspace(M, 2, _E, _H, _I, FP32, DEV), config=config)
+
+
+def test_pack_experts_in_slices_equals_one_pack(monkeypatch):
+    """``pack_experts`` packs a stack a slice of experts at a time into one buffer (``PACK_ROWS`` rows, to bound
+    the temporaries at load time): with slices of 3 experts (the last one short) and the shared expert behind them,
+    the words and scales equal one ``pack`` of the whole stack."""
+    from lynn_kernels.moe import packed as packed_module
+
+    E, H, inter = 7, 80, 48
+    w13, w2 = _experts(E, H, inter, seed=201)
+    shared = _nvfp4_shared(H, inter, seed=202)
+    monkeypatch.setattr(packed_module, "PACK_ROWS", 3 * 2 * inter)
+    p13, p2, pshared = pack_experts(w13, w2, shared)
+    assert shared_slot(p13, p2, pshared)
+    for stack, w, s, ps in ((p13, w13, shared.w13, pshared.w13), (p2, w2, shared.w2, pshared.w2)):
+        whole = pack(NVFP4Tensor(torch.cat([w.codes, s.codes[None]]).flatten(0, 1),
+                                 torch.cat([w.scales, s.scales[None]]).flatten(0, 1), torch.ones((), device=DEV)))
+        assert torch.equal(torch.cat([stack.words, ps.words[None]]).flatten(0, 1), whole.words)
+        assert torch.equal(torch.cat([stack.scales, ps.scales[None]]).flatten(0, 1), whole.scales)
+
+
+def test_packed_weights_are_refused_where_the_checkpoint_layout_is_needed():
+    gates, ups = _shards(2, 64, 32, seed=211)
+    with pytest.raises(TypeError, match="fuse before packing"):
+        fuse_w13(pack(gates[0]), pack(ups[0]))
+    with pytest.raises(TypeError, match="stack before packing"):
+        stack_w13([pack(g) for g in gates], [pack(u) for u in ups])
 
 
 def test_pack_experts_errors():
@@ -453,23 +484,27 @@ def test_launch_router_shared_slot_errors(poison_empty):
     with pytest.raises(ValueError, match=r"top_k \+ 1 = 3 columns, got ids \(3, 2\)"):
         launch_router(_X, router, top_k, True, w[:, :2].contiguous(), i[:, :2].contiguous(), gate_weight=gate_weight,
                       shared_slot=True)
+    w2_, i2_ = w[:, :2].contiguous(), i[:, :2].contiguous()
+    with pytest.raises(ValueError, match=r"gate_weight needs somewhere to write the gate"):
+        launch_router(_X, router, top_k, True, w2_, i2_, gate_weight=gate_weight)     # would overwrite weights
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6. the router's shared slot
 
 
-@pytest.mark.parametrize("M, dtype, renormalize", [
-    pytest.param(1, BF16, True, id="M1-bf16-renorm"),
-    pytest.param(5, FP32, False, id="M5-fp32-raw"),
-    pytest.param(16, BF16, False, id="M16-bf16-raw"),
-    pytest.param(16, FP32, True, id="M16-fp32-renorm"),
+@pytest.mark.parametrize("M, dtype, renormalize, E, top_k", [
+    pytest.param(1, BF16, True, 7, 3, id="M1-bf16-renorm"),
+    pytest.param(5, FP32, False, 7, 3, id="M5-fp32-raw"),
+    pytest.param(16, BF16, False, 7, 3, id="M16-bf16-raw"),
+    pytest.param(16, FP32, True, 7, 3, id="M16-fp32-renorm"),
+    pytest.param(16, BF16, True, 300, 8, id="M16-E300-top8-two-row-chunks"),
 ])
-def test_launch_router_shared_slot(M, dtype, renormalize, poison_empty):
+def test_launch_router_shared_slot(M, dtype, renormalize, E, top_k, poison_empty):
     """With ``shared_slot`` the router writes rows of ``top_k + 1``: the routing as without it (bit for bit), then
     the shared expert's id E and its gate ``sigmoid(x @ gate_weight)`` (fp32, not rounded; the gate the ``gate=``
-    output gets, bit for bit)."""
-    E, top_k, H = 7, 3, 80
+    output gets, bit for bit). E = 300 (512 logits a row) routes 16 tokens in two chunks of rows."""
+    H = 80
     x = _x(M, H, dtype, seed=71)
     router = (torch.randn(E, H, generator=_gen(72)) * 0.3).to(dtype).to(DEV)
     gate_weight = (torch.randn(H, generator=_gen(73)) * 0.1).to(dtype).to(DEV)
@@ -490,3 +525,21 @@ def test_launch_router_shared_slot(M, dtype, renormalize, poison_empty):
     assert torch.equal(ig, i0) and bit_mismatches(wg, w0) == 0
     _, ids_ref = reference.route((x.float() @ router.float().t()).to(dtype), top_k, renormalize)
     assert torch.equal(i0, ids_ref)
+
+
+@pytest.mark.parametrize("shape", [pytest.param((1, 3, 80), id="decode-M3"),
+                                   pytest.param((2, 9, 80), id="prefill-M18")])
+def test_moe_block_packed_fp16(shape, poison_empty):
+    """fp16 x (the packed prefill tile is ``e2m1 * s`` itself there, fp16's range being narrower): the folded block
+    against the reference on the checkpoint weights."""
+    E, top_k, H, inter = 5, 2, shape[-1], 48
+    w13, w2 = _experts(E, H, inter, seed=221)
+    shared = _nvfp4_shared(H, inter, seed=222)
+    shared = shared._replace(gate_weight=shared.gate_weight.to(torch.float16))
+    w13p, w2p, shared_p = pack_experts(w13, w2, shared)
+    assert shared_slot(w13p, w2p, shared_p)
+    router = (torch.randn(E, H, generator=_gen(223)) * 0.3).to(torch.float16).to(DEV)
+    x = torch.randn(shape, generator=_gen(224)).to(torch.float16).to(DEV)
+    got = moe_block(x, router, w13p, w2p, shared_p, top_k=top_k, renormalize=False)
+    assert got.dtype == torch.float16 and tuple(got.shape) == shape
+    assert_block_close(got, x, router, w13, w2, shared, top_k)

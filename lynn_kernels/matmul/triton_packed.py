@@ -325,15 +325,15 @@ def packed_gemv_kernel(
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
         sa, sb = fma_scales(v, INTERPRET)                                      # the two blocks of each word
         acc0 = fma_row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
-                         stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                            stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 1:
             acc1 = fma_row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
-                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 2:
             acc2 = fma_row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
-                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
             acc3 = fma_row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
-                             stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         q, v = q_next, v_next
         if k0 + TW >= KW:                            # the tile's last step: write its rows, start the next tile
             if USE_PDL and not EARLY_RELEASE:

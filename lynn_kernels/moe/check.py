@@ -110,7 +110,6 @@ def iter_rows() -> Iterator[dict]:
         yield {"op": "moe.moe_block", "case": f"M{M} E{E} top{k} per-shard gate/up scales + shared ({path})",
                "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3}
 
-
     # packed experts (pack_experts), the shared expert of the routed size as expert E: decode in three launches
     sw13p, sw2p = _weights(1, H, I, gen)
     shared_p = SharedExpert(sw13p[0], sw2p[0], shared.gate_weight)

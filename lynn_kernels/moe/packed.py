@@ -98,14 +98,31 @@ class PackedExperts:
         return nvfp4.dequantize(self.unpack(), dtype)
 
 
-def _pack_stack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed words ``[E, N, Kp/8]`` and scales ``[E, N, Kp/16]`` of an NVFP4 stack's codes ``[E, N, K/2]`` and
-    block scales ``[E, N, K/16]`` (the global scale is laid out apart)."""
-    e, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
-    flat = NVFP4Tensor(codes.reshape(e * n, k // 2), scales.reshape(e * n, k // BLOCK),
-                       torch.ones((), dtype=torch.float32, device=codes.device))
-    p = pack(flat)
-    return p.words.reshape(e, n, -1), p.scales.reshape(e, n, -1)
+#: Rows packed at a time: :func:`~lynn_kernels.matmul.pack` holds a few int64 temporaries of its input's size, so
+#: a stack is packed in slices of about this many rows (~1 GB of temporaries at K = 2048), not all at once.
+PACK_ROWS = 1 << 15
+
+
+def _packed_stacks(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int, k: int):
+    """The packed words ``[E', N, Kp/8]`` and scales ``[E', N, Kp/16]`` of NVFP4 stacks given as ``(codes [e, N,
+    K/2], block scales [e, N, K/16])`` parts, one after the other (``E'`` the sum of the parts' ``e``), written into
+    one buffer slice by slice (the global scales are laid out apart)."""
+    total = sum(c.shape[0] for c, _ in parts)
+    device = parts[0][0].device
+    kw = -(-k // CHUNK) * (CHUNK // 8)
+    words = torch.empty((total, n, kw), dtype=torch.int32, device=device)
+    scales = torch.empty((total, n, kw // 2), dtype=torch.uint8, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    step = max(1, PACK_ROWS // n)                                   # experts per slice
+    e0 = 0
+    for codes, block_scales in parts:
+        for i in range(0, codes.shape[0], step):
+            c, b = codes[i:i + step], block_scales[i:i + step]
+            p = pack(NVFP4Tensor(c.reshape(-1, k // 2), b.reshape(-1, k // BLOCK), one))
+            words[e0 + i:e0 + i + c.shape[0]] = p.words.reshape(c.shape[0], n, kw)
+            scales[e0 + i:e0 + i + c.shape[0]] = p.scales.reshape(c.shape[0], n, kw // 2)
+        e0 += codes.shape[0]
+    return words, scales
 
 
 def _per_row(g: torch.Tensor, e: int, n: int) -> torch.Tensor:
@@ -154,19 +171,18 @@ def pack_experts(w13: NVFP4Tensor, w2: NVFP4Tensor, shared=None):
     fold = (shared is not None and isinstance(shared.w13, NVFP4Tensor) and isinstance(shared.w2, NVFP4Tensor)
             and tuple(shared.w13.shape) == (n13, h) and tuple(shared.w2.shape) == tuple(w2.shape[1:])
             and shared.w13.device == w13.device and shared.w2.device == w2.device)
-    words13, scales13 = _pack_stack(w13.codes, w13.scales)
-    words2, scales2 = _pack_stack(w2.codes, w2.scales)
     g13, g2 = w13.global_scale.float().contiguous(), w2.global_scale.float().contiguous()
     if not fold:
         if (shared is not None and isinstance(shared.w13, NVFP4Tensor) and isinstance(shared.w2, NVFP4Tensor)
                 and shared.w13.dim() == 2 and shared.w2.dim() == 2):                  # packed on its own
             shared = SharedExpert(pack(shared.w13), pack(shared.w2), shared.gate_weight)
-        return (PackedExperts(words13, scales13, g13, h), PackedExperts(words2, scales2, g2, w2.shape[2]), shared)
-    s13, ss13 = _pack_stack(shared.w13.codes[None], shared.w13.scales[None])
-    s2, ss2 = _pack_stack(shared.w2.codes[None], shared.w2.scales[None])
-    all13 = PackedExperts(torch.cat([words13, s13]), torch.cat([scales13, ss13]),
+        return (PackedExperts(*_packed_stacks([(w13.codes, w13.scales)], n13, h), g13, h),
+                PackedExperts(*_packed_stacks([(w2.codes, w2.scales)], n2, w2.shape[2]), g2, w2.shape[2]), shared)
+    all13 = PackedExperts(*_packed_stacks([(w13.codes, w13.scales), (shared.w13.codes[None], shared.w13.scales[None])],
+                                          n13, h),
                           _stack_scales(g13, shared.w13.global_scale.float(), e, n13), h)
-    all2 = PackedExperts(torch.cat([words2, s2]), torch.cat([scales2, ss2]),
+    all2 = PackedExperts(*_packed_stacks([(w2.codes, w2.scales), (shared.w2.codes[None], shared.w2.scales[None])],
+                                         n2, w2.shape[2]),
                          _stack_scales(g2, shared.w2.global_scale.float(), e, n2), w2.shape[2])
     routed13 = PackedExperts(all13.words[:e], all13.scales[:e], all13.global_scale[:e], h)
     routed2 = PackedExperts(all2.words[:e], all2.scales[:e], all2.global_scale[:e], w2.shape[2])
@@ -175,7 +191,10 @@ def pack_experts(w13: NVFP4Tensor, w2: NVFP4Tensor, shared=None):
 
 def shared_slot(w13, w2, shared) -> bool:
     """True when ``shared``'s weights are expert ``E`` of the stacks behind ``w13`` and ``w2`` (what
-    :func:`pack_experts` makes): the kernels can then run it as one more routed slot, expert id ``E``."""
+    :func:`pack_experts` makes): the kernels can then run it as one more routed slot, expert id ``E``. It is read
+    from where the tensors lie (the shared expert's words, scales and global scales start where the routed ones
+    end), so a copy of either side (``clone``, ``.to`` another device) loses it: the block then computes the same
+    values, with the shared expert in launches of its own."""
     if shared is None or not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
         return False
     if not isinstance(shared.w13, PackedNVFP4) or not isinstance(shared.w2, PackedNVFP4):

@@ -105,6 +105,9 @@ def fuse_w13(gate, up):
         up = NVFP4Tensor.from_state_dict(sd, "mlp.shared_expert.up_proj")
         w13 = fuse_w13(gate, up)                                                   # [2 Is, H], scale [2 Is]
     """
+    if any(is_packed(w) for w in (gate, up)):
+        raise TypeError(f"gate and up must be in the checkpoint layout (NVFP4Tensors) or float tensors, found "
+                        f"{type(gate).__name__} and {type(up).__name__}: fuse before packing (pack_experts)")
     if is_nvfp4(gate) != is_nvfp4(up) or not all(is_nvfp4(w) or isinstance(w, torch.Tensor) for w in (gate, up)):
         raise TypeError(f"gate and up must both be NVFP4Tensors or both float torch.Tensors, found "
                         f"{type(gate).__name__} and {type(up).__name__}")
@@ -151,6 +154,9 @@ def stack_w13(gates, ups):
                             f"{type(ws).__name__}")
     if len(gates) != len(ups):
         raise ValueError(f"gates and ups must list the same experts, found {len(gates)} and {len(ups)}")
+    if any(is_packed(w) for w in (*gates, *ups)):
+        raise TypeError("gates and ups must be in the checkpoint layout (NVFP4Tensors) or float tensors, found packed "
+                        "weights: stack before packing (pack_experts)")
     kinds = {is_nvfp4(w) for w in (*gates, *ups)}
     if len(kinds) != 1:
         raise TypeError("gates and ups must all be NVFP4Tensors or all float torch.Tensors, found both kinds")
@@ -272,6 +278,8 @@ def weight_data(name: str, w) -> tuple[str, torch.Tensor]:
 
 
 def _kind(w) -> str:
+    if is_packed(w):
+        return f"a {type(w).__name__} (packed NVFP4)"
     return "an NVFP4Tensor" if is_nvfp4(w) else f"a {str(w.dtype)[6:]} tensor"
 
 

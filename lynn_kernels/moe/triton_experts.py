@@ -50,7 +50,7 @@ DECODE_DOWN_CONFIGS = ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stage
                        {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})
 #: GPU tiles of the packed decode kernels (FMA on the packed layout, :mod:`.packed`), ``(M <= 2, M > 2)``:
 #: ``BLOCK_N`` rows per program, ``TW`` words of K per step. The best of the H200 sweep at M = 1 (Qwen3.5 shape, the
-#: 3-launch block by graph replay over 8 layers: gate_up 10 tiles at b032481, down 10 at d34949b; docs/moe.md,
+#: 3-launch block by graph replay over 8 layers: gate_up 10 tiles in run 1, down 10 in run 2 at d34949b; docs/moe.md,
 #: section 6); not swept at M > 2.
 PACKED_UP_CONFIGS = ({"BLOCK_N": 8, "TW": 64, "num_warps": 4}, {"BLOCK_N": 8, "TW": 64, "num_warps": 4})
 PACKED_DOWN_CONFIGS = ({"BLOCK_N": 8, "TW": 32, "num_warps": 8}, {"BLOCK_N": 8, "TW": 32, "num_warps": 8})
@@ -143,16 +143,15 @@ def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, FL
     """The global scales of expert ``e``'s gate rows ``offs_n`` and up rows ``I + offs_n``, fp32 ``[BLOCK_N]`` each,
     times ``ACC_UNIT`` (undoing the power of two the weight decode leaves): 1 for float weights; one per row
     with ``G_PER_ROW`` (``g[e * 2I + row]``: per-shard gate / up scales); else one, ``g[e * G_STRIDE]``."""
-    unit = ACC_UNIT
     if FLOAT_W:
         g_gate = tl.full((BLOCK_N,), 1.0, tl.float32)
         g_up = g_gate
     elif G_PER_ROW:
         g_rows = g_ptr + e * (2 * I) + offs_n
-        g_gate = tl.load(g_rows, mask=mask_n, other=0.0) * unit
-        g_up = tl.load(g_rows + I, mask=mask_n, other=0.0) * unit
+        g_gate = tl.load(g_rows, mask=mask_n, other=0.0) * ACC_UNIT
+        g_up = tl.load(g_rows + I, mask=mask_n, other=0.0) * ACC_UNIT
     else:
-        g_gate = tl.full((BLOCK_N,), 1.0, tl.float32) * (tl.load(g_ptr + e * G_STRIDE) * unit)
+        g_gate = tl.full((BLOCK_N,), 1.0, tl.float32) * (tl.load(g_ptr + e * G_STRIDE) * ACC_UNIT)
         g_up = g_gate
     return g_gate, g_up
 
@@ -213,7 +212,8 @@ def _moe_down_kernel(
     S, H, I, stride_om, G_STRIDE,
     DENSE: tl.constexpr, FLOAT_W: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
-    PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -568,6 +568,10 @@ def _tiles(n: int, k: int, gpu_config: dict, config: dict | None,
                 "BLOCK_K": max(128 if packed else 16, min(256, runtime.next_power_of_2(k))), "num_warps": 4}
     else:
         meta = dict(gpu_config)
+    unknown = set(config or {}) - {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+    if unknown:
+        raise ValueError(f"config keys {sorted(unknown)} are not settings of these expert kernels (BLOCK_N, BLOCK_K, "
+                         f"num_warps, num_stages)")
     meta.update(config or {})
     if packed and "BLOCK_K" in meta and meta["BLOCK_K"] % 128:
         raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: a packed expert tile covers whole chunks of 128 "
@@ -628,6 +632,10 @@ def _packed_tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tupl
                 "TW": max(16, min(64, runtime.next_power_of_2(kw))), "num_warps": 4}
     else:
         meta = dict(gpu_config)
+    unknown = set(config or {}) - {"BLOCK_N", "TW", "num_warps"}
+    if unknown:
+        raise ValueError(f"config keys {sorted(unknown)} are not settings of the packed decode kernels (BLOCK_N, TW, "
+                         f"num_warps)")
     meta.update(config or {})
     if meta["TW"] % 16 or meta["TW"] & (meta["TW"] - 1):
         raise ValueError(f"config TW = {meta['TW']}: a packed decode step is a power of two of whole 16-word "

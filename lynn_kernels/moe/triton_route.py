@@ -64,13 +64,10 @@ def _route_rows(x, offs_e, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexp
 
 @triton.jit
 def _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STRIDE: tl.constexpr = 0):
-    """Token rows ``offs_m`` of the routing into ``weights`` / ``ids``, ``STRIDE`` entries a row (0: ``TOP_K``)."""
+                 STRIDE: tl.constexpr):
+    """Token rows ``offs_m`` of the routing into ``weights`` / ``ids``, ``STRIDE`` entries a row."""
     offs_k = tl.arange(0, BLOCK_K)
-    if STRIDE == 0:
-        out = offs_m[:, None] * TOP_K + offs_k[None, :]
-    else:
-        out = offs_m[:, None] * STRIDE + offs_k[None, :]
+    out = offs_m[:, None] * STRIDE + offs_k[None, :]
     mask_out = mask_m[:, None] & (offs_k[None, :] < TOP_K)
     tl.store(weights_ptr + out, w, mask=mask_out)
     tl.store(ids_ptr + out, ids, mask=mask_out)
@@ -92,7 +89,7 @@ def _route_kernel(
                 mask=mask_m[:, None] & mask_e[None, :], other=0)
     x = tl.where(mask_e[None, :], to_float32(x, DTYPE, INTERPRET), float("-inf"))    # [BLOCK_M, BLOCK_E]
     w, ids = _route_rows(x, offs_e, mask_e, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_K)
-    _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K, BLOCK_K)
+    _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K, BLOCK_K, TOP_K)
 
 
 @triton.jit
@@ -243,6 +240,8 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     if shared_slot and (not has_gate or gate is not None or ids.shape[-1] != top_k + 1):
         raise ValueError(f"shared_slot needs gate_weight, no gate, and weights / ids of top_k + 1 = {top_k + 1} "
                          f"columns, got ids {tuple(ids.shape)}")
+    if has_gate and gate is None and not shared_slot:
+        raise ValueError("gate_weight needs somewhere to write the gate: pass gate (fp32 [M]) or shared_slot=True")
     c = kernel_constexprs(x2.dtype, None, x2.dtype, runtime.INTERPRET)
     all_e = max(16, runtime.next_power_of_2(E))
     if runtime.INTERPRET:
