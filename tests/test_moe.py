@@ -731,3 +731,34 @@ def test_moe_packed_real_shapes_gpu(E, top_k, M):
     weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
     got = moe_experts(x, weights, ids, p13, p2)
     assert_experts_close(got, x, weights, ids, w13, w2, what=f"packed E={E} M={M}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64], ids=["M1", "M8", "M64"])
+@pytest.mark.parametrize("variant", ["per-row-scales", "fp16"])
+def test_moe_packed_real_shapes_variants_gpu(variant, M):
+    """The packed experts at the Qwen3.5 shape in the two forms the bf16 test above leaves out: w13 with one global
+    scale per row (gate and up shards scaled apart, as ModelOpt checkpoints may be; the shared expert too) and fp16
+    x (the packed prefill tile is ``e2m1 * s`` itself in fp16). Compiled, against the reference on the checkpoint
+    weights, deterministic."""
+    from lynn_kernels.moe import pack_experts
+    from lynn_kernels.moe.packed import shared_slot
+
+    E, top_k, H, inter = 256, 8, 2048, 512
+    w13, w2 = _real_experts(E, H, inter)
+    shared = _shared(H, inter, seed=56)
+    dtype = torch.float16 if variant == "fp16" else BF16
+    if variant == "per-row-scales":          # the up rows' scale SHARD_RATIO times the gate rows'
+        ratio = torch.cat([torch.ones(inter), torch.full((inter,), SHARD_RATIO)]).to(DEV)
+        w13 = NVFP4Tensor(w13.codes, w13.scales, (w13.global_scale[:, None] * ratio).contiguous())
+        shared = shared._replace(w13=NVFP4Tensor(shared.w13.codes, shared.w13.scales,
+                                                 (shared.w13.global_scale * ratio).contiguous()))
+    shared = shared._replace(gate_weight=shared.gate_weight.to(dtype))
+    p13, p2, pshared = pack_experts(w13, w2, shared)
+    assert shared_slot(p13, p2, pshared)
+    x = _x(M, H, dtype, seed=57)
+    router = (torch.randn(E, H, generator=_gen(58)) * 0.05).to(dtype).to(DEV)
+    got = moe_block(x, router, p13, p2, pshared, top_k=top_k)
+    m = compare(got, reference.moe_block(x, router, w13, w2, shared, top_k=top_k))
+    assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, m
+    assert bit_mismatches(got, moe_block(x, router, p13, p2, pshared, top_k=top_k)) == 0, "not deterministic"
