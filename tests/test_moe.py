@@ -714,20 +714,12 @@ def test_moe_packed_real_shapes_gpu(E, top_k, M):
     """The packed experts (``pack_experts``, the shared expert as expert E: 3 launches at M <= 16) at the real
     shapes, bf16, compiled: the block against the reference on the checkpoint weights, deterministic, and the
     routed experts alone against the reference (both paths)."""
-    from lynn_kernels.moe import pack_experts
-    from lynn_kernels.moe.packed import shared_slot
-
     H, inter = 2048, 512
     w13, w2 = _real_experts(E, H, inter)
     shared = _shared(H, inter, seed=54)
-    p13, p2, pshared = pack_experts(w13, w2, shared)
-    assert shared_slot(p13, p2, pshared)
     x = _x(M, H, BF16, seed=55)
     router = (torch.randn(E, H, generator=_gen(53)) * 0.05).to(BF16).to(DEV)
-    got = moe_block(x, router, p13, p2, pshared, top_k=top_k)
-    m = compare(got, reference.moe_block(x, router, w13, w2, shared, top_k=top_k))
-    assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, m
-    assert bit_mismatches(got, moe_block(x, router, p13, p2, pshared, top_k=top_k)) == 0, "not deterministic"
+    p13, p2 = _packed_block_close(x, router, w13, w2, shared, top_k)
     weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
     got = moe_experts(x, weights, ids, p13, p2)
     assert_experts_close(got, x, weights, ids, w13, w2, what=f"packed E={E} M={M}")
@@ -741,9 +733,6 @@ def test_moe_packed_real_shapes_variants_gpu(variant, M):
     scale per row (gate and up shards scaled apart, as ModelOpt checkpoints may be; the shared expert too) and fp16
     x (the packed prefill tile is ``e2m1 * s`` itself in fp16). Compiled, against the reference on the checkpoint
     weights, deterministic."""
-    from lynn_kernels.moe import pack_experts
-    from lynn_kernels.moe.packed import shared_slot
-
     E, top_k, H, inter = 256, 8, 2048, 512
     w13, w2 = _real_experts(E, H, inter)
     shared = _shared(H, inter, seed=56)
@@ -754,11 +743,22 @@ def test_moe_packed_real_shapes_variants_gpu(variant, M):
         shared = shared._replace(w13=NVFP4Tensor(shared.w13.codes, shared.w13.scales,
                                                  (shared.w13.global_scale * ratio).contiguous()))
     shared = shared._replace(gate_weight=shared.gate_weight.to(dtype))
-    p13, p2, pshared = pack_experts(w13, w2, shared)
-    assert shared_slot(p13, p2, pshared)
     x = _x(M, H, dtype, seed=57)
     router = (torch.randn(E, H, generator=_gen(58)) * 0.05).to(dtype).to(DEV)
+    _packed_block_close(x, router, w13, w2, shared, top_k)
+
+
+def _packed_block_close(x, router, w13, w2, shared, top_k):
+    """``pack_experts`` with the shared expert joined to the stacks, then the block on them against the reference on
+    the checkpoint weights (cosine > 0.9999, rel_l2 < 4e-3) and bit-equal on a second run; returns the packed
+    stacks."""
+    from lynn_kernels.moe import pack_experts
+    from lynn_kernels.moe.packed import shared_slot
+
+    p13, p2, pshared = pack_experts(w13, w2, shared)
+    assert shared_slot(p13, p2, pshared)
     got = moe_block(x, router, p13, p2, pshared, top_k=top_k)
     m = compare(got, reference.moe_block(x, router, w13, w2, shared, top_k=top_k))
     assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, m
     assert bit_mismatches(got, moe_block(x, router, p13, p2, pshared, top_k=top_k)) == 0, "not deterministic"
+    return p13, p2
