@@ -819,7 +819,10 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
     router logits (on the GPU, for bf16 / fp16 x and router, HF's own ``F.linear``: cuBLAS accumulates in fp32 and
     rounds once, as the reference's fp32 product rounded to x's dtype, up to the order of the sum; otherwise that
     product), the routing kernel, the shared expert
-    (dense mode of the expert kernels) and the routed experts, summed in the combine step and rounded once."""
+    (dense mode of the expert kernels) and the routed experts, summed in the combine step and rounded once. For a
+    decode batch (``M <= 16``) the router's logits and routing are one launch (its product holds the shared gate as
+    one more row), and where the shared expert is expert E of packed stacks (:func:`.packed.shared_slot`) the block
+    is three launches: the router writes the shared slot, then gate_up and down over ``top_k + 1`` slots a token."""
     spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
     tensors = [("x", x), ("router_weight", router_weight), spec.weight_data("w13", w13), spec.weight_data("w2", w2)]
     if shared is not None:
