@@ -58,8 +58,7 @@ SHAPES = [("GDN qkv|z fused / Qwen3-Next qkvz 2048->12288", 12288, 2048),
           ("GDN z 2048->4096", 4096, 2048),
           ("o / out proj 4096->2048", 2048, 4096),
           ("shared expert down 512->2048", 2048, 512),
-          ("GDN b|a fused 2048->64", 64, 2048),
-          ("Qwen3-Next o_proj 4096->2048 / q 2048->8192", 16384, 2048)]
+          ("GDN b|a fused 2048->64", 64, 2048)]
 OTHER = [(16, 64), (16, 128), (32, 64), (8, 128)]
 torch.manual_seed(0)
 for label, n, k in SHAPES:
