@@ -982,31 +982,6 @@ def test_packed_fma_gemv_programs_take_tiles_in_turn(n, k, programs, pdl, make_w
         assert_bit_equal(got, want, f"{programs} programs, early release {early}")
 
 
-@pytest.mark.parametrize("n,k,config", [(64, 1024, {"BLOCK_N": 16, "TW": 64}),
-                                         (37, 208, {"BLOCK_N": 16, "TW": 16}),
-                                         (130, 2064, {"BLOCK_N": 16, "TW": 64, "PROGRAMS": 5}),
-                                         (48, 256, {"BLOCK_N": 16, "TW": 16, "PROGRAMS": 2})])
-@pytest.mark.parametrize("m", [1, 2])
-def test_packed_fma_gemv_two_steps_ahead(n, k, config, m, make_weight, make_nvfp4, device, poison_empty):
-    """``AHEAD = 2`` (two steps' words in flight) gives the bits of one step ahead: even shapes whose last two steps
-    reload the last words, a masked tail (2064: 258 words; 208: 26 words, two 16-word steps), tiles streamed
-    across programs, and rows of two steps (256: 32 words)."""
-    w = pack(make_nvfp4(n, k, seed=n * k))
-    x = make_weight((m, k), BF16, seed=m + k)
-    base = {**config, "num_warps": 4}
-    want = launch_packed_gemv(x, w, None, torch.empty(m, n, dtype=BF16, device=device), base)
-    assert_close_to_reference(want, reference.nvfp4_linear(x, unpack(w)), "one step ahead")
-    got = launch_packed_gemv(x, w, None, torch.empty(m, n, dtype=BF16, device=device), {**base, "AHEAD": 2})
-    assert_bit_equal(got, want, f"two steps ahead {config}")
-
-
-def test_packed_fma_gemv_rejects_a_bad_depth(make_weight, make_nvfp4, device):
-    w = pack(make_nvfp4(16, 128, seed=1))
-    x = make_weight((1, 128), BF16, seed=2)
-    with pytest.raises(ValueError, match="AHEAD must be 1 or 2"):
-        launch_packed_gemv(x, w, None, torch.empty(1, 16, dtype=BF16, device=device), {"AHEAD": 3})
-
-
 def test_fma_config_takes_the_measured_tiles():
     """fma_config's choices from the H200 sweeps (docs/performance.md): 32 x 64 for one x row on 8,192+ rows at
     K = 2048 (the only K that tile was measured at), the rows-per-SM rule elsewhere; never a streaming grid or an
@@ -1014,7 +989,7 @@ def test_fma_config_takes_the_measured_tiles():
     from lynn_kernels.matmul.triton_matmul import fma_config
 
     assert fma_config(8192, 2048, 132) == {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0,
-                                           "EARLY_RELEASE": False, "AHEAD": 1}
+                                           "EARLY_RELEASE": False}
     assert fma_config(12288, 2048, 132)["BLOCK_N"] == 32
     assert (fma_config(8192, 8192, 132)["BLOCK_N"], fma_config(8192, 8192, 132)["TW"]) == (32, 128)
     assert (fma_config(8192, 2048, 132, m=2)["BLOCK_N"], fma_config(8192, 2048, 132, m=2)["TW"]) == (16, 128)

@@ -367,26 +367,6 @@ def test_launch_packed_decode_small_tiles(M, top_k, E, H, inter, config, poison_
         assert_experts_close(out, x, weights, ids, w13, w2, what=f"seed {seed}")
 
 
-@pytest.mark.parametrize("H, inter, tw", [(208, 48, 16), (256, 48, 16), (384, 48, 16), (80, 48, 16)])
-def test_packed_gate_up_two_steps_ahead(H, inter, tw, poison_empty):
-    """gate_up with two steps of words in flight (``AHEAD = 2``) gives the bits of one step ahead: two steps with a
-    partial last chunk (208), two and three whole steps (the EVEN path, whose last steps reload; 256, 384) and a
-    single step (80)."""
-    E, top_k, M = 5, 3, 2
-    w13, w2 = _routed(E, H, inter, "gE", seed=45)
-    w13p, w2p, _ = pack_experts(w13, w2)
-    x = _x(M, H, BF16, seed=46)
-    weights, ids = _routing(M, top_k, E, seed=47)
-    ws = moe_workspace(M, top_k, E, H, inter, BF16, DEV)
-    base = {"BLOCK_N": 16, "TW": tw, "num_warps": 4}
-    want = launch_moe_experts(x, weights, ids, w13p, w2p, torch.empty((M, H), dtype=BF16, device=DEV), ws,
-                              config=base).clone()
-    assert_experts_close(want, x, weights, ids, w13, w2, what="one step ahead")
-    got = launch_moe_experts(x, weights, ids, w13p, w2p, torch.empty((M, H), dtype=BF16, device=DEV), ws,
-                             config={**base, "AHEAD": 2})
-    assert bit_mismatches(got, want) == 0
-
-
 def test_packed_decode_is_deterministic():
     """Two runs give the same bits: the packed decode experts (bf16, M = 3) and the folded 3-launch block (fp32)."""
     E, top_k, H, inter, M = 6, 3, 80, 48, 3
@@ -444,7 +424,6 @@ def test_mixed_layout_errors(backend):
                  r"not settings of the packed decode kernels", id="decode-checkpoint-keys"),
     pytest.param(20, {"BLOCK_N": 16, "TW": 64}, r"config keys \['TW'\] are not settings of these expert kernels",
                  id="prefill-TW"),
-    pytest.param(2, {"BLOCK_N": 4, "TW": 16, "AHEAD": 3}, r"config AHEAD = 3: 1 or 2", id="decode-AHEAD3"),
 ])
 def test_bad_packed_tiles(M, config, match, poison_empty):
     weights, ids = _routing(M, 2, _E, seed=65)

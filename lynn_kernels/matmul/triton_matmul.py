@@ -550,12 +550,12 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     2048->12288 on the H200, git a906a61). ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off: the
     H200 measured neither faster (docs/performance.md)."""
     if m == 1 and n >= 8192 and k == 2048:
-        return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False, "AHEAD": 1}
+        return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
     tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
     block_n, most = 4, 16 if m > 1 or k < 8192 else 32
     while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
         block_n *= 2
-    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False, "AHEAD": 1}
+    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
 
 
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
@@ -563,8 +563,8 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
     weight into ``y [M, N]`` on the FMA GEMV. ``config`` replaces keys of :func:`fma_config`: ``BLOCK_N``, ``TW``,
     ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at most that many
-    programs taking the tiles in turn), ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
-    program has started) and ``AHEAD`` (1 or 2: steps of weights in flight per program). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
+    programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
+    program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
     the wait on the kernel before)."""
     m, k = x2.shape
     n = w.shape[0]
@@ -574,18 +574,16 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     meta = fma_config(n, k, _sm_count(x2.device), m)            # cached: read, never changed
     if config:
         meta = {**meta, **config}
-        unknown = set(meta) - {"BLOCK_N", "TW", "num_warps", "PROGRAMS", "EARLY_RELEASE", "AHEAD"}
+        unknown = set(meta) - {"BLOCK_N", "TW", "num_warps", "PROGRAMS", "EARLY_RELEASE"}
         if unknown:
             raise ValueError(f"config keys {sorted(unknown)} are not FMA GEMV settings (BLOCK_N, TW, num_warps, "
-                             f"PROGRAMS, EARLY_RELEASE, AHEAD)")
-        if meta["AHEAD"] not in (1, 2):
-            raise ValueError(f"AHEAD must be 1 or 2 (steps of weights in flight), got {meta['AHEAD']!r}")
+                             f"PROGRAMS, EARLY_RELEASE)")
     block_n, tw, warps = meta["BLOCK_N"], meta["TW"], meta["num_warps"]
     tiles = runtime.cdiv(n, block_n)
     programs = min(tiles, meta["PROGRAMS"]) if meta["PROGRAMS"] > 0 else tiles
     spec = (x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.next_power_of_2(m), block_n, tw,
             n % block_n == 0, kw % tw == 0 and 8 * kw == k, bool(pdl) and not runtime.INTERPRET,
-            bool(meta["EARLY_RELEASE"]), meta["AHEAD"])
+            bool(meta["EARLY_RELEASE"]))
     args = (kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
             m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global())
     key = (spec, warps, m, n, k, kw, args[10], args[11], args[12], args[13], args[0].data_ptr() & 15,
@@ -599,13 +597,12 @@ _FMA_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
-def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early,
-                    ahead) -> dict:
+def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early) -> dict:
     """The FMA GEMV's constexprs for one specialisation (cached: built once, not per call)."""
     flags = kernel_constexprs(x_dtype, bias_dtype, y_dtype, runtime.INTERPRET, True)
     return dict(HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
                 OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=block_m, BLOCK_N=block_n, TW=tw, EVEN_N=even_n, EVEN_K=even_k,
-                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET, AHEAD=ahead)
+                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET)
 
 
 def use_fma_gemv(m: int, n: int) -> bool:

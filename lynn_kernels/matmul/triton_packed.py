@@ -279,15 +279,14 @@ def packed_gemv_kernel(
     M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr, AHEAD: tl.constexpr = 1,
+    USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
     it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units, no split of K:
     the ``BLOCK_N``-row tiles go to the programs in turn (tile ``pid``, ``pid + num_programs``, ...; a grid of one
     program per tile gives each one tile), each tile in steps of ``TW`` words (``8 TW`` weights, ``TW`` a multiple
     of 16), ``KW`` words a row (``K`` padded to a multiple of 128). A program's steps are one stream: the next
-    step's weights, of this tile or the next, load while this one is multiplied (``AHEAD`` = 2: the next two steps'
-    weights are in flight, a second set of registers for more bytes in flight per SM). Each thread owns 16-byte runs (4
+    step's weights, of this tile or the next, load while this one is multiplied. Each thread owns 16-byte runs (4
     words, 32 weights) of its rows; one accumulator per x row, each in the weight tile's own layout. ``EVEN_K``:
     ``KW`` a multiple of ``TW`` and ``K`` not padded.
 
@@ -306,15 +305,6 @@ def packed_gemv_kernel(
     rows = n0 + lane_n
     q, v = load_words(words_ptr + rows[:, None].to(tl.int64) * KW, scales_ptr, rows, (rows < N)[:, None], w0,
                        offs, offs_s, KW, EVEN)
-    q1, v1 = q, v                                    # step 1's words (AHEAD = 2), loaded before the loop
-    if AHEAD == 2:
-        if EVEN:
-            n1, w1 = _step_coords(tl.minimum(1, total - 1), pid, nprog, steps, TW, BLOCK_N)
-        else:
-            n1, w1 = _step_coords(1, pid, nprog, steps, TW, BLOCK_N)
-        rows1 = n1 + lane_n
-        q1, v1 = load_words(words_ptr + rows1[:, None].to(tl.int64) * KW, scales_ptr, rows1, (rows1 < N)[:, None],
-                            w1, offs, offs_s, KW, EVEN)
     if USE_PDL:
         if EARLY_RELEASE:
             tl.extra.cuda.gdc_launch_dependents()
@@ -325,10 +315,10 @@ def packed_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     for i in range(0, total):
         n0, k0 = _step_coords(i, pid, nprog, steps, TW, BLOCK_N)
-        if EVEN:        # the last steps reload the last words (an L2 hit) instead of a masked load
-            n1, k1 = _step_coords(tl.minimum(i + AHEAD, total - 1), pid, nprog, steps, TW, BLOCK_N)
+        if EVEN:        # the last step reloads its own words (an L2 hit) instead of a masked load
+            n1, k1 = _step_coords(tl.minimum(i + 1, total - 1), pid, nprog, steps, TW, BLOCK_N)
         else:
-            n1, k1 = _step_coords(i + AHEAD, pid, nprog, steps, TW, BLOCK_N)
+            n1, k1 = _step_coords(i + 1, pid, nprog, steps, TW, BLOCK_N)
         rows1 = n1 + lane_n
         q_next, v_next = load_words(words_ptr + rows1[:, None].to(tl.int64) * KW, scales_ptr, rows1,
                                      (rows1 < N)[:, None], k1, offs, offs_s, KW, EVEN)
@@ -344,11 +334,7 @@ def packed_gemv_kernel(
                                 stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
             acc3 = fma_row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
                                 stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
-        if AHEAD == 2:
-            q, v = q1, v1
-            q1, v1 = q_next, v_next
-        else:
-            q, v = q_next, v_next
+        q, v = q_next, v_next
         if k0 + TW >= KW:                            # the tile's last step: write its rows, start the next tile
             if USE_PDL and not EARLY_RELEASE:
                 if i == total - 1:

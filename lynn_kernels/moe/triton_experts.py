@@ -323,12 +323,11 @@ def _moe_packed_gate_up_kernel(
     H, I, stride_xm, G_STRIDE,
     SLOTS: tl.constexpr, DENSE: tl.constexpr, G_PER_ROW: tl.constexpr, X_DTYPE: tl.constexpr,
     H_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr, EVEN_K: tl.constexpr,
-    INTERPRET: tl.constexpr, AHEAD: tl.constexpr = 1,
+    INTERPRET: tl.constexpr,
 ):
     """Decode gate_up on packed experts (the FMA GEMV's word decode): program ``(slot, n)`` computes ``h[slot, n
     * BLOCK_N : (n + 1) * BLOCK_N]`` of expert ``ids[slot]`` from token ``slot // SLOTS``, its gate and up rows in
-    steps of ``TW`` words, the next step's words (``AHEAD`` = 2: the next two steps') loading while this one is
-    multiplied."""
+    steps of ``TW`` words, the next step's words loading while this one is multiplied."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if DENSE:                                                      # the shared expert alone: expert 0
@@ -346,21 +345,13 @@ def _moe_packed_gate_up_kernel(
     up_w = words_e + (rows + I)[:, None].to(tl.int64) * KW
     qg, vg = load_words(gate_w, scales_e, rows, mask_n[:, None], 0, offs, offs_s, KW, EVEN)
     qu, vu = load_words(up_w, scales_e, rows + I, mask_n[:, None], 0, offs, offs_s, KW, EVEN)
-    qg1, vg1, qu1, vu1 = qg, vg, qu, vu              # the second step's words (AHEAD = 2)
-    if AHEAD == 2:
-        if EVEN:
-            k1 = tl.minimum(TW, KW - TW)
-        else:
-            k1 = TW
-        qg1, vg1 = load_words(gate_w, scales_e, rows, mask_n[:, None], k1, offs, offs_s, KW, EVEN)
-        qu1, vu1 = load_words(up_w, scales_e, rows + I, mask_n[:, None], k1, offs, offs_s, KW, EVEN)
     acc_g = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     for k0 in range(0, KW, TW):
-        if EVEN:                                     # the last steps reload the last words (an L2 hit), unmasked
-            k1 = tl.minimum(k0 + AHEAD * TW, KW - TW)
+        if EVEN:                                     # the last step reloads its own words (an L2 hit), unmasked
+            k1 = tl.minimum(k0 + TW, KW - TW)
         else:
-            k1 = k0 + AHEAD * TW
+            k1 = k0 + TW
         qg_next, vg_next = load_words(gate_w, scales_e, rows, mask_n[:, None], k1, offs, offs_s, KW, EVEN)
         qu_next, vu_next = load_words(up_w, scales_e, rows + I, mask_n[:, None], k1, offs, offs_s, KW, EVEN)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(qg)                     # [BLOCK_N, TW] each
@@ -371,11 +362,7 @@ def _moe_packed_gate_up_kernel(
         sa, sb = fma_scales(vu, INTERPRET)
         acc_u = fma_row_step(acc_u, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_row, 0, 1, H, k0, offs, 0, 1, TW,
                              EVEN_K, X_DTYPE, INTERPRET)
-        if AHEAD == 2:
-            qg, vg, qu, vu = qg1, vg1, qu1, vu1
-            qg1, vg1, qu1, vu1 = qg_next, vg_next, qu_next, vu_next
-        else:
-            qg, vg, qu, vu = qg_next, vg_next, qu_next, vu_next
+        qg, vg, qu, vu = qg_next, vg_next, qu_next, vu_next
     g_gate, g_up = _w13_global(g_ptr, e, rows, mask_n, I, G_STRIDE, BLOCK_N, False, G_PER_ROW, FMA_UNIT)
     gate = tl.sum(acc_g, axis=1) * g_gate
     h = gate * tl.sigmoid(gate) * (tl.sum(acc_u, axis=1) * g_up)                 # [BLOCK_N]
@@ -645,13 +632,11 @@ def _packed_tiles(n: int, k: int, gpu_config: dict, config: dict | None) -> tupl
                 "TW": max(16, min(64, runtime.next_power_of_2(kw))), "num_warps": 4}
     else:
         meta = dict(gpu_config)
-    unknown = set(config or {}) - {"BLOCK_N", "TW", "num_warps", "AHEAD"}
+    unknown = set(config or {}) - {"BLOCK_N", "TW", "num_warps"}
     if unknown:
         raise ValueError(f"config keys {sorted(unknown)} are not settings of the packed decode kernels (BLOCK_N, TW, "
-                         f"num_warps, AHEAD)")
-    meta = {"AHEAD": 1, **meta, **(config or {})}
-    if meta["AHEAD"] not in (1, 2):
-        raise ValueError(f"config AHEAD = {meta['AHEAD']!r}: 1 or 2 steps of weights in flight")
+                         f"num_warps)")
+    meta.update(config or {})
     if meta["TW"] % 16 or meta["TW"] & (meta["TW"] - 1):
         raise ValueError(f"config TW = {meta['TW']}: a packed decode step is a power of two of whole 16-word "
                          f"chunks (TW in 16, 32, 64, ...)")
@@ -663,8 +648,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
     """The decode path on packed experts: gate_up over the ``M * slots`` slots, then down + combine over the M
     tokens (``slots`` per token: ``top_k``, or ``top_k + 1`` with the shared expert as the last one) into ``out``,
     adding ``shared_out`` (fp32) if given. ``config`` (``BLOCK_N``, ``TW``, ``num_warps``) replaces both kernels'
-    tiles, and ``AHEAD`` gate_up's steps of weights in flight (the down kernel's K is short: its steps are tiles of
-    ``TW``) (tests and experiments)."""
+    tiles (tests and experiments)."""
     M, H = x2.shape
     I = h.shape[-1]
     f = _flags(x2.dtype, False, runtime.INTERPRET, True)
@@ -677,7 +661,6 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
         EVEN=even_k and I % meta["BLOCK_N"] == 0, EVEN_K=even_k, INTERPRET=f["INTERPRET"], num_warps=warps,
         num_stages=1)
     meta, warps = _packed_tiles(H, I, PACKED_DOWN_CONFIGS[batch], config)
-    del meta["AHEAD"]
     slots_a = 1 << (slots.bit_length() - 1)                       # the largest power of two <= slots
     _moe_packed_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, ids, kernel_view(weights), out if shared_out is None else shared_out,
