@@ -216,6 +216,58 @@ def register_dot_stages(stages: int, requested: bool = False) -> int:
     return 1
 
 
+_pdl: contextvars.ContextVar[bool] = contextvars.ContextVar("lynn_pdl", default=False)
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported() -> bool:
+    """Programmatic dependent launch is available: compiled Triton on a GPU of capability 9.0 or newer (Hopper).
+    Asked on first use, not at import (reading the capability initialises CUDA)."""
+    return not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@contextlib.contextmanager
+def programmatic_launches(enabled: bool = True):
+    """Launch the decode-path kernels with programmatic dependent launch inside the block (a no-op where
+    :func:`pdl_supported` is false). Each such kernel starts before the kernel ahead of it on the stream has
+    finished, waits in ``gdc_wait`` before it touches memory anything before it may write (only weights load
+    earlier: the FMA GEMV's first step), and lets the kernel behind it start early in turn
+    (:func:`pdl_enter`). The results are the same bits; what changes is the gap between kernels (about 0.4 us of
+    1.1 a boundary on the H200, docs/performance.md). Launches made by anything else (torch, cuBLAS) keep their
+    full ordering. ``enabled=False`` undoes an outer one. :class:`lynn_model.graphs.DecodeStep` captures its step
+    inside it."""
+    token = _pdl.set(bool(enabled) and pdl_supported())
+    try:
+        yield
+    finally:
+        _pdl.reset(token)
+
+
+def pdl() -> bool:
+    """Whether a launch made now uses programmatic dependent launch (inside :func:`programmatic_launches`)."""
+    return _pdl.get()
+
+
+_PDL_ON = {"USE_PDL": True, "launch_pdl": True}
+_PDL_OFF = {"USE_PDL": False}
+
+
+def pdl_flags() -> dict:
+    """The ``USE_PDL`` constexpr and the launch option of a decode-path kernel launched now (:func:`pdl`): pass
+    as ``**runtime.pdl_flags()`` to a kernel whose first statement is :func:`pdl_enter`."""
+    return _PDL_ON if _pdl.get() else _PDL_OFF
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """The first statement of a decode-path kernel: with ``USE_PDL``, let the next kernel launch now (its programs
+    wait in their own ``gdc_wait``), then wait until the kernels before this one have finished and their writes are
+    visible. Nothing before it may read what an earlier kernel writes or write anything."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 #: Launch the decode kernels through their compiled launcher (:class:`DirectLaunch`); ``LYNN_DIRECT_LAUNCH=0``
 #: sends every launch through Triton's own ``kernel[grid](...)`` path.
 DIRECT_LAUNCH = os.environ.get("LYNN_DIRECT_LAUNCH", "1") != "0"

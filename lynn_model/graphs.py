@@ -51,11 +51,13 @@ class DecodeStep:
     """One decode step of rows ``0..rows-1`` of ``cache`` on static buffers (see the module docstring).
 
     ``graph``: capture a CUDA graph (default: on a GPU with the compiled kernels); ``pool``: a graph memory pool to
-    share with other steps (``torch.cuda.graph_pool_handle()``). Build it while the cache holds no sequence: the
+    share with other steps (``torch.cuda.graph_pool_handle()``); ``pdl``: launch the step's kernels with
+    programmatic dependent launch where the GPU has it (:func:`lynn_kernels.programmatic_launches`: each kernel
+    starts while the one before it finishes; the same bits). Build it while the cache holds no sequence: the
     warm-up runs real steps over the rows (their states are zeroed again after)."""
 
     def __init__(self, model: Model, cache: Cache, rows: int, params: SamplingParams, *, graph: bool | None = None,
-                 pool=None):
+                 pool=None, pdl: bool = True):
         if rows < 1 or rows > cache.max_batch:
             raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
         if params.temperature.shape != (rows,):
@@ -65,7 +67,7 @@ class DecodeStep:
                              f"page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
         if cache.config != model.config or cache.device != model.device:
             raise ValueError("the cache was built for another model: use model.new_cache(...)")
-        self.model, self.cache, self.rows, self.params = model, cache, rows, params
+        self.model, self.cache, self.rows, self.params, self.pdl = model, cache, rows, params, pdl
         dev = cache.device
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.lengths = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -105,7 +107,7 @@ class DecodeStep:
         self.lengths.add_(self.active.to(torch.int64))
 
     def _run(self) -> None:
-        with torch.inference_mode(), lynn_kernels.trusted():
+        with torch.inference_mode(), lynn_kernels.trusted(), lynn_kernels.programmatic_launches(self.pdl):
             self._forward()
 
     def _capture(self, pool) -> None:
@@ -123,7 +125,8 @@ class DecodeStep:
         self.active.fill_(False)
         self.lengths.zero_()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), lynn_kernels.trusted(), torch.cuda.graph(self.graph, pool=pool):
+        with torch.inference_mode(), lynn_kernels.trusted(), lynn_kernels.programmatic_launches(self.pdl), \
+                torch.cuda.graph(self.graph, pool=pool):
             self._forward()
         torch.cuda.synchronize(self.cache.device)
         self._scrub()

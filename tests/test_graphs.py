@@ -117,6 +117,26 @@ def test_gpu_graph_decode_equals_eager_bit_for_bit(preset, batch, weights):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
+def test_gpu_pdl_step_equals_plain_launches(preset, monkeypatch):
+    """The captured step with programmatic dependent launch (each kernel starting while the one before it
+    finishes) gives the tokens of the same step with plain launches, greedy and sampled, over 40 steps of a batch
+    of 3; and the GPU does support it (else the first run would have been plain too)."""
+    from lynn_kernels import runtime
+
+    assert runtime.pdl_supported(), "the GPU tests run on Hopper: PDL should be on"
+    model = random_model(lynn_model.preset(preset), weights="nvfp4", device="cuda", seed=8)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, model.config.vocab_size, (3 + 9 * b,), generator=gen).tolist() for b in range(3)]
+    for kw in ({}, {"temperature": 0.8, "top_k": 20, "seed": 2}):
+        pdl, _ = _gen(model, prompts, 40, True, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(runtime, "pdl_supported", lambda: False)
+            plain, _ = _gen(model, prompts, 40, True, **kw)
+        assert pdl.tolist() == plain.tolist(), kw
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replays_leave_later_kernels_exact():
     """The regression test for the disturbance issue 2 saw (a later dequantise wrong after graph timing): capture
     and replay decode steps and launch graphs of the NVFP4 kernels into outputs of their own, free them, then

@@ -350,3 +350,66 @@ def test_direct_launch_key_and_interpreter():
         p = pack(quantize(torch.randn(8, 32, dtype=torch.bfloat16)))
         nvfp4_linear(torch.randn(1, 32, dtype=torch.bfloat16), p)
         assert not _FMA_GEMV.compiled
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# programmatic dependent launch
+
+
+def _pdl_kernels():
+    """Every kernel that takes ``USE_PDL``: the decode path's, found in the package's modules."""
+    import importlib
+    import pkgutil
+
+    found = {}
+    for mod in pkgutil.walk_packages(lynn_kernels.__path__, "lynn_kernels."):
+        m = importlib.import_module(mod.name)
+        for obj in vars(m).values():
+            while isinstance(getattr(obj, "fn", None), triton.runtime.KernelInterface):
+                obj = obj.fn                                  # an autotuned kernel wraps its jitted one
+            if isinstance(obj, triton.runtime.KernelInterface) and "USE_PDL" in getattr(obj, "arg_names", ()):
+                found[f"{obj.fn.__module__}.{obj.fn.__name__}"] = obj.fn
+    return found
+
+
+def test_every_pdl_kernel_waits_before_it_touches_memory():
+    """A kernel launched with programmatic dependent launch runs beside the kernel before it until it waits: each
+    kernel that takes ``USE_PDL`` waits (``pdl_enter`` as its first statement, or the FMA GEMV's own ``gdc_wait``
+    after its first weight loads), and the decode path's kernels are all among them."""
+    import inspect
+    import re
+
+    kernels = _pdl_kernels()
+    want = {"_rmsnorm_kernel", "packed_gemv_kernel", "_causal_conv1d_update_kernel", "_recurrent_kernel",
+            "_gated_rmsnorm_kernel", "_qk_norm_rope_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+            "_router_kernel", "_moe_packed_gate_up_kernel", "_moe_packed_down_kernel"}
+    assert want <= {k.rsplit(".", 1)[1] for k in kernels}, sorted(kernels)
+    del kernels["lynn_kernels.runtime.pdl_enter"]                   # the helper itself
+    for name, fn in kernels.items():
+        body = inspect.getsource(fn).split('):\n', 1)[1]
+        body = re.sub(r'^\s*"""(.|\n)*?"""\n', "", body)                    # the docstring
+        first = body.strip().splitlines()[0].strip()
+        if name.endswith("packed_gemv_kernel"):
+            assert "tl.extra.cuda.gdc_wait()" in body and "if USE_PDL:" in body, name
+        else:
+            assert first == "pdl_enter(USE_PDL)", (name, first)
+
+
+def test_programmatic_launches_is_a_no_op_without_hopper(monkeypatch):
+    """Off by default; on only where the GPU has it (not under the interpreter); nests and restores."""
+    assert runtime.pdl() is False and runtime.pdl_flags() == {"USE_PDL": False}
+    monkeypatch.setattr(runtime, "pdl_supported", lambda: False)
+    with lynn_kernels.programmatic_launches():
+        assert runtime.pdl() is False and runtime.pdl_flags() == {"USE_PDL": False}
+    monkeypatch.setattr(runtime, "pdl_supported", lambda: True)
+    with lynn_kernels.programmatic_launches():
+        assert runtime.pdl() is True and runtime.pdl_flags() == {"USE_PDL": True, "launch_pdl": True}
+        with lynn_kernels.programmatic_launches(False):
+            assert runtime.pdl() is False
+        assert runtime.pdl() is True
+    assert runtime.pdl() is False
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the interpreter")
+def test_pdl_is_unsupported_under_the_interpreter():
+    assert runtime.pdl_supported() is False

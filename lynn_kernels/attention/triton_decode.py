@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, to_float32
 from .spec import MAX_SPLITS, check_decode, check_devices, last_dim_contiguous
 from .triton_common import LOG2E, M_INIT, dot_dtype, load_operand, softmax_step
 
@@ -58,7 +58,9 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
     IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid_b = tl.program_id(0)
     pid_hk = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -123,7 +125,9 @@ def _decode_merge_kernel(
     stride_gb, stride_gh, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_GATE: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_d = tl.program_id(2)                                            # a slice of D: more programs at batch 1
@@ -215,7 +219,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, num_spl
         g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEADS_PAD=max(16, runtime.next_power_of_2(group)), HEAD_DIM=d, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, NUM_SPLITS=num_splits, HAS_GATE=gate is not None,
-        IN_DTYPE=in_dtype, OUT_DTYPE=out_dtype, DOT=dot_dtype(q.dtype), **runtime.kernel_flags(), **(config or {}),
+        IN_DTYPE=in_dtype, OUT_DTYPE=out_dtype, DOT=dot_dtype(q.dtype), **runtime.kernel_flags(), **runtime.pdl_flags(),
+        **(config or {}),
     )
     if num_splits > 1:
         block_d = min(d, 64)
@@ -224,6 +229,6 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, num_spl
             g.stride(0), g.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=runtime.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=block_d,
             HAS_GATE=gate is not None, IN_DTYPE=in_dtype, OUT_DTYPE=out_dtype, **runtime.kernel_flags(),
-            num_warps=4,
+            **runtime.pdl_flags(), num_warps=4,
         )
     return out

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, to_float32
 from .reference import rope_inv_freq
 from .spec import check_devices, check_rope, last_dim_contiguous
 
@@ -50,7 +50,9 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, TABLE: tl.constexpr, WRITE_CACHE: tl.constexpr,
     IN_DTYPE: tl.constexpr, TABLE_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     HALF: tl.constexpr = ROT_DIM // 2
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -157,6 +159,6 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), kc.shape[1],
         HEAD_DIM=d, ROT_DIM=rotary_dim, TABLE=table, WRITE_CACHE=write,
         IN_DTYPE=runtime.TORCH_TO_TL[q.dtype], TABLE_DTYPE=runtime.TORCH_TO_TL[cos_t.dtype], BLOCK_T=block_t,
-        **runtime.kernel_flags(), num_warps=4,
+        **runtime.kernel_flags(), **runtime.pdl_flags(), num_warps=4,
     )
     return q_out, k_out

@@ -198,6 +198,9 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         grows, info["graph_b1_gate_unfolded"] = graph_decode(model, ids, 1, ceilings,
                                                              "lynn nvfp4 (graph, shared gate unfolded)", nbytes)
     rows += grows
+    grows, info["graph_b1_plain_launches"] = graph_decode(model, ids, 1, ceilings,   # what PDL buys
+                                                          "lynn nvfp4 (graph, plain launches)", nbytes, pdl=False)
+    rows += grows
     rows.append(generate_row(model, ids, ceilings, nbytes))
     try:
         info["census"] = census(model)
@@ -224,11 +227,12 @@ GRAPH_STEPS = 64
 
 
 def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbytes: int,
-                 context: int = CONTEXT) -> tuple[list[Result], dict]:
+                 context: int = CONTEXT, pdl: bool = True) -> tuple[list[Result], dict]:
     """Decode of ``batch`` sequences at ``context`` tokens each by CUDA-graph replay of one
-    :class:`lynn_model.DecodeStep` (greedy): GPU time per step from CUDA events around ``GRAPH_STEPS`` replays, the
-    host's time per ``replay()`` call beside it. Checked first: the graph's tokens equal those of the same step run
-    eagerly on a second cache, 8 steps from the same prefill."""
+    :class:`lynn_model.DecodeStep` (greedy; ``pdl``: its kernels with programmatic dependent launch): GPU time per
+    step from CUDA events around ``GRAPH_STEPS`` replays, the host's time per ``replay()`` call beside it. Checked
+    first: the graph's tokens equal those of the same step run eagerly with plain launches on a second cache, 8
+    steps from the same prefill."""
     from lynn_model import DecodeStep, Sampling, SamplingParams
 
     cfg, dev = model.config, ids.device
@@ -237,7 +241,7 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
         cache = model.new_cache(max_batch=batch, max_tokens=batch * (context + GRAPH_STEPS + 64))
         t0 = time.perf_counter()
         step = DecodeStep(model, cache, batch, SamplingParams.build([Sampling()] * batch, dev, cfg.vocab_size),
-                          graph=graph)
+                          graph=graph, pdl=pdl and graph)
         capture_s = time.perf_counter() - t0
         slots = [cache.add() for _ in range(batch)]
         with torch.no_grad():
@@ -275,7 +279,7 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
                note=f"{batch * 1e3 / med:,.1f} tok/s{' aggregate' if batch > 1 else ''}; replay of a captured step, "
                     f"CUDA events over {GRAPH_STEPS // 5} replays, median of 5; host "
                     f"{statistics.median(host) * 1e6:.0f} us per replay() call; graph tokens = eager tokens over 8 "
-                    f"steps", validation=val)
+                    f"steps; {'PDL launches' if pdl else 'plain launches'}", validation=val)
     _log(f"{cfg.name}: graph decode, batch {batch}, context {context}: {med:.3f} ms/step ({batch * 1e3 / med:,.1f} tok/s), capture "
          f"{capture_s:.1f} s")
     info = {"ms_per_step": med, "tok_s": batch * 1e3 / med, "capture_s": capture_s,

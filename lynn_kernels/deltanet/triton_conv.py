@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, to_float32
 from . import spec
 
 
@@ -94,7 +94,9 @@ def _causal_conv1d_update_kernel(
     stride_xb, stride_sb, stride_sc, stride_ss, stride_wc, stride_ww,
     W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid_c = tl.program_id(0)
     pid_b = tl.program_id(1)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -187,5 +189,6 @@ def launch_causal_conv1d_update(x, conv_state, weight, y: torch.Tensor) -> torch
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1),
         W=weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
-        BLOCK_C=BLOCK_C, BLOCK_S=max(2, runtime.next_power_of_2(S)), **runtime.kernel_flags())
+        BLOCK_C=BLOCK_C, BLOCK_S=max(2, runtime.next_power_of_2(S)), **runtime.kernel_flags(),
+        **runtime.pdl_flags())
     return y

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 
 #: Widest row held in registers.
@@ -26,9 +26,11 @@ def _gated_rmsnorm_kernel(
     stride_xo, stride_xh, stride_zo, stride_zh,
     X_DTYPE: tl.constexpr, Z_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """``WX_DTYPE``: the promoted dtype of weight and x, in which HF rounds ``weight * normed``. Row ``r`` of x and z
     is head ``r % H`` of token ``r // H``, each at its own strides (a strided view of a fused projection, no copy)."""
+    pdl_enter(USE_PDL)
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
@@ -79,5 +81,5 @@ def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor) -> torch.Ten
         xr.stride(0), xr.stride(1), zr.stride(0), zr.stride(1),
         X_DTYPE=runtime.TORCH_TO_TL[x.dtype], Z_DTYPE=runtime.TORCH_TO_TL[z.dtype],
         W_DTYPE=runtime.TORCH_TO_TL[weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx_dtype],
-        BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, **runtime.kernel_flags())
+        BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, **runtime.kernel_flags(), **runtime.pdl_flags())
     return y

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import kernel_view
+from ..runtime import kernel_view, pdl_enter
 from . import spec
 from .spec import TL_L2NORM_EPS as _EPS
 from .spec import TL_SUM as _SUM                   # tl.sum costs ~2 ms a call under the interpreter, every token here
@@ -29,9 +29,11 @@ def _recurrent_kernel(
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr, L2NORM: tl.constexpr, FUSED_GATES: tl.constexpr, HAS_INIT: tl.constexpr,
     STORE_FINAL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """With ``FUSED_GATES``, ``g_ptr`` / ``beta_ptr`` hold the raw ``a`` / ``b`` and ``alog_ptr`` / ``dtb_ptr`` the
     per-head fp32 ``A_log`` / ``dt_bias``."""
+    pdl_enter(USE_PDL)
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b, pid_hv = pid_bh // HV, pid_bh % HV
@@ -181,4 +183,5 @@ def launch_recurrent(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale: f
         K=dims.K, V=dims.V, IN_DTYPE=runtime.TORCH_TO_TL[q.dtype], G_DTYPE=runtime.TORCH_TO_TL[g.dtype],
         BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], OUT_DTYPE=runtime.TORCH_TO_TL[o.dtype], L2NORM=use_qk_l2norm,
         FUSED_GATES=fused, HAS_INIT=h0 is not None, STORE_FINAL=final is not None,
-        BLOCK_K=runtime.next_power_of_2(dims.K), BLOCK_V=BLOCK_V, num_warps=num_warps, **runtime.kernel_flags())
+        BLOCK_K=runtime.next_power_of_2(dims.K), BLOCK_V=BLOCK_V, num_warps=num_warps, **runtime.kernel_flags(),
+        **runtime.pdl_flags())

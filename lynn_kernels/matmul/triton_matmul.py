@@ -617,7 +617,7 @@ def _launch_small(x2, w, bias, y):
     """M <= GEMV_MAX_M: the FMA GEMV or the tensor-core GEMV for a packed weight (:func:`use_fma_gemv`), the
     tensor-core GEMV for the checkpoint layout."""
     if isinstance(w, PackedNVFP4) and use_fma_gemv(x2.shape[0], w.shape[0]):
-        return launch_packed_gemv(x2, w, bias, y)
+        return launch_packed_gemv(x2, w, bias, y, pdl=runtime.pdl())
     return launch_gemv(x2, w, bias, y)
 
 

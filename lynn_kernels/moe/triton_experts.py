@@ -24,7 +24,7 @@ from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
 from ..matmul.triton_matmul import kernel_constexprs, w_halves, w_tile
 from ..matmul.triton_packed import FMA_UNIT, X_PRESCALE, decode_word, fma_row_step, fma_scales, load_words, split8
-from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 from .packed import shared_slot
 from .spec import SharedExpert
@@ -324,10 +324,12 @@ def _moe_packed_gate_up_kernel(
     SLOTS: tl.constexpr, DENSE: tl.constexpr, G_PER_ROW: tl.constexpr, X_DTYPE: tl.constexpr,
     H_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr, EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Decode gate_up on packed experts (the FMA GEMV's word decode): program ``(slot, n)`` computes ``h[slot, n
     * BLOCK_N : (n + 1) * BLOCK_N]`` of expert ``ids[slot]`` from token ``slot // SLOTS``, its gate and up rows in
     steps of ``TW`` words, the next step's words loading while this one is multiplied."""
+    pdl_enter(USE_PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if DENSE:                                                      # the shared expert alone: expert 0
@@ -439,6 +441,7 @@ def _moe_packed_down_kernel(
     SLOTS: tl.constexpr, SLOTS_A: tl.constexpr, SLOTS_B_P2: tl.constexpr, DENSE: tl.constexpr,
     HAS_SHARED: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     TW: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Decode down + combine on packed experts: program ``(t, n)`` computes ``out[t, n * BLOCK_N : ...]`` from the
     ``SLOTS`` slots of token ``t`` at once, so that every slot's loads are in flight together: the first
@@ -446,6 +449,7 @@ def _moe_packed_down_kernel(
     shared expert's slot: 9 = 8 + 1) as a second tile of ``SLOTS_B_P2`` slots, rather than one tile padded to 16
     slots; each slot's rows from its own expert. Each slot's sum times its routing weight and global scale, added
     in slot order (a fixed order: the same bits on every run)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     HAS_B: tl.constexpr = SLOTS > SLOTS_A
@@ -659,7 +663,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
         kernel_view(x2), w13.codes, w13.scales, w13.g, ids, h, H, I, x2.stride(0), w13.g_stride,
         SLOTS=slots, DENSE=dense, G_PER_ROW=w13.g_per_row, X_DTYPE=f["X_DTYPE"], H_DTYPE=f["DOT_DTYPE"], **meta,
         EVEN=even_k and I % meta["BLOCK_N"] == 0, EVEN_K=even_k, INTERPRET=f["INTERPRET"], num_warps=warps,
-        num_stages=1)
+        num_stages=1, **runtime.pdl_flags())
     meta, warps = _packed_tiles(H, I, PACKED_DOWN_CONFIGS[batch], config)
     slots_a = 1 << (slots.bit_length() - 1)                       # the largest power of two <= slots
     _moe_packed_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
@@ -669,7 +673,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
         HAS_SHARED=shared_out is not None,
         W_DTYPE=runtime.TORCH_TO_TL[weights.dtype], OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **meta,
         EVEN_K=I % 128 == 0 and (I // 8) % meta["TW"] == 0, INTERPRET=f["INTERPRET"], num_warps=warps,
-        num_stages=1)
+        num_stages=1, **runtime.pdl_flags())
 
 
 def _launch_decode(x2, weights, ids, top_k, w13: _Weights, w2: _Weights, float_w: bool, h, out, shared_out,

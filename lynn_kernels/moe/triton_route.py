@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..matmul.triton_matmul import kernel_constexprs, split_k_counter, split_k_for
-from ..runtime import kernel_view, round_to_dtype, to_float32
+from ..runtime import kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 
 #: Largest expert count the kernel holds in registers (Qwen3-Next has 512).
@@ -100,6 +100,7 @@ def _router_kernel(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr, ROUTE_M: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_GATE: tl.constexpr, SHARED_SLOT: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Router logits and routing in one launch, for at most 16 tokens: program ``(i, s)`` computes the fp32 logits
     of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
@@ -110,6 +111,7 @@ def _router_kernel(
     rounded, and ``sigmoid(logit)`` goes to ``gate [M]``; with ``SHARED_SLOT`` instead to one more column of the
     routing, ``weights[t, TOP_K]``, its id ``ids[t, TOP_K] = E`` (the shared expert as the stack's expert ``E``;
     the routing's rows are then ``TOP_K + 1`` long)."""
+    pdl_enter(USE_PDL)
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -263,5 +265,6 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
         BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, SHARED_SLOT=shared_slot, **meta,
         num_warps=warps,
-        num_stages=runtime.register_dot_stages(3), INTERPRET=c["INTERPRET"])   # 3: Triton's default
+        num_stages=runtime.register_dot_stages(3), INTERPRET=c["INTERPRET"],   # 3: Triton's default
+        **runtime.pdl_flags())
     return weights, ids

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 from .spec import MAX_D
 
@@ -25,8 +25,10 @@ def _rmsnorm_kernel(
     stride_xr, stride_rr, stride_yr, stride_hr,
     X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """``y = rmsnorm(h) * (1 + w)`` with ``h = x`` or ``h = x + r`` (then also stored to ``h_ptr``)."""
+    pdl_enter(USE_PDL)
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
@@ -97,4 +99,4 @@ def launch_rmsnorm(x, weight, eps: float, residual, out: torch.Tensor, residual_
         xr.stride(0), rr.stride(0), yr.stride(0), hr.stride(0),
         X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
         HAS_RESIDUAL=residual is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=num_warps,
-        **runtime.kernel_flags())
+        **runtime.kernel_flags(), **runtime.pdl_flags())
