@@ -838,18 +838,19 @@ for shape, doc in BENCH.items():
 #   each costs the host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU
 #   (notebook 02 shows the same for one projection). From the host a step takes 49-95 ms (it moves with the
 #   host) against 3.1 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.97 ms, 336 tok/s at
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.86 ms, 350 tok/s at
 #   Qwen3.5-35B-A3B, 1,143 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
-#   projections fused into one GEMV (as `lynn generate` runs on a GPU) 2.71 ms, 370 tok/s.
-# * **Then the bytes and the launches**: the graph's step is still 4.5 times what its 2.6 GB need at the read
-#   bandwidth. The Gated DeltaNet layers are now the largest part (32.5 us each for ~23 MB), then the MoE blocks
-#   (20.9 us per layer for ~16 MB of experts, three launches since the experts are packed and the shared expert
-#   rides as a routed slot: notebook 03, section 6b) and attention (40.3 us). With bf16 weights the same graph
-#   takes 4.67 ms: 4-bit weights buy 1.57x so far (1.73x fused), not the 2.3x their bytes allow, because the step
+#   projections fused into one GEMV (as `lynn generate` runs on a GPU) 2.48 ms, 404 tok/s. Its kernels launch with
+#   programmatic dependent launch: each starts while the one before it finishes (3.01 ms with plain launches).
+# * **Then the bytes and the launches**: the graph's step is still 4.4 times what its 2.63 GB need at the read
+#   bandwidth. The Gated DeltaNet layers are the largest part (32.4 us each for ~23 MB), then the MoE blocks
+#   (21.1 us per layer for ~16 MB of experts, three launches since the experts are packed and the shared expert
+#   rides as a routed slot: notebook 03, section 6b) and attention (42.1 us). With bf16 weights the same graph
+#   takes 4.63 ms: 4-bit weights buy 1.62x so far (1.87x fused), not the 2.3x their bytes allow, because the step
 #   is not yet bound by its bytes.
-# * **Prefill** is less host-bound: 2,048 tokens per call ran at 14,700-24,000 tok/s on Qwen3.5-35B-A3B across
-#   runs (88 ms against 71 ms of kernels in the last), 16,384 tokens at 29,632 tok/s (98% kernels), 4.1x HF bf16 on
-#   the same shape at 2,048.
+# * **Prefill** is less host-bound: 2,048 tokens per call ran at 10,800-24,000 tok/s on Qwen3.5-35B-A3B across
+#   runs (189 ms against 71 ms of kernels in the last: the host's share moves between runs), 16,384 tokens at
+#   29,593 tok/s (98% kernels); HF bf16 took 546 ms for the 2,048 tokens in the same run.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache
@@ -967,8 +968,8 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200), and on a GPU its decode step is a CUDA graph (336 tok/s at batch 1 on Qwen3.5-35B-A3B, 370 with the input
-# projections fused; 213 on Qwen3-Next-80B-A3B, measured before the packed experts). Both needed a workaround for a
+# H200), and on a GPU its decode step is a CUDA graph (350 tok/s at batch 1 on Qwen3.5-35B-A3B, 404 with the input
+# projections fused; 277 and 313 on Qwen3-Next-80B-A3B). Both needed a workaround for a
 # Triton 3.6 compiler fault on Hopper (`docs/performance.md`). Next: fewer launches (the norm in the next
 # projection, the Gated DeltaNet decode chain, the router's top-k) and the bytes: the expert and projection GEMVs
 # at their byte roofline. `docs/decoder.md` has the model's math and
