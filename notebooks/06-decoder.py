@@ -725,6 +725,8 @@ def perf_rows(shape, doc):
     for who, prov in (("ours NVFP4, eager", "lynn nvfp4 (eager)"),
                       ("ours NVFP4, kernel time of the eager step", "lynn nvfp4 (kernel)"),
                       ("ours NVFP4, CUDA graph", "lynn nvfp4 (graph)"),
+                      ("ours NVFP4, CUDA graph, plain launches", "lynn nvfp4 (graph, plain launches)"),
+                      ("ours NVFP4, CUDA graph, input projections fused", "lynn nvfp4 (graph, input projections fused)"),
                       ("ours NVFP4, generate() (graph)", "lynn nvfp4 generate() (graph)"),
                       ("ours, bf16 weights (cuBLAS), CUDA graph", "lynn bf16 weights, cuBLAS (graph)"),
                       ("HF transformers bf16, eager", "HF transformers bf16 (eager)")):
@@ -772,12 +774,11 @@ for shape, doc in BENCH.items():
 
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
-# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
-# Qwen3.5 file is from e3e4b83 (the experts packed, the shared expert a routed slot; its bytes per token leave the
-# routed experts out, a counting bug fixed after the run: the step reads ~2.63 GB, not 2.07), the Qwen3-Next file
-# from 88f5896: the first run at that shape to pass its gates,
-# after a Triton 3.6 compiler fault on Hopper was found and worked around (a pipelined `tl.dot` on a register tile
-# now and then multiplied garbage; docs/performance.md, a compiler fault); both runs have the workaround. HF bf16 at 80B does not fit beside ours.
+# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. Both files
+# are from 609ede4: the experts packed, the shared expert a routed slot, the step's kernels launched with
+# programmatic dependent launch (the next cells), and a Triton 3.6 compiler fault on Hopper worked around (a
+# pipelined `tl.dot` on a register tile now and then multiplied garbage; docs/performance.md, a compiler fault).
+# HF bf16 at 80B does not fit beside ours.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -830,6 +831,51 @@ for shape, doc in BENCH.items():
         line += (f" Against HF bf16: prefill {hf_pre['median_ms'] / pre['median_ms']:.1f}x, eager decode "
                  f"{hf_dec['median_ms'] / eager['median_ms']:.1f}x faster.")
     print(line)
+
+# %% [markdown]
+# ### Kernel boundaries and programmatic dependent launch
+#
+# A CUDA graph removes the host, but not the gap between one kernel and the next: the GPU finishes a kernel, makes
+# its writes visible, then starts the next one's programs, which begin by loading what they need. With 536 kernels
+# in a step that gap adds up. Hopper's **programmatic dependent launch** (PDL) lets the next kernel start early:
+# launched with the attribute, its programs run up to a `gdc_wait`, which returns once the kernels before it have
+# finished and their memory is visible; the kernel before it may call `gdc_launch_dependents` to let it start even
+# sooner. So each decode-path kernel of ours begins with `pdl_enter`: release the next kernel, then wait, then
+# touch memory (the FMA GEMV loads its first weights before its wait: they do not depend on anything earlier).
+# The arithmetic is the same, so are the bits; `lynn_model.DecodeStep` captures its step inside
+# `lynn_kernels.programmatic_launches()`.
+#
+# What a boundary costs, measured on the H200 (a graph of 240 small kernels, each reading and writing 2,048 bf16
+# values; `experiments/decode_ahead_pdl.py`), and what the whole step gained:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+BOUNDARY = Path(lk.__file__).resolve().parents[1] / "data" / "bench" / "h200" / "decode_ahead_pdl-5e06e96.json"
+AHEAD = json.loads(BOUNDARY.read_text()) if BOUNDARY.exists() else None
+if AHEAD is None:
+    print(f"no committed results at {BOUNDARY}: run experiments/decode_ahead_pdl.py on a GPU")
+else:
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    variants = ["plain", "PDL, release at the end", "PDL, release at the start"]
+    colours = ["tab:gray", "tab:blue", "tab:green"]
+    for g, programs in enumerate(sorted({r["programs"] for r in AHEAD["boundary"]})):
+        for k, (name, colour) in enumerate(zip(variants, colours)):
+            r = next(r for r in AHEAD["boundary"] if r["programs"] == programs and r["variant"] == name)
+            ax.bar(g + (k - 1) * 0.25, r["us_per_kernel"], 0.22, color=colour, label=name if g == 0 else None)
+            ax.text(g + (k - 1) * 0.25, r["us_per_kernel"] + 0.02, f"{r['us_per_kernel']:.2f}", ha="center",
+                    fontsize=8)
+    ax.set_xticks([0, 1], ["1 program a kernel", "132 programs a kernel (one per SM)"])
+    ax.set_ylabel("us per kernel in a graph")
+    ax.set_title("a kernel boundary on the H200, with and without PDL", fontsize=10)
+    ax.set_ylim(0, 1.75)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    plt.tight_layout()
+    plt.show()
+for shape, doc in BENCH.items():
+    pdl, plain = (pick(doc, "decoder.decode", f"lynn nvfp4 (graph{k})") for k in ("", ", plain launches"))
+    if pdl and plain:
+        print(f"{shape}: the graph step with plain launches {plain['median_ms']:.3f} ms, with PDL "
+              f"{pdl['median_ms']:.3f} ms ({pdl['median_ms'] / plain['median_ms'] - 1:+.1%}), one process")
 
 # %% [markdown]
 # How to read it:
