@@ -159,6 +159,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.nv * self.dv, h)
         self.in_proj_qkvz: Linear | None = None               # [qkv | z] and [b | a] in one GEMV each
         self.in_proj_ba: Linear | None = None                 # (fuse_input_projections)
+        self.fused_decode = False                             # decode: deltanet.gated_delta_decode (one launch)
 
     def fuse_input_projections(self) -> list[str]:
         """Replace in_proj_qkv and in_proj_z by one ``in_proj_qkvz``, in_proj_b and in_proj_a by one
@@ -199,6 +200,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = self._projections(x)
+        if batch.decode and self.fused_decode:                 # conv, gates, delta rule, gated norm: one launch
+            conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
+            o = deltanet.gated_delta_decode(qkv, z.view(t, self.nv, self.dv), a, b, conv, self.conv_weight,
+                                            self.A_log, self.dt_bias, state, self.norm_weight, self.nk, eps=self.eps)
+            if not isinstance(batch.rows, slice):             # gathered rows: write the new states back
+                cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state
+            return self.out_proj(o.reshape(t, self.nv * self.dv))
         if batch.decode:                                       # [B, ...]: one token per sequence
             conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
             y = deltanet.causal_conv1d_update(qkv, conv, self.conv_weight)            # rolls conv in place
@@ -309,6 +317,18 @@ class Model(nn.Module):
             for name in layer.mixer.fuse_input_projections():
                 counts[name] = counts.get(name, 0) + 1
         return counts
+
+    def fuse_gdn_decode(self, enabled: bool = True) -> int:
+        """Run each Gated DeltaNet layer's decode step (conv update, gates, delta rule, gated norm) as one kernel,
+        :func:`lynn_kernels.deltanet.gated_delta_decode`, instead of three; returns how many layers. The same
+        operations and roundings; its sums run over a wider tile, so on a GPU the result may differ from the
+        three-kernel chain's in the last bit (docs/decoder.md). Off by default until measured faster."""
+        n = 0
+        for layer in self.layers:
+            if layer.kind != "full_attention":
+                layer.linear_attn.fused_decode = bool(enabled)
+                n += 1
+        return n
 
     def _trunk(self, ids: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         """``ids [T]`` -> the final-normed hidden states ``[T, H]``; residual adds fused into the norms."""

@@ -26,7 +26,7 @@
 # 3. why chunks: the WY / UT representation derived, built in torch for one chunk and checked; why only
 #    differences of cumulative decays are exponentiated
 # 4. the chunked (prefill) kernel at awkward lengths, GQA, initial states; prefill then decode
-# 5. the causal conv and the gated RMSNorm around it, and `lynn check deltanet`
+# 5. the causal conv and the gated RMSNorm around it, the decode step in one kernel, and `lynn check deltanet`
 # 6. the H200 profile against flash-linear-attention (fla), from committed results
 # 7. an explorer of the decay and the state
 #
@@ -717,6 +717,49 @@ show(norm_rows)
 # %%
 # NBVAL_IGNORE_OUTPUT
 show_raw(norm_rows)
+
+# %% [markdown]
+# **The decode step in one kernel.** A decode step of a layer runs these three in a row: the conv update, the
+# recurrent step with the gates, the gated norm: three launches and two trips of the intermediates through memory.
+# `deltanet.gated_delta_decode` does all of it in one program per value head, which holds the head's whole
+# `[K, V]` state so that the norm over `V` can follow in registers. Each program convolves its own q, k and v
+# channels; value heads that share a key head convolve the same q / k, and the last of them to finish reading
+# rolls those conv-state columns (a ticket per key head), so that none reads a window another has already moved.
+# Two steps of a small layer (2 key heads, 4 value heads), against the chain it replaces:
+
+# %%
+from lynn_kernels.validate import bit_mismatches
+
+gen = torch.Generator().manual_seed(40)
+B_, H_, HV_, K_, V_ = 2, 2, 4, 32, 32
+C_ = 2 * H_ * K_ + HV_ * V_
+conv0 = torch.randn(B_, C_, 3, generator=gen).to(torch.bfloat16).to(DEVICE)
+state0 = (0.1 * torch.randn(B_, HV_, K_, V_, generator=gen)).to(DEVICE)
+layer_w = dict(conv_weight=(0.4 * torch.randn(C_, 4, generator=gen)).to(DEVICE),
+               A_log=torch.randn(HV_, generator=gen).to(DEVICE), dt_bias=torch.randn(HV_, generator=gen).to(DEVICE),
+               norm_weight=(1 + 0.1 * torch.randn(V_, generator=gen)).to(DEVICE))
+one = {"conv": conv0.clone(), "state": state0.clone()}
+three = {"conv": conv0.clone(), "state": state0.clone()}
+fused_rows = []
+for step in range(2):
+    qkv = torch.randn(B_, C_, generator=gen).to(torch.bfloat16).to(DEVICE)
+    z = torch.randn(B_, HV_, V_, generator=gen).to(torch.bfloat16).to(DEVICE)
+    a_in, b_in = (torch.randn(B_, HV_, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    o_one = deltanet.gated_delta_decode(qkv, z, a_in, b_in, one["conv"], layer_w["conv_weight"], layer_w["A_log"],
+                                        layer_w["dt_bias"], one["state"], layer_w["norm_weight"], H_)
+    y = deltanet.causal_conv1d_update(qkv, three["conv"], layer_w["conv_weight"])        # the chain: 3 launches
+    q_, k_ = y[:, :H_ * K_].reshape(B_, 1, H_, K_), y[:, H_ * K_:2 * H_ * K_].reshape(B_, 1, H_, K_)
+    o3, _ = deltanet.recurrent_gated_delta_rule_gates(q_, k_, y[:, 2 * H_ * K_:].reshape(B_, 1, HV_, V_),
+                                                      layer_w["A_log"], a_in[:, None], layer_w["dt_bias"],
+                                                      b_in[:, None], initial_state=three["state"],
+                                                      use_qk_l2norm=True, out_state=three["state"])
+    o_three = deltanet.gated_rmsnorm(o3[:, 0], z, layer_w["norm_weight"])
+    for what, x1, x3 in (("output", o_one, o_three), ("recurrent state", one["state"], three["state"]),
+                         ("conv state", one["conv"], three["conv"])):
+        fused_rows.append({"step": step + 1, "tensor": what, "elements": x1.numel(),
+                           "bits differing from the chain": bit_mismatches(x1, x3)})
+print(render_table(fused_rows))
+print("(under the interpreter the same bits; compiled, a sum over the wider [K, V] tile may round otherwise)")
 
 # %% [markdown]
 # **`lynn check deltanet`**, the family's rows in the command-line check (each kernel against the fp32 reference

@@ -193,6 +193,14 @@ def args_gated_rmsnorm():
     return {"x": rand(2, 3, 8, seed=1), "z": rand(2, 3, 8, seed=2), "weight": rand(8, seed=3), "eps": 1e-6}
 
 
+def args_decode_step():
+    """A Gated DeltaNet decode step: 2 tokens, 1 key head, 2 value heads of 8 (C = 2 * 8 + 2 * 8 = 32), width 4."""
+    return {"qkv": rand(2, 32, seed=1), "z": rand(2, 2, 8, seed=2), "a": rand(2, 2, seed=3), "b": rand(2, 2, seed=4),
+            "conv_state": rand(2, 32, 3, seed=5), "conv_weight": rand(32, 4, seed=6), "A_log": rand(2, seed=7),
+            "dt_bias": rand(2, seed=8), "state": rand(2, 2, 8, 8, seed=9, scale=0.1), "norm_weight": rand(8, seed=10),
+            "num_k_heads": 1, "eps": 1e-6}
+
+
 def args_rmsnorm():
     return {"x": rand(3, 8, seed=1), "weight": rand(8, seed=2, scale=0.1), "eps": 1e-6, "residual": rand(3, 8, seed=3),
                 "out": rand(3, 8, seed=4), "residual_out": rand(3, 8, seed=5)}
@@ -273,6 +281,7 @@ OPS: dict[str, tuple[Callable, Callable[[], dict]]] = {
     "deltanet.causal_conv1d": (deltanet.causal_conv1d, args_conv),
     "deltanet.causal_conv1d_update": (deltanet.causal_conv1d_update, args_conv_update),
     "deltanet.gated_rmsnorm": (deltanet.gated_rmsnorm, args_gated_rmsnorm),
+    "deltanet.gated_delta_decode": (deltanet.gated_delta_decode, args_decode_step),
     "moe.route": (moe.route, args_route),
     "moe.align": (moe.align, args_align),
     "moe.moe_experts": (moe.moe_experts, args_experts),
@@ -728,6 +737,35 @@ CASES: list[Case] = [
     c("deltanet.gated_rmsnorm", "range", "eps-zero", V_, "eps", lambda a: {"eps": 0.0}),
     c("deltanet.gated_rmsnorm", "device", "z-meta", V_, "z", lambda a: {"z": meta(a["z"])}),
     c("deltanet.gated_rmsnorm", "cuda", "all", V_, "x", cuda("x"), N_ONLY),
+    # -- deltanet: the fused decode step ---------------------------------------------------------------------------------
+    c("deltanet.gated_delta_decode", "type", "qkv-list", T_, "qkv", lambda a: {"qkv": a["qkv"].tolist()}),
+    c("deltanet.gated_delta_decode", "type", "state-none", T_, "state", lambda a: {"state": None}),
+    c("deltanet.gated_delta_decode", "type", "num_k_heads-float", T_, "num_k_heads", lambda a: {"num_k_heads": 1.0}),
+    c("deltanet.gated_delta_decode", "dtype", "qkv-int", T_, "qkv", lambda a: {"qkv": a["qkv"].int()}),
+    c("deltanet.gated_delta_decode", "dtype", "state-bf16", T_, "state", lambda a: {"state": a["state"].bfloat16()}),
+    c("deltanet.gated_delta_decode", "dtype", "conv_state-bf16", T_, "conv_state",
+      lambda a: {"conv_state": a["conv_state"].bfloat16()}),
+    c("deltanet.gated_delta_decode", "dtype", "z-fp16", T_, "z", lambda a: {"z": a["z"].half()}),
+    c("deltanet.gated_delta_decode", "rank", "qkv-3d", V_, "qkv", lambda a: {"qkv": a["qkv"][:, None]}),
+    c("deltanet.gated_delta_decode", "shape", "qkv-channels", V_, "qkv", lambda a: {"qkv": a["qkv"][:, :30]}),
+    c("deltanet.gated_delta_decode", "shape", "conv_state-short", V_, "conv_state",
+      lambda a: {"conv_state": a["conv_state"][..., :2]}),
+    c("deltanet.gated_delta_decode", "shape", "conv_weight", V_, "conv_weight",
+      lambda a: {"conv_weight": a["conv_weight"][:16]}),
+    c("deltanet.gated_delta_decode", "range", "conv_weight-width-9", V_, "conv_weight",
+      lambda a: {"conv_weight": rand(32, 9)}),
+    c("deltanet.gated_delta_decode", "shape", "state-rows", V_, "state", lambda a: {"state": a["state"][:1]}),
+    c("deltanet.gated_delta_decode", "layout", "state-strided", V_, "state",
+      lambda a: {"state": a["state"].transpose(2, 3).contiguous().transpose(2, 3)}),
+    c("deltanet.gated_delta_decode", "shape", "z", V_, "z", lambda a: {"z": a["z"][:, :1]}),
+    c("deltanet.gated_delta_decode", "shape", "a", V_, "a", lambda a: {"a": a["a"][:, :1]}),
+    c("deltanet.gated_delta_decode", "shape", "dt_bias", V_, "dt_bias", lambda a: {"dt_bias": a["dt_bias"][:1]}),
+    c("deltanet.gated_delta_decode", "shape", "norm_weight", V_, "norm_weight",
+      lambda a: {"norm_weight": a["norm_weight"][:4]}),
+    c("deltanet.gated_delta_decode", "value", "heads-not-dividing", V_, "num_k_heads", lambda a: {"num_k_heads": 3}),
+    c("deltanet.gated_delta_decode", "range", "eps-zero", V_, "eps", lambda a: {"eps": 0.0}),
+    c("deltanet.gated_delta_decode", "device", "state-meta", V_, "state", lambda a: {"state": meta(a["state"])}),
+    c("deltanet.gated_delta_decode", "cuda", "all", V_, "qkv", cuda("qkv"), N_ONLY),
     # -- moe ---------------------------------------------------------------------------------------------------------------
     c("moe.route", "type", "logits-list", T_, "logits", lambda a: {"logits": a["logits"].tolist()}),
     c("moe.route", "dtype", "logits-int", T_, "logits", lambda a: {"logits": a["logits"].int()}),

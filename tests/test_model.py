@@ -272,6 +272,41 @@ def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
     assert got_tokens.tolist() == want_tokens.tolist()
 
 
+def _decode_logits(model, ids, steps: int) -> torch.Tensor:
+    """Logits of ``steps`` decode steps (batch 2: the prompt and its reverse) after a prefill, on the cache path."""
+    cache = model.new_cache(max_batch=2, max_tokens=64)
+    slots = [cache.add(), cache.add()]
+    rows = [ids[0], ids[0].flip(0)]
+    out = []
+    with torch.no_grad():
+        model.step(torch.cat(rows).to(model.device), cache, slots, [len(r) for r in rows])
+        for i in range(steps):
+            out.append(model.step(torch.tensor([i + 1, i + 7], device=model.device), cache, slots, [1, 1]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name, weights, fuse_inputs", [("next", "nvfp4", False), ("q35moe", "bf16", True)])
+def test_fused_gdn_decode_gives_the_same_model(ckpts, name, weights, fuse_inputs):
+    """``model.fuse_gdn_decode()`` (each Gated DeltaNet layer's decode step in one kernel): every linear-attention
+    layer switches, and the decode logits (batch 2, 4 steps over the cache) and greedy tokens are those of the
+    three-kernel chain: the same bits under the interpreter, within bf16 rounding on a GPU (a wider reduction
+    tile); with the input projections fused too, its inputs are strided views of one projection."""
+    model = lynn_model.from_pretrained(ckpts[name], weights=weights)
+    if fuse_inputs:
+        model.fuse_input_projections()
+    ids = _ids(7, seed=4).to(model.device)
+    want_logits, want_tokens = _decode_logits(model, ids, 4), lynn_model.generate(model, ids, 4)
+    assert model.fuse_gdn_decode() == len(model.config.linear_layers) > 0
+    got_logits, got_tokens = _decode_logits(model, ids, 4), lynn_model.generate(model, ids, 4)
+    if lynn_kernels.runtime.INTERPRET:
+        assert validate.bit_mismatches(got_logits, want_logits) == 0
+    m = validate.compare(got_logits, want_logits)
+    assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
+    assert got_tokens.tolist() == want_tokens.tolist()
+    assert model.fuse_gdn_decode(False) == len(model.config.linear_layers)
+    assert not any(layer.linear_attn.fused_decode for layer in model.layers if layer.kind != "full_attention")
+
+
 @pytest.mark.parametrize("name, fmt", [("next", "compressed-tensors"), ("q35", "modelopt"),
                                        ("q35moevl", "compressed-tensors"), ("q35moe", "modelopt")])
 def test_nvfp4_checkpoints_run_on_the_kernels(ckpts, tmp_path, name, fmt):

@@ -218,6 +218,15 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["graph_b1_inputs_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"fused input projections failed: {err!r}")
+    try:                                         # and each Gated DeltaNet decode step as one kernel
+        model.fuse_gdn_decode()
+        grows, info["graph_b1_gdn_decode_fused"] = graph_decode(
+            model, ids, 1, ceilings, "lynn nvfp4 (graph, input projections and GDN decode fused)",
+            decode_bytes(model, CONTEXT))
+        rows += grows
+    except Exception as err:
+        info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"fused Gated DeltaNet decode failed: {err!r}")
     del model
     torch.cuda.empty_cache()
     return rows, info
@@ -337,13 +346,21 @@ def census(model) -> dict:
         "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
         "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
         "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded_moe(model.layers[0].mlp, x), 0),
+        "Gated DeltaNet mixer, decode fused (not in the sum)": (lambda: _fused_gdn(gdn.mixer, x, step.batch, cache),
+                                                                0),
         "LM head": (lambda: model.lm_head(x), 1),
         "sampler + epilogue": (lambda: step.epilogue(logits), 1),
     }
     out = {}
     with torch.inference_mode(), lynn_kernels.trusted():
         for name, (fn, times) in parts.items():
-            n, us = _profile(fn)
+            try:
+                n, us = _profile(fn)
+            except Exception as err:             # a comparison part (not in the sum) may fail alone, recorded
+                if times:
+                    raise
+                out[name] = {"kernels": 0, "us": 0.0, "per_step": 0, "error": f"{type(err).__name__}: {err}"}
+                continue
             out[name] = {"kernels": n, "us": us, "per_step": times}
         n, us = _profile(step._forward)
     total = sum(v["kernels"] * v["per_step"] for v in out.values())
@@ -366,6 +383,16 @@ def _gate_unfolded():
         yield
     finally:
         triton_experts.FOLD_SHARED_GATE = True
+
+
+def _fused_gdn(mixer, x, batch, cache):
+    """The Gated DeltaNet mixer with its decode step as one kernel (``fused_decode``), then as it was."""
+    was = mixer.fused_decode
+    mixer.fused_decode = True
+    try:
+        return mixer(x, batch, cache)
+    finally:
+        mixer.fused_decode = was
 
 
 def _unfolded_moe(mlp, x):

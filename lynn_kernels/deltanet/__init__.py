@@ -13,7 +13,10 @@ signature in :mod:`.reference`; layouts in :mod:`.spec`, math in docs/deltanet.m
 * ``gates(A_log, a, dt_bias, b) -> (g, beta)``: those gates in torch, for the chunked path;
 * ``causal_conv1d(x, weight, initial_state=None, *, cu_seqlens=None) -> (y, final_state)`` and
   ``causal_conv1d_update(x, conv_state, weight) -> y`` (rolls ``conv_state`` in place);
-* ``gated_rmsnorm(x, z, weight, eps=1e-6)``.
+* ``gated_rmsnorm(x, z, weight, eps=1e-6)``;
+* ``gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
+  eps=1e-6)``: a layer's decode step between its input projections and ``out_proj`` (conv update, gates, delta
+  rule, gated norm) in one launch.
 
 Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g, beta ``[B, T, HV]``; the recurrent state
 ``[B, HV, K, V]`` is always fp32; o ``[B, T, HV, V]`` in v's dtype. ``final_state`` is ``None`` unless
@@ -44,6 +47,7 @@ from .reference import gates
 from .spec import CHUNK
 from .triton_chunk import chunk_gated_delta_rule_triton
 from .triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
+from .triton_decode_step import gated_delta_decode_triton
 from .triton_norm import gated_rmsnorm_triton
 from .triton_recurrent import recurrent_gated_delta_rule_gates_triton, recurrent_gated_delta_rule_triton
 
@@ -212,5 +216,38 @@ def gated_rmsnorm(x, z, weight, eps=1e-6):
     return gated_rmsnorm_triton(x, z, weight, eps)
 
 
+@runtime.op(reference=reference.gated_delta_decode)
+def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
+                       eps=1e-6):
+    """A Gated DeltaNet layer's decode step from its projections to ``out_proj``'s input, in one kernel: the conv
+    update (+ SiLU) of ``qkv``, the gates, the l2-normed delta rule on ``state`` and the gated RMSNorm with ``z``;
+    the same as :func:`causal_conv1d_update`, :func:`recurrent_gated_delta_rule_gates` (``use_qk_l2norm=True``) and
+    :func:`gated_rmsnorm` in turn (three launches), to rounding.
+
+    Args:
+        qkv: ``[B, C]`` bf16 / fp16 / fp32, ``C = 2 H K + HV V``: the ``in_proj_qkv`` output ``[q | k | v]`` of one
+            token a row (a strided view of a fused projection is fine).
+        z: ``[B, HV, V]`` in qkv's dtype (``in_proj_z``).
+        a, b: ``[B, HV]`` the raw ``in_proj_a`` / ``in_proj_b`` outputs, any float dtype.
+        conv_state: ``[B, C, S]`` in qkv's dtype, ``S >= W - 1``; rolled in place.
+        conv_weight: ``[C, W]``, any float dtype.
+        A_log, dt_bias: ``[HV]``, any float dtype (used in fp32).
+        state: ``[B, HV, K, V]`` fp32, contiguous; updated in place.
+        norm_weight: ``[V]``, the gated norm's weight (plain ``w``).
+        num_k_heads: ``H``, the query / key heads (``HV`` a multiple of it).
+        eps: the norm's epsilon.
+
+    Returns:
+        ``[B, HV, V]`` in qkv's dtype: the input of ``out_proj`` (reshaped to ``[B, HV V]``).
+
+    Example::
+
+        o = gated_delta_decode(qkv, z, a, b, conv, layer.conv_weight, layer.A_log, layer.dt_bias, state,
+                               layer.norm_weight, 16)                     # qkv [B, 8192], z [B, 32, 128]
+    """
+    return gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
+                                     num_k_heads, eps)
+
+
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_gates", "gates",
-           "causal_conv1d", "causal_conv1d_update", "gated_rmsnorm", "reference", "spec", "CHUNK"]
+           "causal_conv1d", "causal_conv1d_update", "gated_rmsnorm", "gated_delta_decode", "reference", "spec", "CHUNK"]

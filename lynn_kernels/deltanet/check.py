@@ -20,7 +20,8 @@ from ..validate import compare
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = (
     "deltanet.chunk", "deltanet.chunk state", "deltanet.recurrent", "deltanet.recurrent state", "deltanet.conv",
-    "deltanet.conv state", "deltanet.conv update", "deltanet.gated_rmsnorm",
+    "deltanet.conv state", "deltanet.conv update", "deltanet.gated_rmsnorm", "deltanet.decode step",
+    "deltanet.decode step state",
 )
 
 
@@ -56,6 +57,13 @@ BOUNDS = {
     ("deltanet.conv", "fp32"): ("rel_l2", 1e-6),                 # 7.0e-8 / 3.8e-8
     ("deltanet.conv update", "fp32"): ("rel_l2", 1e-6),          # 7.7e-8 / 3.8e-8
     ("deltanet.gated_rmsnorm", "fp32"): ("rel_l2", 1e-6),        # 8.0e-8 / 8.7e-8
+    # the fused decode step against its reference on the same (bf16) inputs: the conv output and the delta rule's
+    # output are rounded to bf16 in the middle, as the chain stores them, so a fp32 reference would not be the
+    # spec. Interpreter: 0 / 0 (bf16 and fp32); H200: not yet measured (bounds of a few flipped bf16 roundings)
+    ("deltanet.decode step", "bf16"): ("rel_l2", 5e-3),
+    ("deltanet.decode step state", "bf16"): ("rel_l2", 1e-5),
+    ("deltanet.decode step", "fp32"): ("rel_l2", 1e-6),
+    ("deltanet.decode step state", "fp32"): ("rel_l2", 1e-6),
 }
 
 
@@ -67,8 +75,8 @@ def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, dtype: torch
 
 
 def iter_rows() -> Iterator[dict]:
-    from . import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm, reference,
-                   recurrent_gated_delta_rule_gates)
+    from . import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_decode, gated_rmsnorm,
+                   reference, recurrent_gated_delta_rule_gates)
 
     for dtype in (torch.bfloat16, torch.float32):
         label = str(dtype).replace("torch.", "")
@@ -123,6 +131,27 @@ def iter_rows() -> Iterator[dict]:
         wn = (1 + 0.1 * torch.randn(128, generator=gen)).to(runtime.DEVICE)
         want = reference.gated_rmsnorm(xn, zn, wn).float()              # the spec rounds as HF does, in x's dtype
         yield _row("deltanet.gated_rmsnorm", f"{label} 5x3x128", gated_rmsnorm(xn, zn, wn), want, dtype)
+
+        # the fused decode step (conv update, gates, delta rule, gated norm): B=2, H=2, HV=4, K=V=32, two steps
+        B, H, HV, K, V = 2, 2, 4, 32, 32
+        C = 2 * H * K + HV * V
+        dev = runtime.DEVICE
+        conv = torch.randn(B, C, 3, generator=gen).to(dtype).to(dev)
+        state = (0.1 * torch.randn(B, HV, K, V, generator=gen)).to(dev)
+        cw = (0.4 * torch.randn(C, 4, generator=gen)).to(dev)
+        A_log, dt_bias = torch.randn(HV, generator=gen).to(dev), torch.randn(HV, generator=gen).to(dev)
+        nw = (1 + 0.1 * torch.randn(V, generator=gen)).to(dev)
+        mine, theirs = (conv.clone(), state.clone()), (conv.clone(), state.clone())
+        for _ in range(2):
+            qkv = torch.randn(B, C, generator=gen).to(dtype).to(dev)
+            z = torch.randn(B, HV, V, generator=gen).to(dtype).to(dev)
+            a = torch.randn(B, HV, generator=gen).to(dtype).to(dev)
+            b = torch.randn(B, HV, generator=gen).to(dtype).to(dev)
+            o = gated_delta_decode(qkv, z, a, b, mine[0], cw, A_log, dt_bias, mine[1], nw, H)
+            o_ref = reference.gated_delta_decode(qkv, z, a, b, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H)
+        case = f"{label} B2 H2 HV4 K32 V32 W4, 2 steps"
+        yield _row("deltanet.decode step", case, o, o_ref.float(), dtype)
+        yield _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)
 
 
 def check_deltanet() -> list[dict]:

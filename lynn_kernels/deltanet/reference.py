@@ -205,3 +205,22 @@ def gated_rmsnorm(x, z, weight, eps=1e-6):
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * normed.to(x.dtype)
     return (h * F.silu(z.float())).to(x.dtype)
+
+
+def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
+                       eps=1e-6):
+    """A Gated DeltaNet layer's decode step between its input projections and ``out_proj``, the states updated in
+    place: :func:`causal_conv1d_update` of ``qkv [B, C]`` (``C = 2 H K + HV V``, ``H = num_k_heads``), its output
+    split into q, k ``[B, 1, H, K]`` and v ``[B, 1, HV, V]``, :func:`recurrent_gated_delta_rule_gates` on them with
+    the l2-normed q / k and ``state [B, HV, K, V]`` fp32, then :func:`gated_rmsnorm` of the result with
+    ``z [B, HV, V]``. ``a, b [B, HV]``. Returns ``[B, HV, V]`` in qkv's dtype."""
+    dims = spec.check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
+                                  num_k_heads, eps)
+    B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
+    y = causal_conv1d_update(qkv, conv_state, conv_weight)
+    q = y[:, :H * K].reshape(B, 1, H, K)
+    k = y[:, H * K:2 * H * K].reshape(B, 1, H, K)
+    v = y[:, 2 * H * K:].reshape(B, 1, HV, V)
+    o, _ = recurrent_gated_delta_rule_gates(q, k, v, A_log, a[:, None], dt_bias, b[:, None], initial_state=state,
+                                            use_qk_l2norm=True, out_state=state)
+    return gated_rmsnorm(o[:, 0], z, norm_weight, eps)

@@ -343,3 +343,65 @@ def check_gated_rmsnorm(x, z, weight, eps) -> int:
         raise ValueError(f"eps must be a positive finite Python number (an all-zero row of x divides by "
                          f"sqrt(eps)), got {eps!r}")
     return D
+
+
+def check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
+                      eps) -> Dims:
+    """:func:`lynn_kernels.deltanet.gated_delta_decode`'s arguments: ``qkv [B, C]`` with ``C = 2 H K + HV V``,
+    ``z [B, HV, V]`` in qkv's dtype, ``a, b [B, HV]``, ``conv_state [B, C, S]`` in qkv's dtype (``S >= W - 1``),
+    ``conv_weight [C, W]``, ``A_log, dt_bias [HV]``, ``state`` fp32 ``[B, HV, K, V]`` (contiguous: updated in
+    place), ``norm_weight [V]``; ``H = num_k_heads``. Each message names the argument. Returns the sizes
+    (``T = 1``)."""
+    for name, t in (("qkv", qkv), ("z", z), ("a", a), ("b", b), ("conv_state", conv_state),
+                    ("conv_weight", conv_weight), ("A_log", A_log), ("dt_bias", dt_bias), ("state", state),
+                    ("norm_weight", norm_weight)):
+        _need_tensor(name, t)
+        if name != "state":
+            _need_float(name, t)
+        if name != "qkv":
+            _need_same_device(name, t, "qkv", qkv)
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be 2-D [B, C] (one token a row), found shape {tuple(qkv.shape)}")
+    B, C = qkv.shape
+    if state.dim() != 4:
+        raise ValueError(f"state must be 4-D [B, HV, K, V] fp32, found shape {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise TypeError(f"state has dtype {state.dtype}; the recurrent state is always float32")
+    if state.shape[0] != B:
+        raise ValueError(f"state must have B={B} rows (qkv's), found shape {tuple(state.shape)}")
+    HV, K, V = state.shape[1:]
+    _need_head_dim("state", "key", "K", K)
+    _need_head_dim("state", "value", "V", V)
+    if not state.is_contiguous():
+        raise ValueError(f"state must be contiguous (it is updated in place), found strides {tuple(state.stride())}")
+    if isinstance(num_k_heads, bool) or not isinstance(num_k_heads, int) or num_k_heads < 1:
+        raise TypeError(f"num_k_heads must be a positive int (the query / key heads), got {num_k_heads!r}")
+    H = num_k_heads
+    if HV % H:
+        raise ValueError(f"the state's HV={HV} value heads are not a multiple of num_k_heads={H}")
+    if C != 2 * H * K + HV * V:
+        raise ValueError(f"qkv has C={C} channels; expected 2 H K + HV V = 2 * {H} * {K} + {HV} * {V} = "
+                         f"{2 * H * K + HV * V} ([q | k | v] of num_k_heads={H} and the state's {HV} value heads)")
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C:
+        raise ValueError(f"conv_weight must be 2-D [C, W] with C={C} (qkv's channels), found shape "
+                         f"{tuple(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if not MIN_CONV_WIDTH <= W <= MAX_CONV_WIDTH:
+        raise ValueError(f"conv width W={W} (conv_weight.shape[1]) is unsupported: expected "
+                         f"{MIN_CONV_WIDTH}..{MAX_CONV_WIDTH}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (B, C) or conv_state.shape[2] < W - 1:
+        raise ValueError(f"conv_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} conv, "
+                         f"found {tuple(conv_state.shape)}")
+    for name, t in (("conv_state", conv_state), ("z", z)):
+        if t.dtype != qkv.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but qkv has {qkv.dtype}; expected qkv's dtype")
+    _need_shape("z", z, (B, HV, V), "[B, HV, V]")
+    for name, t in (("a", a), ("b", b)):
+        _need_shape(name, t, (B, HV), "[B, HV]")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        _need_shape(name, t, (HV,), "[HV]")
+    _need_shape("norm_weight", norm_weight, (V,), "[V]")
+    _need_number("eps", eps, "a positive finite Python number")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite Python number, got {eps!r}")
+    return Dims(B, 1, H, HV, K, V)

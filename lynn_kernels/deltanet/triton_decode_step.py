@@ -1,0 +1,186 @@
+"""A Gated DeltaNet decode step after the input projections in one kernel: the conv update (+ SiLU) of ``[q | k | v]``,
+the gates, the l2-normed delta rule on the fp32 state, and the gated RMSNorm.
+
+One program per (sequence, value head) holds the head's whole ``K x V`` state tile, so the norm over ``V`` needs no
+second pass. It computes its own q, k and v from the raw projection and the conv state; where ``GROUP = HV / H``
+value heads share a key head, each of the group's programs convolves the same q / k channels, and the last of them
+to finish reading (a ticket per key head, the split-K hand-off of the matmul) writes their rolled conv state, so no
+program reads a state another has already rolled. Each stage keeps the unfused kernels' order of operations and
+roundings (the conv output and the delta rule's output rounded to the run dtype where the chain stores them); the
+reductions run over a wider tile than the recurrent kernel's, so the sums may differ from the chain's in the last
+bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..matmul.triton_matmul import split_k_counter
+from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
+from . import spec
+from .spec import TL_L2NORM_EPS as _EPS
+
+
+@triton.jit
+def _conv_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
+                   W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The conv update's output (SiLU, rounded to x's dtype, as fp32) of channels ``chan``, their raw input, and
+    the state columns 1..S-1 that the roll moves down (``[n, BLOCK_S]``)."""
+    x_raw = tl.load(x_row + chan, mask=mask, other=0)
+    base = state_row + chan * stride_sc
+    acc = tl.zeros(chan.shape, dtype=tl.float32)
+    for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
+        xs = to_float32(tl.load(base + (S - (W - 1) + j) * stride_ss, mask=mask, other=0), X_DTYPE, INTERPRET)
+        wj = to_float32(tl.load(w_ptr + chan * stride_wc + j * stride_ww, mask=mask, other=0), W_DTYPE, INTERPRET)
+        acc += xs * wj
+    w_last = to_float32(tl.load(w_ptr + chan * stride_wc + (W - 1) * stride_ww, mask=mask, other=0),
+                        W_DTYPE, INTERPRET)
+    acc += to_float32(x_raw, X_DTYPE, INTERPRET) * w_last                # the conv update kernel's order
+    y = round_to_dtype(acc * tl.sigmoid(acc), X_DTYPE, INTERPRET)
+    return y, x_raw
+
+
+@triton.jit
+def _roll_load(state_row, chan, mask, stride_sc, stride_ss, S, BLOCK_S: tl.constexpr):
+    offs_s = tl.arange(0, BLOCK_S)
+    keep = (offs_s + 1) < S
+    return tl.load(state_row + chan[:, None] * stride_sc + (offs_s + 1)[None, :] * stride_ss,
+                   mask=mask[:, None] & keep[None, :], other=0)
+
+
+@triton.jit
+def _roll_store(state_row, chan, mask, shifted, x_raw, stride_sc, stride_ss, S, BLOCK_S: tl.constexpr):
+    offs_s = tl.arange(0, BLOCK_S)
+    keep = (offs_s + 1) < S
+    tl.store(state_row + chan[:, None] * stride_sc + offs_s[None, :] * stride_ss, shifted,
+             mask=mask[:, None] & keep[None, :])
+    tl.store(state_row + chan * stride_sc + (S - 1) * stride_ss, x_raw, mask=mask)
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    x_ptr, conv_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, h_ptr, z_ptr, nw_ptr, out_ptr, count_ptr,
+    S, HV, scale, eps,
+    stride_xb, stride_cb, stride_cc, stride_cs, stride_wc, stride_ww, stride_ab, stride_bb, stride_zb, stride_zh,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
+    X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, NW_DTYPE: tl.constexpr,
+    WX_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Program ``b * HV + hv``: value head ``hv`` of sequence ``b`` (key head ``hv // GROUP``)."""
+    pdl_enter(USE_PDL)
+    pid = tl.program_id(0)
+    pid_b, pid_hv = pid // HV, pid % HV
+    pid_hq = pid_hv // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
+    conv_row = conv_ptr + pid_b.to(tl.int64) * stride_cb
+    chan_q = pid_hq * K + offs_k
+    chan_k = H * K + pid_hq * K + offs_k
+    chan_v = 2 * H * K + pid_hv * V + offs_v
+
+    # 1. the conv update of this head's channels; the rolled states are written once every reader is done
+    q, xq = _conv_channels(x_row, conv_row, cw_ptr, chan_q, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
+                           W, X_DTYPE, W_DTYPE, INTERPRET)
+    k, xk = _conv_channels(x_row, conv_row, cw_ptr, chan_k, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
+                           W, X_DTYPE, W_DTYPE, INTERPRET)
+    v, xv = _conv_channels(x_row, conv_row, cw_ptr, chan_v, mask_v, stride_cc, stride_cs, stride_wc, stride_ww, S,
+                           W, X_DTYPE, W_DTYPE, INTERPRET)
+    roll_q = _roll_load(conv_row, chan_q, mask_k, stride_cc, stride_cs, S, BLOCK_S)
+    roll_k = _roll_load(conv_row, chan_k, mask_k, stride_cc, stride_cs, S, BLOCK_S)
+    roll_v = _roll_load(conv_row, chan_v, mask_v, stride_cc, stride_cs, S, BLOCK_S)
+    tl.debug_barrier()                                   # every thread has read the old conv state
+    _roll_store(conv_row, chan_v, mask_v, roll_v, xv, stride_cc, stride_cs, S, BLOCK_S)   # this head's own
+    if GROUP == 1:
+        _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
+        _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
+    else:                                                # q / k shared by GROUP heads: the last reader rolls them
+        ticket = tl.atomic_add(count_ptr + pid_b * H + pid_hq, 1, sem="acq_rel")
+        if ticket == GROUP - 1:
+            _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
+            _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
+            tl.atomic_xchg(count_ptr + pid_b * H + pid_hq, 0)              # ready for the next call
+
+    # 2. the gates and the delta rule (the recurrent kernel's operations, one token)
+    g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
+    beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), G_DTYPE, INTERPRET)
+    x = g + tl.load(dtb_ptr + pid_hv)
+    e = tl.exp(tl.minimum(x, 20.0))
+    y = 1.0 + e
+    g = -tl.exp(tl.load(alog_ptr + pid_hv)) * tl.where(x > 20.0, x, tl.where(y == 1.0, e, tl.log(y) * e / (y - 1.0)))
+    beta = 1.0 / (1.0 + tl.exp(-beta))
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + _EPS)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + _EPS)
+    q = q * scale
+    state = h_ptr + pid.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    s = tl.load(state, mask=mask_kv, other=0.0)                                     # [BLOCK_K, BLOCK_V] fp32
+    s = s * tl.exp(g)                                                               # forget
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta                             # v - S^T k
+    s = s + k[:, None] * delta[None, :]
+    o = round_to_dtype(tl.sum(s * q[:, None], axis=0), X_DTYPE, INTERPRET)          # S^T q, as the chain stores it
+    tl.store(state, s, mask=mask_kv)
+
+    # 3. the gated RMSNorm over the head's V values
+    zf = to_float32(tl.load(z_ptr + pid_b.to(tl.int64) * stride_zb + pid_hv * stride_zh + offs_v, mask=mask_v,
+                            other=0), X_DTYPE, INTERPRET)
+    nw = to_float32(tl.load(nw_ptr + offs_v, mask=mask_v, other=0), NW_DTYPE, INTERPRET)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
+    normed = round_to_dtype(o * rstd, X_DTYPE, INTERPRET)
+    hh = round_to_dtype(nw * normed, WX_DTYPE, INTERPRET)
+    out = hh * (zf * tl.sigmoid(zf))
+    tl.store(out_ptr + pid.to(tl.int64) * V + offs_v, cast_output(out, X_DTYPE, INTERPRET), mask=mask_v)
+
+
+#: ``num_warps`` of the fused step on the GPU (one program holds a head's K x V fp32 state: 64 KB at 128 x 128).
+#: A first guess, not measured on the H200.
+DECODE_STEP_WARPS = 8
+
+
+def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
+                              num_k_heads, eps=1e-6):
+    """Host side of :func:`lynn_kernels.deltanet.gated_delta_decode`: checks, allocates the output, launches."""
+    dims = spec.check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
+                                  num_k_heads, eps)
+    spec.check_devices(qkv=qkv, z=z, a=a, b=b, conv_state=conv_state, conv_weight=conv_weight, A_log=A_log,
+                       dt_bias=dt_bias, state=state, norm_weight=norm_weight)
+    if a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    out = torch.empty((dims.B, dims.HV, dims.V), dtype=qkv.dtype, device=qkv.device)
+    return launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log.float().contiguous(),
+                                     dt_bias.float().contiguous(), state, norm_weight, dims, float(eps), out)
+
+
+def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
+                              dims: spec.Dims, eps: float, out: torch.Tensor, num_warps: int | None = None):
+    """Launch only (no checks, no host sync), into a contiguous ``out [B, HV, V]``: ``A_log`` / ``dt_bias`` fp32
+    contiguous, ``a`` and ``b`` of one dtype, ``state`` contiguous; the conv state is rolled and ``state`` updated in
+    place. The tickets of shared key heads use the matmul's zeroed per-stream buffer (one stream at a time)."""
+    B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
+    if B == 0:
+        return out
+    qkv, z = spec.last_dim_contiguous(qkv), spec.last_dim_contiguous(z)
+    a, b = spec.last_dim_contiguous(a), spec.last_dim_contiguous(b)
+    group = HV // H
+    counter = split_k_counter(qkv.device, B * H if group > 1 else 0)
+    wx = torch.promote_types(norm_weight.dtype, qkv.dtype)
+    S = conv_state.shape[2]
+    _gdn_decode_kernel[(B * HV,)](
+        kernel_view(qkv), kernel_view(conv_state), kernel_view(conv_weight), kernel_view(a), kernel_view(b), A_log,
+        dt_bias, state, kernel_view(z), kernel_view(norm_weight.contiguous()), kernel_view(out), counter,
+        S, HV, K ** -0.5, eps,
+        qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), conv_weight.stride(0),
+        conv_weight.stride(1), a.stride(0), b.stride(0), z.stride(0), z.stride(1),
+        H=H, K=K, V=V, GROUP=group, W=conv_weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[qkv.dtype],
+        W_DTYPE=runtime.TORCH_TO_TL[conv_weight.dtype], G_DTYPE=runtime.TORCH_TO_TL[a.dtype],
+        NW_DTYPE=runtime.TORCH_TO_TL[norm_weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx],
+        BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=runtime.next_power_of_2(V),
+        BLOCK_S=max(2, runtime.next_power_of_2(S)), num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS),
+        **runtime.kernel_flags(), **runtime.pdl_flags())
+    return out
