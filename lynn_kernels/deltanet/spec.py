@@ -314,16 +314,16 @@ def check_conv_update(x, conv_state, weight) -> tuple[int, int, int, int]:
     return B, C, W, conv_state.shape[2]
 
 
-def _check_conv_weight(weight, C: int, x) -> None:
+def _check_conv_weight(weight, C: int, x, name: str = "weight", x_name: str = "x") -> None:
     if weight.dim() != 2 or weight.shape[0] != C:
-        raise ValueError(f"weight must be 2-D [C, W] with C={C} (x's channels), found shape {tuple(weight.shape)}; "
-                         f"an nn.Conv1d weight [C, 1, W] needs .squeeze(1)")
+        raise ValueError(f"{name} must be 2-D [C, W] with C={C} ({x_name}'s channels), found shape "
+                         f"{tuple(weight.shape)}; an nn.Conv1d weight [C, 1, W] needs .squeeze(1)")
     W = weight.shape[1]
     if not MIN_CONV_WIDTH <= W <= MAX_CONV_WIDTH:
-        raise ValueError(f"conv width W={W} (weight.shape[1]) is unsupported: expected "
+        raise ValueError(f"conv width W={W} ({name}.shape[1]) is unsupported: expected "
                          f"{MIN_CONV_WIDTH}..{MAX_CONV_WIDTH}")
-    _need_float("weight", weight)
-    _need_same_device("weight", weight, "x", x)
+    _need_float(name, weight)
+    _need_same_device(name, weight, x_name, x)
 
 
 def check_gated_rmsnorm(x, z, weight, eps) -> int:
@@ -382,13 +382,8 @@ def check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, sta
     if C != 2 * H * K + HV * V:
         raise ValueError(f"qkv has C={C} channels; expected 2 H K + HV V = 2 * {H} * {K} + {HV} * {V} = "
                          f"{2 * H * K + HV * V} ([q | k | v] of num_k_heads={H} and the state's {HV} value heads)")
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != C:
-        raise ValueError(f"conv_weight must be 2-D [C, W] with C={C} (qkv's channels), found shape "
-                         f"{tuple(conv_weight.shape)}")
+    _check_conv_weight(conv_weight, C, qkv, "conv_weight", "qkv")
     W = conv_weight.shape[1]
-    if not MIN_CONV_WIDTH <= W <= MAX_CONV_WIDTH:
-        raise ValueError(f"conv width W={W} (conv_weight.shape[1]) is unsupported: expected "
-                         f"{MIN_CONV_WIDTH}..{MAX_CONV_WIDTH}")
     if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (B, C) or conv_state.shape[2] < W - 1:
         raise ValueError(f"conv_state must have shape [B, C, S] = ({B}, {C}, S >= {W - 1}) for a width-{W} conv, "
                          f"found {tuple(conv_state.shape)}")

@@ -88,6 +88,25 @@ def _causal_conv1d_kernel(
 
 
 @triton.jit
+def conv_update_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
+                         W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One decode step of the conv on channels ``chan`` of one row: ``(silu(sum) fp32, the raw new inputs)``, the
+    sum over the newest ``W - 1`` state columns and the new input in the prefill kernel's order (the same bits).
+    Shared with the fused decode step (:mod:`.triton_decode_step`)."""
+    x_raw = tl.load(x_row + chan, mask=mask, other=0)
+    base = state_row + chan * stride_sc
+    acc = tl.zeros(chan.shape, dtype=tl.float32)
+    for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
+        xs = to_float32(tl.load(base + (S - (W - 1) + j) * stride_ss, mask=mask, other=0), X_DTYPE, INTERPRET)
+        wj = to_float32(tl.load(w_ptr + chan * stride_wc + j * stride_ww, mask=mask, other=0), W_DTYPE, INTERPRET)
+        acc += xs * wj
+    w_last = to_float32(tl.load(w_ptr + chan * stride_wc + (W - 1) * stride_ww, mask=mask, other=0),
+                        W_DTYPE, INTERPRET)
+    acc += to_float32(x_raw, X_DTYPE, INTERPRET) * w_last      # same order as the prefill kernel: same bits
+    return acc * tl.sigmoid(acc), x_raw
+
+
+@triton.jit
 def _causal_conv1d_update_kernel(
     x_ptr, state_ptr, w_ptr, y_ptr,
     C, S,
@@ -101,17 +120,10 @@ def _causal_conv1d_update_kernel(
     pid_b = tl.program_id(1)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
-    x_raw = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + offs_c, mask=mask_c, other=0)   # [BLOCK_C]
     state_base = state_ptr + pid_b.to(tl.int64) * stride_sb + offs_c * stride_sc
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
-        xs = to_float32(tl.load(state_base + (S - (W - 1) + j) * stride_ss, mask=mask_c, other=0), X_DTYPE, INTERPRET)
-        wj = to_float32(tl.load(w_ptr + offs_c * stride_wc + j * stride_ww, mask=mask_c, other=0), W_DTYPE, INTERPRET)
-        acc += xs * wj
-    w_last = to_float32(tl.load(w_ptr + offs_c * stride_wc + (W - 1) * stride_ww, mask=mask_c, other=0),
-                        W_DTYPE, INTERPRET)
-    acc += to_float32(x_raw, X_DTYPE, INTERPRET) * w_last      # same order as the prefill kernel: same bits
-    y = acc * tl.sigmoid(acc)
+    y, x_raw = conv_update_channels(x_ptr + pid_b.to(tl.int64) * stride_xb, state_ptr + pid_b.to(tl.int64) * stride_sb,
+                                    w_ptr, offs_c, mask_c, stride_sc, stride_ss, stride_wc, stride_ww, S, W, X_DTYPE,
+                                    W_DTYPE, INTERPRET)
     tl.store(y_ptr + pid_b.to(tl.int64) * C + offs_c, cast_output(y, X_DTYPE, INTERPRET), mask=mask_c)
 
     # roll: column s takes column s + 1, the last column takes x (raw bits)

@@ -22,25 +22,17 @@ from ..matmul.triton_matmul import split_k_counter
 from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 from .spec import TL_L2NORM_EPS as _EPS
+from .triton_conv import conv_update_channels
 
 
 @triton.jit
 def _conv_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
                    W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """The conv update's output (SiLU, rounded to x's dtype, as fp32) of channels ``chan``, their raw input, and
-    the state columns 1..S-1 that the roll moves down (``[n, BLOCK_S]``)."""
-    x_raw = tl.load(x_row + chan, mask=mask, other=0)
-    base = state_row + chan * stride_sc
-    acc = tl.zeros(chan.shape, dtype=tl.float32)
-    for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
-        xs = to_float32(tl.load(base + (S - (W - 1) + j) * stride_ss, mask=mask, other=0), X_DTYPE, INTERPRET)
-        wj = to_float32(tl.load(w_ptr + chan * stride_wc + j * stride_ww, mask=mask, other=0), W_DTYPE, INTERPRET)
-        acc += xs * wj
-    w_last = to_float32(tl.load(w_ptr + chan * stride_wc + (W - 1) * stride_ww, mask=mask, other=0),
-                        W_DTYPE, INTERPRET)
-    acc += to_float32(x_raw, X_DTYPE, INTERPRET) * w_last                # the conv update kernel's order
-    y = round_to_dtype(acc * tl.sigmoid(acc), X_DTYPE, INTERPRET)
-    return y, x_raw
+    """The conv update's output of channels ``chan`` rounded to x's dtype as the conv kernel stores it (held as
+    fp32), and their raw new inputs."""
+    y, x_raw = conv_update_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww,
+                                    S, W, X_DTYPE, W_DTYPE, INTERPRET)
+    return round_to_dtype(y, X_DTYPE, INTERPRET), x_raw
 
 
 @triton.jit
@@ -181,6 +173,7 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
         W_DTYPE=runtime.TORCH_TO_TL[conv_weight.dtype], G_DTYPE=runtime.TORCH_TO_TL[a.dtype],
         NW_DTYPE=runtime.TORCH_TO_TL[norm_weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx],
         BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=runtime.next_power_of_2(V),
-        BLOCK_S=max(2, runtime.next_power_of_2(S)), num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS),
-        **runtime.kernel_flags(), **runtime.pdl_flags())
+        BLOCK_S=max(2, runtime.next_power_of_2(S)),
+        num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS), **runtime.kernel_flags(),
+        **runtime.pdl_flags())
     return out
