@@ -106,6 +106,34 @@ def test_decode_step_takes_views_of_fused_projections(poison_empty):
     assert bit_mismatches(fused["conv_state"], chain["conv_state"]) == 0
 
 
+def test_decode_step_gates_keep_their_own_dtypes(poison_empty):
+    """``a`` bf16 and ``b`` fp32 (any float dtype each): each read at its own precision, as the reference and the
+    recurrent kernel do (a cast of ``b`` to ``a``'s dtype moved the state by ~7e-5)."""
+    inp = _layer(2, 2, 4, 32, 32, seed=11)
+    inp["b"] = torch.randn(2, 4, generator=torch.Generator().manual_seed(12)).to(DEV)          # fp32
+    fused, ref, chain = _clone(inp), _clone(inp), _clone(inp)
+    got, want, via = deltanet.gated_delta_decode(**fused), deltanet.reference.gated_delta_decode(**ref), _chain(**chain)
+    assert compare(fused["state"], ref["state"]).rel_l2 < 1e-5
+    assert compare(got, want).rel_l2 < 2e-2
+    if runtime.INTERPRET:
+        assert bit_mismatches(got, via) == 0 and bit_mismatches(fused["state"], chain["state"]) == 0
+
+
+def test_decode_step_ticket_limit_is_named(monkeypatch):
+    """The kernel keeps one ticket per sequence and key head where value heads share them: past the per-stream
+    buffer it says so (and writes nothing) instead of failing in the matmul's split-K words."""
+    from lynn_kernels.deltanet import triton_decode_step
+
+    monkeypatch.setattr(triton_decode_step, "COUNTER_SLOTS", 3)
+    d = _layer(2, 2, 4, 16, 16, seed=13)
+    before = d["state"].clone()
+    with pytest.raises(ValueError, match=r"B=2 sequences of 2 key heads .* at most 3 \(B <= 1\)"):
+        deltanet.gated_delta_decode(**d)
+    assert torch.equal(d["state"], before)
+    d1 = _layer(1, 2, 4, 16, 16, seed=14)                     # 1 x 2 tickets: within the (patched) limit
+    deltanet.gated_delta_decode(**d1)
+
+
 def test_decode_step_reference_backend():
     """Under ``use_reference()`` the op is the composition of the three references."""
     inp = _layer(1, 2, 4, 16, 16, seed=9)
@@ -123,6 +151,7 @@ def test_decode_step_reference_backend():
     pytest.param(lambda d: d.update(num_k_heads=4), ValueError, r"qkv has C=128 channels; expected 2 H K \+ HV V",
                  id="heads"),
     pytest.param(lambda d: d.update(num_k_heads=True), TypeError, r"num_k_heads must be a positive int", id="bool"),
+    pytest.param(lambda d: d.update(num_k_heads=0), ValueError, r"num_k_heads must be a positive int", id="zero"),
     pytest.param(lambda d: d.update(state=d["state"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
                  r"state must be contiguous", id="state-strided"),
     pytest.param(lambda d: d.update(state=d["state"].to(BF16)), TypeError, r"state has dtype .* float32",

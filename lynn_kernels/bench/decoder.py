@@ -220,9 +220,10 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         _log(f"fused input projections failed: {err!r}")
     try:                                         # and each Gated DeltaNet decode step as one kernel
         model.fuse_gdn_decode()
-        grows, info["graph_b1_gdn_decode_fused"] = graph_decode(
-            model, ids, 1, ceilings, "lynn nvfp4 (graph, input projections and GDN decode fused)",
-            decode_bytes(model, CONTEXT))
+        what = "GDN decode fused" if "error" in info["graph_b1_inputs_fused"] else \
+            "input projections and GDN decode fused"
+        grows, info["graph_b1_gdn_decode_fused"] = graph_decode(model, ids, 1, ceilings, f"lynn nvfp4 (graph, {what})",
+                                                                decode_bytes(model, CONTEXT))
         rows += grows
     except Exception as err:
         info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}

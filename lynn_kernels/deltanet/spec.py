@@ -374,8 +374,10 @@ def check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, sta
     _need_head_dim("state", "value", "V", V)
     if not state.is_contiguous():
         raise ValueError(f"state must be contiguous (it is updated in place), found strides {tuple(state.stride())}")
-    if isinstance(num_k_heads, bool) or not isinstance(num_k_heads, int) or num_k_heads < 1:
+    if isinstance(num_k_heads, bool) or not isinstance(num_k_heads, int):
         raise TypeError(f"num_k_heads must be a positive int (the query / key heads), got {num_k_heads!r}")
+    if num_k_heads < 1:
+        raise ValueError(f"num_k_heads must be a positive int (the query / key heads), got {num_k_heads}")
     H = num_k_heads
     if HV % H:
         raise ValueError(f"the state's HV={HV} value heads are not a multiple of num_k_heads={H}")

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..matmul.triton_matmul import split_k_counter
+from ..matmul.triton_matmul import COUNTER_SLOTS, split_k_counter
 from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 from .spec import TL_L2NORM_EPS as _EPS
@@ -58,7 +58,8 @@ def _gdn_decode_kernel(
     S, HV, scale, eps,
     stride_xb, stride_cb, stride_cc, stride_cs, stride_wc, stride_ww, stride_ab, stride_bb, stride_zb, stride_zh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
-    X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, NW_DTYPE: tl.constexpr,
+    X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
+    NW_DTYPE: tl.constexpr,
     WX_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
     INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
@@ -101,7 +102,7 @@ def _gdn_decode_kernel(
 
     # 2. the gates and the delta rule (the recurrent kernel's operations, one token)
     g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
-    beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), G_DTYPE, INTERPRET)
+    beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), BETA_DTYPE, INTERPRET)
     x = g + tl.load(dtb_ptr + pid_hv)
     e = tl.exp(tl.minimum(x, 20.0))
     y = 1.0 + e
@@ -142,8 +143,6 @@ def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
                                   num_k_heads, eps)
     spec.check_devices(qkv=qkv, z=z, a=a, b=b, conv_state=conv_state, conv_weight=conv_weight, A_log=A_log,
                        dt_bias=dt_bias, state=state, norm_weight=norm_weight)
-    if a.dtype != b.dtype:
-        b = b.to(a.dtype)
     out = torch.empty((dims.B, dims.HV, dims.V), dtype=qkv.dtype, device=qkv.device)
     return launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log.float().contiguous(),
                                      dt_bias.float().contiguous(), state, norm_weight, dims, float(eps), out)
@@ -152,11 +151,16 @@ def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
 def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
                               dims: spec.Dims, eps: float, out: torch.Tensor, num_warps: int | None = None):
     """Launch only (no checks, no host sync), into a contiguous ``out [B, HV, V]``: ``A_log`` / ``dt_bias`` fp32
-    contiguous, ``a`` and ``b`` of one dtype, ``state`` contiguous; the conv state is rolled and ``state`` updated in
-    place. The tickets of shared key heads use the matmul's zeroed per-stream buffer (one stream at a time)."""
+    contiguous, ``state`` contiguous; the conv state is rolled and ``state`` updated in place. The tickets of shared
+    key heads use the matmul's zeroed per-stream buffer (one stream at a time), one per sequence and key head: at
+    most :data:`~lynn_kernels.matmul.triton_matmul.COUNTER_SLOTS` of them."""
     B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
     if B == 0:
         return out
+    if HV > H and B * H > COUNTER_SLOTS:
+        raise ValueError(f"qkv has B={B} sequences of {H} key heads shared by {HV // H} value heads each: the fused "
+                         f"decode step keeps one ticket per sequence and key head, at most {COUNTER_SLOTS} "
+                         f"(B <= {COUNTER_SLOTS // H}); split the batch or run the three-kernel chain")
     qkv, z = spec.last_dim_contiguous(qkv), spec.last_dim_contiguous(z)
     a, b = spec.last_dim_contiguous(a), spec.last_dim_contiguous(b)
     group = HV // H
@@ -171,6 +175,7 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
         conv_weight.stride(1), a.stride(0), b.stride(0), z.stride(0), z.stride(1),
         H=H, K=K, V=V, GROUP=group, W=conv_weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[qkv.dtype],
         W_DTYPE=runtime.TORCH_TO_TL[conv_weight.dtype], G_DTYPE=runtime.TORCH_TO_TL[a.dtype],
+        BETA_DTYPE=runtime.TORCH_TO_TL[b.dtype],
         NW_DTYPE=runtime.TORCH_TO_TL[norm_weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx],
         BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=runtime.next_power_of_2(V),
         BLOCK_S=max(2, runtime.next_power_of_2(S)),
