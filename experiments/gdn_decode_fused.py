@@ -1,8 +1,14 @@
 """H200: a Gated DeltaNet layer's decode step after its projections, as three kernels (conv update, recurrent step
 with the gates, gated norm) against one (``deltanet.gated_delta_decode``), by CUDA-graph replay the way the decoder
-runs it (10 layers' worth of distinct states in a row, so the states come from HBM), with and without PDL, at batch
-1, 2, 8 and 32, with the fused kernel on 4, 8 and 16 warps. Each fused variant is first compared with the chain
-(output and recurrent state by the shared metrics, the conv state bit for bit) and with itself on a repeat.
+runs it (10 layers' worth of distinct states in a row, so the states come from HBM), at batch 1, 2, 8 and 32: the
+chain with and without PDL, the fused kernel with PDL over a sweep of its V slice (``block_v``: 16 to 128 of a
+head's 128 columns a program) and warps (2, 4, 8), and the shipped config (``decode_step_config``) without PDL too.
+Each fused variant is first compared with the chain (output and recurrent state by the shared metrics, the conv
+state bit for bit) and with itself on a repeat.
+
+The first run (2f040dd: one program a head, BLOCK_V = 128) measured 4 warps best and slower than the PDL chain at
+batch 1 (6.71 against 5.95 us a layer), faster from batch 2 (8.71 / 15.04 / 48.57 against 9.12 / 19.71 / 59.87);
+8 and 16 warps were 2-2.8x slower: ``data/bench/h200/gdn_decode_fused-2f040dd.json``.
 
 Writes ``$OUT/gdn_decode_fused.json`` and prints a table.
 
@@ -18,7 +24,7 @@ from lynn_kernels import deltanet, runtime
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.deltanet import spec
-from lynn_kernels.deltanet.triton_decode_step import launch_gated_delta_decode
+from lynn_kernels.deltanet.triton_decode_step import decode_step_config, launch_gated_delta_decode
 from lynn_kernels.validate import bit_mismatches, compare
 
 OUT = os.environ.get("OUT", "out")
@@ -52,12 +58,20 @@ def chain(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_wei
     return deltanet.gated_rmsnorm(o[:, 0], z, norm_weight)
 
 
-def fused(d, warps):
+def fused(d, cfg):
     dims = spec.Dims(d["qkv"].shape[0], 1, H, HV, K, V)
     out = torch.empty(dims.B, HV, V, dtype=torch.bfloat16, device="cuda")
+    bv, warps = cfg
     return launch_gated_delta_decode(d["qkv"], d["z"], d["a"], d["b"], d["conv_state"], d["conv_weight"],
                                      d["A_log"], d["dt_bias"], d["state"], d["norm_weight"], dims, 1e-6, out,
-                                     num_warps=warps)
+                                     num_warps=warps, block_v=bv)
+
+
+CONFIGS = [(bv, w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)]
+
+
+def name(cfg):
+    return f"fused, V/{cfg[0]}, {cfg[1]}w"
 
 
 for B in (1, 2, 8, 32):
@@ -66,32 +80,32 @@ for B in (1, 2, 8, 32):
     base = layers[0]
     ref = {k: (v.clone() if k in ("conv_state", "state") else v) for k, v in base.items()}
     want = chain(**ref)
-    for warps in (4, 8, 16):
+    good = []
+    for cfg in CONFIGS:
         a_ = {k: (v.clone() if k in ("conv_state", "state") else v) for k, v in base.items()}
         b_ = {k: (v.clone() if k in ("conv_state", "state") else v) for k, v in base.items()}
         try:
-            got, rep = fused(a_, warps), fused(b_, warps)
+            got, rep = fused(a_, cfg), fused(b_, cfg)
         except Exception as e:                                               # noqa: BLE001
-            res["rows"].append({"B": B, "variant": f"fused, {warps} warps", "error": repr(e)[:300]})
-            print("fail", B, warps, repr(e)[:200], flush=True)
+            res["rows"].append({"B": B, "variant": name(cfg), "error": repr(e)[:300]})
+            print("fail", B, cfg, repr(e)[:200], flush=True)
             continue
         m, ms = compare(got, want), compare(a_["state"], ref["state"])
-        res["rows"].append({"B": B, "variant": f"fused, {warps} warps", "check": True, "rel_l2_out": m.rel_l2,
+        res["rows"].append({"B": B, "variant": name(cfg), "check": True, "rel_l2_out": m.rel_l2,
                             "cosine_out": m.cosine, "rel_l2_state": ms.rel_l2,
                             "conv_state_mismatches": bit_mismatches(a_["conv_state"], ref["conv_state"]),
                             "repeat_mismatches": bit_mismatches(got, rep) + bit_mismatches(a_["state"], b_["state"]),
                             "bit_equal_to_chain": bit_mismatches(got, want) == 0})
+        good.append(cfg)
+    shipped = decode_step_config(B, V)
     for pdl in (False, True):
         with runtime.programmatic_launches(pdl):
             us = graph_us([lambda d=d: chain(**d) for d in layers])
             res["rows"].append({"B": B, "variant": "chain (3 kernels)", "pdl": pdl, "us_per_layer": us})
-            for warps in (4, 8, 16):
-                try:
-                    us = graph_us([lambda d=d, w=warps: fused(d, w) for d in layers])
-                except Exception as e:                                       # noqa: BLE001
-                    print("fail", B, warps, pdl, repr(e)[:200], flush=True)
-                    continue
-                res["rows"].append({"B": B, "variant": f"fused, {warps} warps", "pdl": pdl, "us_per_layer": us})
+            for cfg in (good if pdl else [c for c in good if c == shipped]):
+                us = graph_us([lambda d=d, c=cfg: fused(d, c) for d in layers])
+                res["rows"].append({"B": B, "variant": name(cfg), "pdl": pdl, "us_per_layer": us,
+                                    "shipped": cfg == shipped})
     json.dump(res, open(os.path.join(OUT, "gdn_decode_fused.json"), "w"), indent=1)
 
 print(f"{'B':>3} {'variant':22} {'pdl':>5} {'us/layer':>9}   check")
@@ -101,4 +115,5 @@ for r in res["rows"]:
                    None)
         note = "" if chk is None else (f"rel_l2 {chk['rel_l2_out']:.1e} state {chk['rel_l2_state']:.1e} conv "
                                        f"{chk['conv_state_mismatches']} repeat {chk['repeat_mismatches']}")
-        print(f"{r['B']:>3} {r['variant']:22} {str(r['pdl']):>5} {r['us_per_layer']:9.2f}   {note}")
+        print(f"{r['B']:>3} {r['variant'] + (' *' if r.get('shipped') else ''):22} {str(r['pdl']):>5} "
+              f"{r['us_per_layer']:9.2f}   {note}")

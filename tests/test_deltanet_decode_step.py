@@ -119,6 +119,45 @@ def test_decode_step_gates_keep_their_own_dtypes(poison_empty):
         assert bit_mismatches(got, via) == 0 and bit_mismatches(fused["state"], chain["state"]) == 0
 
 
+@pytest.mark.parametrize("B, H, HV, K, V, block_v", [
+    pytest.param(1, 2, 4, 32, 48, 16, id="V48-in-16s"),
+    pytest.param(2, 1, 3, 24, 40, 16, id="V40-in-16s-masked"),
+    pytest.param(3, 2, 2, 16, 64, 32, id="group1-V64-in-32s"),
+    pytest.param(2, 2, 4, 32, 32, 8, id="V32-in-8s"),
+])
+def test_decode_step_split_v_matches_whole_heads(B, H, HV, K, V, block_v, poison_empty):
+    """A head's V columns over several programs (the GPU's launch at small batches; the last program of a head
+    normalises its row): the chain's output and states over two steps (its bits under the interpreter), the same
+    bits as one program a head, and the tickets left at zero for the next call."""
+    from lynn_kernels.deltanet import spec
+    from lynn_kernels.deltanet.triton_decode_step import launch_gated_delta_decode
+    from lynn_kernels.matmul.triton_matmul import split_k_counter
+
+    inp = _layer(B, H, HV, K, V, seed=B * 13 + V)
+    split, whole, chain = _clone(inp), _clone(inp), _clone(inp)
+    dims = spec.Dims(B, 1, H, HV, K, V)
+
+    def launch(d, bv):
+        out = torch.empty(B, HV, V, dtype=d["qkv"].dtype, device=DEV)
+        return launch_gated_delta_decode(d["qkv"], d["z"], d["a"], d["b"], d["conv_state"], d["conv_weight"],
+                                         d["A_log"].float(), d["dt_bias"].float(), d["state"], d["norm_weight"],
+                                         dims, 1e-6, out, block_v=bv)
+
+    for step in range(2):
+        if step:
+            new = _layer(B, H, HV, K, V, seed=200 + step)
+            for d in (split, whole, chain):
+                d.update(qkv=new["qkv"], z=new["z"], a=new["a"], b=new["b"])
+        got, one, via = launch(split, block_v), launch(whole, runtime.next_power_of_2(V)), _chain(**chain)
+        assert compare(got, via).rel_l2 < 1e-2, step
+        assert bit_mismatches(split["conv_state"], chain["conv_state"]) == 0
+        assert compare(split["state"], chain["state"]).rel_l2 < 1e-5
+        if runtime.INTERPRET:
+            assert bit_mismatches(got, via) == 0 and bit_mismatches(got, one) == 0, step
+            assert bit_mismatches(split["state"], chain["state"]) == 0
+    assert int(split_k_counter(torch.device(DEV), 1)[:B * H + B * HV].abs().sum()) == 0
+
+
 def test_decode_step_ticket_limit_is_named(monkeypatch):
     """The kernel keeps one ticket per sequence and key head where value heads share them: past the per-stream
     buffer it says so (and writes nothing) instead of failing in the matmul's split-K words."""
@@ -127,7 +166,8 @@ def test_decode_step_ticket_limit_is_named(monkeypatch):
     monkeypatch.setattr(triton_decode_step, "COUNTER_SLOTS", 3)
     d = _layer(2, 2, 4, 16, 16, seed=13)
     before = d["state"].clone()
-    with pytest.raises(ValueError, match=r"B=2 sequences of 2 key heads .* at most 3 \(B <= 1\)"):
+    with pytest.raises(ValueError, match=r"B=2 sequences of 2 key heads and 4 value heads: .* keeps 4 tickets, "
+                                         r"at most 3"):
         deltanet.gated_delta_decode(**d)
     assert torch.equal(d["state"], before)
     d1 = _layer(1, 2, 4, 16, 16, seed=14)                     # 1 x 2 tickets: within the (patched) limit
@@ -177,11 +217,12 @@ def test_decode_step_bad_inputs(change, exc, match, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("B", [1, 8, 40])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_decode_step_real_shapes(B, pdl):
     """The Qwen3.5 / Qwen3-Next layer (16 key heads, 32 value heads of 128) on the H200: against the chain over
-    4 steps, with and without programmatic dependent launch, and the same bits on a repeat."""
+    4 steps, with and without programmatic dependent launch, and the same bits on a repeat; batch 1 and 8 with
+    each head's V split over programs (``decode_step_config``), batch 40 one program a head."""
     inp = _layer(B, 16, 32, 128, 128, seed=B)
     fused, chain, again = _clone(inp), _clone(inp), _clone(inp)
     for step in range(4):

@@ -228,6 +228,11 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"fused Gated DeltaNet decode failed: {err!r}")
+    try:                                         # the census of the step as fused
+        info["census_fused"] = census(model)
+    except Exception as err:
+        info["census_fused"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"census of the fused step failed: {err!r}")
     del model
     torch.cuda.empty_cache()
     return rows, info
@@ -356,20 +361,22 @@ def census(model) -> dict:
     with torch.inference_mode(), lynn_kernels.trusted():
         for name, (fn, times) in parts.items():
             try:
-                n, us = _profile(fn)
+                n, us, detail = _profile(fn)
             except Exception as err:             # a comparison part (not in the sum) may fail alone, recorded
                 if times:
                     raise
                 out[name] = {"kernels": 0, "us": 0.0, "per_step": 0, "error": f"{type(err).__name__}: {err}"}
                 continue
-            out[name] = {"kernels": n, "us": us, "per_step": times}
-        n, us = _profile(step._forward)
+            out[name] = {"kernels": n, "us": us, "per_step": times, "detail": detail}
+        n, us, _ = _profile(step._forward)
     total = sum(v["kernels"] * v["per_step"] for v in out.values())
     out["per_step"] = {"kernels": total, "us": sum(v["us"] * v["per_step"] for v in out.values() if "us" in v)}
     out["whole_step"] = {"kernels": n, "us": us}
     for name, v in out.items():
         _log(f"census {name}: {v['kernels']} kernels, {v['us']:.1f} us" + (f" x {v['per_step']}" if "per_step" in v
                                                                              and name != "per_step" else ""))
+        if len(v.get("detail", ())) > 1:
+            _log("    " + ", ".join(f"{k} {t:.1f}" for k, t in v["detail"]))
     del step, cache
     return out
 
@@ -401,19 +408,29 @@ def _unfolded_moe(mlp, x):
         return mlp(x)
 
 
-def _profile(fn) -> tuple[int, float]:
-    """GPU operations one call of ``fn`` launches and their summed GPU time (us), median of 5 profiled calls."""
+def _profile(fn) -> tuple[int, float, list[tuple[str, float]]]:
+    """GPU operations one call of ``fn`` launches, their summed GPU time (us), median of 5 profiled calls, and each
+    operation's name (shortened) and time (us) in launch order, from the run whose sum is that median."""
     fn()
     torch.cuda.synchronize()
-    counts, times = [], []
+    runs = []
     for _ in range(5):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        counts.append(len(ev))
-        times.append(sum(e.time_range.elapsed_us() for e in ev))
-    return int(statistics.median(counts)), float(statistics.median(times))
+        ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+        runs.append([(_short(e.name), float(e.time_range.elapsed_us())) for e in ev])
+    runs.sort(key=lambda r: sum(t for _, t in r))
+    mid = runs[len(runs) // 2]
+    return int(statistics.median(len(r) for r in runs)), sum(t for _, t in mid), mid
+
+
+def _short(name: str) -> str:
+    """A kernel's name without template arguments or parameter lists, at most 48 characters."""
+    for cut in ("<", "("):
+        name = name.split(cut)[0]
+    return name.strip()[:48]
 
 
 def _bf16_graph(name: str, ceilings: Ceilings) -> list[Result]:
