@@ -228,6 +228,8 @@ def _cmd_generate(args) -> int:
     fused = {}
     if backend == "kernels" and torch.cuda.is_available() and not args.unfused:
         fused = model.fuse_input_projections()       # the decode fast path: fewer GEMVs a step (docs/performance.md)
+        if n_gdn := model.fuse_gdn_decode():         # and each Gated DeltaNet decode step in one kernel
+            fused["gdn decode step"] = n_gdn
     load_s = time.perf_counter() - t0
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
@@ -244,7 +246,7 @@ def _cmd_generate(args) -> int:
              "kernels": f"the Triton kernels ({lynn_kernels.backend()})",
              "interpreter": "the Triton kernels through Triton's interpreter (slow: for reading, not for speed)"}
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
-    fusion = (f", input projections fused ({', '.join(f'{k} x{v}' for k, v in fused.items())})" if fused else "")
+    fusion = (f", fused: {', '.join(f'{k} x{v}' for k, v in fused.items())}" if fused else "")
     print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights, on {where[backend]}{fusion}; "
           f"seed {seed}]", file=sys.stderr)
     stops = sorted(set(tok.stop_ids) | set(model.config.eos_token_ids)) if not args.ignore_eos else []
@@ -345,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
     p.add_argument("--unfused", action="store_true",
-                   help="keep each mixer's input projections as separate GEMVs (on a GPU the compiled kernels fuse "
-                        "them by default: attention q|k|v, Gated DeltaNet qkv|z and b|a, one GEMV each)")
+                   help="keep each mixer's input projections as separate GEMVs and the Gated DeltaNet decode step as "
+                        "three kernels (on a GPU the compiled kernels fuse them by default: attention q|k|v, Gated "
+                        "DeltaNet qkv|z and b|a, one GEMV each; conv, gates, delta rule and norm in one kernel)")
     p.set_defaults(func=_cmd_generate)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":

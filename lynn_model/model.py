@@ -176,14 +176,17 @@ class GatedDeltaNet(nn.Module):
             done.append("in_proj_b|in_proj_a")
         return done
 
-    def _projections(self, x: torch.Tensor) -> tuple:
-        """``(qkv [T, C], z [T, nv dv], b [T, nv], a [T, nv])``: strided views where the projections are fused."""
+    def _projections(self, x: torch.Tensor, gates: bool = True) -> tuple:
+        """``(qkv [T, C], z [T, nv dv], b [T, nv], a [T, nv])``: strided views where the projections are fused;
+        ``b`` and ``a`` None without ``gates``."""
         if self.in_proj_qkvz is not None:
             qkvz = self.in_proj_qkvz(x)
             c = qkvz.shape[-1] - self.nv * self.dv
             qkv, z = qkvz[:, :c], qkvz[:, c:]
         else:
             qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        if not gates:
+            return qkv, z, None, None
         if self.in_proj_ba is not None:
             ba = self.in_proj_ba(x)
             b, a = ba[:, :self.nv], ba[:, self.nv:]
@@ -197,13 +200,29 @@ class GatedDeltaNet(nn.Module):
         return (y[..., :nq].unflatten(-1, (self.nk, self.dk)), y[..., nq:2 * nq].unflatten(-1, (self.nk, self.dk)),
                 y[..., 2 * nq:].unflatten(-1, (self.nv, self.dv)))
 
+    def _gate_weights(self, dtype: torch.dtype) -> tuple | None:
+        """``(a_weight, b_weight)`` ``[nv, H]`` where both are float tensors of ``dtype`` (views of ``in_proj_ba``
+        when fused), for the fused decode step to project the gates itself; None otherwise (NVFP4 weights)."""
+        if self.in_proj_ba is not None:
+            w = self.in_proj_ba.weight
+            ws = (w[self.nv:], w[:self.nv]) if isinstance(w, torch.Tensor) else None
+        else:
+            ws = (self.in_proj_a.weight, self.in_proj_b.weight)
+        if ws is None or not all(isinstance(w, torch.Tensor) and w.dtype == dtype for w in ws):
+            return None
+        return ws
+
     def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         t = x.shape[0]
-        qkv, z, b, a = self._projections(x)
-        if batch.decode and self.fused_decode:                 # conv, gates, delta rule, gated norm: one launch
+        fused = batch.decode and self.fused_decode
+        gw = self._gate_weights(x.dtype) if fused else None
+        qkv, z, b, a = self._projections(x, gates=gw is None)
+        if fused:                                              # the gates' projections (float weights), conv,
+            proj = {} if gw is None else dict(x=x, a_weight=gw[0], b_weight=gw[1])   # gates, delta rule, gated
             conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
             o = deltanet.gated_delta_decode(qkv, z.view(t, self.nv, self.dv), a, b, conv, self.conv_weight,
-                                            self.A_log, self.dt_bias, state, self.norm_weight, self.nk, eps=self.eps)
+                                            self.A_log, self.dt_bias, state, self.norm_weight, self.nk, eps=self.eps,
+                                            **proj)                # norm: one launch
             if not isinstance(batch.rows, slice):             # gathered rows: write the new states back
                 cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state
             return self.out_proj(o.reshape(t, self.nv * self.dv))

@@ -287,10 +287,11 @@ def _decode_logits(model, ids, steps: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name, weights, fuse_inputs", [("next", "nvfp4", False), ("q35moe", "bf16", True)])
 def test_fused_gdn_decode_gives_the_same_model(ckpts, name, weights, fuse_inputs):
-    """``model.fuse_gdn_decode()`` (each Gated DeltaNet layer's decode step in one kernel): every linear-attention
-    layer switches, and the decode logits (batch 2, 4 steps over the cache) and greedy tokens are those of the
-    three-kernel chain: the same bits under the interpreter, within bf16 rounding on a GPU (a wider reduction
-    tile); with the input projections fused too, its inputs are strided views of one projection."""
+    """``model.fuse_gdn_decode()`` (each Gated DeltaNet layer's decode step in one kernel, the gates' float
+    projections in it too): every linear-attention layer switches, and the decode logits (batch 2, 4 steps over
+    the cache) and greedy tokens are those of the three-kernel chain within bf16 rounding (the kernel sums the
+    gates' dot products itself, in another order than ``F.linear``); with the input projections fused too, its
+    inputs are strided views of one projection."""
     model = lynn_model.from_pretrained(ckpts[name], weights=weights)
     if fuse_inputs:
         model.fuse_input_projections()
@@ -298,8 +299,6 @@ def test_fused_gdn_decode_gives_the_same_model(ckpts, name, weights, fuse_inputs
     want_logits, want_tokens = _decode_logits(model, ids, 4), lynn_model.generate(model, ids, 4)
     assert model.fuse_gdn_decode() == len(model.config.linear_layers) > 0
     got_logits, got_tokens = _decode_logits(model, ids, 4), lynn_model.generate(model, ids, 4)
-    if lynn_kernels.runtime.INTERPRET:
-        assert validate.bit_mismatches(got_logits, want_logits) == 0
     m = validate.compare(got_logits, want_logits)
     assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
     assert got_tokens.tolist() == want_tokens.tolist()

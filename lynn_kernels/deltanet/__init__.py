@@ -218,7 +218,7 @@ def gated_rmsnorm(x, z, weight, eps=1e-6):
 
 @runtime.op(reference=reference.gated_delta_decode)
 def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
-                       eps=1e-6):
+                       eps=1e-6, *, x=None, a_weight=None, b_weight=None):
     """A Gated DeltaNet layer's decode step from its projections to ``out_proj``'s input, in one kernel: the conv
     update (+ SiLU) of ``qkv``, the gates, the l2-normed delta rule on ``state`` and the gated RMSNorm with ``z``;
     the same as :func:`causal_conv1d_update`, :func:`recurrent_gated_delta_rule_gates` (``use_qk_l2norm=True``) and
@@ -228,7 +228,7 @@ def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, st
         qkv: ``[B, C]`` bf16 / fp16 / fp32, ``C = 2 H K + HV V``: the ``in_proj_qkv`` output ``[q | k | v]`` of one
             token a row (a strided view of a fused projection is fine).
         z: ``[B, HV, V]`` in qkv's dtype (``in_proj_z``).
-        a, b: ``[B, HV]`` the raw ``in_proj_a`` / ``in_proj_b`` outputs, any float dtype.
+        a, b: ``[B, HV]`` the raw ``in_proj_a`` / ``in_proj_b`` outputs, any float dtype; or None, with ``x``.
         conv_state: ``[B, C, S]`` in qkv's dtype, ``S >= W - 1``; rolled in place.
         conv_weight: ``[C, W]``, any float dtype.
         A_log, dt_bias: ``[HV]``, any float dtype (used in fp32).
@@ -236,6 +236,10 @@ def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, st
         norm_weight: ``[V]``, the gated norm's weight (plain ``w``).
         num_k_heads: ``H``, the query / key heads (``HV`` a multiple of it).
         eps: the norm's epsilon.
+        x, a_weight, b_weight: instead of ``a`` and ``b``: the layer's input ``x [B, HD]`` and the float weights
+            ``[HV, HD]`` of ``in_proj_a`` / ``in_proj_b`` in x's dtype; the kernel forms ``a = x @ a_weight^T`` and
+            ``b = x @ b_weight^T`` itself (fp32 sums rounded to x's dtype, as ``F.linear`` returns them), so the
+            gates' projection is not a launch of its own.
 
     Returns:
         ``[B, HV, V]`` in qkv's dtype: the input of ``out_proj`` (reshaped to ``[B, HV V]``).
@@ -246,7 +250,7 @@ def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, st
                                layer.norm_weight, 16)                     # qkv [B, 8192], z [B, 32, 128]
     """
     return gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
-                                     num_k_heads, eps)
+                                     num_k_heads, eps, x=x, a_weight=a_weight, b_weight=b_weight)
 
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_gates", "gates",

@@ -346,13 +346,19 @@ def check_gated_rmsnorm(x, z, weight, eps) -> int:
 
 
 def check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
-                      eps) -> Dims:
+                      eps, x=None, a_weight=None, b_weight=None) -> Dims:
     """:func:`lynn_kernels.deltanet.gated_delta_decode`'s arguments: ``qkv [B, C]`` with ``C = 2 H K + HV V``,
     ``z [B, HV, V]`` in qkv's dtype, ``a, b [B, HV]``, ``conv_state [B, C, S]`` in qkv's dtype (``S >= W - 1``),
     ``conv_weight [C, W]``, ``A_log, dt_bias [HV]``, ``state`` fp32 ``[B, HV, K, V]`` (contiguous: updated in
-    place), ``norm_weight [V]``; ``H = num_k_heads``. Each message names the argument. Returns the sizes
-    (``T = 1``)."""
-    for name, t in (("qkv", qkv), ("z", z), ("a", a), ("b", b), ("conv_state", conv_state),
+    place), ``norm_weight [V]``; ``H = num_k_heads``. Or, instead of ``a`` and ``b`` (both None), the layer input
+    ``x [B, HD]`` and ``a_weight, b_weight [HV, HD]`` in x's dtype. Each message names the argument. Returns the
+    sizes (``T = 1``)."""
+    proj = x is not None or a_weight is not None or b_weight is not None
+    if proj and (a is not None or b is not None):
+        raise ValueError("pass either a and b (the gates' projections) or x, a_weight and b_weight (the layer input "
+                         "and the projections' weights), not both")
+    gate_args = (("x", x), ("a_weight", a_weight), ("b_weight", b_weight)) if proj else (("a", a), ("b", b))
+    for name, t in (("qkv", qkv), ("z", z), *gate_args, ("conv_state", conv_state),
                     ("conv_weight", conv_weight), ("A_log", A_log), ("dt_bias", dt_bias), ("state", state),
                     ("norm_weight", norm_weight)):
         _need_tensor(name, t)
@@ -393,8 +399,16 @@ def check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, sta
         if t.dtype != qkv.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but qkv has {qkv.dtype}; expected qkv's dtype")
     _need_shape("z", z, (B, HV, V), "[B, HV, V]")
-    for name, t in (("a", a), ("b", b)):
-        _need_shape(name, t, (B, HV), "[B, HV]")
+    if proj:
+        if x.dim() != 2 or x.shape[0] != B:
+            raise ValueError(f"x must have shape [B, HD] with B={B} (qkv's rows), found {tuple(x.shape)}")
+        for name, t in (("a_weight", a_weight), ("b_weight", b_weight)):
+            _need_shape(name, t, (HV, x.shape[1]), "[HV, HD]")
+            if t.dtype != x.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; expected x's dtype (as F.linear)")
+    else:
+        for name, t in (("a", a), ("b", b)):
+            _need_shape(name, t, (B, HV), "[B, HV]")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         _need_shape(name, t, (HV,), "[HV]")
     _need_shape("norm_weight", norm_weight, (V,), "[V]")

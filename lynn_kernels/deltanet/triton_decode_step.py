@@ -1,18 +1,14 @@
 """A Gated DeltaNet decode step after the input projections in one kernel: the conv update (+ SiLU) of ``[q | k | v]``,
 the gates, the l2-normed delta rule on the fp32 state, and the gated RMSNorm.
 
-A program holds a ``K x BLOCK_V`` slice of one (sequence, value head)'s fp32 state: the whole head (``BLOCK_V = V``)
-or, at small batches where a program per head would leave most of the GPU idle and each program would stream 128
-KB of state through one SM, a slice of its columns. It computes its own q, k and v slice from the raw projection
-and the conv state; where several programs share q / k (``GROUP = HV / H`` value heads on a key head, times the V
-slices), each convolves the same q / k channels, and the last of them to finish reading (a ticket per key head, the
-split-K hand-off of the matmul) writes their rolled conv state, so no program reads a state another has already
-rolled. The gated RMSNorm needs the head's whole row of V outputs: a program holding the row normalises it; with
-V split, each program stores its slice of ``o`` (already rounded to the run dtype, so storing it is exact) and the
-last of the head's programs to take a ticket reads the row back and normalises it. Each stage keeps the unfused
-kernels' order of operations and roundings (the conv output and the delta rule's output rounded to the run dtype
-where the chain stores them); the reductions over K run over a different tile than the recurrent kernel's, so the
-sums may differ from the chain's in the last bit.
+One program per (sequence, value head) holds the head's whole ``K x V`` state tile, so the norm over ``V`` needs no
+second pass. It computes its own q, k and v from the raw projection and the conv state; where ``GROUP = HV / H``
+value heads share a key head, each of the group's programs convolves the same q / k channels, and the last of them
+to finish reading (a ticket per key head, the split-K hand-off of the matmul) writes their rolled conv state, so no
+program reads a state another has already rolled. Each stage keeps the unfused kernels' order of operations and
+roundings (the conv output and the delta rule's output rounded to the run dtype where the chain stores them); the
+reductions run over a wider tile than the recurrent kernel's, so the sums may differ from the chain's in the last
+bit.
 """
 
 from __future__ import annotations
@@ -59,26 +55,27 @@ def _roll_store(state_row, chan, mask, shifted, x_raw, stride_sc, stride_ss, S, 
 @triton.jit
 def _gdn_decode_kernel(
     x_ptr, conv_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, h_ptr, z_ptr, nw_ptr, out_ptr, count_ptr,
-    S, B, HV, scale, eps,
+    hx_ptr, wa_ptr, wb_ptr,
+    S, HV, scale, eps, HD,
     stride_xb, stride_cb, stride_cc, stride_cs, stride_wc, stride_ww, stride_ab, stride_bb, stride_zb, stride_zh,
+    stride_hx, stride_wa, stride_wb,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
     X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
     NW_DTYPE: tl.constexpr,
-    WX_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FULL_V: tl.constexpr,
-    BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+    WX_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+    BA_PROJ: tl.constexpr, HX_DTYPE: tl.constexpr, BLOCK_HD: tl.constexpr,
+    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    """Program ``(b * HV + hv) * NV + j``: columns ``[j * BLOCK_V, (j + 1) * BLOCK_V)`` of value head ``hv`` of
-    sequence ``b`` (key head ``hv // GROUP``), ``NV = cdiv(V, BLOCK_V)``."""
+    """Program ``b * HV + hv``: value head ``hv`` of sequence ``b`` (key head ``hv // GROUP``). With ``BA_PROJ``
+    the head's raw gates come from the layer input ``hx [B, HD]`` and rows ``hv`` of ``in_proj_a`` /
+    ``in_proj_b``: two dot products, fp32 sums rounded to hx's dtype (what ``F.linear`` returns)."""
     pdl_enter(USE_PDL)
-    NV: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     pid = tl.program_id(0)
-    pid_head = pid // NV                                 # b * HV + hv
-    pid_v = pid % NV
-    pid_b, pid_hv = pid_head // HV, pid_head % HV
+    pid_b, pid_hv = pid // HV, pid % HV
     pid_hq = pid_hv // GROUP
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     conv_row = conv_ptr + pid_b.to(tl.int64) * stride_cb
@@ -86,7 +83,7 @@ def _gdn_decode_kernel(
     chan_k = H * K + pid_hq * K + offs_k
     chan_v = 2 * H * K + pid_hv * V + offs_v
 
-    # 1. the conv update of this program's channels; the rolled states are written once every reader is done
+    # 1. the conv update of this head's channels; the rolled states are written once every reader is done
     q, xq = _conv_channels(x_row, conv_row, cw_ptr, chan_q, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
                            W, X_DTYPE, W_DTYPE, INTERPRET)
     k, xk = _conv_channels(x_row, conv_row, cw_ptr, chan_k, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
@@ -97,20 +94,37 @@ def _gdn_decode_kernel(
     roll_k = _roll_load(conv_row, chan_k, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_v = _roll_load(conv_row, chan_v, mask_v, stride_cc, stride_cs, S, BLOCK_S)
     tl.debug_barrier()                                   # every thread has read the old conv state
-    _roll_store(conv_row, chan_v, mask_v, roll_v, xv, stride_cc, stride_cs, S, BLOCK_S)   # this program's own
-    if GROUP * NV == 1:
+    _roll_store(conv_row, chan_v, mask_v, roll_v, xv, stride_cc, stride_cs, S, BLOCK_S)   # this head's own
+    if GROUP == 1:
         _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
         _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
-    else:                                                # q / k shared by GROUP * NV programs: the last rolls them
+    else:                                                # q / k shared by GROUP heads: the last reader rolls them
         ticket = tl.atomic_add(count_ptr + pid_b * H + pid_hq, 1, sem="acq_rel")
-        if ticket == GROUP * NV - 1:
+        if ticket == GROUP - 1:
             _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
             _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
             tl.atomic_xchg(count_ptr + pid_b * H + pid_hq, 0)              # ready for the next call
 
     # 2. the gates and the delta rule (the recurrent kernel's operations, one token)
-    g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
-    beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), BETA_DTYPE, INTERPRET)
+    if BA_PROJ:                                          # the head's in_proj_a / in_proj_b rows against hx
+        hx_row = hx_ptr + pid_b.to(tl.int64) * stride_hx
+        acc_a = tl.zeros((BLOCK_HD,), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_HD,), dtype=tl.float32)
+        for h0 in range(0, HD, BLOCK_HD):
+            offs_h = h0 + tl.arange(0, BLOCK_HD)
+            mask_h = offs_h < HD
+            hx = to_float32(tl.load(hx_row + offs_h, mask=mask_h, other=0), HX_DTYPE, INTERPRET)
+            wa = to_float32(tl.load(wa_ptr + pid_hv * stride_wa + offs_h, mask=mask_h, other=0), HX_DTYPE,
+                            INTERPRET)
+            wb = to_float32(tl.load(wb_ptr + pid_hv * stride_wb + offs_h, mask=mask_h, other=0), HX_DTYPE,
+                            INTERPRET)
+            acc_a += hx * wa
+            acc_b += hx * wb
+        g = round_to_dtype(tl.sum(acc_a, axis=0), HX_DTYPE, INTERPRET)
+        beta = round_to_dtype(tl.sum(acc_b, axis=0), HX_DTYPE, INTERPRET)
+    else:
+        g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
+        beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), BETA_DTYPE, INTERPRET)
     x = g + tl.load(dtb_ptr + pid_hv)
     e = tl.exp(tl.minimum(x, 20.0))
     y = 1.0 + e
@@ -119,7 +133,7 @@ def _gdn_decode_kernel(
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + _EPS)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + _EPS)
     q = q * scale
-    state = h_ptr + pid_head.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    state = h_ptr + pid.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
     mask_kv = mask_k[:, None] & mask_v[None, :]
     s = tl.load(state, mask=mask_kv, other=0.0)                                     # [BLOCK_K, BLOCK_V] fp32
     s = s * tl.exp(g)                                                               # forget
@@ -128,104 +142,82 @@ def _gdn_decode_kernel(
     o = round_to_dtype(tl.sum(s * q[:, None], axis=0), X_DTYPE, INTERPRET)          # S^T q, as the chain stores it
     tl.store(state, s, mask=mask_kv)
 
-    # 3. the gated RMSNorm over the head's V values: by this program when it holds them all; else each program
-    #    stores its slice of o (x's dtype: o is already rounded to it) and the last of the head's NV normalises
-    out_row = out_ptr + pid_head.to(tl.int64) * V
-    z_row = z_ptr + pid_b.to(tl.int64) * stride_zb + pid_hv * stride_zh
-    if NV == 1:
-        _gated_norm_store(o, offs_v, mask_v, z_row, nw_ptr, out_row, V, eps, X_DTYPE, NW_DTYPE, WX_DTYPE, INTERPRET)
-    else:
-        tl.store(out_row + offs_v, cast_output(o, X_DTYPE, INTERPRET), mask=mask_v)
-        tl.debug_barrier()                               # every thread's slice is written before the ticket
-        slot = count_ptr + B * H + pid_head
-        ticket = tl.atomic_add(slot, 1, sem="acq_rel")
-        if ticket == NV - 1:                             # the head's whole row of o is in
-            offs_all = tl.arange(0, FULL_V)
-            mask_all = offs_all < V
-            o_all = to_float32(tl.load(out_row + offs_all, mask=mask_all, other=0, cache_modifier=".cg"), X_DTYPE,
-                               INTERPRET)
-            _gated_norm_store(o_all, offs_all, mask_all, z_row, nw_ptr, out_row, V, eps, X_DTYPE, NW_DTYPE,
-                              WX_DTYPE, INTERPRET)
-            tl.atomic_xchg(slot, 0)                      # ready for the next call
-
-
-@triton.jit
-def _gated_norm_store(o, offs_v, mask_v, z_row, nw_ptr, out_row, V, eps, X_DTYPE: tl.constexpr,
-                      NW_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """``out = (norm_weight * rmsnorm(o)) * silu(z)`` over a head's V values ``o`` (fp32 holding x's dtype), with the
-    gated-norm kernel's roundings."""
-    zf = to_float32(tl.load(z_row + offs_v, mask=mask_v, other=0), X_DTYPE, INTERPRET)
+    # 3. the gated RMSNorm over the head's V values
+    zf = to_float32(tl.load(z_ptr + pid_b.to(tl.int64) * stride_zb + pid_hv * stride_zh + offs_v, mask=mask_v,
+                            other=0), X_DTYPE, INTERPRET)
     nw = to_float32(tl.load(nw_ptr + offs_v, mask=mask_v, other=0), NW_DTYPE, INTERPRET)
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
     normed = round_to_dtype(o * rstd, X_DTYPE, INTERPRET)
     hh = round_to_dtype(nw * normed, WX_DTYPE, INTERPRET)
     out = hh * (zf * tl.sigmoid(zf))
-    tl.store(out_row + offs_v, cast_output(out, X_DTYPE, INTERPRET), mask=mask_v)
+    tl.store(out_ptr + pid.to(tl.int64) * V + offs_v, cast_output(out, X_DTYPE, INTERPRET), mask=mask_v)
 
 
-#: GPU launch of the fused step by batch size: ``(BLOCK_V, num_warps)`` for ``B <=`` each key, the last for any
-#: larger batch. A program holds a ``K x BLOCK_V`` slice of a head's fp32 state; below V the head's last program
-#: normalises the row. Measured on the H200 (``experiments/gdn_decode_fused.py``).
-DECODE_STEP_CONFIG = {1: (32, 4), 2: (32, 4), 8: (64, 4), 1 << 30: (128, 4)}
-
-
-def decode_step_config(B: int, V: int) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)`` for a batch of ``B`` on the GPU (:data:`DECODE_STEP_CONFIG`), BLOCK_V at most V's
-    power of two."""
-    for top, (bv, warps) in sorted(DECODE_STEP_CONFIG.items()):
-        if B <= top:
-            return min(bv, runtime.next_power_of_2(V)), warps
-    raise AssertionError("DECODE_STEP_CONFIG has no entry for every batch")
+#: ``num_warps`` of the fused step on the GPU (one program holds a head's K x V fp32 state: 64 KB at 128 x 128).
+#: Measured on the H200 at the Qwen3.5 head shape (``experiments/gdn_decode_fused.py``): 4 warps fastest at every
+#: batch from 1 to 32; 8 and 16 were 2-2.8x slower, 2 spilled (7x slower). Splitting a head's V columns over
+#: programs (the last one normalising the row) was no faster at any batch and was removed (docs/deltanet.md).
+DECODE_STEP_WARPS = 4
 
 
 def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
-                              num_k_heads, eps=1e-6):
+                              num_k_heads, eps=1e-6, x=None, a_weight=None, b_weight=None):
     """Host side of :func:`lynn_kernels.deltanet.gated_delta_decode`: checks, allocates the output, launches."""
     dims = spec.check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
-                                  num_k_heads, eps)
+                                  num_k_heads, eps, x=x, a_weight=a_weight, b_weight=b_weight)
     spec.check_devices(qkv=qkv, z=z, a=a, b=b, conv_state=conv_state, conv_weight=conv_weight, A_log=A_log,
-                       dt_bias=dt_bias, state=state, norm_weight=norm_weight)
+                       dt_bias=dt_bias, state=state, norm_weight=norm_weight, x=x, a_weight=a_weight,
+                       b_weight=b_weight)
     out = torch.empty((dims.B, dims.HV, dims.V), dtype=qkv.dtype, device=qkv.device)
     return launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log.float().contiguous(),
-                                     dt_bias.float().contiguous(), state, norm_weight, dims, float(eps), out)
+                                     dt_bias.float().contiguous(), state, norm_weight, dims, float(eps), out,
+                                     x=x, a_weight=a_weight, b_weight=b_weight)
 
 
 def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
                               dims: spec.Dims, eps: float, out: torch.Tensor, num_warps: int | None = None,
-                              block_v: int | None = None):
+                              x=None, a_weight=None, b_weight=None):
     """Launch only (no checks, no host sync), into a contiguous ``out [B, HV, V]``: ``A_log`` / ``dt_bias`` fp32
-    contiguous, ``state`` contiguous; the conv state is rolled and ``state`` updated in place. ``block_v`` (a power
-    of two) and ``num_warps`` replace :func:`decode_step_config`'s (the interpreter's default: one program a head).
-    The tickets (one per sequence and key head where programs share q / k, one per sequence and value head where
-    a head's V is split) use the matmul's zeroed per-stream buffer (one stream at a time): at most
-    :data:`~lynn_kernels.matmul.triton_matmul.COUNTER_SLOTS` of them."""
+    contiguous, ``state`` contiguous; the conv state is rolled and ``state`` updated in place. With ``x`` (and
+    ``a_weight`` / ``b_weight`` ``[HV, HD]`` of its dtype, unit stride along HD; ``a`` / ``b`` unused) the gates'
+    projections run in the kernel. The tickets of shared
+    key heads use the matmul's zeroed per-stream buffer (one stream at a time), one per sequence and key head: at
+    most :data:`~lynn_kernels.matmul.triton_matmul.COUNTER_SLOTS` of them."""
     B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
     if B == 0:
         return out
-    bv, warps = (runtime.next_power_of_2(V), 4) if runtime.INTERPRET else decode_step_config(B, V)
-    bv, warps = block_v or bv, num_warps or warps
-    group, nv = HV // H, runtime.cdiv(V, bv)
-    slots = B * H + (B * HV if nv > 1 else 0) if group * nv > 1 else 0
-    if slots > COUNTER_SLOTS:
-        raise ValueError(f"qkv has B={B} sequences of {H} key heads and {HV} value heads: the fused decode step "
-                         f"with V={V} in blocks of {bv} keeps {slots} tickets, at most {COUNTER_SLOTS}; split the "
-                         f"batch or run the three-kernel chain")
+    if HV > H and B * H > COUNTER_SLOTS:
+        raise ValueError(f"qkv has B={B} sequences of {H} key heads shared by {HV // H} value heads each: the fused "
+                         f"decode step keeps one ticket per sequence and key head, at most {COUNTER_SLOTS} "
+                         f"(B <= {COUNTER_SLOTS // H}); split the batch or run the three-kernel chain")
     qkv, z = spec.last_dim_contiguous(qkv), spec.last_dim_contiguous(z)
-    a, b = spec.last_dim_contiguous(a), spec.last_dim_contiguous(b)
-    counter = split_k_counter(qkv.device, slots)
+    proj = x is not None
+    if proj:
+        x, a_weight, b_weight = (spec.last_dim_contiguous(t) for t in (x, a_weight, b_weight))
+        a = b = x                                        # valid pointers, unused
+    else:
+        a, b = spec.last_dim_contiguous(a), spec.last_dim_contiguous(b)
+        x = a_weight = b_weight = a
+    hd = x.shape[-1] if proj else 1
+    group = HV // H
+    counter = split_k_counter(qkv.device, B * H if group > 1 else 0)
     wx = torch.promote_types(norm_weight.dtype, qkv.dtype)
     S = conv_state.shape[2]
-    _gdn_decode_kernel[(B * HV * nv,)](
+    _gdn_decode_kernel[(B * HV,)](
         kernel_view(qkv), kernel_view(conv_state), kernel_view(conv_weight), kernel_view(a), kernel_view(b), A_log,
         dt_bias, state, kernel_view(z), kernel_view(norm_weight.contiguous()), kernel_view(out), counter,
-        S, B, HV, K ** -0.5, eps,
+        kernel_view(x), kernel_view(a_weight), kernel_view(b_weight),
+        S, HV, K ** -0.5, eps, hd,
         qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), conv_weight.stride(0),
         conv_weight.stride(1), a.stride(0), b.stride(0), z.stride(0), z.stride(1),
-        H=H, K=K, V=V, W=conv_weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[qkv.dtype],
+        x.stride(0), a_weight.stride(0), b_weight.stride(0),
+        H=H, K=K, V=V, GROUP=group, W=conv_weight.shape[1], X_DTYPE=runtime.TORCH_TO_TL[qkv.dtype],
         W_DTYPE=runtime.TORCH_TO_TL[conv_weight.dtype], G_DTYPE=runtime.TORCH_TO_TL[a.dtype],
         BETA_DTYPE=runtime.TORCH_TO_TL[b.dtype],
         NW_DTYPE=runtime.TORCH_TO_TL[norm_weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx],
-        BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=bv, FULL_V=runtime.next_power_of_2(V),
-        BLOCK_S=max(2, runtime.next_power_of_2(S)), GROUP=group, num_warps=warps, **runtime.kernel_flags(),
+        BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=runtime.next_power_of_2(V),
+        BLOCK_S=max(2, runtime.next_power_of_2(S)),
+        BA_PROJ=proj, HX_DTYPE=runtime.TORCH_TO_TL[x.dtype], BLOCK_HD=min(512, runtime.next_power_of_2(hd)),
+        num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS), **runtime.kernel_flags(),
         **runtime.pdl_flags())
     return out
