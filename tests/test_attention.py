@@ -609,12 +609,12 @@ ROPE_ERRORS = [
     ("positions-past-theta-limit", lambda a: a.update(positions=ints([0, 1, 2, 3, 411769])),
      r"positions must lie in \[0, 411768\] with rope_theta .*pass cos / sin tables.* found min 0, max 411769"),
     ("no-theta", lambda a: a.update(rope_theta=None), r"rope_theta must be a positive float"),
-    ("cos-only", lambda a: a.update(cos=torch.zeros(8, 8)), r"give both cos and sin tables"),
-    ("table-width", lambda a: a.update(cos=torch.zeros(8, 4), sin=torch.zeros(8, 4)),
+    ("cos-only", lambda a: a.update(cos=_zeros(8, 8)), r"give both cos and sin tables"),
+    ("table-width", lambda a: a.update(cos=_zeros(8, 4), sin=_zeros(8, 4)),
      r"cos must have shape \[max_position, rotary_dim = 8\]"),
     ("cache-without-slots", lambda a: a.update(slot_mapping=None), r"a cache write needs all of"),
     ("slot-range", lambda a: a.update(slot_mapping=ints([0, 1, 2, 3, 32])), r"slot_mapping must lie in \[-1, 32\)"),
-    ("cache-heads", lambda a: a.update(k_cache=torch.zeros(2, 16, 1, 32), v_cache=torch.zeros(2, 16, 1, 32)),
+    ("cache-heads", lambda a: a.update(k_cache=_zeros(2, 16, 1, 32), v_cache=_zeros(2, 16, 1, 32)),
      r"k_cache must be \[\*, \*, 2, 32\]"),
 ]
 
