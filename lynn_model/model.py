@@ -341,7 +341,9 @@ class Model(nn.Module):
         """Run each Gated DeltaNet layer's decode step (conv update, gates, delta rule, gated norm) as one kernel,
         :func:`lynn_kernels.deltanet.gated_delta_decode`, instead of three; returns how many layers. The same
         operations and roundings; its sums run over a wider tile, so on a GPU the result may differ from the
-        three-kernel chain's in the last bit (docs/decoder.md). Off by default until measured faster."""
+        three-kernel chain's in the last bit (docs/decoder.md); where the gates' weights are float, the kernel
+        projects them itself (one launch fewer). Off by default (the loaded model runs the chain); ``lynn generate``
+        turns it on with the input projections on a GPU, where it measured faster (docs/performance.md)."""
         n = 0
         for layer in self.layers:
             if layer.kind != "full_attention":
