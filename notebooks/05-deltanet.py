@@ -725,6 +725,10 @@ show_raw(norm_rows)
 # `[K, V]` state so that the norm over `V` can follow in registers. Each program convolves its own q, k and v
 # channels; value heads that share a key head convolve the same q / k, and the last of them to finish reading
 # rolls those conv-state columns (a ticket per key head), so that none reads a window another has already moved.
+# Given the layer's input and the float weights of `in_proj_a` / `in_proj_b` (`x=`, `a_weight=`, `b_weight=`
+# instead of `a` and `b`), it also forms the two gate projections itself, two dot products a head, so the decoder
+# launches no GEMV for them. On the H200 a program runs on 4 warps; splitting a head's `V` columns over several
+# programs (the last one normalising the row) measured no faster at any batch and was dropped (docs/deltanet.md).
 # Two steps of a small layer (2 key heads, 4 value heads), against the chain it replaces:
 
 # %%

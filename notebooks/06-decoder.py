@@ -727,6 +727,8 @@ def perf_rows(shape, doc):
                       ("ours NVFP4, CUDA graph", "lynn nvfp4 (graph)"),
                       ("ours NVFP4, CUDA graph, plain launches", "lynn nvfp4 (graph, plain launches)"),
                       ("ours NVFP4, CUDA graph, input projections fused", "lynn nvfp4 (graph, input projections fused)"),
+                      ("ours NVFP4, CUDA graph, input projections and GDN decode fused",
+                       "lynn nvfp4 (graph, input projections and GDN decode fused)"),
                       ("ours NVFP4, generate() (graph)", "lynn nvfp4 generate() (graph)"),
                       ("ours, bf16 weights (cuBLAS), CUDA graph", "lynn bf16 weights, cuBLAS (graph)"),
                       ("HF transformers bf16, eager", "HF transformers bf16 (eager)")):
@@ -763,22 +765,28 @@ for shape, doc in BENCH.items():
     if b8:
         print(f"batch 8, CUDA graph: {b8['median_ms']:.2f} ms per step, {8e3 / b8['median_ms']:,.0f} tok/s "
               f"aggregate")
-    census = info.get("census")
-    if census and "error" not in census:
+    for key, form in (("census", "as loaded"), ("census_fused", "input projections and GDN decode fused")):
+        census = info.get(key)
+        if not census or "error" in census:
+            continue
         parts = [{"part": k, "operations": v["kernels"], "us each": f"{v['us']:.1f}", "times per step": v["per_step"],
                   "us per step": f"{v['us'] * v['per_step']:,.0f}"} for k, v in census.items()
                  if k not in ("per_step", "whole_step")]
-        print(f"\nlaunch census, one batch-1 step: {census['whole_step']['kernels']} GPU operations, "
+        print(f"\nlaunch census, one batch-1 step, {form}: {census['whole_step']['kernels']} GPU operations, "
               f"{census['whole_step']['us']:,.0f} us profiled as a whole")
         print(render_table(parts))
+        for k, v in census.items():                 # each kernel's time, where the run recorded it
+            if len(v.get("detail", ())) > 1 and v.get("per_step"):
+                print(f"  {k}: " + ", ".join(f"{name.replace('void ', '')[:32]} {us:.1f}" for name, us in v["detail"]))
 
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
-# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. Both files
-# are from 609ede4: the experts packed, the shared expert a routed slot, the step's kernels launched with
-# programmatic dependent launch (the next cells), and a Triton 3.6 compiler fault on Hopper worked around (a
-# pipelined `tl.dot` on a register tile now and then multiplied garbage; docs/performance.md, a compiler fault).
-# HF bf16 at 80B does not fit beside ours.
+# replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
+# Qwen3.5 file is from 1adc9f2, the Qwen3-Next one from 609ede4: the experts packed, the shared expert a routed
+# slot, the step's kernels launched with programmatic dependent launch (the next cells), and a Triton 3.6 compiler
+# fault on Hopper worked around (a pipelined `tl.dot` on a register tile now and then multiplied garbage;
+# docs/performance.md, a compiler fault); 1adc9f2 adds the q / k norm + RoPE launched on one token's row instead
+# of 16 (13.0 -> 2.2 us a layer) and the fused Gated DeltaNet decode step. HF bf16 at 80B does not fit beside ours.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -880,23 +888,24 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # How to read it:
 #
-# * **The eager decoder is bound by the host.** At batch 1 a decode step is about 600 GPU operations (the census);
-#   each costs the host more, in Python, argument checks and Triton's launcher, than its kernel costs the GPU
-#   (notebook 02 shows the same for one projection). From the host a step takes 49-95 ms (it moves with the
-#   host) against 3.1 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.86 ms, 350 tok/s at
-#   Qwen3.5-35B-A3B, 1,143 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
-#   projections fused into one GEMV (as `lynn generate` runs on a GPU) 2.48 ms, 404 tok/s. Its kernels launch with
-#   programmatic dependent launch: each starts while the one before it finishes (3.01 ms with plain launches).
-# * **Then the bytes and the launches**: the graph's step is still 4.4 times what its 2.63 GB need at the read
-#   bandwidth. The Gated DeltaNet layers are the largest part (32.4 us each for ~23 MB), then the MoE blocks
-#   (21.1 us per layer for ~16 MB of experts, three launches since the experts are packed and the shared expert
-#   rides as a routed slot: notebook 03, section 6b) and attention (42.1 us). With bf16 weights the same graph
-#   takes 4.63 ms: 4-bit weights buy 1.62x so far (1.87x fused), not the 2.3x their bytes allow, because the step
-#   is not yet bound by its bytes.
+# * **The eager decoder is bound by the host.** At batch 1 a decode step is 536 GPU operations as loaded (the
+#   census; 366 fused); each costs the host more, in Python, argument checks and Triton's launcher, than its kernel
+#   costs the GPU (notebook 02 shows the same for one projection). From the host a step takes 49-95 ms (it moves
+#   with the host; 82 ms in the last run) against 2.9 ms of kernels.
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.73 ms, 366 tok/s at
+#   Qwen3.5-35B-A3B, 1,172 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
+#   projections fused into one GEMV 2.36 ms (425 tok/s), and with each Gated DeltaNet decode step in one kernel
+#   as well (as `lynn generate` runs on a GPU) 2.23 ms, 449 tok/s. Its kernels launch with programmatic dependent
+#   launch: each starts while the one before it finishes (2.87 ms with plain launches).
+# * **Then the bytes and the launches**: the fused step is still 3.8 times what its 2.63 GB need at the read
+#   bandwidth. The MoE blocks are now the largest part (20.9 us per layer for ~16 MB of experts: the router 6.5,
+#   gate_up 8.3, down 6.1; notebook 03, section 6b), then the Gated DeltaNet layers (22.2 us each for ~23 MB, three
+#   launches fused) and the LM head (243 us, bf16 at the read ceiling). With bf16 weights the same graph takes
+#   4.42 ms: 4-bit weights buy 1.62x as loaded, 1.98x fused, not the 2.3x their bytes allow, because the step is
+#   not yet bound by its bytes.
 # * **Prefill** is less host-bound: 2,048 tokens per call ran at 10,800-24,000 tok/s on Qwen3.5-35B-A3B across
-#   runs (189 ms against 71 ms of kernels in the last: the host's share moves between runs), 16,384 tokens at
-#   29,593 tok/s (98% kernels); HF bf16 took 546 ms for the 2,048 tokens in the same run.
+#   runs (144 ms against 72 ms of kernels in the last: the host's share moves between runs), 16,384 tokens at
+#   29,382 tok/s (98% kernels); HF bf16 took 481 ms for the 2,048 tokens in the same run.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache
