@@ -765,14 +765,15 @@ for shape, doc in BENCH.items():
     if b8:
         print(f"batch 8, CUDA graph: {b8['median_ms']:.2f} ms per step, {8e3 / b8['median_ms']:,.0f} tok/s "
               f"aggregate")
-    for key, form in (("census", "as loaded"), ("census_fused", "input projections and GDN decode fused")):
+    for key, form in (("census", "batch 1, as loaded"), ("census_fused", "batch 1, input projections and GDN decode "
+                      "fused"), ("census_b8", "batch 8, as loaded")):
         census = info.get(key)
         if not census or "error" in census:
             continue
         parts = [{"part": k, "operations": v["kernels"], "us each": f"{v['us']:.1f}", "times per step": v["per_step"],
                   "us per step": f"{v['us'] * v['per_step']:,.0f}"} for k, v in census.items()
                  if k not in ("per_step", "whole_step")]
-        print(f"\nlaunch census, one batch-1 step, {form}: {census['whole_step']['kernels']} GPU operations, "
+        print(f"\nlaunch census, one decode step, {form}: {census['whole_step']['kernels']} GPU operations, "
               f"{census['whole_step']['us']:,.0f} us profiled as a whole")
         print(render_table(parts))
         for k, v in census.items():                 # each kernel's time, where the run recorded it

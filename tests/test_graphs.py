@@ -118,6 +118,24 @@ def test_gpu_graph_decode_equals_eager_bit_for_bit(preset, batch, weights):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gpu_fused_graph_decode_equals_eager(preset, batch):
+    """The step as ``lynn generate`` runs it on a GPU (each mixer's input projections in one GEMV, each Gated
+    DeltaNet decode step in one kernel with its gates' projections): captured and eager give the same tokens,
+    greedy and sampled, over 24 steps (the fused model against the unfused one is tests/test_model.py's)."""
+    model = random_model(lynn_model.preset(preset), weights="nvfp4", device="cuda", seed=6)
+    assert model.fuse_input_projections() and model.fuse_gdn_decode() == len(model.config.linear_layers) > 0
+    gen = torch.Generator().manual_seed(batch + 20)
+    prompts = [torch.randint(0, model.config.vocab_size, (4 + 5 * b,), generator=gen).tolist() for b in range(batch)]
+    for kw in ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5}):
+        eager, _ = _gen(model, prompts, 24, False, **kw)
+        graph, stats = _gen(model, prompts, 24, True, **kw)
+        assert graph.tolist() == eager.tolist(), kw
+        assert stats.decode_steps == 23
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
 def test_gpu_pdl_step_equals_plain_launches(preset, monkeypatch):
     """The captured step with programmatic dependent launch (each kernel starting while the one before it
     finishes) gives the tokens of the same step with plain launches, greedy and sampled, over 40 steps of a batch

@@ -138,6 +138,60 @@ def test_route_empty_batch():
     assert tuple(w.shape) == tuple(ids.shape) == (0, 4)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # numpy, under the interpreter
+@pytest.mark.parametrize("M, E, top_k", ROUTE_CASES)
+def test_route_32_bit_keys_give_the_64_bit_keys_routing(M, E, top_k, monkeypatch, poison_empty):
+    """``ROUTER_KEY32`` (bf16 logits: int32 top-k keys, the top half of the logit's order above the id's
+    complement) gives the int64 keys' ids and weights bit for bit, on logits full of ties, bf16 neighbours one ulp
+    apart, infinities and NaNs; and the reference's ids."""
+    from lynn_kernels.moe import triton_route
+
+    g = _gen(M * 31 + E)
+    logits = ((torch.randn(M, E, generator=g) * 4).round() / 4).to(BF16)               # many ties
+    half = E // 2
+    logits[::2, :half] = torch.nextafter(logits[::2, half:2 * half].float(),            # ~ one bf16 ulp above
+                                         torch.full((len(logits[::2]), half), 1e9)).to(BF16)
+    logits = logits.to(runtime.DEVICE)
+    finite_ids = reference.route(logits, top_k)[1]
+    if M > 2:
+        logits[1, E - 1], logits[2, 0] = float("-inf"), float("inf")
+    want = route_triton(logits, top_k)
+    monkeypatch.setattr(triton_route, "ROUTER_KEY32", True)
+    assert triton_route._key32(BF16, 1024) and not triton_route._key32(FP32, 1024)
+    got = route_triton(logits, top_k)
+    assert torch.equal(got[1].cpu(), want[1].cpu())
+    assert torch.equal(got[0].cpu().view(torch.int32), want[0].cpu().view(torch.int32))
+    rows = [0] + list(range(3, M))                           # rows without infinities: the reference's ids
+    assert torch.equal(got[1].cpu()[rows], finite_ids.cpu()[rows])
+    nan = logits.clone()
+    nan[0, :3] = float("nan")
+    _, ids = route_triton(nan, top_k)
+    assert bool(((ids >= 0) & (ids < E)).all()) and all(len(set(r)) == top_k for r in ids.cpu().tolist())
+
+
+@pytest.mark.parametrize("M, E, top_k, H", [pytest.param(1, 256, 8, 96, id="M1-E256-k8"),
+                                             pytest.param(7, 512, 10, 48, id="M7-E512-k10")])
+def test_fused_router_32_bit_keys(M, E, top_k, H, monkeypatch, poison_empty):
+    """The fused router (bf16, the shared expert's gate as a routed slot) with ``ROUTER_KEY32``: the int64 keys'
+    routing and gate, bit for bit."""
+    from lynn_kernels.moe import triton_route
+
+    x = (torch.randn(M, H, generator=_gen(M + H)) * 0.5).to(BF16).to(runtime.DEVICE)
+    r = (torch.randn(E, H, generator=_gen(E)) * 0.5).to(BF16).to(runtime.DEVICE)
+    gw = (torch.randn(H, generator=_gen(E + 1)) * 0.1).to(BF16).to(runtime.DEVICE)
+
+    def run():
+        w = torch.full((M, top_k + 1), float("nan"), device=runtime.DEVICE)
+        ids = torch.full((M, top_k + 1), -1, dtype=torch.int32, device=runtime.DEVICE)
+        return launch_router(x, r, top_k, True, w, ids, gate_weight=gw, shared_slot=True)
+
+    want = run()
+    monkeypatch.setattr(triton_route, "ROUTER_KEY32", True)
+    got = run()
+    assert torch.equal(got[1].cpu(), want[1].cpu())
+    assert torch.equal(got[0].cpu().view(torch.int32), want[0].cpu().view(torch.int32))
+
+
 #: (M, E, top_k, H): the decode batches (M <= 16) that take the fused router; E not a power of two, H not a multiple
 #: of the H tile, several E tiles and H slices (split order), Qwen3.5 / Qwen3-Next routing widths
 ROUTER_CASES = [

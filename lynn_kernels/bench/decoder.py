@@ -202,11 +202,12 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
                                                           "lynn nvfp4 (graph, plain launches)", nbytes, pdl=False)
     rows += grows
     rows.append(generate_row(model, ids, ceilings, nbytes))
-    try:
-        info["census"] = census(model)
-    except Exception as err:                     # the timed rows above stand; the census's failure is recorded
-        info["census"] = {"error": f"{type(err).__name__}: {err}"}
-        _log(f"census failed: {err!r}")
+    for key, batch in (("census", 1), ("census_b8", 8)):
+        try:
+            info[key] = census(model, batch)
+        except Exception as err:                 # the timed rows above stand; the census's failure is recorded
+            info[key] = {"error": f"{type(err).__name__}: {err}"}
+            _log(f"census at batch {batch} failed: {err!r}")
     try:                                         # in place, so after every row of the default model; a failure
         fused = model.fuse_input_projections()   # here is recorded and keeps the rows above
         _log(f"{name}: input projections fused: {fused}")
@@ -228,6 +229,14 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"fused Gated DeltaNet decode failed: {err!r}")
+    try:                                         # the fused step with the router's 32-bit top-k keys
+        with _router_key32():
+            grows, info["graph_b1_fused_key32"] = graph_decode(
+                model, ids, 1, ceilings, "lynn nvfp4 (graph, fused, 32-bit top-k keys)", decode_bytes(model, CONTEXT))
+        rows += grows
+    except Exception as err:
+        info["graph_b1_fused_key32"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"32-bit top-k keys failed: {err!r}")
     try:                                         # the census of the step as fused
         info["census_fused"] = census(model)
     except Exception as err:
@@ -322,26 +331,29 @@ def generate_row(model, ids, ceilings: Ceilings, nbytes: int) -> Result:
                      f"{stats.capture_s:.1f} s, prefill {stats.prefill_tok_s:,.0f} tok/s")
 
 
-def census(model) -> dict:
-    """Kernels (GPU operations: kernels, copies, memsets) and their GPU time in one batch-1 decode step, by part,
-    from the CUDA profiler over one eager run of each part on a :class:`lynn_model.DecodeStep`'s static buffers;
-    ``per_step`` adds them up by the layer counts, ``whole_step`` profiles the whole step as a check."""
+def census(model, batch: int = 1) -> dict:
+    """Kernels (GPU operations: kernels, copies, memsets) and their GPU time in one decode step of ``batch``
+    sequences at ``CONTEXT`` tokens each, by part, from the CUDA profiler over one eager run of each part on a
+    :class:`lynn_model.DecodeStep`'s static buffers; ``per_step`` adds them up by the layer counts, ``whole_step``
+    profiles the whole step as a check."""
     import torch.nn.functional as F
     from lynn_model import DecodeStep, Sampling, SamplingParams
 
     import lynn_kernels
 
     cfg = model.config
-    cache = model.new_cache(max_batch=1, max_tokens=CONTEXT + 64)
-    step = DecodeStep(model, cache, 1, SamplingParams.build([Sampling()], "cuda", cfg.vocab_size), graph=False)
-    s = cache.add()
+    cache = model.new_cache(max_batch=batch, max_tokens=batch * (CONTEXT + 64))
+    step = DecodeStep(model, cache, batch, SamplingParams.build([Sampling()] * batch, "cuda", cfg.vocab_size),
+                      graph=False)
+    slots = [cache.add() for _ in range(batch)]
     with torch.no_grad():
-        first = model.step(torch.randint(0, cfg.vocab_size, (CONTEXT,), device="cuda"), cache, [s], [CONTEXT])
-    cache.reserve([s], [CONTEXT + 64])
-    step.begin(first.argmax(-1), [s])
+        first = torch.cat([model.step(torch.randint(0, cfg.vocab_size, (CONTEXT,), device="cuda"), cache, [s],
+                                      [CONTEXT]).argmax(-1) for s in slots])
+    cache.reserve(slots, [CONTEXT + 64] * batch)
+    step.begin(first, slots)
     step.prologue()
-    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=model.dtype)
-    logits = torch.randn(1, cfg.vocab_size, device="cuda", dtype=model.dtype)
+    x = torch.randn(batch, cfg.hidden_size, device="cuda", dtype=model.dtype)
+    logits = torch.randn(batch, cfg.vocab_size, device="cuda", dtype=model.dtype)
     gdn = next(m for m in model.layers if m.kind != "full_attention")
     attn = next(m for m in model.layers if m.kind == "full_attention")
     parts = {
@@ -352,6 +364,7 @@ def census(model) -> dict:
         "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
         "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
         "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded_moe(model.layers[0].mlp, x), 0),
+        "MoE block, 32-bit top-k keys (not in the sum)": (lambda: _key32_moe(model.layers[0].mlp, x), 0),
         "Gated DeltaNet mixer, decode fused (not in the sum)": (lambda: _fused_gdn(gdn.mixer, x, step.batch, cache),
                                                                 0),
         "LM head": (lambda: model.lm_head(x), 1),
@@ -401,6 +414,24 @@ def _fused_gdn(mixer, x, batch, cache):
         return mixer(x, batch, cache)
     finally:
         mixer.fused_decode = was
+
+
+@contextlib.contextmanager
+def _router_key32():
+    """The router's top-k on 32-bit keys (``triton_route.ROUTER_KEY32``), then as it was."""
+    from ..moe import triton_route
+
+    was = triton_route.ROUTER_KEY32
+    triton_route.ROUTER_KEY32 = True
+    try:
+        yield
+    finally:
+        triton_route.ROUTER_KEY32 = was
+
+
+def _key32_moe(mlp, x):
+    with _router_key32():
+        return mlp(x)
 
 
 def _unfolded_moe(mlp, x):

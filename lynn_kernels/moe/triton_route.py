@@ -31,12 +31,14 @@ MAX_EXPERTS = 1024
 
 @triton.jit
 def _route_rows(x, offs_e, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, KEY32: tl.constexpr = False):
     """fp32 logits ``[BLOCK_M, BLOCK_E]`` (``-inf`` past E) -> (weights fp32, ids int32), ``[BLOCK_M, BLOCK_K]``.
 
     Each of the ``TOP_K`` rounds is one reduction: a max over int64 keys ``(order-preserving int of the logit) << 32
-    | (BLOCK_E - 1 - id)``, so the largest logit wins and, among equal logits, the lowest id. The weight is
-    recomputed from the winning logit with the same operations as ``p``, so it has ``p``'s bits."""
+    | (BLOCK_E - 1 - id)``, so the largest logit wins and, among equal logits, the lowest id. With ``KEY32`` (the
+    logits hold bf16 values, whose fp32 bits end in 16 zeros, and ``BLOCK_E <= 2^16``) the keys are int32: the top
+    16 bits of the order, then the id's complement; the same order, half the width. The weight is recomputed from
+    the winning logit with the same operations as ``p``, so it has ``p``'s bits."""
     offs_k = tl.arange(0, BLOCK_K)
     row_max = tl.max(x, axis=1)
     denom = tl.sum(tl.exp(x - row_max[:, None]), axis=1)                            # padding lanes: exp(-inf) = 0
@@ -44,19 +46,31 @@ def _route_rows(x, offs_e, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexp
     # select on the logits (softmax keeps their order, and fp32 p can tie where the logits do not); NaN sorts last
     bits = tl.where(x == x, x, float("-inf")).to(tl.int32, bitcast=True)
     order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                             # fp32 order as int32 order
-    key = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e[None, :]).to(tl.int64)
-    key = tl.where(mask_e[None, :], key, -9223372036854775807 - 1)                   # padding never wins
+    if KEY32:
+        key = ((order >> 16) << 16) | (BLOCK_E - 1 - offs_e[None, :])
+        key = tl.where(mask_e[None, :], key, -2147483647 - 1)                        # padding never wins
+    else:
+        key = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e[None, :]).to(tl.int64)
+        key = tl.where(mask_e[None, :], key, -9223372036854775807 - 1)               # padding never wins
     w = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     ids = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     for j in range(TOP_K):
         best = tl.max(key, axis=1)                                                    # [BLOCK_M]
-        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
-        top = (best >> 32).to(tl.int32)
+        if KEY32:
+            idx = BLOCK_E - 1 - (best & 0xFFFF)
+            top = best >> 16                                                          # the order's top half; its
+            top = (top << 16) | tl.where(top < 0, 0xFFFF, 0)                          # low half: all 0 or all 1
+        else:
+            idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+            top = (best >> 32).to(tl.int32)
         top = tl.where(top >= 0, top, top ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)  # the winning logit
         p = tl.exp(top - row_max) / denom                                             # p[idx], the same bits
         w = tl.where(offs_k[None, :] == j, p[:, None], w)
         ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
-        key = tl.where(offs_e[None, :] == idx[:, None], -9223372036854775807 - 1, key)
+        if KEY32:
+            key = tl.where(offs_e[None, :] == idx[:, None], -2147483647 - 1, key)
+        else:
+            key = tl.where(offs_e[None, :] == idx[:, None], -9223372036854775807 - 1, key)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=1)[:, None]                                            # unused columns hold 0
     return w, ids
@@ -79,6 +93,7 @@ def _route_kernel(
     M, E, stride_lm,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    KEY32: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,7 +103,7 @@ def _route_kernel(
     x = tl.load(logits_ptr + offs_m[:, None].to(tl.int64) * stride_lm + offs_e[None, :],
                 mask=mask_m[:, None] & mask_e[None, :], other=0)
     x = tl.where(mask_e[None, :], to_float32(x, DTYPE, INTERPRET), float("-inf"))    # [BLOCK_M, BLOCK_E]
-    w, ids = _route_rows(x, offs_e, mask_e, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_K)
+    w, ids = _route_rows(x, offs_e, mask_e, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_K, KEY32)
     _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K, BLOCK_K, TOP_K)
 
 
@@ -100,7 +115,7 @@ def _router_kernel(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr, ROUTE_M: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_GATE: tl.constexpr, SHARED_SLOT: tl.constexpr, INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, KEY32: tl.constexpr = False,
 ):
     """Router logits and routing in one launch, for at most 16 tokens: program ``(i, s)`` computes the fp32 logits
     of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
@@ -158,17 +173,17 @@ def _router_kernel(
             rows = m0 + tl.arange(0, ROUTE_M)
             mask = (rows[:, None] < M) & mask_all[None, :]
             logits = tl.zeros((ROUTE_M, ALL_E), dtype=tl.float32)
+            g = tl.zeros((ROUTE_M,), dtype=tl.float32)
             for s in range(0, n_split):                  # in split order: the same sum on every run
                 logits += tl.load(part_ptr + s * (M * E_ALL) + rows[:, None] * E_ALL + offs_all[None, :],
                                   mask=mask, other=0.0, cache_modifier=".cg")
-            logits = tl.where(mask_all[None, :], round_to_dtype(logits, X_DTYPE, INTERPRET), float("-inf"))
-            w, ids = _route_rows(logits, offs_all, mask_all, TOP_K, RENORMALIZE, ROUTE_M, ALL_E, BLOCK_K)
-            _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K, TOP_K + SHARED_SLOT)
-            if HAS_GATE:
-                g = tl.zeros((ROUTE_M,), dtype=tl.float32)
-                for s in range(0, n_split):
+                if HAS_GATE:                             # the gate's partials with the logits', not after the top-k
                     g += tl.load(part_ptr + s * (M * E_ALL) + rows * E_ALL + E, mask=rows < M, other=0.0,
                                  cache_modifier=".cg")
+            logits = tl.where(mask_all[None, :], round_to_dtype(logits, X_DTYPE, INTERPRET), float("-inf"))
+            w, ids = _route_rows(logits, offs_all, mask_all, TOP_K, RENORMALIZE, ROUTE_M, ALL_E, BLOCK_K, KEY32)
+            _store_route(weights_ptr, ids_ptr, w, ids, rows, rows < M, TOP_K, BLOCK_K, TOP_K + SHARED_SLOT)
+            if HAS_GATE:
                 if SHARED_SLOT:
                     tl.store(weights_ptr + rows * (TOP_K + 1) + TOP_K, 1.0 / (1.0 + tl.exp(-g)), mask=rows < M)
                     tl.store(ids_ptr + rows * (TOP_K + 1) + TOP_K, rows * 0 + E, mask=rows < M)
@@ -211,8 +226,17 @@ def launch_route(logits: torch.Tensor, top_k: int, renormalize: bool, weights: t
         kernel_view(logits), weights, ids, M, E, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, DTYPE=runtime.TORCH_TO_TL[logits.dtype],
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=max(2, runtime.next_power_of_2(top_k)),
-        num_warps=4, **runtime.kernel_flags())
+        KEY32=_key32(logits.dtype, block_e), num_warps=4, **runtime.kernel_flags())
     return weights, ids
+
+
+#: Top-k keys of 32 bits where the logits are bf16 (``_route_rows``' ``KEY32``: the same ids and weights, half the
+#: width of each round's reduction). Off until timed on the H200 (``lynn bench decoder``'s census has a part for it).
+ROUTER_KEY32 = False
+
+
+def _key32(dtype: torch.dtype, block_e: int) -> bool:
+    return ROUTER_KEY32 and dtype == torch.bfloat16 and block_e <= 1 << 16
 
 
 #: Largest token count :func:`launch_router` takes (its GEMM pads the token rows to one 16-row tile).
@@ -263,7 +287,8 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
         gate if gate is not None else weights, M, E, H, x2.stride(0), router_weight.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
-        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, SHARED_SLOT=shared_slot, **meta,
+        BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, SHARED_SLOT=shared_slot,
+        KEY32=_key32(x2.dtype, all_e), **meta,
         num_warps=warps,
         num_stages=runtime.register_dot_stages(3), INTERPRET=c["INTERPRET"],   # 3: Triton's default
         **runtime.pdl_flags())
