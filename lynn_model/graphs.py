@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 import lynn_kernels
+from lynn_kernels.attention import decode_plan
 
 from .cache import Batch, Cache
 from .model import Model
@@ -93,18 +94,19 @@ class DecodeStep:
         self.epilogue(self.model.lm_head(x))
 
     def prologue(self) -> None:
-        """Positions, cache slots and sequence lengths of this step, from ``lengths``, ``active`` and the pages."""
-        page, width = self.cache.page_size, self.block_table.shape[1]
-        pos = self.lengths
-        block = self.block_table.gather(1, (pos // page).clamp_max(width - 1)[:, None])[:, 0].to(torch.int64)
-        self.positions.copy_(pos)
-        self.kv_slots.copy_(torch.where(self.active, block * page + pos % page, -1))
-        self.seq_lens.copy_(torch.where(self.active, pos + 1, 0))
+        """Positions, cache slots and sequence lengths of this step, from ``lengths``, ``active`` and the pages:
+        one launch (:func:`lynn_kernels.attention.decode_plan`)."""
+        decode_plan(self.lengths, self.active, self.block_table, self.cache.page_size, self.positions,
+                    self.kv_slots, self.seq_lens)
 
     def epilogue(self, logits: torch.Tensor) -> None:
-        """Sample each row's next token into ``tokens``; advance the active rows' ``lengths``."""
-        self.tokens.copy_(sample_rows(logits, self.params, self.lengths + 1))
-        self.lengths.add_(self.active.to(torch.int64))
+        """Sample each row's next token into ``tokens``; advance the active rows' ``lengths``. Greedy rows only:
+        the argmax straight into ``tokens`` (of the logits as they are: the same index as of their fp32 copy)."""
+        if self.params.greedy:
+            torch.argmax(logits, -1, out=self.tokens)
+        else:
+            self.tokens.copy_(sample_rows(logits, self.params, self.lengths + 1))
+        self.lengths.add_(self.active)
 
     def _run(self) -> None:
         with torch.inference_mode(), lynn_kernels.trusted(), lynn_kernels.programmatic_launches(self.pdl):

@@ -6,6 +6,8 @@ Public ops (names and argument order are a contract; each has a same-signature r
 * ``decode_attention(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, gate=None, *, num_splits=None)``
 * ``qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, rope_theta=None, eps=1e-6,
   cos=None, sin=None, k_cache=None, v_cache=None, slot_mapping=None) -> (q_out, k_out)``
+* ``decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens)``: a decode step's
+  positions, cache slots and sequence lengths, in place
 
 One gated-attention layer, prefill of a packed batch (see docs/attention.md)::
 
@@ -25,6 +27,7 @@ from . import reference, spec
 from .spec import HEAD_DIMS, contiguous_slots, paged_slots, split_q_gate
 from .triton_decode import decode_attention_triton, default_num_splits
 from .triton_prefill import flash_attention_triton
+from .triton_plan import decode_plan_triton
 from .triton_rope import qk_norm_rope_triton
 
 
@@ -122,5 +125,28 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
                                slot_mapping=slot_mapping)
 
 
-__all__ = ["flash_attention", "decode_attention", "qk_norm_rope", "reference", "spec", "split_q_gate", "paged_slots",
-           "contiguous_slots", "default_num_splits", "HEAD_DIMS"]
+@runtime.op(reference=reference.decode_plan)
+def decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens):
+    """A decode step's plan for the paged KV cache, written in place, in one launch (the decoder's captured step
+    computes it on the device, from its static buffers).
+
+    Args:
+        lengths: int64 ``[R]``, tokens cached per row before this step.
+        active: bool ``[R]``, the rows that take part.
+        block_table: int32 / int64 ``[>= R, W]``: page ``i`` of row ``r`` is block ``block_table[r, i]``.
+        page_size: tokens a page.
+        positions: int64 ``[R]`` out: ``lengths``, the new token's position.
+        kv_slots: int64 ``[R]`` out: where the new key goes (``block * page_size + offset``), -1 for an
+            inactive row.
+        seq_lens: int32 / int64 ``[R]`` out: ``lengths + 1`` (the keys attention reads), 0 for an inactive row.
+
+    Example::
+
+        decode_plan(step.lengths, step.active, cache.block_table, cache.page_size, step.positions,
+                    step.kv_slots, step.seq_lens)
+    """
+    decode_plan_triton(lengths, active, block_table, page_size, positions, kv_slots, seq_lens)
+
+
+__all__ = ["flash_attention", "decode_attention", "qk_norm_rope", "decode_plan", "reference", "spec", "split_q_gate",
+           "paged_slots", "contiguous_slots", "default_num_splits", "HEAD_DIMS"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import spec
 from .spec import check_decode, check_prefill, check_rope
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,3 +122,18 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
 
 __all__ = ["flash_attention", "decode_attention", "qk_norm_rope", "gather_cache", "rope_inv_freq", "rope_cos_sin",
            "rms_norm_1p", "apply_rope"]
+
+
+def decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens) -> None:
+    """A decode step's plan for the paged KV cache, into ``positions``, ``kv_slots`` and ``seq_lens`` ``[R]``: row
+    ``r`` with ``lengths[r]`` cached tokens writes its new token at position ``lengths[r]``, into cache slot
+    ``block_table[r, page] * page_size + lengths[r] % page_size`` with ``page = min(lengths[r] // page_size, W -
+    1)``, and attends over ``lengths[r] + 1`` tokens; an inactive row writes nowhere (slot -1) and attends to
+    nothing (length 0)."""
+    spec.check_decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens)
+    pos = lengths
+    width = block_table.shape[1]
+    block = block_table[:lengths.shape[0]].gather(1, (pos // page_size).clamp_max(width - 1)[:, None])[:, 0]
+    positions.copy_(pos)
+    kv_slots.copy_(torch.where(active, block.to(torch.int64) * page_size + pos % page_size, -1))
+    seq_lens.copy_(torch.where(active, pos + 1, 0))

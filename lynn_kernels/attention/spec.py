@@ -382,3 +382,41 @@ def paged_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: tor
     pos = positions.long()
     blocks = block_table[seq_idx.long(), pos // page].long()
     return blocks * page + pos % page
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the decode step's plan
+
+
+def check_decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens) -> int:
+    """:func:`lynn_kernels.attention.decode_plan`'s arguments: ``lengths`` int64 ``[R]`` (tokens cached per row,
+    >= 0), ``active`` bool ``[R]``, ``block_table`` int32 / int64 ``[R', W]`` (``R' >= R``, unit stride along W),
+    ``page_size`` a positive int, and the outputs ``positions`` int64, ``kv_slots`` int64 and ``seq_lens`` int32 /
+    int64, each ``[R]`` and contiguous. Returns R. No value is read back (the step runs inside a CUDA graph)."""
+    for name, t in (("lengths", lengths), ("active", active), ("block_table", block_table),
+                    ("positions", positions), ("kv_slots", kv_slots), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != lengths.device:
+            raise ValueError(f"{name} is on {t.device} but lengths is on {lengths.device}")
+    if lengths.dim() != 1 or lengths.dtype != torch.int64:
+        raise TypeError(f"lengths must be int64 [R], found {lengths.dtype} of shape {tuple(lengths.shape)}")
+    R = lengths.shape[0]
+    if tuple(active.shape) != (R,) or active.dtype != torch.bool:
+        raise TypeError(f"active must be bool [{R}] (lengths' rows), found {active.dtype} of shape "
+                        f"{tuple(active.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] < R or block_table.shape[1] < 1 or \
+            block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be int32 / int64 [>= {R}, >= 1], found {block_table.dtype} of shape "
+                         f"{tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride along its pages, found strides "
+                         f"{tuple(block_table.stride())}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    for name, t, dtypes in (("positions", positions, (torch.int64,)), ("kv_slots", kv_slots, (torch.int64,)),
+                            ("seq_lens", seq_lens, (torch.int32, torch.int64))):
+        if tuple(t.shape) != (R,) or t.dtype not in dtypes or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{R}] tensor of dtype in {list(dtypes)}, found "
+                             f"{t.dtype} of shape {tuple(t.shape)}")
+    return R
