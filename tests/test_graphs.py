@@ -99,6 +99,15 @@ def _gen(model, prompts, n, graph, **kw):
     return out, stats
 
 
+def _graph_equals_eager(model, prompts, settings):
+    """24 tokens of each prompt, eager and captured, under each of ``settings``: the same tokens."""
+    for kw in settings:
+        eager, _ = _gen(model, prompts, 24, False, **kw)
+        graph, stats = _gen(model, prompts, 24, True, **kw)
+        assert graph.tolist() == eager.tolist(), kw
+        assert stats.decode_steps == 23
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -109,11 +118,8 @@ def test_gpu_graph_decode_equals_eager_bit_for_bit(preset, batch, weights):
     model = random_model(lynn_model.preset(preset), weights=weights, device="cuda", seed=3)
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, model.config.vocab_size, (5 + 7 * b,), generator=gen).tolist() for b in range(batch)]
-    for kw in ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5}, {"temperature": 1.0, "seed": 9}):
-        eager, _ = _gen(model, prompts, 24, False, **kw)
-        graph, stats = _gen(model, prompts, 24, True, **kw)
-        assert graph.tolist() == eager.tolist(), kw
-        assert stats.decode_steps == 23
+    _graph_equals_eager(model, prompts, ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5},
+                                         {"temperature": 1.0, "seed": 9}))
 
 
 @pytest.mark.gpu
@@ -127,11 +133,7 @@ def test_gpu_fused_graph_decode_equals_eager(preset, batch):
     assert model.fuse_input_projections() and model.fuse_gdn_decode() == len(model.config.linear_layers) > 0
     gen = torch.Generator().manual_seed(batch + 20)
     prompts = [torch.randint(0, model.config.vocab_size, (4 + 5 * b,), generator=gen).tolist() for b in range(batch)]
-    for kw in ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5}):
-        eager, _ = _gen(model, prompts, 24, False, **kw)
-        graph, stats = _gen(model, prompts, 24, True, **kw)
-        assert graph.tolist() == eager.tolist(), kw
-        assert stats.decode_steps == 23
+    _graph_equals_eager(model, prompts, ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5}))
 
 
 @pytest.mark.gpu
