@@ -50,4 +50,3 @@ def launch_decode_plan(lengths, active, block_table, page_size, positions, kv_sl
         lengths, active.view(torch.uint8), block_table, positions, kv_slots, seq_lens, R, block_table.shape[1],
         int(page_size), block_table.stride(0), BLOCK_R=max(2, runtime.next_power_of_2(R)), num_warps=1,
         **runtime.kernel_flags(), **runtime.pdl_flags())
-

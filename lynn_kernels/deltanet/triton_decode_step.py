@@ -155,7 +155,7 @@ def _gdn_decode_kernel(
 
 #: ``num_warps`` of the fused step on the GPU (one program holds a head's K x V fp32 state: 64 KB at 128 x 128).
 #: Measured on the H200 at the Qwen3.5 head shape (``experiments/gdn_decode_fused.py``): 4 warps fastest at every
-#: batch from 1 to 32; 8 and 16 were 2-2.8x slower, 2 spilled (7x slower). Splitting a head's V columns over
+#: batch from 1 to 32; 8 and 16 were 1.8-2.8x slower, 2 about 7x slower. Splitting a head's V columns over
 #: programs (the last one normalising the row) was no faster at any batch and was removed (docs/deltanet.md).
 DECODE_STEP_WARPS = 4
 
