@@ -100,8 +100,9 @@ class DecodeStep:
                     self.kv_slots, self.seq_lens)
 
     def epilogue(self, logits: torch.Tensor) -> None:
-        """Sample each row's next token into ``tokens``; advance the active rows' ``lengths``. Greedy rows only:
-        the argmax straight into ``tokens`` (of the logits as they are: the same index as of their fp32 copy)."""
+        """Sample each row's next token into ``tokens``; advance the active rows' ``lengths``. When every row is
+        greedy, the argmax goes straight into ``tokens`` (of the logits as they are: the same index as of their
+        fp32 copy, which :func:`sample_rows` takes)."""
         if self.params.greedy:
             torch.argmax(logits, -1, out=self.tokens)
         else:
