@@ -201,6 +201,20 @@ def args_decode_step():
             "num_k_heads": 1, "eps": 1e-6}
 
 
+def args_decode_step_gates():
+    """The same step with the gates' projections in the op: the layer input x [2, 16] and in_proj_a / in_proj_b."""
+    a = args_decode_step()
+    a.update(a=None, b=None, x=rand(2, 16, seed=11), a_weight=rand(2, 16, seed=12), b_weight=rand(2, 16, seed=13))
+    return a
+
+
+def args_decode_plan():
+    """A decode step's plan: 3 rows (one inactive), a block table of 4 rows x 2 pages of 16."""
+    return {"lengths": ints([0, 17, 5], I64), "active": torch.tensor([True, True, False], device=DEV),
+            "block_table": ints([[3, 1], [0, 2], [4, 5], [6, 7]]), "page_size": 16,
+            "positions": ints([0, 0, 0], I64), "kv_slots": ints([0, 0, 0], I64), "seq_lens": ints([0, 0, 0])}
+
+
 def args_rmsnorm():
     return {"x": rand(3, 8, seed=1), "weight": rand(8, seed=2, scale=0.1), "eps": 1e-6, "residual": rand(3, 8, seed=3),
                 "out": rand(3, 8, seed=4), "residual_out": rand(3, 8, seed=5)}
@@ -274,6 +288,7 @@ OPS: dict[str, tuple[Callable, Callable[[], dict]]] = {
     "attention.flash_attention": (attention.flash_attention, args_flash),
     "attention.decode_attention": (attention.decode_attention, args_decode),
     "attention.qk_norm_rope": (attention.qk_norm_rope, args_rope),
+    "attention.decode_plan": (attention.decode_plan, args_decode_plan),
     "deltanet.chunk_gated_delta_rule": (deltanet.chunk_gated_delta_rule, args_chunk),
     "deltanet.recurrent_gated_delta_rule": (deltanet.recurrent_gated_delta_rule, args_delta),
     "deltanet.recurrent_gated_delta_rule_gates": (deltanet.recurrent_gated_delta_rule_gates, args_delta_gates),
@@ -294,6 +309,7 @@ VARIANTS: dict[str, Callable[[], dict]] = {
     "attention.flash_attention@prefix": args_flash_prefix,
     "attention.decode_attention@paged": args_decode_paged,
     "attention.qk_norm_rope@tables": args_rope_tables,
+    "deltanet.gated_delta_decode@gates": args_decode_step_gates,
     "deltanet.chunk_gated_delta_rule@packed": args_chunk_packed,
     "moe.moe_experts@nvfp4": args_experts_nvfp4,
     "moe.moe_block@nvfp4": args_block_nvfp4,
@@ -766,6 +782,34 @@ CASES: list[Case] = [
     c("deltanet.gated_delta_decode", "range", "eps-zero", V_, "eps", lambda a: {"eps": 0.0}),
     c("deltanet.gated_delta_decode", "device", "state-meta", V_, "state", lambda a: {"state": meta(a["state"])}),
     c("deltanet.gated_delta_decode", "cuda", "all", V_, "qkv", cuda("qkv"), N_ONLY),
+    c("deltanet.gated_delta_decode@gates", "value", "a-and-x", V_, "x",
+      lambda a: {"a": rand(2, 2, seed=3)}, match=r"either a and b .* or x, a_weight and b_weight"),
+    c("deltanet.gated_delta_decode@gates", "type", "b_weight-none", T_, "b_weight", lambda a: {"b_weight": None}),
+    c("deltanet.gated_delta_decode@gates", "dtype", "a_weight-bf16", T_, "a_weight",
+      lambda a: {"a_weight": a["a_weight"].bfloat16()}),
+    c("deltanet.gated_delta_decode@gates", "shape", "x-rows", V_, "x", lambda a: {"x": a["x"][:1]}),
+    c("deltanet.gated_delta_decode@gates", "shape", "b_weight-width", V_, "b_weight",
+      lambda a: {"b_weight": a["b_weight"][:, :8]}),
+    c("deltanet.gated_delta_decode@gates", "device", "x-meta", V_, "x", lambda a: {"x": meta(a["x"])}),
+    # -- attention: decode_plan ----------------------------------------------------------------------------------------
+    c("attention.decode_plan", "type", "positions-list", T_, "positions", lambda a: {"positions": [0, 0, 0]}),
+    c("attention.decode_plan", "dtype", "lengths-int32", T_, "lengths", lambda a: {"lengths": a["lengths"].int()}),
+    c("attention.decode_plan", "dtype", "active-int", T_, "active", lambda a: {"active": a["active"].int()}),
+    c("attention.decode_plan", "dtype", "block_table-fp32", V_, "block_table",
+      lambda a: {"block_table": a["block_table"].float()}),
+    c("attention.decode_plan", "dtype", "kv_slots-int32", V_, "kv_slots", lambda a: {"kv_slots": a["kv_slots"].int()}),
+    c("attention.decode_plan", "rank", "lengths-2d", T_, "lengths", lambda a: {"lengths": a["lengths"][None]}),
+    c("attention.decode_plan", "shape", "active-rows", T_, "active", lambda a: {"active": a["active"][:2]}),
+    c("attention.decode_plan", "shape", "block_table-rows", V_, "block_table",
+      lambda a: {"block_table": a["block_table"][:2]}),
+    c("attention.decode_plan", "shape", "seq_lens-rows", V_, "seq_lens", lambda a: {"seq_lens": a["seq_lens"][:2]}),
+    c("attention.decode_plan", "layout", "block_table-strided", V_, "block_table",
+      lambda a: {"block_table": a["block_table"].t().contiguous().t()}),
+    c("attention.decode_plan", "layout", "positions-strided", V_, "positions",
+      lambda a: {"positions": strided(a["positions"])}),
+    c("attention.decode_plan", "range", "page_size-zero", V_, "page_size", lambda a: {"page_size": 0}),
+    c("attention.decode_plan", "device", "kv_slots-meta", V_, "kv_slots", lambda a: {"kv_slots": meta(a["kv_slots"])}),
+    c("attention.decode_plan", "cuda", "all", V_, "lengths", cuda("lengths"), N_ONLY),
     # -- moe ---------------------------------------------------------------------------------------------------------------
     c("moe.route", "type", "logits-list", T_, "logits", lambda a: {"logits": a["logits"].tolist()}),
     c("moe.route", "dtype", "logits-int", T_, "logits", lambda a: {"logits": a["logits"].int()}),
