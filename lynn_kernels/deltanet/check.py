@@ -59,7 +59,8 @@ BOUNDS = {
     ("deltanet.gated_rmsnorm", "fp32"): ("rel_l2", 1e-6),        # 8.0e-8 / 8.7e-8
     # the fused decode step against its reference on the same (bf16) inputs: the conv output and the delta rule's
     # output are rounded to bf16 in the middle, as the chain stores them, so a fp32 reference would not be the
-    # spec. Interpreter: 0 / 0 (bf16 and fp32); H200: not yet measured (bounds of a few flipped bf16 roundings)
+    # spec. Interpreter, output bf16 / fp32: 0 / 1.6e-7 (2.4e-7 with the gates projected in the kernel), state
+    # 5.6e-8 / 9.3e-8 (8.6e-8 / 1.2e-7); H200: not yet measured (bounds of a few flipped bf16 roundings)
     ("deltanet.decode step", "bf16"): ("rel_l2", 5e-3),
     ("deltanet.decode step state", "bf16"): ("rel_l2", 1e-5),
     ("deltanet.decode step", "fp32"): ("rel_l2", 1e-6),
@@ -150,6 +151,20 @@ def iter_rows() -> Iterator[dict]:
             o = gated_delta_decode(qkv, z, a, b, mine[0], cw, A_log, dt_bias, mine[1], nw, H)
             o_ref = reference.gated_delta_decode(qkv, z, a, b, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H)
         case = f"{label} B2 H2 HV4 K32 V32 W4, 2 steps"
+        yield _row("deltanet.decode step", case, o, o_ref.float(), dtype)
+        yield _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)
+
+        # the same step with the gates' projections in the kernel (the layer input, in_proj_a / in_proj_b of 64)
+        w_a, w_b = ((0.125 * torch.randn(HV, 64, generator=gen)).to(dtype).to(dev) for _ in range(2))
+        for _ in range(2):
+            qkv = torch.randn(B, C, generator=gen).to(dtype).to(dev)
+            z = torch.randn(B, HV, V, generator=gen).to(dtype).to(dev)
+            x = torch.randn(B, 64, generator=gen).to(dtype).to(dev)
+            o = gated_delta_decode(qkv, z, None, None, mine[0], cw, A_log, dt_bias, mine[1], nw, H, x=x,
+                                   a_weight=w_a, b_weight=w_b)
+            o_ref = reference.gated_delta_decode(qkv, z, None, None, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H,
+                                                 x=x, a_weight=w_a, b_weight=w_b)
+        case = f"{label} B2 H2 HV4 K32 V32 W4 HD64, gates projected, 2 more steps"
         yield _row("deltanet.decode step", case, o, o_ref.float(), dtype)
         yield _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)
 
