@@ -395,15 +395,27 @@ def census(model, batch: int = 1) -> dict:
 
 
 @contextlib.contextmanager
-def _gate_unfolded():
-    """The MoE blocks with the shared expert's gate as its own fp32 GEMV and sigmoid (``FOLD_SHARED_GATE=False``)."""
-    from ..moe import triton_experts
+def _flag(module: str, name: str, value):
+    """``lynn_kernels.moe.<module>.<name> = value`` for the block, then as it was."""
+    import importlib
 
-    triton_experts.FOLD_SHARED_GATE = False
+    mod = importlib.import_module(f"lynn_kernels.moe.{module}")
+    was = getattr(mod, name)
+    setattr(mod, name, value)
     try:
         yield
     finally:
-        triton_experts.FOLD_SHARED_GATE = True
+        setattr(mod, name, was)
+
+
+def _gate_unfolded():
+    """The MoE blocks with the shared expert's gate as its own fp32 GEMV and sigmoid (``FOLD_SHARED_GATE=False``)."""
+    return _flag("triton_experts", "FOLD_SHARED_GATE", False)
+
+
+def _router_key32():
+    """The router's top-k on 32-bit keys (``triton_route.ROUTER_KEY32``)."""
+    return _flag("triton_route", "ROUTER_KEY32", True)
 
 
 def _fused_gdn(mixer, x, batch, cache):
@@ -414,19 +426,6 @@ def _fused_gdn(mixer, x, batch, cache):
         return mixer(x, batch, cache)
     finally:
         mixer.fused_decode = was
-
-
-@contextlib.contextmanager
-def _router_key32():
-    """The router's top-k on 32-bit keys (``triton_route.ROUTER_KEY32``), then as it was."""
-    from ..moe import triton_route
-
-    was = triton_route.ROUTER_KEY32
-    triton_route.ROUTER_KEY32 = True
-    try:
-        yield
-    finally:
-        triton_route.ROUTER_KEY32 = was
 
 
 def _key32_moe(mlp, x):
