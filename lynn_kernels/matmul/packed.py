@@ -61,16 +61,6 @@ def word_k(kw: int, device=None) -> torch.Tensor:
     return CHUNK * c + 32 * i + 16 * (j >> 2) + 8 * ((j >> 1) & 1) + 2 * q + (j & 1)
 
 
-def x_words(x: torch.Tensor, kw: int) -> torch.Tensor:
-    """``x [M, K]`` (float) in the packed words' order for the FMA GEMV: fp32 ``[M, 8, kw]`` with ``[m, j, w] =
-    x[m, k(w, j)] * 2^64`` (:func:`word_k`; 0 past ``K``), so a thread reads the x of a 16-byte run of words as one
-    16-byte load per element index ``j``. Exact: a bf16 or fp16 value times a power of two is an fp32 value."""
-    m, k = x.shape
-    xp = torch.zeros(m, kw * 8, dtype=torch.float32, device=x.device)
-    xp[:, :k] = x.float()
-    return (xp[:, word_k(kw, x.device)] * 2.0 ** 64).transpose(1, 2).contiguous()
-
-
 def _swap_nibbles(b: torch.Tensor) -> torch.Tensor:
     return ((b << 4) | (b >> 4)) & 0xFF
 

@@ -559,15 +559,13 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
 
 
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
-                       pdl: bool = False, xw: torch.Tensor | None = None) -> torch.Tensor:
+                       pdl: bool = False) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
     weight into ``y [M, N]`` on the FMA GEMV. ``config`` replaces keys of :func:`fma_config`: ``BLOCK_N``, ``TW``,
     ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at most that many
     programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
     program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
-    the wait on the kernel before). ``xw``: x2 already in word order (:func:`~lynn_kernels.matmul.packed.x_words`,
-    fp32 ``[M, 8, KW]``), read instead of ``x2`` (which still gives M and K): no exchange of x between threads, the
-    same bits."""
+    the wait on the kernel before)."""
     m, k = x2.shape
     n = w.shape[0]
     kw = w.words.shape[1]
@@ -585,13 +583,9 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     programs = min(tiles, meta["PROGRAMS"]) if meta["PROGRAMS"] > 0 else tiles
     spec = (x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.next_power_of_2(m), block_n, tw,
             n % block_n == 0, kw % tw == 0 and 8 * kw == k, bool(pdl) and not runtime.INTERPRET,
-            bool(meta["EARLY_RELEASE"]), xw is not None)
-    if xw is not None and (xw.dtype != torch.float32 or tuple(xw.shape) != (m, 8, kw) or not xw.is_contiguous()):
-        raise ValueError(f"xw must be contiguous fp32 [M, 8, KW] = [{m}, 8, {kw}] (x_words of x2), got {xw.dtype} "
-                         f"{tuple(xw.shape)}")
-    xa = x2 if xw is None else xw
-    args = (kernel_view(xa), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
-            m, n, k, kw, xa.stride(0), 1 if xw is not None else x2.stride(1), y.stride(0), w.rows_per_global())
+            bool(meta["EARLY_RELEASE"]))
+    args = (kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
+            m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global())
     key = (spec, warps, m, n, k, kw, args[10], args[11], args[12], args[13], args[0].data_ptr() & 15,
            w.words.data_ptr() & 15, w.scales.data_ptr() & 15, w.global_scale.data_ptr() & 15,
            args[4].data_ptr() & 15, args[5].data_ptr() & 15)
@@ -603,13 +597,12 @@ _FMA_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
-def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early,
-                    x_words=False) -> dict:
+def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early) -> dict:
     """The FMA GEMV's constexprs for one specialisation (cached: built once, not per call)."""
     flags = kernel_constexprs(x_dtype, bias_dtype, y_dtype, runtime.INTERPRET, True)
     return dict(HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
                 OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=block_m, BLOCK_N=block_n, TW=tw, EVEN_N=even_n, EVEN_K=even_k,
-                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET, X_WORDS=x_words)
+                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET)
 
 
 def use_fma_gemv(m: int, n: int) -> bool:

@@ -257,47 +257,6 @@ def fma_row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0
 
 
 @triton.jit
-def fma_row_step_words(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, xw_ptr, m, M, KW, k0, offs, stride_xm,
-                       EVEN_K: tl.constexpr):
-    """:func:`fma_row_step` with x already in word order: ``xw[m, j, w] = x[m, k(w, j)] * 2^64`` (fp32, ``8 KW`` a
-    row: :func:`lynn_kernels.matmul.packed.x_words`), so each ``x_j`` of a thread's 16-byte run of words is one
-    16-byte load and nothing is exchanged between threads. The same products summed in the same order."""
-    ptr = xw_ptr + tl.full((), m, tl.int64) * stride_xm + k0 + offs
-    if EVEN_K:
-        mask = (offs >= 0) & (m < M)
-    else:
-        mask = (k0 + offs < KW) & (m < M)
-    x0 = tl.load(ptr, mask=mask, other=0.0)
-    x1 = tl.load(ptr + KW, mask=mask, other=0.0)
-    x2 = tl.load(ptr + 2 * KW, mask=mask, other=0.0)
-    x3 = tl.load(ptr + 3 * KW, mask=mask, other=0.0)
-    x4 = tl.load(ptr + 4 * KW, mask=mask, other=0.0)
-    x5 = tl.load(ptr + 5 * KW, mask=mask, other=0.0)
-    x6 = tl.load(ptr + 6 * KW, mask=mask, other=0.0)
-    x7 = tl.load(ptr + 7 * KW, mask=mask, other=0.0)
-    pa = e0 * x0[None, :]
-    pa = tl.fma(e1, x1[None, :], pa)
-    pa = tl.fma(e2, x2[None, :], pa)
-    pa = tl.fma(e3, x3[None, :], pa)
-    pb = e4 * x4[None, :]
-    pb = tl.fma(e5, x5[None, :], pb)
-    pb = tl.fma(e6, x6[None, :], pb)
-    pb = tl.fma(e7, x7[None, :], pb)
-    return tl.fma(pb, sb, tl.fma(pa, sa, acc))
-
-
-@triton.jit
-def _row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, KW, k0, offs, stride_xm, stride_xk,
-              TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, X_WORDS: tl.constexpr,
-              INTERPRET: tl.constexpr):
-    if X_WORDS:
-        return fma_row_step_words(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, KW, k0, offs, stride_xm,
-                                  EVEN_K)
-    return fma_row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm, stride_xk,
-                        TW, EVEN_K, X_DTYPE, INTERPRET)
-
-
-@triton.jit
 def _row_out(acc, m, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr,
              BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     out = tl.sum(acc, axis=1) * g
@@ -320,7 +279,7 @@ def packed_gemv_kernel(
     M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr, X_WORDS: tl.constexpr = False,
+    USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
     it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units, no split of K:
@@ -333,10 +292,7 @@ def packed_gemv_kernel(
 
     ``USE_PDL`` (programmatic dependent launch): the first step's weights load before the wait on the kernel
     before; ``EARLY_RELEASE`` lets the next kernel launch as soon as every program has started (otherwise when
-    every program has finished its main loop). Nothing is written before the wait.
-
-    ``X_WORDS``: ``x_ptr`` is x in word order (fp32 ``[M, 8, KW]``, pre-scaled: :func:`fma_row_step_words`),
-    ``stride_xm`` its row stride; the sums are the same, bit for bit."""
+    every program has finished its main loop). Nothing is written before the wait."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     steps = tl.cdiv(KW, TW)
@@ -368,16 +324,16 @@ def packed_gemv_kernel(
                                      (rows1 < N)[:, None], k1, offs, offs_s, KW, EVEN)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
         sa, sb = fma_scales(v, INTERPRET)                                      # the two blocks of each word
-        acc0 = _row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, KW, k0, offs,
-                            stride_xm, stride_xk, TW, EVEN_K, X_DTYPE, X_WORDS, INTERPRET)
+        acc0 = fma_row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
+                            stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 1:
-            acc1 = _row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, KW, k0, offs,
-                                stride_xm, stride_xk, TW, EVEN_K, X_DTYPE, X_WORDS, INTERPRET)
+            acc1 = fma_row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         if BLOCK_M > 2:
-            acc2 = _row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, KW, k0, offs,
-                                stride_xm, stride_xk, TW, EVEN_K, X_DTYPE, X_WORDS, INTERPRET)
-            acc3 = _row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, KW, k0, offs,
-                                stride_xm, stride_xk, TW, EVEN_K, X_DTYPE, X_WORDS, INTERPRET)
+            acc2 = fma_row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+            acc3 = fma_row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
         q, v = q_next, v_next
         if k0 + TW >= KW:                            # the tile's last step: write its rows, start the next tile
             if USE_PDL and not EARLY_RELEASE:
