@@ -27,6 +27,7 @@ import os
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 BACKENDS = ("triton", "interpreter", "reference")
 
@@ -115,6 +116,28 @@ def values_checkable() -> bool:
     if _trusted.get():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+_HOST_INTS = WeakIdKeyDictionary()            # tensor (by identity) -> (its version, its values)
+
+
+def remember_ints(t: torch.Tensor, values) -> torch.Tensor:
+    """Record the values of an index tensor that was just built from host ints (``values``), so that
+    :func:`host_ints` returns them without reading the device. Returns ``t``."""
+    _HOST_INTS[t] = (t._version, tuple(int(v) for v in values))
+    return t
+
+
+def host_ints(t: torch.Tensor) -> tuple[int, ...]:
+    """The values of a 1-D index tensor on the host: from :func:`remember_ints` or an earlier call while ``t`` has
+    not been written since (torch's version counter), else read back once (a host sync) and remembered. A prefill's
+    offsets are read by each of its layers: one read, or none when whoever built them remembered them."""
+    hit = _HOST_INTS.get(t)
+    if hit is not None and hit[0] == t._version:
+        return hit[1]
+    values = tuple(int(v) for v in t.tolist())
+    _HOST_INTS[t] = (t._version, values)
+    return values
 
 
 def op(reference):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lynn_kernels.attention import paged_slots
+from lynn_kernels.runtime import remember_ints
 
 from .config import Config
 
@@ -77,7 +78,7 @@ def _cu(lengths: list[int], device) -> torch.Tensor | None:
     offs = [0]
     for n in lengths:
         offs.append(offs[-1] + n)
-    return torch.tensor(offs, dtype=torch.int32, device=device)
+    return remember_ints(torch.tensor(offs, dtype=torch.int32, device=device), offs)   # its layers read no copy back
 
 
 class Cache:
@@ -191,7 +192,7 @@ class Cache:
         lo = slots[0]
         rows = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else slot_t
         batch = Batch(list(new_lens), prefix, positions, _cu(new_lens, dev),
-                      prefix_lens_t=torch.tensor(prefix, dtype=torch.int32, device=dev),
+                      prefix_lens_t=remember_ints(torch.tensor(prefix, dtype=torch.int32, device=dev), prefix),
                       decode=all(n == 1 for n in new_lens) and all(p > 0 for p in prefix),
                       kv_slots=paged_slots(self.block_table, seq_idx, positions, self.page_size), rows=rows)
         if batch.decode:

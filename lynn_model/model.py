@@ -393,7 +393,11 @@ class Model(nn.Module):
                              f", {self.dtype}, {self.device}: use model.new_cache(...)")
         batch = cache.plan(list(slots), list(new_lens))
         try:
-            x = self._trunk(tokens.to(self.device), batch, cache)
+            # trusted: the token ids are checked above; every other value the layers could check by reading it back
+            # (cache slots, positions, offsets, routing) the model makes itself, and each read-back is a host sync
+            # that lets the GPU drain (docs/decoder.md, "Host syncs")
+            with lynn_kernels.trusted():
+                x = self._trunk(tokens.to(self.device), batch, cache)
         except BaseException:
             cache.mark_broken(list(slots))            # some layers already wrote their states
             raise

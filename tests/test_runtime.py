@@ -412,3 +412,39 @@ def test_programmatic_launches_is_a_no_op_without_hopper(monkeypatch):
 @pytest.mark.skipif(ON_GPU, reason="checks the interpreter")
 def test_pdl_is_unsupported_under_the_interpreter():
     assert runtime.pdl_supported() is False
+
+
+def test_host_ints_reads_once_and_follows_writes(monkeypatch):
+    """host_ints: a tensor's values are read back once and remembered until the tensor is written; remember_ints
+    spares even that read (a prefill's offsets, read by every layer)."""
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(self):
+        reads.append(1)
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    t = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert runtime.host_ints(t) == (0, 3, 7) and runtime.host_ints(t) == (0, 3, 7)
+    assert len(reads) == 1
+    t[1] = 5                                                  # a write bumps the version: read again
+    assert runtime.host_ints(t) == (0, 5, 7) and len(reads) == 2
+    u = runtime.remember_ints(torch.tensor([0, 2, 4], dtype=torch.int32), [0, 2, 4])
+    assert runtime.host_ints(u) == (0, 2, 4) and len(reads) == 2
+    u.add_(1)
+    assert runtime.host_ints(u) == (1, 3, 5) and len(reads) == 3
+
+
+def test_prefill_batch_offsets_need_no_read_back(monkeypatch):
+    """cache.plan remembers the offsets it builds, so a multi-sequence prefill's layers read none back."""
+    import lynn_model
+    from lynn_model.loader import random_model
+
+    model = random_model(lynn_model.preset("tiny-qwen3.5-moe"), weights="bf16", seed=0)
+    cache = model.new_cache(max_batch=2, max_tokens=64)
+    slots = [cache.add(), cache.add()]
+    batch = cache.plan(slots, [5, 3])
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("an offset was read back"))
+    assert runtime.host_ints(batch.cu_seqlens) == (0, 5, 8)
+    assert runtime.host_ints(batch.prefix_lens_t) == (0, 0)

@@ -159,7 +159,7 @@ def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens, *, causal=True, scale=
         check_tensor("cu_seqlens", cu_seqlens, 1, INDEX_DTYPES)
         if cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must have B+1 >= 2 entries, found shape {_shape(cu_seqlens)}")
-        cu_q = [int(x) for x in cu_seqlens.tolist()]
+        cu_q = list(runtime.host_ints(cu_seqlens))
         if cu_q[0] != 0 or cu_q[-1] != t or any(b < a for a, b in zip(cu_q, cu_q[1:])):
             raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = q.shape[0] = {t}; "
                              f"found {cu_q if len(cu_q) <= 12 else cu_q[:6] + ['...'] + cu_q[-3:]}")
@@ -171,7 +171,7 @@ def check_prefill(q, k, v, gate, cu_seqlens, prefix_lens, *, causal=True, scale=
         if prefix_lens.numel() != batch:
             raise ValueError(f"prefix_lens must have one entry per sequence: expected shape ({batch},), "
                              f"found {_shape(prefix_lens)}")
-        prefix = [int(x) for x in prefix_lens.tolist()]
+        prefix = list(runtime.host_ints(prefix_lens))
         if any(p < 0 for p in prefix):
             raise ValueError(f"prefix_lens must be >= 0, found {prefix}")
     want_k = t + sum(prefix)

@@ -197,8 +197,9 @@ def _show_offsets(cu: list[int]) -> str:
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int, name: str, ref: torch.Tensor) -> tuple[int, ...]:
     """``cu_seqlens``: int32 ``[N+1]`` offsets of ``N >= 1`` packed sequences, ``0 = cu[0] <= ... <= cu[N] = T``
-    (empty sequences allowed), on ``ref``'s device, with the inputs' ``B = 1``. Reads the offsets to the host (one
-    sync) and returns them."""
+    (empty sequences allowed), on ``ref``'s device, with the inputs' ``B = 1``. Reads the offsets to the host
+    (:func:`lynn_kernels.runtime.host_ints`: one sync per tensor, none if its maker remembered them) and returns
+    them."""
     _need_tensor("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens has dtype {cu_seqlens.dtype}; expected torch.int32 sequence offsets [N+1]")
@@ -209,7 +210,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, name: str, ref: torch.Tensor) -
     if B != 1:
         raise ValueError(f"with cu_seqlens, {name} must hold the packed sequences as one row (B = 1, "
                          f"[1, T, ...]), found B={B}")
-    cu = [int(c) for c in cu_seqlens.tolist()]
+    cu = list(runtime.host_ints(cu_seqlens))
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, found {_show_offsets(cu)}")
     drop = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
