@@ -121,22 +121,29 @@ def values_checkable() -> bool:
 _HOST_INTS = WeakIdKeyDictionary()            # tensor (by identity) -> (its version, its values)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version        # inference tensors keep no version counter
+
+
 def remember_ints(t: torch.Tensor, values) -> torch.Tensor:
     """Record the values of an index tensor that was just built from host ints (``values``), so that
-    :func:`host_ints` returns them without reading the device. Returns ``t``."""
-    _HOST_INTS[t] = (t._version, tuple(int(v) for v in values))
+    :func:`host_ints` returns them without reading the device. Returns ``t``. The maker's promise: ``t`` is not
+    written afterwards (checked through torch's version counter, except for inference tensors, which have none)."""
+    _HOST_INTS[t] = (_version(t), tuple(int(v) for v in values))
     return t
 
 
 def host_ints(t: torch.Tensor) -> tuple[int, ...]:
-    """The values of a 1-D index tensor on the host: from :func:`remember_ints` or an earlier call while ``t`` has
-    not been written since (torch's version counter), else read back once (a host sync) and remembered. A prefill's
-    offsets are read by each of its layers: one read, or none when whoever built them remembered them."""
+    """The values of a 1-D index tensor on the host: from :func:`remember_ints`, or from an earlier call while ``t``
+    has not been written since (torch's version counter), else read back (a host sync) and remembered. A prefill's
+    offsets are read by each of its layers: one read, or none when whoever built them remembered them. An inference
+    tensor that nobody remembered is read on every call (no version counter tells a write)."""
     hit = _HOST_INTS.get(t)
-    if hit is not None and hit[0] == t._version:
+    if hit is not None and hit[0] == _version(t):
         return hit[1]
     values = tuple(int(v) for v in t.tolist())
-    _HOST_INTS[t] = (t._version, values)
+    if not t.is_inference():
+        _HOST_INTS[t] = (t._version, values)
     return values
 
 

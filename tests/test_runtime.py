@@ -434,6 +434,11 @@ def test_host_ints_reads_once_and_follows_writes(monkeypatch):
     assert runtime.host_ints(u) == (0, 2, 4) and len(reads) == 2
     u.add_(1)
     assert runtime.host_ints(u) == (1, 3, 5) and len(reads) == 3
+    with torch.inference_mode():                              # no version counter: remembered ones trusted,
+        v = runtime.remember_ints(torch.tensor([0, 1]), [0, 1])   # others read on every call
+        w = torch.tensor([0, 6])
+        assert runtime.host_ints(v) == (0, 1) and len(reads) == 3
+        assert runtime.host_ints(w) == (0, 6) and runtime.host_ints(w) == (0, 6) and len(reads) == 5
 
 
 def test_prefill_batch_offsets_need_no_read_back(monkeypatch):
