@@ -155,6 +155,7 @@ def test_route_32_bit_keys_give_the_64_bit_keys_routing(M, E, top_k, monkeypatch
     finite_ids = reference.route(logits, top_k)[1]
     if M > 2:
         logits[1, E - 1], logits[2, 0] = float("-inf"), float("inf")
+    monkeypatch.setattr(triton_route, "ROUTER_KEY32", False)
     want = route_triton(logits, top_k)
     monkeypatch.setattr(triton_route, "ROUTER_KEY32", True)
     assert triton_route._key32(BF16, 1024) and not triton_route._key32(FP32, 1024)
@@ -185,6 +186,7 @@ def test_fused_router_32_bit_keys(M, E, top_k, H, monkeypatch, poison_empty):
         ids = torch.full((M, top_k + 1), -1, dtype=torch.int32, device=runtime.DEVICE)
         return launch_router(x, r, top_k, True, w, ids, gate_weight=gw, shared_slot=True)
 
+    monkeypatch.setattr(triton_route, "ROUTER_KEY32", False)
     want = run()
     monkeypatch.setattr(triton_route, "ROUTER_KEY32", True)
     got = run()

@@ -229,14 +229,14 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"fused Gated DeltaNet decode failed: {err!r}")
-    try:                                         # the fused step with the router's 32-bit top-k keys
-        with _router_key32():
-            grows, info["graph_b1_fused_key32"] = graph_decode(
-                model, ids, 1, ceilings, "lynn nvfp4 (graph, fused, 32-bit top-k keys)", decode_bytes(model, CONTEXT))
+    try:                                         # the fused step with the router's 64-bit top-k keys (the default
+        with _router_key64():                    # is 32: the figure either way)
+            grows, info["graph_b1_fused_key64"] = graph_decode(
+                model, ids, 1, ceilings, "lynn nvfp4 (graph, fused, 64-bit top-k keys)", decode_bytes(model, CONTEXT))
         rows += grows
     except Exception as err:
-        info["graph_b1_fused_key32"] = {"error": f"{type(err).__name__}: {err}"}
-        _log(f"32-bit top-k keys failed: {err!r}")
+        info["graph_b1_fused_key64"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"64-bit top-k keys failed: {err!r}")
     try:                                         # the census of the step as fused
         info["census_fused"] = census(model)
     except Exception as err:
@@ -364,7 +364,7 @@ def census(model, batch: int = 1) -> dict:
         "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
         "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
         "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded_moe(model.layers[0].mlp, x), 0),
-        "MoE block, 32-bit top-k keys (not in the sum)": (lambda: _key32_moe(model.layers[0].mlp, x), 0),
+        "MoE block, 64-bit top-k keys (not in the sum)": (lambda: _key64_moe(model.layers[0].mlp, x), 0),
         "Gated DeltaNet mixer, decode fused (not in the sum)": (lambda: _fused_gdn(gdn.mixer, x, step.batch, cache),
                                                                 0),
         "LM head": (lambda: model.lm_head(x), 1),
@@ -413,9 +413,9 @@ def _gate_unfolded():
     return _flag("triton_experts", "FOLD_SHARED_GATE", False)
 
 
-def _router_key32():
-    """The router's top-k on 32-bit keys (``triton_route.ROUTER_KEY32``)."""
-    return _flag("triton_route", "ROUTER_KEY32", True)
+def _router_key64():
+    """The router's top-k on 64-bit keys (``triton_route.ROUTER_KEY32`` off)."""
+    return _flag("triton_route", "ROUTER_KEY32", False)
 
 
 def _fused_gdn(mixer, x, batch, cache):
@@ -428,8 +428,8 @@ def _fused_gdn(mixer, x, batch, cache):
         mixer.fused_decode = was
 
 
-def _key32_moe(mlp, x):
-    with _router_key32():
+def _key64_moe(mlp, x):
+    with _router_key64():
         return mlp(x)
 
 

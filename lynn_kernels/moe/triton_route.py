@@ -231,8 +231,9 @@ def launch_route(logits: torch.Tensor, top_k: int, renormalize: bool, weights: t
 
 
 #: Top-k keys of 32 bits where the logits are bf16 (``_route_rows``' ``KEY32``: the same ids and weights, half the
-#: width of each round's reduction). Off until timed on the H200 (``lynn bench decoder``'s census has a part for it).
-ROUTER_KEY32 = False
+#: width of each round's reduction). On: the fused Qwen3.5 decode step 2.195 -> 2.148 ms at batch 1 on the H200
+#: (git dede295, docs/performance.md); ``lynn bench decoder`` times the 64-bit keys beside it.
+ROUTER_KEY32 = True
 
 
 def _key32(dtype: torch.dtype, block_e: int) -> bool:
