@@ -115,10 +115,26 @@ def test_greedy_generation_is_stable_and_matches_hf(hf, ours, tok):
     assert sum(c.isalpha() for c in text) > len(text) / 2, text       # words, not byte soup
 
 
+def _tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def test_lynn_quantize_round_trips(tmp_path, ids):
-    """Both layouts written by ``lynn quantize`` with the same recipe read back to the same model, bit for bit, and
-    that model stays close to the bf16 one (``lynn quantize`` shares one global scale across fused partners, so it is
-    not the per-tensor quantise-on-load model; tests/test_quantize.py checks the bytes against the oracles)."""
+    """Both layouts written by ``lynn quantize`` with the same recipe hold the same quantisation: codes and block
+    scales byte for byte, and the compressed-tensors global scale the correctly rounded reciprocal of ModelOpt's.
+    Read back, a global scale can differ in its last bit: fp32's reciprocal does not map back onto every value
+    (``1 / (1 / g)`` is sometimes ``g``'s neighbour; 22 of the 224 groups here), so the two models' logits agree to
+    bf16's rounding, not bit for bit (this test asked for bits until 2026-12-02, and failed on that day's CPU
+    machines at every earlier commit tried), and each stays close to the bf16 model (``lynn quantize`` shares one
+    global scale across fused partners, so it is not the per-tensor quantise-on-load model; tests/test_quantize.py
+    checks the bytes against the oracles)."""
+    from lynn_kernels.nvfp4.spec import reciprocal
+
     x = torch.tensor([ids[:96]])
     logits = {}
     with lynn_kernels.use_reference():
@@ -127,9 +143,23 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
             assert s["n_quantized"] > 0 and s["bytes_after"] < s["bytes_before"]
             logits[fmt] = lynn_model.from_pretrained(tmp_path / fmt, weights="auto", device="cpu").forward(x)
         bf16 = lynn_model.from_pretrained(DEMO_MODEL, weights="bf16", device="cpu").forward(x)
-    assert torch.equal(logits["compressed-tensors"], logits["modelopt"])
-    rel = _rel(logits["modelopt"], bf16)
-    assert 0 < rel < 0.1, rel                       # measured 0.072 (NVFP4 weights, bf16 activations)
+    ct, mo = _tensors(tmp_path / "compressed-tensors"), _tensors(tmp_path / "modelopt")
+    groups = [k[: -len(".weight_packed")] for k in ct if k.endswith(".weight_packed")]
+    assert groups and len(groups) == sum(k.endswith(".weight_scale_2") for k in mo)
+    off_by_one = 0
+    for p in groups:
+        assert torch.equal(ct[p + ".weight_packed"], mo[p + ".weight"]), p
+        assert torch.equal(ct[p + ".weight_scale"].view(torch.uint8), mo[p + ".weight_scale"].view(torch.uint8)), p
+        g, big_g = mo[p + ".weight_scale_2"].reshape(()), ct[p + ".weight_global_scale"].reshape(())
+        assert torch.equal(big_g, reciprocal(g)), p
+        back = reciprocal(big_g).view(torch.int32).item() - g.view(torch.int32).item()
+        assert back in (-1, 0, 1), (p, back)
+        off_by_one += back != 0
+    assert off_by_one < len(groups)                 # measured 22 of 224 global scales
+    for fmt in logits:
+        rel = _rel(logits[fmt], bf16)
+        assert 0 < rel < 0.1, (fmt, rel)            # measured 0.072 (NVFP4 weights, bf16 activations)
+    assert _rel(logits["compressed-tensors"], logits["modelopt"]) < 0.02     # measured 0.0022
 
 
 def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok):
