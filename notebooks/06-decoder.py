@@ -783,11 +783,13 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
 # replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
-# Qwen3.5 file is from 1adc9f2, the Qwen3-Next one from 609ede4: the experts packed, the shared expert a routed
+# Qwen3.5 file is from dede295, the Qwen3-Next one from 609ede4: the experts packed, the shared expert a routed
 # slot, the step's kernels launched with programmatic dependent launch (the next cells), and a Triton 3.6 compiler
 # fault on Hopper worked around (a pipelined `tl.dot` on a register tile now and then multiplied garbage;
-# docs/performance.md, a compiler fault); 1adc9f2 adds the q / k norm + RoPE launched on one token's row instead
-# of 16 (13.0 -> 2.2 us a layer) and the fused Gated DeltaNet decode step. HF bf16 at 80B does not fit beside ours.
+# docs/performance.md, a compiler fault); 1adc9f2 added the q / k norm + RoPE launched on one token's row instead
+# of 16 (13.0 -> 2.2 us a layer) and the fused Gated DeltaNet decode step, dede295 the step's prologue in one
+# launch (15.3 -> 1.2 us), the greedy epilogue straight into the token buffer and a prefill whose layers read no
+# value back to the host (2,048 tokens: 144 -> 118 ms). HF bf16 at 80B does not fit beside ours.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
