@@ -429,3 +429,42 @@ def test_config_checks_ffn_types_length():
     assert c.replace(num_hidden_layers=8).ffn_types == ("moe",) * 8
     with pytest.raises(lynn_model.ConfigError, match="ffn_types"):
         c.replace(num_hidden_layers=8, layer_types=c.layer_types * 2, ffn_types=c.ffn_types)
+
+
+def test_step_reads_no_value_back_after_its_token_check(ckpts, monkeypatch):
+    """``Model.step`` checks its token ids, then runs its layers trusted: no layer reads a value back to the host (on
+    a GPU each read-back lets the queue drain; the prefill's offsets come remembered from ``Cache.plan``), and the
+    ids check still refuses an id out of range."""
+    model = _fp32_kernel_model(ckpts, "q35")
+    cache = model.new_cache(max_batch=2, max_tokens=64)
+    a, b = cache.add(), cache.add()
+    reads, seen = [], []
+    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+
+    def tolist(t):
+        reads.append("tolist")
+        return real_tolist(t)
+
+    def item(t):
+        reads.append("item")
+        return real_item(t)
+
+    real_mlp = model.layers[0].mlp.forward
+
+    def mlp(x):
+        seen.append(lynn_kernels.runtime.values_checkable())
+        return real_mlp(x)
+
+    monkeypatch.setattr(model.layers[0].mlp, "forward", mlp)
+    with torch.no_grad():
+        ids = torch.arange(5, device=model.device)
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        monkeypatch.setattr(torch.Tensor, "item", item)
+        model.step(ids, cache, [a, b], [3, 2])                  # a packed prefill of two sequences
+        model.step(ids[:2], cache, [a, b], [1, 1])              # then a decode step
+        monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
+        monkeypatch.setattr(torch.Tensor, "item", real_item)
+        assert seen == [False, False] and "tolist" not in reads
+        assert reads.count("item") <= 4                         # the ids' min and max, once a step
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            model.step(torch.tensor([10 ** 6], device=model.device), cache, [a], [1])
