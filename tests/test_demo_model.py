@@ -115,15 +115,6 @@ def test_greedy_generation_is_stable_and_matches_hf(hf, ours, tok):
     assert sum(c.isalpha() for c in text) > len(text) / 2, text       # words, not byte soup
 
 
-def _tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def test_lynn_quantize_round_trips(tmp_path, ids):
     """Both layouts written by ``lynn quantize`` with the same recipe hold the same quantisation: codes and block
     scales byte for byte, and the compressed-tensors global scale the correctly rounded reciprocal of ModelOpt's.
@@ -133,6 +124,8 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
     machines at every earlier commit tried), and each stays close to the bf16 model (``lynn quantize`` shares one
     global scale across fused partners, so it is not the per-tensor quantise-on-load model; tests/test_quantize.py
     checks the bytes against the oracles)."""
+    from test_loader import read_all
+
     from lynn_kernels.nvfp4.spec import reciprocal
 
     x = torch.tensor([ids[:96]])
@@ -143,7 +136,7 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
             assert s["n_quantized"] > 0 and s["bytes_after"] < s["bytes_before"]
             logits[fmt] = lynn_model.from_pretrained(tmp_path / fmt, weights="auto", device="cpu").forward(x)
         bf16 = lynn_model.from_pretrained(DEMO_MODEL, weights="bf16", device="cpu").forward(x)
-    ct, mo = _tensors(tmp_path / "compressed-tensors"), _tensors(tmp_path / "modelopt")
+    ct, mo = read_all(tmp_path / "compressed-tensors"), read_all(tmp_path / "modelopt")
     groups = [k[: -len(".weight_packed")] for k in ct if k.endswith(".weight_packed")]
     assert groups and len(groups) == sum(k.endswith(".weight_scale_2") for k in mo)
     off_by_one = 0
@@ -159,7 +152,7 @@ def test_lynn_quantize_round_trips(tmp_path, ids):
     for fmt in logits:
         rel = _rel(logits[fmt], bf16)
         assert 0 < rel < 0.1, (fmt, rel)            # measured 0.072 (NVFP4 weights, bf16 activations)
-    assert _rel(logits["compressed-tensors"], logits["modelopt"]) < 0.02     # measured 0.0022
+    assert _rel(logits["compressed-tensors"], logits["modelopt"]) < 0.01     # measured 0.0022
 
 
 def test_lynn_generate_runs_the_demo_model_by_default(monkeypatch, capsys, tok):
