@@ -25,8 +25,4 @@ __all__ = ["runtime", "backend", "device_summary", "programmatic_launches", "tru
            "nvfp4", "NVFP4Tensor", "quantize", "dequantize",
            "matmul", "NVFP4Linear", "PackedNVFP4", "nvfp4_linear", "pack", "quantize_linears",
            "attention", "flash_attention", "decode_attention", "qk_norm_rope",
-           "deltanet", "moe", "norm", "rmsnorm", "fastlaunch"]
-
-from . import fastlaunch  # noqa: E402  (last: it gives every kernel defined above its fast launch path)
-
-fastlaunch.install()
+           "deltanet", "moe", "norm", "rmsnorm"]
