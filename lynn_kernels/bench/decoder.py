@@ -7,7 +7,8 @@
   the census of GPU operations per part of a step; ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
   weights, graph-replayed (what 4-bit weights buy); graph rows at contexts of 1k, 4k and 32k (batch 1) and 4k
   (batch 8), one with the shared expert's gate unfolded and one with each mixer's input projections in one GEMV
-  (``model.fuse_input_projections()``, measured last: the fusions' figures either way); prefill of 2,048 and
+  (``model.fuse_input_projections()``, measured last: the fusions' figures either way), then the fused step at
+  batch 8 with its census (how ``lynn generate`` runs a batch of 8); prefill of 2,048 and
   16,384 tokens, each with the profiler's kernel time beside it;
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
   same process (Qwen3.5-35B-A3B only: the 80B model in bf16 does not fit beside ours).
@@ -242,6 +243,14 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["census_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"census of the fused step failed: {err!r}")
+    try:                                         # batch 8 as `lynn generate` runs it (the fused forms)
+        grows, info["graph_b8_fused"] = graph_decode(model, ids, 8, ceilings, "lynn nvfp4 (graph, fused)", 0)
+        rows += grows
+        info["census_b8_fused"] = census(model, 8)
+    except Exception as err:
+        info.setdefault("graph_b8_fused", {"error": f"{type(err).__name__}: {err}"})
+        info["census_b8_fused"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"batch 8, fused: {err!r}")
     del model
     torch.cuda.empty_cache()
     return rows, info
