@@ -349,6 +349,8 @@ SMALL_TILE_CASES = [
     pytest.param(1, 7, 7, 80, 48, {"BLOCK_N": 32, "TW": 16, "num_warps": 4}, id="BN32-TW16-H80-I48-k7-slot-groups"),
     pytest.param(2, 3, 4, 208, 144, {"BLOCK_N": 32, "TW": 16, "num_warps": 4}, id="BN32-TW16-H208-I144-2-steps"),
     pytest.param(2, 2, 4, 256, 128, {"BLOCK_N": 16, "TW": 16, "num_warps": 4}, id="BN16-TW16-H256-I128-even-2-steps"),
+    pytest.param(3, 2, 4, 80, 48, {"BLOCK_N": 4, "TW": 16, "num_warps": 2}, id="BN4-TW16-w2-M3"),  # the GPU's
+    # down tile at M > 2 (PACKED_DOWN_CONFIGS[1]), here on both kernels, at a batch past 2
 ]
 
 
