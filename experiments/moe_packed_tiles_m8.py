@@ -45,16 +45,7 @@ def _set(up: dict, down: dict) -> None:
 def _compile(args) -> str:
     kind, i = args
     _set(UP[i] if kind == "up" else SHIPPED[0], DOWN[i] if kind == "down" else SHIPPED[1])
-    gen = torch.Generator(device="cuda").manual_seed(i)
-    b = mpd._block(8, gen)
-    try:
-        for m in (4, 8, 16):
-            x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-            moe_block(x, b["router"], *b["packed + shared slot"], top_k=8)
-        torch.cuda.synchronize()
-        return "ok"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc)[:160]}"
+    return mpd.warm_block(i, (4, 8, 16))
 
 
 def timed(blocks, xs, up, down) -> dict:
