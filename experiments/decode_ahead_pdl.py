@@ -38,6 +38,7 @@ from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
 from lynn_kernels.moe import moe_block, triton_experts
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches, compare
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)
@@ -172,13 +173,7 @@ for programs in (1, SMS):
 save()
 
 # 4. the GDN projection chain
-shapes = [(8192, 2048), (4096, 2048), (2048, 4096)]
-layers = 10
-ws = [[pack(quantize(torch.randn(n, k, device="cuda", dtype=BF16))) for n, k in shapes] for _ in range(layers)]
-x = torch.randn(1, 2048, device="cuda", dtype=BF16)
-h = torch.randn(1, 4096, device="cuda", dtype=BF16)
-ys = [[torch.empty(1, n, device="cuda", dtype=BF16) for n, _ in shapes] for _ in range(layers)]
-nbytes = layers * sum(n * k // 2 + n * k // 16 for n, k in shapes)
+shapes, layers, ws, x, h, ys, nbytes = gdn_chain()            # experiments/gdn_chain.py
 for name, cfg, pdl in [("shipped", None, False), ("shipped + PDL", None, True), ("AHEAD 2", {"AHEAD": 2}, False),
                        ("AHEAD 2 + PDL", {"AHEAD": 2}, True)]:
     calls = [lambda w=ws[li][si], y=ys[li][si], xx=(h if k == 4096 else x): launch_packed_gemv(xx, w, None, y, cfg,

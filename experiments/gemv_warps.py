@@ -27,6 +27,7 @@ from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches, compare
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)
@@ -96,13 +97,7 @@ for label, n, k in SHAPES:
     torch.cuda.empty_cache()
 
 # the chain: 10 GDN layers' qkv, z, out_proj with the shipped and the best tiles, PDL
-shapes = [(8192, 2048), (4096, 2048), (2048, 4096)]
-layers = 10
-ws = [[pack(quantize(torch.randn(n, k, device="cuda", dtype=BF16))) for n, k in shapes] for _ in range(layers)]
-x = torch.randn(1, 2048, device="cuda", dtype=BF16)
-h = torch.randn(1, 4096, device="cuda", dtype=BF16)
-ys = [[torch.empty(1, n, device="cuda", dtype=BF16) for n, _ in shapes] for _ in range(layers)]
-nbytes = layers * sum(n * k // 2 + n * k // 16 for n, k in shapes)
+shapes, layers, ws, x, h, ys, nbytes = gdn_chain()            # experiments/gdn_chain.py
 for name, cfgs in (("shipped", {}), ("best", best_cfg)):
     calls = [lambda w=ws[li][j], y=ys[li][j], xx=(h if j == 2 else x), c=cfgs.get(shapes[j]):
              launch_packed_gemv(xx, w, None, y, c, pdl=True) for li in range(layers) for j in range(3)]

@@ -29,6 +29,7 @@ from lynn_kernels.matmul.packed import x_words
 from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)
@@ -98,14 +99,8 @@ for label, n, k in SHAPES:
     del sets, flat
     torch.cuda.empty_cache()
 
-shapes = [(8192, 2048), (4096, 2048), (2048, 4096)]
-layers = 10
-ws = [[pack(quantize(torch.randn(n, k, device="cuda", dtype=BF16))) for n, k in shapes] for _ in range(layers)]
-x = torch.randn(1, 2048, device="cuda", dtype=BF16)
-h = torch.randn(1, 4096, device="cuda", dtype=BF16)
+shapes, layers, ws, x, h, ys, nbytes = gdn_chain()            # experiments/gdn_chain.py
 xw, hw = x_words(x, 256), x_words(h, 512)
-ys = [[torch.empty(1, n, device="cuda", dtype=BF16) for n, _ in shapes] for _ in range(layers)]
-nbytes = layers * sum(n * k // 2 + n * k // 16 for n, k in shapes)
 for variant, use_xw, cfgs in (("shipped", False, {}), ("xw, shipped tiles", True, {}), ("xw, best tiles", True, best)):
     calls = [lambda w=ws[li][j], y=ys[li][j], xx=(h if j == 2 else x), xxw=(hw if j == 2 else xw),
              c=cfgs.get(shapes[j]), u=use_xw: launch_packed_gemv(xx, w, None, y, c, pdl=True, xw=xxw if u else None)

@@ -30,6 +30,7 @@ from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)
@@ -146,13 +147,7 @@ for label, n, k in SHAPES:
     torch.cuda.empty_cache()
 
 # 2. the chain
-shapes = [(8192, 2048), (4096, 2048), (2048, 4096)]
-layers = 10
-ws = [[pack(quantize(torch.randn(n, k, device="cuda", dtype=BF16))) for n, k in shapes] for _ in range(layers)]
-x = torch.randn(1, 2048, device="cuda", dtype=BF16)
-h = torch.randn(1, 4096, device="cuda", dtype=BF16)
-ys = [[torch.empty(1, n, device="cuda", dtype=BF16) for n, _ in shapes] for _ in range(layers)]
-nbytes = layers * sum(n * k // 2 + n * k // 16 for n, k in shapes)
+shapes, layers, ws, x, h, ys, nbytes = gdn_chain()            # experiments/gdn_chain.py
 
 
 def chain(wsets):

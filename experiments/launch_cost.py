@@ -17,7 +17,6 @@ import time
 import torch
 import triton
 
-import lynn_kernels
 import fastlaunch_proto as fastlaunch   # experiments/fastlaunch_proto.py (not part of the package: rejected)
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.norm import rmsnorm
