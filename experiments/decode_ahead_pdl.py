@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lynn_kernels.bench.harness import l2_bytes, provenance
-from lynn_kernels.bench.matmul_graph import graph_us, pure_read
+from lynn_kernels.bench.harness import provenance
+from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack, reference
 from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
 from lynn_kernels.moe import moe_block, triton_experts
@@ -51,9 +51,6 @@ BF16 = torch.bfloat16
 def save():
     json.dump(res, open(os.path.join(OUT, "decode_ahead_pdl.json"), "w"), indent=1)
 
-
-def n_sets(nbytes):
-    return max(8, min(64, -(-3 * l2_bytes() // nbytes)))
 
 
 # 1. the FMA GEMV

@@ -21,8 +21,8 @@ import os
 
 import torch
 
-from lynn_kernels.bench.harness import l2_bytes, provenance
-from lynn_kernels.bench.matmul_graph import graph_us, pure_read
+from lynn_kernels.bench.harness import provenance
+from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
@@ -39,9 +39,6 @@ res = {"provenance": provenance("python3 experiments/gemv_warps.py"), "sweep": [
 def save():
     json.dump(res, open(os.path.join(OUT, "gemv_warps.json"), "w"), indent=1)
 
-
-def n_sets(nbytes):
-    return max(8, min(64, -(-3 * l2_bytes() // nbytes)))
 
 
 SHAPES = [("GDN qkv|z fused 2048->12288", 12288, 2048), ("attention q|k|v fused 2048->9216", 9216, 2048),

@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from lynn_kernels.bench.harness import l2_bytes, provenance
-from lynn_kernels.bench.matmul_graph import graph_us, pure_read
+from lynn_kernels.bench.harness import provenance
+from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.packed import x_words
 from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
@@ -41,9 +41,6 @@ res = {"provenance": provenance("python3 experiments/gemv_xwords.py"), "sweep": 
 def save():
     json.dump(res, open(os.path.join(OUT, "gemv_xwords.json"), "w"), indent=1)
 
-
-def n_sets(nbytes):
-    return max(8, min(64, -(-3 * l2_bytes() // nbytes)))
 
 
 def name(c):

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from lynn_kernels.bench.harness import l2_bytes, provenance
-from lynn_kernels.bench.matmul_graph import pure_read
+from lynn_kernels.bench.matmul_graph import n_sets, pure_read
 from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
@@ -111,9 +111,6 @@ def graph_us(calls, reps=20, side_calls=None, ahead=1):
     times.sort()
     return times[len(times) // 2]
 
-
-def n_sets(nbytes):
-    return max(8, min(64, -(-3 * l2_bytes() // nbytes)))
 
 
 torch.manual_seed(0)

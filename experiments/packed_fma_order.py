@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels.bench.harness import provenance
-from lynn_kernels.bench.matmul_graph import _n_sets, graph_us
+from lynn_kernels.bench.matmul_graph import n_sets, graph_us
 from lynn_kernels.matmul import pack, reference
 from lynn_kernels.matmul.triton_matmul import launch_gemv, launch_packed_gemv
 from lynn_kernels.nvfp4 import dequantize, quantize
@@ -51,9 +51,9 @@ print(f"exactness: {len(res['exact']) - bad}/{len(res['exact'])} within bounds",
 SHAPES = [(8192, 2048), (4096, 2048), (2048, 4096), (2048, 512), (12288, 2048), (248320, 2048), (8192, 8192)]
 for (n, k) in SHAPES:
     wb = n * k // 2 + n * k // 16
-    qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(_n_sets(wb))]
+    qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets(wb))]
     sets = [pack(q) for q in qs]
-    dense = [dequantize(q, torch.bfloat16) for q in qs[:_n_sets(2 * n * k)]]
+    dense = [dequantize(q, torch.bfloat16) for q in qs[:n_sets(2 * n * k)]]
     del qs
     for m in (1, 2):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -22,8 +22,8 @@ import os
 import torch
 
 from lynn_kernels import runtime
-from lynn_kernels.bench.harness import host_us, l2_bytes, provenance
-from lynn_kernels.bench.matmul_graph import empty_launch, graph_us, pure_read
+from lynn_kernels.bench.harness import host_us, provenance
+from lynn_kernels.bench.matmul_graph import empty_launch, graph_us, n_sets, pure_read
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import _FMA_GEMV, fma_config, launch_gemv, launch_packed_gemv
 from lynn_kernels.nvfp4 import dequantize, quantize
@@ -39,9 +39,6 @@ res = {"provenance": provenance("python3 experiments/packed_gemv_stream.py"), "e
 def save():
     json.dump(res, open(os.path.join(OUT, "packed_gemv_stream.json"), "w"), indent=1)
 
-
-def n_sets(nbytes):
-    return max(8, min(64, -(-3 * l2_bytes() // nbytes)))
 
 
 SHAPES = [("qkv 2048->8192", 8192, 2048), ("z 2048->4096", 4096, 2048), ("out 4096->2048", 2048, 4096),

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from lynn_kernels.bench.harness import provenance
-from lynn_kernels.bench.matmul_graph import _n_sets, graph_us
+from lynn_kernels.bench.matmul_graph import n_sets, graph_us
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
@@ -44,7 +44,7 @@ print(f"exactness: {len(res['exact']) - bad}/{len(res['exact'])} within bounds",
 # the tile sweep at M = 1 (and M = 2 for the default); SWEEP=0 skips it
 for (n, k) in [] if os.environ.get("SWEEP") == "0" else [(8192, 2048), (4096, 2048), (2048, 4096), (2048, 512), (248320, 2048), (8192, 8192)]:
     wb = n * k // 2 + n * k // 16
-    sets = [pack(quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))) for _ in range(_n_sets(wb))]
+    sets = [pack(quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))) for _ in range(n_sets(wb))]
     for m in (1, 2):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels.bench.harness import provenance
-from lynn_kernels.bench.matmul_graph import _n_sets, graph_us
+from lynn_kernels.bench.matmul_graph import n_sets, graph_us
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv, launch_packed_gemv
 from lynn_kernels.nvfp4 import dequantize, quantize
@@ -67,9 +67,9 @@ CFGS = [None, {"BLOCK_M": 8}, {"num_stages": 2}, {"num_stages": 4}, {"BLOCK_K": 
         {"BLOCK_M": 8, "BLOCK_K": 512, "num_stages": 3}]
 for (n, k) in SHAPES:
     wb = n * k // 2 + n * k // 16
-    qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(_n_sets(wb))]
+    qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets(wb))]
     sets = [pack(q) for q in qs]
-    dense = [dequantize(q, torch.bfloat16) for q in qs[:_n_sets(2 * n * k)]]
+    dense = [dequantize(q, torch.bfloat16) for q in qs[:n_sets(2 * n * k)]]
     del qs
     for m in (1, 2, 4, 8, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -100,7 +100,9 @@ def graph_us(calls: list, reps: int = 20) -> float:
     return times[len(times) // 2]
 
 
-def _n_sets(bytes_per_set: int) -> int:
+def n_sets(bytes_per_set: int) -> int:
+    """How many distinct copies of a ``bytes_per_set`` operand to rotate through so that together they exceed the
+    L2 three times over (each call then reads from HBM): 8 to 64."""
     return max(8, min(64, math.ceil(3 * l2_bytes() / bytes_per_set)))
 
 
@@ -117,11 +119,11 @@ def bench_graph(ceilings, quick: bool = False) -> list[Result]:
     for si, (label, n, k) in enumerate(shapes):
         w_bytes = n * k // 2 + n * k // 16
         sets = []
-        for _ in range(_n_sets(w_bytes)):
+        for _ in range(n_sets(w_bytes)):
             q = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
             sets.append((q, pack(q)))
         wb = dequantize(sets[0][0])                             # cuBLAS: one bf16 copy, rotated below
-        bsets = [wb] + [dequantize(s[0]) for s in sets[1:_n_sets(2 * n * k)]]
+        bsets = [wb] + [dequantize(s[0]) for s in sets[1:n_sets(2 * n * k)]]
         flat = [torch.cat([p.words.view(-1), p.scales.view(torch.int32).view(-1)]) for _, p in sets]
         sink = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
         for m in ms:
