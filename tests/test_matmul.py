@@ -1165,3 +1165,124 @@ def test_gpu_split_k_graph_survives_a_larger_call_and_streams(make_weight, make_
     for o in outs:
         assert_bit_equal(o, want, "on a second stream")
     assert_counters_zeroed()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the prefill path: dequantise the packed weight once, then cuBLAS (nvfp4_linear from DEQUANT_MIN_M rows of x on)
+
+
+def _every_code_four_shards(device) -> tuple[NVFP4Tensor, list[tuple[str, slice]]]:
+    """The every-code weight of :func:`_every_code_weight` with one power-of-two global scale per 32 rows, held per
+    row (four runs: the dequantise-then-cuBLAS path takes at most DEQUANT_MAX_SHARDS)."""
+    w, groups = _every_code_weight(device)
+    g = torch.tensor([2.0 ** -4, 1.0, 2.0 ** 3, 2.0 ** -1], dtype=FP32, device=device).repeat_interleave(32)
+    return NVFP4Tensor(w.codes, w.scales, g), groups
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_dequantize_every_code_and_scale_exact(dtype, device, poison_empty):
+    """The dequantise kernel writes ``e2m1 * s * 2^-19`` (``e2m1 * s`` for fp16) for every code and scale byte,
+    exactly (the zero-scale row's zeros all +0: the layout zeroes that block's codes), and only the weight's own K
+    columns (16 here, of a chunk padded to 128)."""
+    w, _ = _every_code_weight(device)
+    out = torch.full((128, 16), float("nan"), dtype=dtype, device=device)
+    triton_matmul.launch_packed_dequantize(pack(w), out)
+    ones = NVFP4Tensor(w.codes, w.scales, torch.ones(128, dtype=FP32, device=device))
+    want = nvfp4_reference.dequantize(ones, FP32) * (1.0 if dtype == FP16 else 2.0 ** -19)
+    assert_bit_equal(out[1:], want[1:].to(dtype), "dequantised weight")
+    assert torch.equal(out[0], want[0].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_gemm_every_code_and_scale_exact(dtype, device, poison_empty):
+    """Identity rows of x through ``nvfp4_linear`` at M = DEQUANT_MIN_M (the dequantise-then-cuBLAS dispatch, four
+    runs of one global scale: one ``addmm`` each) read the weight back bit for bit."""
+    w, groups = _every_code_four_shards(device)
+    m = triton_matmul.DEQUANT_MIN_M
+    x = torch.eye(16, dtype=dtype, device=device).repeat(m // 16, 1)
+    p = pack(w)
+    assert triton_matmul.use_dequant_gemm(m, p, dtype)
+    y, want = nvfp4_linear(x, p), reference.nvfp4_linear(x, w)
+    for name, rows in groups:
+        assert_bit_equal(y[:, rows], want[:, rows], f"rows of {name}")
+
+
+@pytest.mark.parametrize("dtype,bias", [pytest.param(BF16, False, id="bf16-nobias"), pytest.param(BF16, True, id="bf16-bias"),
+                                        pytest.param(FP16, True, id="fp16-bias"), pytest.param(FP32, False, id="fp32-nobias")])
+@pytest.mark.parametrize("mnk", [_mnk(17, 37, 208), _mnk(40, 130, 1040), _mnk(3, 65, 48)])
+def test_dequant_gemm_matches_reference(mnk, dtype, bias, make_weight, make_nvfp4, device, poison_empty):
+    """``launch_dequant_gemm`` on its own at awkward shapes (odd N, K a multiple of 16 but not of 64, x a strided
+    view), with and without a bias of x's dtype, against the fp32 reference within one rounding."""
+    m, n, k = mnk
+    x = make_weight((k, m), dtype, seed=m + k).t()                        # strides (1, m)
+    w = make_nvfp4(n, k, seed=n)
+    b = make_bias(n, dtype if bias else None, device)
+    y = triton_matmul.launch_dequant_gemm(x, pack(w), b, torch.full((m, n), float("nan"), dtype=dtype, device=device))
+    assert_close_to_reference(y, reference.nvfp4_linear(x, w, b), f"dequant GEMM M={m} N={n} K={k}")
+
+
+def test_dequant_gemm_per_shard_global_scales(make_weight, device, poison_empty):
+    """Projections of very different magnitude stacked by ``concat_rows`` (one global scale per shard): each shard's
+    columns match the product with that projection alone; a bias of another dtype than x is refused by name."""
+    sizes, mags = (64, 32, 96), (1e-3, 1.0, 300.0)
+    qs = [nvfp4_reference.quantize(make_weight((r, 208), FP32, seed=i, scale=s)) for i, (r, s) in enumerate(zip(sizes, mags))]
+    p = packed.concat_rows([pack(q) for q in qs])
+    assert [r[:2] for r in p.scale_runs()] == [(0, 64), (64, 96), (96, 192)]
+    x = make_weight((20, 208), BF16, seed=5)
+    y = triton_matmul.launch_dequant_gemm(x, p, None, torch.empty(20, sum(sizes), dtype=BF16, device=device))
+    for i, (q, part) in enumerate(zip(qs, y.split(sizes, dim=-1))):
+        assert_close_to_reference(part, reference.nvfp4_linear(x, q), f"shard {i} (x {mags[i]})")
+    with pytest.raises(ValueError, match="bias has dtype torch.float32"):
+        triton_matmul.launch_dequant_gemm(x, p, torch.zeros(sum(sizes), device=device), torch.empty_like(y))
+
+
+@pytest.mark.parametrize("case,want", [
+    pytest.param(dict(m=255), "launch_gemm", id="below-DEQUANT_MIN_M"),
+    pytest.param(dict(m=256), "launch_dequant_gemm", id="at-DEQUANT_MIN_M"),
+    pytest.param(dict(m=256, bias=FP32), "launch_gemm", id="fp32-bias-with-bf16-x"),
+    pytest.param(dict(m=256, layout="checkpoint"), "launch_gemm", id="checkpoint-layout"),
+    pytest.param(dict(m=256, per_row=1), "launch_dequant_gemm", id="one-scale-held-per-row"),
+    pytest.param(dict(m=256, per_row=37), "launch_gemm", id="37-distinct-scales"),
+])
+def test_linear_dispatch_to_dequant_gemm(case, want, monkeypatch, make_weight, make_nvfp4, poison_empty):
+    """``nvfp4_linear`` above 16 rows: the dequantise-then-cuBLAS path for a packed weight from DEQUANT_MIN_M rows
+    on with at most DEQUANT_MAX_SHARDS runs of one global scale and a bias (if any) of x's dtype; the packed GEMM
+    otherwise.
+    Either way the product matches the reference."""
+    assert triton_matmul.DEQUANT_MIN_M == 256          # the cases straddle it
+    calls = []
+    for name in ("launch_gemm", "launch_dequant_gemm"):
+        real = getattr(triton_matmul, name)
+        monkeypatch.setattr(triton_matmul, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    w = make_nvfp4(37, 48)
+    if case.get("per_row"):                              # per-row scales: 1 or 37 distinct values
+        g = w.global_scale.reshape(1) * torch.arange(1, 38, device=w.codes.device) ** (case["per_row"] > 1)
+        w = NVFP4Tensor(w.codes, w.scales, g.float())
+    wl = w if case.get("layout") == "checkpoint" else pack(w)
+    x = make_weight((case["m"], 48), BF16, seed=3)
+    b = make_bias(37, case.get("bias"), x.device)
+    assert_close_to_reference(nvfp4_linear(x, wl, b), reference.nvfp4_linear(x, w, b))
+    assert calls == [want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [pytest.param(256, 1000, 2064, id="M256-1000x2064"),
+                                   pytest.param(2048, 12288, 2048, id="M2048-12288x2048")])
+def test_gpu_dequant_gemm_matches_reference(m, n, k, dtype, make_weight, make_nvfp4, device):
+    """On the GPU (the bf16 tile by inline PTX; cuBLAS): the dispatch at prefill sizes within one rounding of the
+    reference, the same bits on a second call, and the every-code weight read back exactly."""
+    x = make_weight((m, k), dtype, seed=1)
+    w = make_nvfp4(n, k, seed=2, scale=0.02)
+    b = make_bias(n, dtype, device)
+    p = pack(w)
+    assert triton_matmul.use_dequant_gemm(m, p, dtype, b)
+    y = nvfp4_linear(x, p, b)
+    assert_close_to_reference(y, reference.nvfp4_linear(x, w, b), f"M={m} N={n} K={k}")
+    assert_bit_equal(nvfp4_linear(x, p, b), y, "second call")
+    we, groups = _every_code_four_shards(device)
+    xe = torch.eye(16, dtype=dtype, device=device).repeat(m // 16, 1)
+    ye, want = nvfp4_linear(xe, pack(we)), reference.nvfp4_linear(xe, we)
+    for name, rows in groups:
+        assert_bit_equal(ye[:, rows], want[:, rows], f"rows of {name}")

@@ -74,7 +74,7 @@ class PackedNVFP4:
     :class:`~lynn_kernels.nvfp4.NVFP4Tensor`).
     """
 
-    __slots__ = ("words", "scales", "global_scale", "rows_per_g", "k")
+    __slots__ = ("words", "scales", "global_scale", "rows_per_g", "k", "_runs")
 
     def __init__(self, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, rows_per_g: int,
                  k: int):
@@ -98,6 +98,26 @@ class PackedNVFP4:
         self.global_scale = global_scale.reshape(-1).contiguous()
         self.rows_per_g = int(rows_per_g)
         self.k = int(k)
+        self._runs: tuple[tuple[int, int, float], ...] | None = None
+
+    def scale_runs(self) -> tuple[tuple[int, int, float], ...]:
+        """``(first_row, end_row, global_scale)`` for each run of consecutive rows sharing one global scale, the
+        scale a Python float (a stack of projections from :func:`concat_rows` holds one scale per row but one run
+        per projection). Read back from the device once (a host sync), then kept; the dequantise-then-cuBLAS GEMM
+        gives each run's scale to cuBLAS as its ``alpha``. Call it once before capturing a CUDA graph that reaches
+        that path."""
+        if self._runs is None:
+            if self.global_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("PackedNVFP4.scale_runs() was first called inside a CUDA graph capture (it reads "
+                                   "the global scales back): call it once before capturing")
+            runs, g = [], self.global_scale.tolist()
+            for i, v in enumerate(g):
+                if runs and runs[-1][2] == v:
+                    runs[-1][1] = (i + 1) * self.rows_per_g
+                else:
+                    runs.append([i * self.rows_per_g, (i + 1) * self.rows_per_g, float(v)])
+            self._runs = tuple(tuple(r) for r in runs)
+        return self._runs
 
     @property
     def shape(self) -> torch.Size:

@@ -540,6 +540,89 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     return y
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# prefill: dequantise the packed weight once, then cuBLAS
+
+@triton.jit
+def _packed_dequantize_kernel(
+    words_ptr, scales_ptr, out_ptr, N, K, KW,
+    OUT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr, UNSCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """A packed weight -> ``out [N, K]`` in ``OUT_DTYPE``, each element ``e2m1 * s * 2^-19`` (``UNSCALED``:
+    ``e2m1 * s``), exact: the GEMM's tile (:func:`packed_w_tile`), stored instead of multiplied."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if INTERPRET:           # the interpreter keeps the tile fp32 and stores bf16 as its bits (runtime.cast_output)
+        w = cast_output(packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N, BLOCK_K, tl.float32,
+                                      False, UNSCALED), OUT_DTYPE, INTERPRET)
+    else:
+        w = packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N, BLOCK_K, OUT_DTYPE, BF16_ASM,
+                          UNSCALED)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w,
+             mask=mask_n[:, None] & (offs_k[None, :] < K))
+
+
+#: The dequantise kernel's tile (a multiple of a chunk along K); measured on the H200 in experiments/dequant_gemm.py.
+DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
+#: From this many rows of x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype (one
+#: kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel (H200 crossover in
+#: docs/performance.md). Weights with more runs of rows under one global scale than DEQUANT_MAX_SHARDS stay on the
+#: packed GEMM (one cuBLAS call per run: a stack of projections is one run each).
+DEQUANT_MIN_M = 256
+DEQUANT_MAX_SHARDS = 4
+
+
+def use_dequant_gemm(m: int, w, x_dtype: torch.dtype, bias=None) -> bool:
+    """The prefill dispatch: dequantise-then-cuBLAS for a packed weight from DEQUANT_MIN_M rows of x on, with at most
+    DEQUANT_MAX_SHARDS runs of one global scale (:meth:`PackedNVFP4.scale_runs`: read back once per weight) and a
+    bias (if any) of x's dtype (cuBLAS adds it in that dtype)."""
+    return (isinstance(w, PackedNVFP4) and m >= DEQUANT_MIN_M and (bias is None or bias.dtype == x_dtype)
+            and len(w.scale_runs()) <= DEQUANT_MAX_SHARDS)
+
+
+def launch_packed_dequantize(w: PackedNVFP4, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """Launch only: ``w`` into a contiguous ``out [N, K]`` (bf16 / fp16 / fp32) as ``e2m1 * s * 2^-19`` (fp16:
+    ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are the caller's."""
+    n, k = w.shape
+    meta = {**DEQUANT_CONFIG, **(config or {})}
+    if meta["BLOCK_K"] % CHUNK:
+        raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: the dequantise tile covers whole chunks of {CHUNK}")
+    warps = meta.pop("num_warps")
+    grid = (runtime.cdiv(n, meta["BLOCK_N"]), runtime.cdiv(k, meta["BLOCK_K"]))
+    _packed_dequantize_kernel[grid](
+        w.words, w.scales, kernel_view(out), n, k, w.words.shape[1],
+        OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], BF16_ASM=not runtime.INTERPRET and out.dtype == torch.bfloat16,
+        UNSCALED=out.dtype == torch.float16, **meta, **runtime.kernel_flags(), num_warps=warps)
+    return out
+
+
+def launch_dequant_gemm(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor,
+                        config: dict | None = None) -> torch.Tensor:
+    """Launch only: ``x2 [M, K]`` times the packed ``w`` into ``y [M, N]`` by dequantising ``w`` to x's dtype in a
+    workspace (exact: ``e2m1 * s`` times a power of two) and one cuBLAS ``addmm`` per run of rows under one global
+    scale (:meth:`PackedNVFP4.scale_runs`), which applies
+    the scale and the power of two as its fp32 ``alpha`` and adds the bias (x's dtype) before the one rounding: the
+    reference's arithmetic, in cuBLAS's summation order. ``config`` replaces :data:`DEQUANT_CONFIG`."""
+    if bias is not None and bias.dtype != x2.dtype:
+        raise ValueError(f"bias has dtype {bias.dtype}; the dequantise-then-cuBLAS GEMM adds it in x's dtype "
+                         f"({x2.dtype})")
+    n, k = w.shape
+    wd = launch_packed_dequantize(w, torch.empty((n, k), dtype=x2.dtype, device=x2.device), config)
+    unit = 1.0 if x2.dtype == torch.float16 else MMA_UNIT.value
+    for r0, r1, s in w.scale_runs():
+        r = slice(r0, r1)
+        out = y[:, r]
+        if bias is None:
+            torch.addmm(out, x2, wd[r].t(), beta=0, alpha=s * unit, out=out)
+        else:
+            torch.addmm(bias[r], x2, wd[r].t(), alpha=s * unit, out=out)
+    return y
+
+
 @functools.lru_cache(maxsize=4096)
 def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
@@ -640,9 +723,17 @@ def nvfp4_gemm_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def _launch_large(x2, w, bias, y):
+    """M > GEMV_MAX_M: dequantise-then-cuBLAS where :func:`use_dequant_gemm` says, the packed GEMM otherwise."""
+    if use_dequant_gemm(x2.shape[0], w, x2.dtype, bias):
+        return launch_dequant_gemm(x2, w, bias, y)
+    return launch_gemm(x2, w, bias, y)
+
+
 def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Host side of :func:`lynn_kernels.matmul.nvfp4_linear`: the GEMV for M <= 16, the GEMM above."""
+    """Host side of :func:`lynn_kernels.matmul.nvfp4_linear`: the GEMV for M <= 16; above, the GEMM kernel or, for
+    a packed weight from DEQUANT_MIN_M rows on, the weight dequantised once and cuBLAS."""
     x2, y = _prepare(x, w, bias)
     if x2.shape[0] > 0:
-        (_launch_small if x2.shape[0] <= GEMV_MAX_M else launch_gemm)(x2, w, bias, y)
+        (_launch_small if x2.shape[0] <= GEMV_MAX_M else _launch_large)(x2, w, bias, y)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
