@@ -1236,20 +1236,22 @@ def test_dequant_gemm_per_shard_global_scales(make_weight, device, poison_empty)
         triton_matmul.launch_dequant_gemm(x, p, torch.zeros(sum(sizes), device=device), torch.empty_like(y))
 
 
+DMIN = triton_matmul.DEQUANT_MIN_M
+
+
 @pytest.mark.parametrize("case,want", [
-    pytest.param(dict(m=255), "launch_gemm", id="below-DEQUANT_MIN_M"),
-    pytest.param(dict(m=256), "launch_dequant_gemm", id="at-DEQUANT_MIN_M"),
-    pytest.param(dict(m=256, bias=FP32), "launch_gemm", id="fp32-bias-with-bf16-x"),
-    pytest.param(dict(m=256, layout="checkpoint"), "launch_gemm", id="checkpoint-layout"),
-    pytest.param(dict(m=256, per_row=1), "launch_dequant_gemm", id="one-scale-held-per-row"),
-    pytest.param(dict(m=256, per_row=37), "launch_gemm", id="37-distinct-scales"),
+    pytest.param(dict(m=DMIN - 1), "launch_gemm", id="below-DEQUANT_MIN_M"),
+    pytest.param(dict(m=DMIN), "launch_dequant_gemm", id="at-DEQUANT_MIN_M"),
+    pytest.param(dict(m=DMIN, bias=FP32), "launch_gemm", id="fp32-bias-with-bf16-x"),
+    pytest.param(dict(m=DMIN, layout="checkpoint"), "launch_gemm", id="checkpoint-layout"),
+    pytest.param(dict(m=DMIN, per_row=1), "launch_dequant_gemm", id="one-scale-held-per-row"),
+    pytest.param(dict(m=DMIN, per_row=37), "launch_gemm", id="37-distinct-scales"),
 ])
 def test_linear_dispatch_to_dequant_gemm(case, want, monkeypatch, make_weight, make_nvfp4, poison_empty):
     """``nvfp4_linear`` above 16 rows: the dequantise-then-cuBLAS path for a packed weight from DEQUANT_MIN_M rows
     on with at most DEQUANT_MAX_SHARDS runs of one global scale and a bias (if any) of x's dtype; the packed GEMM
     otherwise.
     Either way the product matches the reference."""
-    assert triton_matmul.DEQUANT_MIN_M == 256          # the cases straddle it
     calls = []
     for name in ("launch_gemm", "launch_dequant_gemm"):
         real = getattr(triton_matmul, name)

@@ -1,8 +1,9 @@
 """Packed W4A16 matmul timed the way a decoder runs it: kernel time from CUDA-graph replay.
 
 For each decoder projection shape and M, in one process: ours on the packed layout (:func:`lynn_kernels.matmul.pack`
-weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above; and the two decode kernels each on its own,
-the FMA GEMV for M <= 2 and the tensor-core GEMV for M <= 16), ours on the checkpoint layout
+weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above, dequantise-then-cuBLAS from 256 rows;
+and the decode kernels each on its own, the FMA GEMV for M <= 2 and the tensor-core GEMV for M <= 16, and the two
+prefill paths, the packed GEMM kernel and dequantise-then-cuBLAS, from M = 64), ours on the checkpoint layout
 (the previous kernels), cuBLAS bf16 ``F.linear`` on the dequantised weights, and a pure-read Triton kernel of the
 packed weight's bytes (the per-shape ceiling). Each is captured as one graph of ``S`` consecutive calls on ``S``
 rotating weight sets (together past 3x the L2), replayed, and divided by ``S``; the Python call time
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..matmul import nvfp4_linear, pack, reference
-from ..matmul.triton_matmul import launch_gemv, launch_packed_gemv
+from ..matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_gemv, launch_packed_gemv
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
 from . import register
@@ -150,6 +151,12 @@ def bench_graph(ceilings, quick: bool = False) -> list[Result]:
                 providers.append(("lynn packed tensor-core GEMV", [lambda p=p: launch_gemv(x, p, None, y)
                                                                    for _, p in sets],
                                   lambda: launch_gemv(x, sets[0][1], None, y), w_bytes + act))
+            if m >= 64:         # the two prefill paths on their own, whatever the dispatch picks
+                providers.append(("lynn packed GEMM kernel", [lambda p=p: launch_gemm(x, p, None, y) for _, p in sets],
+                                  lambda: launch_gemm(x, sets[0][1], None, y), w_bytes + act))
+                providers.append(("lynn dequantise + cuBLAS", [lambda p=p: launch_dequant_gemm(x, p, None, y)
+                                                               for _, p in sets],
+                                  lambda: launch_dequant_gemm(x, sets[0][1], None, y), w_bytes + act))
             if m == 1:
                 providers.append(("pure read (same bytes)", [lambda f=f: pure_read(f, sink) for f in flat], None,
                                   w_bytes))

@@ -1,6 +1,6 @@
 """``lynn check`` rows for the packed W4A16 matmul: the GEMV, the GEMM and ``nvfp4_linear``'s dispatch, on the
 checkpoint layout and on the packed one, and the packed layout's two decode kernels (the FMA GEMV, the tensor-core
-GEMV) each on its own, against the fp32 reference.
+GEMV) and its prefill path (dequantise, then cuBLAS) each on its own, against the fp32 reference.
 
 Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``; the baseline of ``err_ratio`` is the same product
 rounded through a bf16 weight (the copy cuBLAS would multiply). A row passes when its rel_l2 is within
@@ -28,6 +28,7 @@ MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1
 OPS = (
     "matmul.nvfp4_gemv", "matmul.nvfp4_gemv packed", "matmul.nvfp4_gemm", "matmul.nvfp4_gemm packed",
     "matmul.nvfp4_linear", "matmul.nvfp4_linear packed", "matmul.tensor-core gemv packed", "matmul.fma gemv packed",
+    "matmul.dequantise + cuBLAS packed",
 )
 
 
@@ -64,6 +65,12 @@ def iter_rows() -> Iterator[dict]:
             if m <= 2:
                 got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
                 yield _row("matmul.fma gemv packed", label, got, want, base, dtype)
+        if m > 16 and runtime.backend() != "reference":
+            # the prefill path (nvfp4_linear's from DEQUANT_MIN_M rows) on its own: dequantise once, then cuBLAS
+            from .triton_matmul import launch_dequant_gemm
+
+            got = launch_dequant_gemm(x, pack(w), bias, torch.empty(m, n, dtype=dtype, device=x.device))
+            yield _row("matmul.dequantise + cuBLAS packed", label, got, want, base, dtype)
 
 
 def check_matmul() -> list[dict]:
