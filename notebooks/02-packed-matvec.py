@@ -928,6 +928,30 @@ print(render_table([{"M": m, **{f"N={n:,}": "FMA" if triton_matmul.use_fma_gemv(
                                 for n in (2048, 8191, 8192, 65536, 65537, 248320)}} for m in (1, 2, 3, 16)]))
 
 # %% [markdown]
+# **(g) The prefill path.** From `DEQUANT_MIN_M` rows of x on, `nvfp4_linear` stops decoding in the GEMM's registers:
+# it writes the packed weight once to a workspace of x's dtype (`launch_packed_dequantize`: the tensor-core tile
+# `e2m1 * s * 2^-19`, stored instead of multiplied) and calls cuBLAS (`torch.addmm` on the CPU too), whose fp32
+# `alpha` carries `g * 2^19`. Thousands of rows of x reuse each weight, so the bytes stop mattering and the tensor
+# cores' schedule decides, which is cuBLAS's strength (section 7 has the H200's crossover). The workspace, read back
+# and undone by `2^19`, is `e2m1 * s` itself; the product on grid data is exact, so it must match the reference bit
+# for bit whichever path runs:
+
+# %%
+LAUNCHES["launch_dequant_gemm"] = "dequantise + cuBLAS"
+x, w = grid_case(triton_matmul.DEQUANT_MIN_M, 37, 208, seed=41, dtype=torch.bfloat16)
+p37 = pack(w)
+ws = triton_matmul.launch_packed_dequantize(p37, torch.empty(37, 208, dtype=torch.bfloat16, device=DEVICE))
+unit_s = nvfp4.reference.dequantize(lk.NVFP4Tensor(w.codes, w.scales, torch.ones((), device=w.codes.device)),
+                                    torch.float32)                       # e2m1 x s from the checkpoint's bytes
+print("workspace x 2^19 == e2m1 x s for every weight:", bool((ws.float() * 2.0 ** 19 == unit_s).all()))
+rows = []
+for m in (triton_matmul.DEQUANT_MIN_M - 1, triton_matmul.DEQUANT_MIN_M):
+    y, kernel = traced(nvfp4_linear, x[:m], p37)
+    rows.append({"M": m, "kernel": kernel, "case": "grid bf16 37x208",
+                 "mismatches vs reference": compare(y, reference.nvfp4_linear(x[:m], w), exact=True).mismatches})
+print(render_table(rows))
+
+# %% [markdown]
 # Section 5's `lynn check matmul` runs every one of its rows on both layouts, and the two decode kernels on their own.
 # Two paths are not run here: on the GPU the FMA GEMV decodes its scales in inline PTX (`_decode_scales_asm`: the
 # `prmt` and `lop3` of (e)), and with bf16 activations the tensor-core tile decodes a word in inline PTX
@@ -1483,6 +1507,39 @@ print(render_table(goal_rows))
 
 
 # %% [markdown]
+# **The prefill path on the H200** (`experiments/dequant_gemm.py`, committed results, git 9130a4f): the packed GEMM
+# kernel against the prefill path (dequantise once, then cuBLAS: both launches timed together), each as a fraction of
+# cuBLAS bf16 on bf16 weights, by CUDA-graph replay on rotating weights. The kernel's one-stage compile (the Triton
+# 3.6 fault of docs/performance.md) holds it near 0.4x at every M; the two-launch path pays the dequantise kernel's
+# 7-20 us once, so it climbs with M and passes the 0.8x goal from 1,024 rows. `nvfp4_linear` switches at 128:
+
+# %%
+import json
+from pathlib import Path
+
+dq = json.loads(Path(lk.__file__).resolve().parents[1].joinpath(
+    "data/bench/h200/dequant_gemm-9130a4f.json").read_text())
+fig, ax = plt.subplots(figsize=(8, 3.4))
+for shape in dict.fromkeys(r["shape"] for r in dq["crossover"]):
+    cells = [r for r in dq["crossover"] if r["shape"] == shape]
+    line, = ax.plot([r["M"] for r in cells], [r["dequant+cuBLAS vs cuBLAS"] for r in cells], "o-", label=shape)
+    ax.plot([r["M"] for r in cells], [r["packed GEMM vs cuBLAS"] for r in cells], "x--", c=line.get_color())
+ax.axhline(0.8, ls=":", c="0.4")
+ax.axvline(triton_matmul.DEQUANT_MIN_M, ls=":", c="0.7")
+ax.text(1100, 0.75, "goal 0.8x", fontsize=8)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("M (rows of x)")
+ax.set_ylabel("speed vs cuBLAS bf16")
+ax.set_title("o-: dequantise + cuBLAS    x--: packed GEMM kernel", fontsize=9)
+ax.legend(fontsize=7, loc="upper left")
+plt.tight_layout()
+plt.show()
+print(render_table([{"shape": r["shape"], "M": r["M"], "GEMM kernel us": r4(r["packed GEMM kernel"]),
+                     "dequantise + cuBLAS us": r4(r["dequantise + cuBLAS"]), "cuBLAS bf16 us": r4(r["cuBLAS bf16"]),
+                     "vs cuBLAS": f"{r['dequant+cuBLAS vs cuBLAS']:.2f}x"}
+                    for r in dq["crossover"] if r["M"] in (512, 4096)]))
+
+# %% [markdown]
 # ## 8. Explorer: one cell of the benchmark
 #
 # `describe(shape, m)` prints the four measurements of one (shape, M) cell (kernel and call time of both
@@ -1577,7 +1634,8 @@ print(f"Goals met in {met} of {total} cells.")
 
 # %% [markdown]
 # So the packed format's bytes are not yet turned into time. At decode the kernel is bound by its own decode and
-# latency, not by the bandwidth; at prefill the decode is work that cuBLAS does not have to do; and in an
+# latency, not by the bandwidth; at prefill the decode is work that cuBLAS does not have to do (which is why a
+# prefill now dequantises each weight once and hands the product to cuBLAS: section 7's last figure); and in an
 # eager loop the host launch costs more than either kernel. `docs/matmul.md` records what was measured and rejected on the way (an
 # fp32 multiply-reduce GEMV without tensor cores, the textbook `x @ W^T` orientation, run-time autotuning of the
 # GEMV). Next to try, none of it measured yet:
