@@ -7,11 +7,11 @@ Three parts, one process (torch / triton of the device image), every output firs
 2. the crossover: for the decoder's projection shapes and M = 64 .. 4096, the packed GEMM kernel (autotuned),
    the dequantise-then-cuBLAS path (its two launches in one graph), the dequantise kernel alone and cuBLAS bf16 on
    bf16 weights, all by graph replay on rotating weights;
-3. the 2,048-token prefill of a random Qwen3.5-35B-A3B (as loaded, then with its input projections fused) with the
+3. the 2,048-token prefill of a random Qwen3.5-35B-A3B or another preset (as loaded, then with its input projections fused) with the
    dequantise path on (``DEQUANT_MIN_M`` as shipped) and off (the packed GEMM for every M), interleaved: the host-timed
    call and the kernels' summed time, and the two paths' last-token logits compared.
 
-    PYTHONPATH=. python3 experiments/dequant_gemm.py [parts, default 123]
+    PYTHONPATH=. python3 experiments/dequant_gemm.py [parts, default 123] [preset of part 3, default qwen3.5-35b-a3b]
 
 Writes ``$OUT/dequant_gemm.json`` and prints tables.
 """
@@ -33,7 +33,9 @@ from lynn_kernels.validate import compare
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)
 PARTS = sys.argv[1] if len(sys.argv) > 1 else "123"
-res = {"provenance": provenance(f"python3 experiments/dequant_gemm.py {PARTS}"), "l2_bytes": l2_bytes()}
+PRESET = sys.argv[2] if len(sys.argv) > 2 else "qwen3.5-35b-a3b"
+res = {"provenance": provenance(f"python3 experiments/dequant_gemm.py {PARTS} {PRESET}"), "l2_bytes": l2_bytes(),
+       "preset": PRESET}
 
 
 def save():
@@ -120,7 +122,7 @@ if "3" in PARTS:
     import lynn_model
     from lynn_model.loader import random_model
 
-    cfg = lynn_model.preset("qwen3.5-35b-a3b")
+    cfg = lynn_model.preset(PRESET)
     model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
     ids = torch.randint(0, cfg.vocab_size, (2048,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     cache = model.new_cache(max_batch=1, max_tokens=2048 + 64)
