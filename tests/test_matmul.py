@@ -1195,14 +1195,16 @@ def test_packed_dequantize_every_code_and_scale_exact(dtype, device, poison_empt
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequant_gemm_every_code_and_scale_exact(dtype, device, poison_empty):
-    """Identity rows of x through ``nvfp4_linear`` at M = DEQUANT_MIN_M (the dequantise-then-cuBLAS dispatch, four
-    runs of one global scale: one ``addmm`` each) read the weight back bit for bit."""
+    """Identity rows of x through ``launch_dequant_gemm`` at M = DEQUANT_MIN_M (four runs of one global scale: one
+    ``addmm`` each) read the weight back bit for bit; ``nvfp4_linear`` takes that path for 16-bit x (fp32 x stays
+    on the GEMM kernel, IEEE whatever torch's TF32 switches say)."""
     w, groups = _every_code_four_shards(device)
     m = triton_matmul.DEQUANT_MIN_M
     x = torch.eye(16, dtype=dtype, device=device).repeat(m // 16, 1)
     p = pack(w)
-    assert triton_matmul.use_dequant_gemm(m, p, dtype)
-    y, want = nvfp4_linear(x, p), reference.nvfp4_linear(x, w)
+    assert triton_matmul.use_dequant_gemm(m, p, dtype) == (dtype != FP32)
+    y = triton_matmul.launch_dequant_gemm(x, p, None, torch.empty(m, 128, dtype=dtype, device=device))
+    want = reference.nvfp4_linear(x, w)
     for name, rows in groups:
         assert_bit_equal(y[:, rows], want[:, rows], f"rows of {name}")
 
@@ -1246,11 +1248,13 @@ DMIN = triton_matmul.DEQUANT_MIN_M
     pytest.param(dict(m=DMIN, layout="checkpoint"), "launch_gemm", id="checkpoint-layout"),
     pytest.param(dict(m=DMIN, per_row=1), "launch_dequant_gemm", id="one-scale-held-per-row"),
     pytest.param(dict(m=DMIN, per_row=37), "launch_gemm", id="37-distinct-scales"),
+    pytest.param(dict(m=DMIN, dtype=FP32), "launch_gemm", id="fp32-x"),
+    pytest.param(dict(m=DMIN, grad=True), "launch_dequant_gemm", id="x-requires-grad"),
 ])
 def test_linear_dispatch_to_dequant_gemm(case, want, monkeypatch, make_weight, make_nvfp4, poison_empty):
-    """``nvfp4_linear`` above 16 rows: the dequantise-then-cuBLAS path for a packed weight from DEQUANT_MIN_M rows
-    on with at most DEQUANT_MAX_SHARDS runs of one global scale and a bias (if any) of x's dtype; the packed GEMM
-    otherwise.
+    """``nvfp4_linear`` above 16 rows: the dequantise-then-cuBLAS path for a packed weight and a 16-bit x from
+    DEQUANT_MIN_M rows on, with at most DEQUANT_MAX_SHARDS runs of one global scale and a bias (if any) of x's dtype
+    (x may require grad: no autograd either way); the packed GEMM otherwise.
     Either way the product matches the reference."""
     calls = []
     for name in ("launch_gemm", "launch_dequant_gemm"):
@@ -1262,9 +1266,9 @@ def test_linear_dispatch_to_dequant_gemm(case, want, monkeypatch, make_weight, m
         g = w.global_scale.reshape(1) * torch.arange(1, 38, device=w.codes.device) ** (case["per_row"] > 1)
         w = NVFP4Tensor(w.codes, w.scales, g.float())
     wl = w if case.get("layout") == "checkpoint" else pack(w)
-    x = make_weight((case["m"], 48), BF16, seed=3)
+    x = make_weight((case["m"], 48), case.get("dtype", BF16), seed=3).requires_grad_(case.get("grad", False))
     b = make_bias(37, case.get("bias"), x.device)
-    assert_close_to_reference(nvfp4_linear(x, wl, b), reference.nvfp4_linear(x, w, b))
+    assert_close_to_reference(nvfp4_linear(x, wl, b).detach(), reference.nvfp4_linear(x, w, b).detach())
     assert calls == [want]
 
 
@@ -1274,12 +1278,13 @@ def test_linear_dispatch_to_dequant_gemm(case, want, monkeypatch, make_weight, m
                                    pytest.param(2048, 12288, 2048, id="M2048-12288x2048")])
 def test_gpu_dequant_gemm_matches_reference(m, n, k, dtype, make_weight, make_nvfp4, device):
     """On the GPU (the bf16 tile by inline PTX; cuBLAS): the dispatch at prefill sizes within one rounding of the
-    reference, the same bits on a second call, and the every-code weight read back exactly."""
+    reference, the same bits on a second call, and the every-code weight read back exactly (fp32 x: the GEMM
+    kernel, the dispatch's choice for it)."""
     x = make_weight((m, k), dtype, seed=1)
     w = make_nvfp4(n, k, seed=2, scale=0.02)
     b = make_bias(n, dtype, device)
     p = pack(w)
-    assert triton_matmul.use_dequant_gemm(m, p, dtype, b)
+    assert triton_matmul.use_dequant_gemm(m, p, dtype, b) == (dtype != FP32)      # fp32 x: the GEMM kernel
     y = nvfp4_linear(x, p, b)
     assert_close_to_reference(y, reference.nvfp4_linear(x, w, b), f"M={m} N={n} K={k}")
     assert_bit_equal(nvfp4_linear(x, p, b), y, "second call")

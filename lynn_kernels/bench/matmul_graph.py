@@ -1,7 +1,7 @@
 """Packed W4A16 matmul timed the way a decoder runs it: kernel time from CUDA-graph replay.
 
 For each decoder projection shape and M, in one process: ours on the packed layout (:func:`lynn_kernels.matmul.pack`
-weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above, dequantise-then-cuBLAS from 256 rows;
+weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above, dequantise-then-cuBLAS from 128 rows;
 and the decode kernels each on its own, the FMA GEMV for M <= 2 and the tensor-core GEMV for M <= 16, and the two
 prefill paths, the packed GEMM kernel and dequantise-then-cuBLAS, from M = 64), ours on the checkpoint layout
 (the previous kernels), cuBLAS bf16 ``F.linear`` on the dequantised weights, and a pure-read Triton kernel of the

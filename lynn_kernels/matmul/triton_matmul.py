@@ -569,7 +569,7 @@ def _packed_dequantize_kernel(
 #: The dequantise kernel's tile (a multiple of a chunk along K): within 3% of the best of 16 tiles on each of three
 #: decoder shapes on the H200 (3.0-3.3 TB/s of codes read and bf16 written; experiments/dequant_gemm.py, git 9130a4f).
 DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
-#: From this many rows of x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype (one
+#: From this many rows of a 16-bit x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype (one
 #: kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel. H200, git 9130a4f:
 #: faster from M = 128 on three of the four decoder shapes (2048->12288: 34.9 against 32.4 us) and from 256 on all
 #: (docs/performance.md). Weights with more runs of rows under one global scale than DEQUANT_MAX_SHARDS stay on the
@@ -579,11 +579,12 @@ DEQUANT_MAX_SHARDS = 4
 
 
 def use_dequant_gemm(m: int, w, x_dtype: torch.dtype, bias=None) -> bool:
-    """The prefill dispatch: dequantise-then-cuBLAS for a packed weight from DEQUANT_MIN_M rows of x on, with at most
-    DEQUANT_MAX_SHARDS runs of one global scale (:meth:`PackedNVFP4.scale_runs`: read back once per weight) and a
-    bias (if any) of x's dtype (cuBLAS adds it in that dtype)."""
-    return (isinstance(w, PackedNVFP4) and m >= DEQUANT_MIN_M and (bias is None or bias.dtype == x_dtype)
-            and len(w.scale_runs()) <= DEQUANT_MAX_SHARDS)
+    """The prefill dispatch: dequantise-then-cuBLAS for a packed weight and a 16-bit x from DEQUANT_MIN_M rows on,
+    with at most DEQUANT_MAX_SHARDS runs of one global scale (:meth:`PackedNVFP4.scale_runs`: read back once per
+    weight) and a bias (if any) of x's dtype (cuBLAS adds it in that dtype). fp32 x stays on the GEMM kernel, whose
+    fp32 product is IEEE whatever torch's TF32 switches say."""
+    return (isinstance(w, PackedNVFP4) and m >= DEQUANT_MIN_M and x_dtype in (torch.bfloat16, torch.float16)
+            and (bias is None or bias.dtype == x_dtype) and len(w.scale_runs()) <= DEQUANT_MAX_SHARDS)
 
 
 def launch_packed_dequantize(w: PackedNVFP4, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -608,20 +609,24 @@ def launch_dequant_gemm(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor,
     workspace (exact: ``e2m1 * s`` times a power of two) and one cuBLAS ``addmm`` per run of rows under one global
     scale (:meth:`PackedNVFP4.scale_runs`), which applies
     the scale and the power of two as its fp32 ``alpha`` and adds the bias (x's dtype) before the one rounding: the
-    reference's arithmetic, in cuBLAS's summation order. ``config`` replaces :data:`DEQUANT_CONFIG`."""
+    reference's arithmetic, in cuBLAS's summation order (and with torch's cuBLAS settings: reduced-precision
+    split-K reductions for 16-bit x where torch allows them, TF32 for fp32 x where it is switched on, as ``F.linear``
+    has them). No autograd (as every kernel here): the product is computed under ``no_grad``. ``config`` replaces
+    :data:`DEQUANT_CONFIG`."""
     if bias is not None and bias.dtype != x2.dtype:
         raise ValueError(f"bias has dtype {bias.dtype}; the dequantise-then-cuBLAS GEMM adds it in x's dtype "
                          f"({x2.dtype})")
     n, k = w.shape
     wd = launch_packed_dequantize(w, torch.empty((n, k), dtype=x2.dtype, device=x2.device), config)
     unit = 1.0 if x2.dtype == torch.float16 else MMA_UNIT.value
-    for r0, r1, s in w.scale_runs():
-        r = slice(r0, r1)
-        out = y[:, r]
-        if bias is None:
-            torch.addmm(out, x2, wd[r].t(), beta=0, alpha=s * unit, out=out)
-        else:
-            torch.addmm(bias[r], x2, wd[r].t(), alpha=s * unit, out=out)
+    with torch.no_grad():                                  # out= refuses inputs that require grad
+        for r0, r1, s in w.scale_runs():
+            r = slice(r0, r1)
+            out = y[:, r]
+            if bias is None:
+                torch.addmm(out, x2, wd[r].t(), beta=0, alpha=s * unit, out=out)
+            else:
+                torch.addmm(bias[r], x2, wd[r].t(), alpha=s * unit, out=out)
     return y
 
 
