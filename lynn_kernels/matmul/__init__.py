@@ -8,7 +8,8 @@ Public ops (names and argument order are a contract):
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
   either form of ``w``; the packed one reaches the FMA GEMV for ``M = 1, 2`` where ``use_fma_gemv`` says, the tensor-core GEMV for the
-  rest of ``M <= 16`` (docs/matmul.md); ``concat_rows(ws)`` stacks packed weights of one ``K`` along N, each row
+  rest of ``M <= 16``, and from ``DEQUANT_MIN_M`` rows of a 16-bit x a dequantise-once-then-cuBLAS product
+  (``use_dequant_gemm``; docs/matmul.md); ``concat_rows(ws)`` stacks packed weights of one ``K`` along N, each row
   keeping its global scale (one GEMV for several projections of the same input).
 
 Each op has a same-signature torch reference in :mod:`.reference`; argument checks and the dispatch limits

@@ -607,9 +607,9 @@ def launch_dequant_gemm(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor,
                         config: dict | None = None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` times the packed ``w`` into ``y [M, N]`` by dequantising ``w`` to x's dtype in a
     workspace (exact: ``e2m1 * s`` times a power of two) and one cuBLAS ``addmm`` per run of rows under one global
-    scale (:meth:`PackedNVFP4.scale_runs`), which applies
-    the scale and the power of two as its fp32 ``alpha`` and adds the bias (x's dtype) before the one rounding: the
-    reference's arithmetic, in cuBLAS's summation order (and with torch's cuBLAS settings: reduced-precision
+    scale (:meth:`PackedNVFP4.scale_runs`), which applies the scale and the power of two as its fp32 ``alpha`` and
+    adds the bias (x's dtype) before the one rounding: the reference's arithmetic, in cuBLAS's summation order (and
+    with torch's cuBLAS settings: reduced-precision
     split-K reductions for 16-bit x where torch allows them, TF32 for fp32 x where it is switched on, as ``F.linear``
     has them). No autograd (as every kernel here): the product is computed under ``no_grad``. ``config`` replaces
     :data:`DEQUANT_CONFIG`."""
@@ -739,7 +739,7 @@ def _launch_large(x2, w, bias, y):
 
 def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.matmul.nvfp4_linear`: the GEMV for M <= 16; above, the GEMM kernel or, for
-    a packed weight from DEQUANT_MIN_M rows on, the weight dequantised once and cuBLAS."""
+    a packed weight and a 16-bit x from DEQUANT_MIN_M rows on, the weight dequantised once and cuBLAS."""
     x2, y = _prepare(x, w, bias)
     if x2.shape[0] > 0:
         (_launch_small if x2.shape[0] <= GEMV_MAX_M else _launch_large)(x2, w, bias, y)
