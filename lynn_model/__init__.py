@@ -19,11 +19,11 @@ import lynn_kernels  # noqa: F401, I001  (chooses the Triton backend before any 
 from .cache import Batch, Cache, CacheFull
 from .config import PRESETS, Config, ConfigError, preset
 from .generate import Stats, TextStream, Tokenizer, generate
-from .graphs import BUCKETS, DecodeStep
+from .graphs import BUCKETS, DecodeStep, PrefillStep
 from .loader import LoadError, from_pretrained
 from .model import Model
 from .sampling import Sampling, SamplingParams, sample, sample_rows
 
 __all__ = ["Batch", "Cache", "CacheFull", "Config", "ConfigError", "PRESETS", "preset", "Model", "from_pretrained",
-           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "BUCKETS",
+           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "PrefillStep", "BUCKETS",
            "Stats", "Tokenizer", "TextStream"]

@@ -47,6 +47,8 @@ class Batch:
     seq_lens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     kv_gather: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    valid_len: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

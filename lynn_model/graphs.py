@@ -1,4 +1,5 @@
-"""The decode step on static buffers, captured once as a CUDA graph and replayed for every token.
+"""The decode step on static buffers, captured once as a CUDA graph and replayed for every token; and the prefill of
+one fresh sequence the same way (:class:`PrefillStep`).
 
 A :class:`DecodeStep` owns the first ``rows`` slots of a :class:`~lynn_model.cache.Cache` and runs one decode step
 of all of them, embedding to sampled token, from tensors that stay in place: ``tokens`` (in: each row's last token;
@@ -28,10 +29,10 @@ from __future__ import annotations
 import torch
 
 import lynn_kernels
-from lynn_kernels.attention import decode_plan
+from lynn_kernels.attention import decode_plan, paged_slots
 
 from .cache import Batch, Cache
-from .model import Model
+from .model import Model, _check_ids
 from .sampling import SamplingParams, sample_rows
 
 #: Batch sizes a decode step is captured for; a batch runs in the smallest bucket that holds it.
@@ -171,3 +172,122 @@ class DecodeStep:
             self.graph.replay()
         else:
             self._run()
+
+
+class PrefillStep:
+    """The prefill of one fresh sequence of up to ``tokens`` tokens on static buffers, captured once as a CUDA graph
+    and replayed for every prompt that fits (on a GPU with the compiled kernels; eagerly elsewhere).
+
+    A prefill's kernels depend on its token count alone, except where the sequence ends: a prompt of ``n <= tokens``
+    runs in all ``tokens`` rows, the last ``tokens - n`` of them padding (token 0). Causal attention keeps the real
+    rows from seeing the padding; padding rows write no key (slot -1); their Gated DeltaNet gates are set to decay 1
+    and write 0, so the recurrent state after them is the state after the last real token, and the conv state is
+    taken at the real end (``Batch.valid``). Everything else (projections, norms, MoE) works row by row, so the
+    padding costs time, not bits. What a replay takes from the host: the tokens, their count and the cache slot,
+    copied into static buffers; the cache's pages for the sequence are reserved before it.
+
+    This is for repeated prefills of one size (a server, a benchmark): building one runs the step twice eagerly
+    (compile, autotune) and once under capture, so a single prompt is faster through :meth:`Model.step`. A sequence
+    that already holds tokens (a continued prefill) goes through :meth:`Model.step` too.
+
+    Example::
+
+        cache = model.new_cache(max_batch=1, max_tokens=8192)
+        prefill = PrefillStep(model, cache, 2048)          # while the cache holds no sequence
+        s = cache.add()
+        logits = prefill.run(prompt_ids, s)                # [1, vocab]: the last token's; the cache holds the prompt
+    """
+
+    def __init__(self, model: Model, cache: Cache, tokens: int, *, graph: bool | None = None, pool=None):
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens = {tokens!r}: expected a positive int (the rows every prefill runs in)")
+        if tokens > cache.capacity_tokens:
+            raise ValueError(f"tokens = {tokens} exceeds the cache's {cache.capacity_tokens} tokens")
+        if any(cache.active):
+            raise ValueError(f"build a PrefillStep while the cache holds no sequence (its warm-up writes states and "
+                             f"page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
+        if cache.config != model.config or cache.device != model.device:
+            raise ValueError("the cache was built for another model: use model.new_cache(...)")
+        self.model, self.cache, self.tokens = model, cache, tokens
+        dev = cache.device
+        self.ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.length = torch.full((1,), tokens, dtype=torch.int64, device=dev)   # real tokens
+        self.slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.positions = torch.arange(tokens, device=dev)
+        self.valid = torch.ones(tokens, dtype=torch.float32, device=dev)
+        self.kv_slots = torch.full((tokens,), -1, dtype=torch.int64, device=dev)
+        self.batch = Batch([tokens], [0], self.positions, None, kv_slots=self.kv_slots, rows=self.slot,
+                           valid=self.valid, valid_len=self.length)
+        self.logits: torch.Tensor | None = None
+        if graph is None:
+            graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
+        if graph and dev.type != "cuda":
+            raise ValueError("graph=True needs the model on a CUDA device")
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if graph:
+            self._capture(pool)
+
+    def _forward(self) -> None:
+        """Which rows are real and where their keys go (from ``length``, ``slot`` and the block table), the trunk
+        over every row, the logits of the last real one into :attr:`logits`."""
+        real = self.positions < self.length
+        self.valid.copy_(real)
+        slots = paged_slots(self.cache.block_table, self.slot.expand(self.tokens), self.positions,
+                            self.cache.page_size)
+        self.kv_slots.copy_(torch.where(real, slots, -1))
+        x = self.model._trunk(self.ids, self.batch, self.cache)
+        self.logits = self.model.lm_head(x.index_select(0, self.length - 1))
+
+    def _run(self) -> None:
+        with torch.inference_mode(), lynn_kernels.trusted():
+            self._forward()
+
+    def _capture(self, pool) -> None:
+        # warm-up with every row real, into slot 0 (its pages: page 0), so the autotuners time the full shape
+        dev = self.cache.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), lynn_kernels.trusted(), torch.cuda.graph(self.graph, pool=pool):
+            self._forward()
+        torch.cuda.synchronize(dev)
+        c = self.cache                         # zero what the warm-up wrote: slot 0's states, page 0 of each pool
+        for t in (*c.conv.values(), *c.state.values()):
+            t[0].zero_()
+        for t in (*c.k.values(), *c.v.values()):
+            t[0].zero_()
+
+    def run(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """Prefill sequence ``slot`` (just added, no tokens yet) with ``ids`` (int64 ``[n]``, ``1 <= n <= tokens``):
+        reserves its pages, replays the step and advances the cache. Returns the last token's logits ``[1, vocab]``
+        (run dtype): a buffer the next :meth:`run` overwrites."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
+            raise ValueError(f"ids must be an int64 [n] tensor, got {getattr(ids, 'dtype', type(ids))} "
+                             f"{tuple(getattr(ids, 'shape', ()))}")
+        n = ids.numel()
+        if not 1 <= n <= self.tokens:
+            raise ValueError(f"ids has {n} tokens; this PrefillStep takes 1..{self.tokens}")
+        self.cache._check_slot(slot)
+        if self.cache.lengths[slot]:
+            raise ValueError(f"slot {slot} already holds {self.cache.lengths[slot]} tokens: a PrefillStep starts "
+                             f"fresh sequences; continue a sequence with model.step(...)")
+        _check_ids(ids, self.model.config.vocab_size)
+        self.cache.reserve([slot], [n])
+        self.ids[:n].copy_(ids)
+        self.ids[n:].zero_()
+        self.length.fill_(n)
+        self.slot.fill_(slot)
+        try:
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._run()
+        except BaseException:
+            self.cache.mark_broken([slot])
+            raise
+        self.cache.advance([slot], [n])
+        return self.logits

@@ -243,15 +243,30 @@ class GatedDeltaNet(nn.Module):
             y, conv1 = deltanet.causal_conv1d(qkv[None], self.conv_weight, conv0, cu_seqlens=batch.cu_seqlens)
             q, k, v = self._split(y)                                       # [1, T, heads, d]
             g, beta = deltanet.gates(self.A_log, a[None], self.dt_bias, b[None])        # fp32 [1, T, nv]
+            if batch.valid is not None:           # padding rows: decay 1 (g = 0) and no write (beta = 0), so the
+                m = batch.valid[None, :, None]    # state after them is the state after the last real token
+                g, beta = g * m, beta * m
             o, state1 = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0,
                                                         output_final_state=cache is not None, use_qk_l2norm=True,
                                                         cu_seqlens=batch.cu_seqlens)
             if cache is not None:
+                if batch.valid_len is not None:       # the last conv inputs of the real tokens, not the padding's
+                    conv1 = _last_inputs(qkv, conv0, batch.valid_len)
                 cache.conv[self.layer][batch.rows] = conv1
                 cache.state[self.layer][batch.rows] = state1
             z = z.view(1, t, self.nv, self.dv)
         o = deltanet.gated_rmsnorm(o, z, self.norm_weight, eps=self.eps)
         return self.out_proj(o.reshape(t, self.nv * self.dv))
+
+
+def _last_inputs(x: torch.Tensor, state0: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The conv state after the first ``n`` rows of ``x [T, C]`` (``n`` int64 ``[1]`` on the device): the last ``S``
+    raw inputs ``[1, C, S]``, taken from ``state0 [1, C, S]`` where ``n < S``. No value is read back."""
+    s = state0.shape[-1]
+    j = n + torch.arange(s, device=x.device)              # positions in [state0 | x]
+    from_x = x.index_select(0, (j - s).clamp(min=0)).t()  # [C, S]
+    from_state = state0[0].index_select(1, j.clamp(max=s - 1))
+    return torch.where(j >= s, from_x, from_state)[None]
 
 
 class MLP(nn.Module):

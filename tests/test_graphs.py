@@ -90,6 +90,68 @@ def test_reserve_and_release_keep_the_block_table_honest(tiny):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the captured prefill (its eager form: what the graph replays)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
+def test_padded_prefill_equals_the_plain_one(preset):
+    """A prompt of n tokens in a PrefillStep of 40 rows (40 - n of them padding) leaves what model.step(n) leaves:
+    the same last-token logits, the same conv states and KV pools, the recurrent states within 1e-6 (the chunked
+    scan's tiles see the padding's zeros), and the next decode step gives the same logits; one step serves prompts
+    of several lengths in turn. NVFP4 weights, the kernels (the interpreter on a CPU)."""
+    model = random_model(lynn_model.preset(preset), weights="nvfp4", device=DEV, seed=2)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    plain, padded = model.new_cache(max_batch=2, max_tokens=128), model.new_cache(max_batch=2, max_tokens=128)
+    step = lynn_model.PrefillStep(model, padded, 40, graph=False)
+    with torch.no_grad():
+        for n in (37, 5):
+            a, b = plain.add(), padded.add()
+            want, got = model.step(ids[:n], plain, [a], [n]), step.run(ids[:n], b)
+            assert torch.equal(got, want), n
+            assert padded.lengths[b] == n
+            for i in c.linear_layers:
+                assert torch.equal(padded.conv[i][b], plain.conv[i][a]), (n, i)
+                torch.testing.assert_close(padded.state[i][b], plain.state[i][a], rtol=0, atol=1e-6)
+            for i in c.attention_layers:
+                # the whole pools: the padding wrote no key (the same history went into both caches)
+                assert torch.equal(plain.k[i], padded.k[i]) and torch.equal(plain.v[i], padded.v[i]), (n, i)
+            nxt = want.argmax(-1)
+            torch.testing.assert_close(model.step(nxt, padded, [b], [1]), model.step(nxt, plain, [a], [1]),
+                                       rtol=0, atol=1e-2)
+            plain.release(a)
+            padded.release(b)
+
+
+def test_prefill_step_refuses_what_it_cannot_run(tiny):
+    cache = tiny.new_cache(max_batch=2, max_tokens=64)
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        lynn_model.PrefillStep(tiny, cache, 128, graph=False)
+    with pytest.raises(ValueError, match="positive int"):
+        lynn_model.PrefillStep(tiny, cache, 0, graph=False)
+    step = lynn_model.PrefillStep(tiny, cache, 16, graph=False)
+    s = cache.add()
+    with pytest.raises(ValueError, match="holds no sequence"):
+        lynn_model.PrefillStep(tiny, cache, 16, graph=False)
+    with pytest.raises(ValueError, match="17 tokens; this PrefillStep takes 1..16"):
+        step.run(torch.zeros(17, dtype=torch.long), s)
+    with pytest.raises(ValueError, match="int64"):
+        step.run(torch.zeros(4, dtype=torch.int32), s)
+    with pytest.raises(ValueError, match="not an active sequence"):
+        step.run(torch.zeros(4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+        step.run(torch.tensor([3, 512]), s)
+    assert cache.lengths[s] == 0 and not cache.broken[s]
+    with lynn_kernels.use_reference(), torch.no_grad():
+        step.run(torch.tensor([3, 4, 5]), s)
+    assert cache.lengths[s] == 3
+    with pytest.raises(ValueError, match="already holds 3 tokens"):
+        step.run(torch.tensor([6]), s)
+    with pytest.raises(ValueError, match="graph=True needs"):
+        lynn_model.PrefillStep(tiny, tiny.new_cache(max_batch=1, max_tokens=16), 8, graph=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # H200
 
 
@@ -189,3 +251,45 @@ def test_gpu_graph_replays_leave_later_kernels_exact():
         q, want = nvfp4.quantize(x), nvfp4.reference.quantize(x)
         assert torch.equal(q.codes, want.codes) and torch.equal(q.scales, want.scales)
         assert torch.equal(nvfp4.dequantize(q), nvfp4.reference.dequantize(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
+@pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
+def test_gpu_prefill_graph_equals_eager(preset, weights):
+    """The captured prefill and the same step run eagerly leave the same bits (logits, states, KV pages) for
+    prompts of 200 (padding 56), 256 and 7 tokens through one 256-row graph; against model.step of each prompt
+    alone: logits within bf16 rounding (cuBLAS may pick another kernel for another row count), and 16 greedy
+    decode tokens after it."""
+    model = random_model(lynn_model.preset(preset), weights=weights, device="cuda", seed=5)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (256,), generator=torch.Generator().manual_seed(7)).cuda()
+    caches = [model.new_cache(max_batch=1, max_tokens=512) for _ in range(2)]
+    steps = [lynn_model.PrefillStep(model, cache, 256, graph=g) for cache, g in zip(caches, (False, True))]
+    assert steps[1].graph is not None
+    with torch.no_grad():
+        for n in (200, 256, 7):
+            outs = []
+            for cache, step in zip(caches, steps):
+                s = cache.add()
+                outs.append(step.run(ids[:n], s).clone())
+            assert torch.equal(outs[0], outs[1]), n
+            for i in c.linear_layers:
+                assert torch.equal(caches[0].conv[i][0], caches[1].conv[i][0])
+                assert torch.equal(caches[0].state[i][0], caches[1].state[i][0])
+            for i in c.attention_layers:
+                assert torch.equal(caches[0].k[i], caches[1].k[i]) and torch.equal(caches[0].v[i], caches[1].v[i])
+            plain = model.new_cache(max_batch=1, max_tokens=512)
+            s = plain.add()
+            want = model.step(ids[:n], plain, [s], [n])
+            torch.testing.assert_close(outs[1].float(), want.float(), rtol=0.05, atol=0.05)
+            toks = []
+            for cache in (caches[1], plain):
+                nxt, run = outs[1].argmax(-1), []
+                for _ in range(16):
+                    nxt = model.step(nxt, cache, [0], [1]).argmax(-1)
+                    run.append(int(nxt))
+                toks.append(run)
+                cache.release(0)
+            assert toks[0] == toks[1], n
+            caches[0].release(0)

@@ -40,6 +40,8 @@ CONTEXT, PREFILL, STEPS = 4096, 2048, 24
 #: the prefill lengths timed, and the (batch, context) pairs of the graph decode rows
 PREFILLS = (PREFILL, 16384)
 GRAPH_CASES = ((1, 1024), (1, CONTEXT), (1, 32768), (8, CONTEXT))
+#: (prompt tokens, rows of the captured prefill): each prefill length exactly, and a prompt padded up to its graph
+GRAPH_PREFILLS = ((PREFILL, PREFILL), (16384, 16384), (1536, PREFILL))
 
 
 def _log(msg: str) -> None:
@@ -164,6 +166,13 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
                          note=f"{n * 1e3 / statistics.median(times):,.0f} tok/s; its kernels {k_ms:.1f} ms "
                               f"({n * 1e3 / k_ms:,.0f} tok/s if launches cost nothing)", validation=val))
         _log(f"{name}: prefill {n}: {statistics.median(times):.1f} ms, kernels {k_ms:.1f} ms")
+    for n, size in GRAPH_PREFILLS:
+        try:
+            row, info[f"prefill_graph_{n}_in_{size}"] = graph_prefill(model, ids, n, size, ceilings, val)
+            rows.append(row)
+        except Exception as err:                 # recorded; the rows above stand
+            info[f"prefill_graph_{n}_in_{size}"] = {"error": f"{type(err).__name__}: {err}"}
+            _log(f"prefill graph {n} in {size} failed: {err!r}")
 
     with torch.no_grad():
         s = cache.add()
@@ -257,6 +266,72 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
 
 
 GRAPH_STEPS = 64
+
+
+def graph_prefill(model, ids, n: int, size: int, ceilings: Ceilings, val: dict) -> tuple[Result, dict]:
+    """The prefill of an ``n``-token prompt by replay of a :class:`lynn_model.PrefillStep` captured for ``size``
+    rows (``n < size``: the rest padding): CUDA events around one ``run()`` call (the host's copies, the page
+    reservation and the replay: what a caller waits for), median of 5, the host's time per call beside it. Checked
+    first: its logits against the eager ``model.step`` of the same prompt (cosine; bit-equality recorded), and a
+    second prompt through the same graph against its eager prefill."""
+    from lynn_model import PrefillStep
+
+    from ..validate import compare
+
+    cfg = model.config
+    cache = model.new_cache(max_batch=1, max_tokens=size + 64)
+    t0 = time.perf_counter()
+    step = PrefillStep(model, cache, size)
+    capture_s = time.perf_counter() - t0
+    checks = {}
+    with torch.no_grad():
+        for k, prompt in enumerate((ids[:n], ids[-n:])):
+            s = cache.add()
+            want = model.step(prompt, cache, [s], [n]).float()
+            cache.release(s)
+            s = cache.add()
+            got = step.run(prompt, s).float()
+            cache.release(s)
+            m = compare(got, want)
+            checks[f"prompt{k}"] = {"cosine": m.cosine, "max_abs": m.max_abs, "bit_equal": bool(torch.equal(got, want))}
+            if m.cosine < 0.999:
+                raise AssertionError(f"prefill graph {n} in {size}: logits cosine {m.cosine:.6f} against eager")
+
+    def run():
+        s = cache.add()
+        step.run(ids[:n], s)
+        cache.release(s)
+
+    run()
+    times, host = [], []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        t0 = time.perf_counter()
+        run()
+        host.append(time.perf_counter() - t0)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    med = statistics.median(times)
+    head = cfg.hidden_size * cfg.vocab_size
+    flops = 2 * (active_params(model) - head) * n + 2 * head
+    dims = {"B": 1, "T": n} if n == size else {"B": 1, "T": n, "rows": size}
+    note = (f"{n * 1e3 / med:,.0f} tok/s; replay of a prefill captured for {size} rows"
+            + (f" ({size - n} of them padding)" if n < size else "")
+            + f", CUDA events around one run() call, median of 5; host {statistics.median(host) * 1e3:.2f} ms per "
+              f"call; capture {capture_s:.1f} s; logits against eager model.step: "
+            + ", ".join(f"cosine {c['cosine']:.6f}{' (bit-equal)' if c['bit_equal'] else ''}" for c in checks.values()))
+    row = _row("decoder.prefill", "lynn nvfp4 (prefill graph)", cfg.name, dims, times, ceilings, flops=flops,
+               ceiling="bf16_tflops", note=note, validation={**val, "graph_vs_eager": checks})
+    _log(f"{cfg.name}: prefill graph {n} in {size}: {med:.1f} ms ({n * 1e3 / med:,.0f} tok/s), capture "
+         f"{capture_s:.1f} s, {checks}")
+    info = {"ms": med, "tok_s": n * 1e3 / med, "capture_s": capture_s, "host_ms_per_call": statistics.median(host) * 1e3,
+            "checks": checks}
+    del step, cache
+    torch.cuda.empty_cache()
+    return row, info
 
 
 def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbytes: int,
