@@ -388,17 +388,20 @@ def test_perf_gate_fails_a_regression_beyond_noise_and_a_missing_row(tmp_path):
             ("decoder.decode", "lynn nvfp4 (graph)", {"B": 8}, 8.0),
             ("decoder.prefill", "lynn nvfp4 (eager)", {"T": 16384}, 500.0),
             ("decoder.decode", "lynn nvfp4 (eager)", {"B": 1}, 90.0),           # host-timed: not gated
-            ("decoder.prefill", "lynn nvfp4 (eager)", {"T": 2048}, 100.0)]      # host-bound: not gated
+            ("decoder.prefill", "lynn nvfp4 (eager)", {"T": 2048}, 100.0),      # host-bound: not gated
+            ("decoder.prefill", "lynn nvfp4 (prefill graph)", {"T": 2048}, 60.0)]   # captured: gated
     base = tmp_path / "baseline.json"
     made = gate.make_baseline([_bench_file(tmp_path, "decoder.x", rows)], base)
-    assert len(made["rows"]) == 3
-    ok = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.029, 0.9, 1.049, 3.0, 2.0))]
+    assert len(made["rows"]) == 4
+    ok = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.029, 0.9, 1.049, 3.0, 2.0, 1.04))]
     passed, report = gate.check([_bench_file(tmp_path, "decoder.x", ok)], base)
-    assert passed and [r["verdict"] for r in report] == ["ok"] * 3
-    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.031, 1.0, 1.0, 1.0, 1.0))]   # decode +3.1%
+    assert passed and [r["verdict"] for r in report] == ["ok"] * 4
+    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.031, 1.0, 1.0, 1.0, 1.0, 1.0))]   # decode +3.1%
     passed, report = gate.check([_bench_file(tmp_path, "decoder.x", slow)], base)
     assert not passed and report[0]["verdict"] == "REGRESSION"
-    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.0, 1.0, 1.051, 1.0, 1.0))]   # prefill +5.1%
+    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.0, 1.0, 1.051, 1.0, 1.0, 1.0))]   # prefill +5.1%
+    assert not gate.check([_bench_file(tmp_path, "decoder.x", slow)], base)[0]
+    slow = [(o, p, d, ms * f) for (o, p, d, ms), f in zip(rows, (1.0, 1.0, 1.0, 1.0, 1.0, 1.06))]    # graph prefill
     assert not gate.check([_bench_file(tmp_path, "decoder.x", slow)], base)[0]
     passed, report = gate.check([_bench_file(tmp_path, "decoder.x", rows[1:])], base)     # a gated row dropped
     assert not passed and report[0]["verdict"] == "MISSING"
@@ -417,7 +420,9 @@ def test_perf_gate_committed_baseline_matches_its_results():
                      *(f"lynn nvfp4 (graph) | qwen3.5-35b-a3b | B=1,context={c}" for c in (1024, 4096, 32768)),
                      "lynn nvfp4 (graph) | qwen3.5-35b-a3b | B=8,context=4096",
                      "lynn nvfp4 generate() (graph) | qwen3.5-35b-a3b | B=1,context=4096",
-                     "lynn bf16 weights, cuBLAS (graph) | qwen3.5-35b-a3b | B=1,context=4096"}   # not the unfolded row
+                     "lynn bf16 weights, cuBLAS (graph) | qwen3.5-35b-a3b | B=1,context=4096",   # not the unfolded row
+                     *(f"lynn nvfp4 (prefill graph) | qwen3.5-35b-a3b | B=1,T={t}" for t in (2048, 16384)),
+                     "lynn nvfp4 (prefill graph) | qwen3.5-35b-a3b | B=1,T=1536,rows=2048"}
 
 
 def test_decode_bytes_counts_every_weight_kind():
