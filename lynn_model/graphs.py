@@ -182,9 +182,12 @@ class PrefillStep:
     runs in all ``tokens`` rows, the last ``tokens - n`` of them padding (token 0). Causal attention keeps the real
     rows from seeing the padding; padding rows write no key (slot -1); their Gated DeltaNet gates are set to decay 1
     and write 0, so the recurrent state after them is the state after the last real token, and the conv state is
-    taken at the real end (``Batch.valid``). Everything else (projections, norms, MoE) works row by row, so the
-    padding costs time, not bits. What a replay takes from the host: the tokens, their count and the cache slot,
-    copied into static buffers; the cache's pages for the sequence are reserved before it.
+    taken at the real end (``Batch.valid``). Everything else (projections, norms, MoE) works row by row, so no real
+    row's arithmetic changes; a float matmul's library may still pick another kernel for another row count (cuBLAS,
+    CPU BLAS) and sum in another order, so a padded prompt matches ``model.step`` of it to rounding, and bit for bit
+    where the count is the graph's own or every kernel's tiles are fixed (the NVFP4 ones). What a replay takes from
+    the host: the tokens, their count and the cache slot, copied into static buffers; the cache's pages for the
+    sequence are reserved before it.
 
     This is for repeated prefills of one size (a server, a benchmark): building one runs the step twice eagerly
     (compile, autotune) and once under capture, so a single prompt is faster through :meth:`Model.step`. A sequence
