@@ -10,6 +10,8 @@
   (``model.fuse_input_projections()``, measured last: the fusions' figures either way), then the fused step at
   batch 8 with its census (how ``lynn generate`` runs a batch of 8); prefill of 2,048 and
   16,384 tokens, each with the profiler's kernel time beside it;
+* ``lynn nvfp4 (prefill graph)``: the same prefills through a :class:`lynn_model.PrefillStep` captured for their
+  length, and a 1,536-token prompt in the 2,048-row graph (padding), each checked against the eager prefill first;
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
   same process (Qwen3.5-35B-A3B only: the 80B model in bf16 does not fit beside ours).
 
