@@ -179,7 +179,7 @@ class PrefillStep:
     and replayed for every prompt that fits (on a GPU with the compiled kernels; eagerly elsewhere).
 
     A prefill's kernels depend on its token count alone, except where the sequence ends: a prompt of ``n <= tokens``
-    runs in all ``tokens`` rows, the last ``tokens - n`` of them padding (token 0). Causal attention keeps the real
+    runs in all ``tokens`` rows, the last ``tokens - n`` of them padding (the prompt's tokens again). Causal attention keeps the real
     rows from seeing the padding; padding rows write no key (slot -1); their Gated DeltaNet gates are set to decay 1
     and write 0, so the recurrent state after them is the state after the last real token, and the conv state is
     taken at the real end (``Batch.valid``). Everything else (projections, norms, MoE) works row by row, so no real
@@ -281,7 +281,9 @@ class PrefillStep:
         _check_ids(ids, self.model.config.vocab_size)
         self.cache.reserve([slot], [n])
         self.ids[:n].copy_(ids)
-        self.ids[n:].zero_()
+        if n < self.tokens:                  # padding: the prompt again, so its rows spread over the experts as
+            pad = torch.remainder(self.positions[:self.tokens - n], n)      # real ones do (one repeated token
+            self.ids[n:].copy_(self.ids.index_select(0, pad))              # would send them all to the same few)
         self.length.fill_(n)
         self.slot.fill_(slot)
         try:
