@@ -660,8 +660,10 @@ print(f"{n_pad} tokens in 16 rows, fp32 on this machine's BLAS: {padded_vs_plain
 # %% [markdown]
 # On the H200 the captured 2,048-row prefill of the 35B model takes 64.4 ms (31,790 tok/s), bit-equal to the eager
 # `model.step` of the same prompt, which took 73.8 ms in the same run (61.9 ms of kernels; the rest is its host
-# issuing ~800 launches); a 1,536-token prompt in the same graph takes 61.0 ms. Building one runs the step twice and captures it (0.3 s here), so it is for repeated prefills of one size
-# (a server, the benchmark); a single prompt, or one that continues a cached sequence, goes through `model.step`.
+# issuing ~800 launches); a 1,536-token prompt in the same graph takes 63.6 ms at 1b2284c (its padding repeats the
+# prompt, so that padding rows spread over the experts as real ones do), against 78.9 ms eagerly. Building one runs
+# the step twice and captures it (0.3 s there), so it is for repeated prefills of one size (a server, the
+# benchmark); a single prompt, or one that continues a cached sequence, goes through `model.step`.
 
 # %% [markdown]
 # ## 5. Generation
