@@ -49,6 +49,35 @@ def bucket_for(n: int, buckets=BUCKETS) -> int:
     raise ValueError(f"a batch of {n} sequences is larger than the largest decode bucket ({max(buckets)})")
 
 
+def _use_graph(graph: bool | None, device: torch.device) -> bool:
+    """Whether a step captures a CUDA graph: ``graph``, or by default on a GPU with the compiled kernels."""
+    if graph is None:
+        graph = device.type == "cuda" and lynn_kernels.backend() == "triton"
+    if graph and device.type != "cuda":
+        raise ValueError("graph=True needs the model on a CUDA device")
+    return bool(graph)
+
+
+def _warm_up(device: torch.device, run, times: int = 2) -> None:
+    """``run()`` ``times`` times on a side stream ordered after the current one (compile, autotune and first
+    allocations happen outside the capture), then the current stream waits for it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def _scrub(cache: Cache, rows: int) -> None:
+    """Zero what a warm-up wrote: the conv and recurrent states of slots ``0..rows-1`` and page 0 of every KV
+    pool (the pages an empty block table points at)."""
+    for t in (*cache.conv.values(), *cache.state.values()):
+        t[:rows].zero_()
+    for t in (*cache.k.values(), *cache.v.values()):
+        t[0].zero_()
+
+
 class DecodeStep:
     """One decode step of rows ``0..rows-1`` of ``cache`` on static buffers (see the module docstring).
 
@@ -80,12 +109,8 @@ class DecodeStep:
         self.block_table = cache.block_table[:rows]                   # a view: pages given later are seen
         self.batch = Batch([1] * rows, [1] * rows, self.positions, None, decode=True, kv_slots=self.kv_slots,
                            rows=slice(0, rows), seq_lens=self.seq_lens, block_table=self.block_table)
-        if graph is None:
-            graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
-        if graph and dev.type != "cuda":
-            raise ValueError("graph=True needs the model on a CUDA device")
         self.graph: torch.cuda.CUDAGraph | None = None
-        if graph:
+        if _use_graph(graph, dev):
             self._capture(pool)
 
     def _forward(self) -> None:
@@ -119,13 +144,12 @@ class DecodeStep:
         # the block table gives them (unallocated rows: page 0), writing one key each
         cap = self.block_table.shape[1] * self.cache.page_size
         self.active.fill_(True)
-        side = torch.cuda.Stream(self.cache.device)
-        side.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.lengths.fill_(cap - 1)
-                self._run()
-        torch.cuda.current_stream(self.cache.device).wait_stream(side)
+
+        def warm():
+            self.lengths.fill_(cap - 1)
+            self._run()
+
+        _warm_up(self.cache.device, warm)
         self.active.fill_(False)
         self.lengths.zero_()
         self.graph = torch.cuda.CUDAGraph()
@@ -133,15 +157,7 @@ class DecodeStep:
                 torch.cuda.graph(self.graph, pool=pool):
             self._forward()
         torch.cuda.synchronize(self.cache.device)
-        self._scrub()
-
-    def _scrub(self) -> None:
-        """Zero what the warm-up wrote: the rows' conv and recurrent states, and page 0 of every KV pool."""
-        c = self.cache
-        for t in (*c.conv.values(), *c.state.values()):
-            t[:self.rows].zero_()
-        for t in (*c.k.values(), *c.v.values()):
-            t[0].zero_()
+        _scrub(self.cache, self.rows)
         self.tokens.zero_()
 
     def begin(self, tokens: torch.Tensor, slots: list[int]) -> None:
@@ -222,12 +238,8 @@ class PrefillStep:
         self.batch = Batch([tokens], [0], self.positions, None, kv_slots=self.kv_slots, rows=self.slot,
                            valid=self.valid, valid_len=self.length)
         self.logits: torch.Tensor | None = None
-        if graph is None:
-            graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
-        if graph and dev.type != "cuda":
-            raise ValueError("graph=True needs the model on a CUDA device")
         self.graph: torch.cuda.CUDAGraph | None = None
-        if graph:
+        if _use_graph(graph, dev):
             self._capture(pool)
 
     def _forward(self) -> None:
@@ -248,21 +260,12 @@ class PrefillStep:
     def _capture(self, pool) -> None:
         # warm-up with every row real, into slot 0 (its pages: page 0), so the autotuners time the full shape
         dev = self.cache.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        _warm_up(dev, self._run)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), lynn_kernels.trusted(), torch.cuda.graph(self.graph, pool=pool):
             self._forward()
         torch.cuda.synchronize(dev)
-        c = self.cache                         # zero what the warm-up wrote: slot 0's states, page 0 of each pool
-        for t in (*c.conv.values(), *c.state.values()):
-            t[0].zero_()
-        for t in (*c.k.values(), *c.v.values()):
-            t[0].zero_()
+        _scrub(self.cache, 1)
 
     def run(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
         """Prefill sequence ``slot`` (just added, no tokens yet) with ``ids`` (int64 ``[n]``, ``1 <= n <= tokens``):

@@ -92,16 +92,25 @@ def active_params(model) -> int:
 
 
 def _events_ms(fn, n: int) -> list[float]:
-    out = []
+    return _timed(fn, n)[0]
+
+
+def _timed(fn, n: int, inner: int = 1) -> tuple[list[float], list[float]]:
+    """``n`` rounds of ``inner`` calls of ``fn`` from an idle GPU: per call, the GPU time between CUDA events
+    around the round (ms) and the host's time to issue it (s)."""
+    times, host = [], []
     for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         a.record()
-        fn()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        host.append((time.perf_counter() - t0) / inner)
         b.record()
         torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
+        times.append(a.elapsed_time(b) / inner)
+    return times, host
 
 
 def _row(op, provider, shape, dims, times, ceilings, bytes_=0, flops=0, ceiling=None, note="", validation=None):
@@ -306,17 +315,7 @@ def graph_prefill(model, ids, n: int, size: int, ceilings: Ceilings, val: dict) 
         cache.release(s)
 
     run()
-    times, host = [], []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        t0 = time.perf_counter()
-        run()
-        host.append(time.perf_counter() - t0)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    times, host = _timed(run, 5)
     med = statistics.median(times)
     head = cfg.hidden_size * cfg.vocab_size
     flops = 2 * (active_params(model) - head) * n + 2 * head
@@ -370,18 +369,7 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
         raise AssertionError(f"batch {batch}: graph tokens {runs[True][0]} differ from eager {runs[False][0]}")
     step, capture_s = runs[True][1], runs[True][3]
     del runs[False]
-    times, host = [], []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        t0 = time.perf_counter()
-        for _ in range(GRAPH_STEPS // 5):
-            step.replay()
-        host.append((time.perf_counter() - t0) / (GRAPH_STEPS // 5))
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / (GRAPH_STEPS // 5))
+    times, host = _timed(step.replay, 5, inner=GRAPH_STEPS // 5)
     med = statistics.median(times)
     val = {"passed": True, "graph_tokens_equal_eager": exact, "steps_compared": 8}
     dims = {"B": batch, "context": context}
