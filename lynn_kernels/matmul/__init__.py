@@ -5,6 +5,8 @@ Public ops (names and argument order are a contract):
 * ``nvfp4_linear(x, w, bias=None)``: ``x [..., K]`` bf16/fp16/fp32, ``w`` NVFP4 ``[N, K]``, ``bias [N]`` ->
   ``[..., N]`` in x's dtype; the GEMV for M = prod(x.shape[:-1]) <= 16, the GEMM above;
 * ``nvfp4_gemv`` / ``nvfp4_gemm``: the same product through one kernel (the GEMV takes M <= 16);
+* ``norm_linear(x, norm_weight, w, eps=1e-6, *, residual=None)`` -> ``(y, xn)`` / ``(y, xn, h)``: the RMSNorm (with
+  the residual add) in front of the product, folded into the FMA GEMV's launch where that kernel takes the shape;
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
   either form of ``w``; the packed one reaches the FMA GEMV for ``M = 1, 2`` where ``use_fma_gemv`` says, the tensor-core GEMV for the
@@ -21,11 +23,12 @@ from .. import runtime
 from . import reference, spec
 from .linear import NVFP4Linear, quantize_linears
 from .packed import PackedNVFP4, concat_rows, pack, unpack
-from .triton_matmul import nvfp4_gemm_triton, nvfp4_gemv_triton, nvfp4_linear_triton
+from .triton_matmul import norm_linear_triton, nvfp4_gemm_triton, nvfp4_gemv_triton, nvfp4_linear_triton
 
 nvfp4_linear = runtime.public_op(reference.nvfp4_linear, nvfp4_linear_triton)
 nvfp4_gemv = runtime.public_op(reference.nvfp4_gemv, nvfp4_gemv_triton)
 nvfp4_gemm = runtime.public_op(reference.nvfp4_gemm, nvfp4_gemm_triton)
+norm_linear = runtime.public_op(reference.norm_linear, norm_linear_triton)
 
-__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "NVFP4Linear", "quantize_linears", "reference", "spec",
+__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "norm_linear", "NVFP4Linear", "quantize_linears", "reference", "spec",
            "PackedNVFP4", "pack", "unpack", "concat_rows"]

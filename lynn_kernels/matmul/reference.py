@@ -39,3 +39,17 @@ def nvfp4_gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Te
 
 #: The GEMM takes any M: its spec is the product itself.
 nvfp4_gemm = nvfp4_linear
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float = 1e-6, *,
+                residual: torch.Tensor | None = None) -> tuple:
+    """A pre-norm projection: ``xn = rmsnorm(x (+ residual), norm_weight, eps)`` (:func:`lynn_kernels.rmsnorm`),
+    then ``y = nvfp4_linear(xn, w)``. Returns ``(y, xn)``, or ``(y, xn, h)`` with ``residual`` (``h = x +
+    residual``, the residual stream after the add)."""
+    from ..norm import reference as norm_reference
+
+    check_linear_args(x, w, None)
+    got = norm_reference.rmsnorm(x, norm_weight, eps, residual=residual)
+    xn = got if residual is None else got[0]
+    y = nvfp4_linear(xn, w)
+    return (y, xn) if residual is None else (y, xn, got[1])

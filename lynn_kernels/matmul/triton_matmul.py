@@ -649,13 +649,16 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
 
 
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
-                       pdl: bool = False) -> torch.Tensor:
+                       pdl: bool = False, norm: tuple | None = None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
     weight into ``y [M, N]`` on the FMA GEMV. ``config`` replaces keys of :func:`fma_config`: ``BLOCK_N``, ``TW``,
     ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at most that many
     programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
     program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
-    the wait on the kernel before)."""
+    the wait on the kernel before). ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the RMSNorm
+    in front (:func:`lynn_kernels.matmul.norm_linear`): the product is of ``rmsnorm(x2 + residual) * (1 +
+    norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), whose rows go to ``x_out`` and ``x2 + residual`` to
+    ``residual_out`` (contiguous ``[M, K]``); ``x2`` and ``residual`` unit stride along K, ``K <= NORM_MAX_K``."""
     m, k = x2.shape
     n = w.shape[0]
     kw = w.words.shape[1]
@@ -671,28 +674,48 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     block_n, tw, warps = meta["BLOCK_N"], meta["TW"], meta["num_warps"]
     tiles = runtime.cdiv(n, block_n)
     programs = min(tiles, meta["PROGRAMS"]) if meta["PROGRAMS"] > 0 else tiles
+    if norm is None:
+        r = nw = xo = ho = y
+        eps, stride_rm, stride_om, norm_spec = 0.0, 0, 0, (0, 16, None)
+    else:
+        r, nw, eps, xo, ho = norm
+        if k > NORM_MAX_K:
+            raise ValueError(f"the norm folded into the FMA GEMV holds a row of x in registers: K <= {NORM_MAX_K}, "
+                             f"got K = {k}")
+        if r is None:
+            r = ho = x2
+        stride_rm, stride_om = r.stride(0), xo.stride(0)
+        norm_spec = (1 if norm[0] is None else 2, runtime.next_power_of_2(k), nw.dtype)
     spec = (x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.next_power_of_2(m), block_n, tw,
             n % block_n == 0, kw % tw == 0 and 8 * kw == k, bool(pdl) and not runtime.INTERPRET,
-            bool(meta["EARLY_RELEASE"]))
+            bool(meta["EARLY_RELEASE"])) + norm_spec
     args = (kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
-            m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global())
+            m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+            kernel_view(r), kernel_view(nw), kernel_view(xo), kernel_view(ho), eps, stride_rm, stride_om)
     key = (spec, warps, m, n, k, kw, args[10], args[11], args[12], args[13], args[0].data_ptr() & 15,
            w.words.data_ptr() & 15, w.scales.data_ptr() & 15, w.global_scale.data_ptr() & 15,
-           args[4].data_ptr() & 15, args[5].data_ptr() & 15)
+           args[4].data_ptr() & 15, args[5].data_ptr() & 15, stride_rm, stride_om, args[14].data_ptr() & 15,
+           args[15].data_ptr() & 15, args[16].data_ptr() & 15, args[17].data_ptr() & 15)
     _FMA_GEMV((programs,), key, args, _fma_constexprs(*spec), warps, 1, spec[8])
     return y
+
+
+#: Largest K the norm folded into the FMA GEMV takes (it reduces a row of x at once, as the norm kernel does).
+NORM_MAX_K = 8192
 
 
 _FMA_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
-def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early) -> dict:
+def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early,
+                    norm=0, norm_d=16, nw_dtype=None) -> dict:
     """The FMA GEMV's constexprs for one specialisation (cached: built once, not per call)."""
     flags = kernel_constexprs(x_dtype, bias_dtype, y_dtype, runtime.INTERPRET, True)
     return dict(HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
                 OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=block_m, BLOCK_N=block_n, TW=tw, EVEN_N=even_n, EVEN_K=even_k,
-                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET)
+                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET, NORM=norm, NORM_D=norm_d,
+                NW_DTYPE=runtime.TORCH_TO_TL[nw_dtype] if nw_dtype is not None else tl.float32)
 
 
 def use_fma_gemv(m: int, n: int) -> bool:
@@ -744,3 +767,38 @@ def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | No
     if x2.shape[0] > 0:
         (_launch_small if x2.shape[0] <= GEMV_MAX_M else _launch_large)(x2, w, bias, y)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float = 1e-6, *,
+                       residual: torch.Tensor | None = None) -> tuple:
+    """Host side of :func:`lynn_kernels.matmul.norm_linear`: one launch of the FMA GEMV with the norm folded in
+    where the FMA GEMV takes the product (a packed ``w``, :func:`use_fma_gemv`, ``K <= NORM_MAX_K``, a norm weight
+    the kernels read); otherwise the norm kernel, then :func:`nvfp4_linear`'s dispatch (two launches, the same
+    values)."""
+    from ..norm import rmsnorm
+    from ..norm import spec as norm_spec
+
+    check_linear_args(x, w, None)
+    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None)
+    runtime.check_device("x", x)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if not (isinstance(w, PackedNVFP4) and 0 < m <= 4 and use_fma_gemv(m, n) and k <= NORM_MAX_K
+            and norm_weight.dtype in runtime.TORCH_TO_TL):
+        got = rmsnorm(x, norm_weight, eps, residual=residual)
+        xn = got if residual is None else got[0]
+        y = nvfp4_linear_triton(xn, w)
+        return (y, xn) if residual is None else (y, xn, got[1])
+    norm_spec.check_devices(x=x, norm_weight=norm_weight, residual=residual)
+    x2 = norm_spec.last_dim_contiguous(x2)
+    r2 = None if residual is None else norm_spec.last_dim_contiguous(residual.reshape(-1, k))
+    xn = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    h = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    launch_packed_gemv(x2, w, None, y, pdl=runtime.pdl(),
+                       norm=(r2, norm_weight.contiguous(), float(eps), xn, h))
+    lead = x.shape[:-1]
+    y, xn = y.reshape(*lead, n), xn.reshape(*lead, k)
+    return (y, xn) if residual is None else (y, xn, h.reshape(*lead, k))
+

@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..norm.triton_rmsnorm import normed_at, norm_row
 from ..runtime import cast_output, to_float32
 
 X_PRESCALE = tl.constexpr(18446744073709551616.0)     # 2^64
@@ -231,15 +232,24 @@ def load_words(wrow, scales_ptr, rows, mask_w, k0, offs, offs_s, KW, EVEN: tl.co
 
 @triton.jit
 def fma_row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm, stride_xk,
-                 TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+                 TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+                 r_ptr=None, nw_ptr=None, rstd=None, stride_rm=0, NORM: tl.constexpr = 0,
+                 NW_DTYPE: tl.constexpr = tl.float32):
     """One x row's share of a step: ``acc [BLOCK_N, TW] += sa * sum_{j<4} e_j x_j + sb * sum_{j>=4} e_j x_j`` (fp32
-    FMAs), ``x_j`` the x element at the ``K`` position of word element ``j`` (the layout's order)."""
+    FMAs), ``x_j`` the x element at the ``K`` position of word element ``j`` (the layout's order). With ``NORM``
+    the row is the RMSNorm of ``x`` (and ``r``; unit stride along K: :func:`~lynn_kernels.norm.triton_rmsnorm.normed_at`),
+    not ``x`` itself."""
     kx = 8 * k0 + tl.arange(0, 8 * TW)                                       # the step's x, contiguous
-    ptr = x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk
     if EVEN_K:
-        xt = tl.load(ptr, mask=(kx >= 0) & (m < M), other=0)
+        mask = (kx >= 0) & (m < M)
     else:
-        xt = tl.load(ptr, mask=(kx < K) & (m < M), other=0)
+        mask = (kx < K) & (m < M)
+    if NORM > 0:
+        mm = tl.full((), m, tl.int64)
+        xt = normed_at(x_ptr + mm * stride_xm, r_ptr + mm * stride_rm, nw_ptr, kx, rstd, mask, NORM == 2, X_DTYPE,
+                       NW_DTYPE, INTERPRET)
+    else:
+        xt = tl.load(x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk, mask=mask, other=0)
     # K order -> word order: k = 128 c + 32 i + 16 j2 + 8 j1 + 2 q + j0 is element j0 + 2 j1 + 4 j2 of word 16 c + 4 q + i
     xt = tl.reshape(xt, (TW // 16, 4, 2, 2, 4, 2))                           # [c, i, j2, j1, q, j0]
     xt = tl.reshape(tl.permute(xt, (0, 4, 1, 2, 3, 5)), (TW, 8))              # [c, q, i, j2, j1, j0]: the words
@@ -277,9 +287,11 @@ def _step_coords(i, pid, nprog, steps, TW: tl.constexpr, BLOCK_N: tl.constexpr):
 def packed_gemv_kernel(
     x_ptr, words_ptr, scales_ptr, g_ptr, bias_ptr, y_ptr,
     M, N, K, KW, stride_xm, stride_xk, stride_ym, ROWS_PER_G,
+    r_ptr, nw_ptr, xo_ptr, ho_ptr, eps, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr, BIAS_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr,
+    NORM: tl.constexpr = 0, NORM_D: tl.constexpr = 16, NW_DTYPE: tl.constexpr = tl.float32,
 ):
     """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
     it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units, no split of K:
@@ -292,7 +304,12 @@ def packed_gemv_kernel(
 
     ``USE_PDL`` (programmatic dependent launch): the first step's weights load before the wait on the kernel
     before; ``EARLY_RELEASE`` lets the next kernel launch as soon as every program has started (otherwise when
-    every program has finished its main loop). Nothing is written before the wait."""
+    every program has finished its main loop). Nothing is written before the wait.
+
+    ``NORM`` (the RMSNorm folded into the product, :func:`norm_row`): x is ``rmsnorm(x + r) * (1 + nw)`` (2) or
+    ``rmsnorm(x) * (1 + nw)`` (1), ``x`` and ``r`` unit stride along K; each program computes its rows' ``rstd``
+    after the wait and normalises each step's x as it loads it; program 0 also writes the normed rows to ``xo``
+    and ``x + r`` to ``ho`` for the kernels after (one launch instead of the norm's and the GEMV's)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     steps = tl.cdiv(KW, TW)
@@ -309,6 +326,18 @@ def packed_gemv_kernel(
         if EARLY_RELEASE:
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()                     # the weights are in flight; x comes from the kernel before
+    rstd0, rstd1, rstd2, rstd3 = 1.0, 1.0, 1.0, 1.0
+    if NORM > 0:                                     # after the wait: x and r come from the kernels before
+        rstd0 = norm_row(x_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, 0, M, K, eps, stride_xm, stride_rm, stride_om,
+                         pid == 0, NORM, NORM_D, X_DTYPE, NW_DTYPE, INTERPRET)
+        if BLOCK_M > 1:
+            rstd1 = norm_row(x_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, 1, M, K, eps, stride_xm, stride_rm, stride_om,
+                             pid == 0, NORM, NORM_D, X_DTYPE, NW_DTYPE, INTERPRET)
+        if BLOCK_M > 2:
+            rstd2 = norm_row(x_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, 2, M, K, eps, stride_xm, stride_rm, stride_om,
+                             pid == 0, NORM, NORM_D, X_DTYPE, NW_DTYPE, INTERPRET)
+            rstd3 = norm_row(x_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, 3, M, K, eps, stride_xm, stride_rm, stride_om,
+                             pid == 0, NORM, NORM_D, X_DTYPE, NW_DTYPE, INTERPRET)
     acc0 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
@@ -325,15 +354,19 @@ def packed_gemv_kernel(
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)                        # [BLOCK_N, TW] each
         sa, sb = fma_scales(v, INTERPRET)                                      # the two blocks of each word
         acc0 = fma_row_step(acc0, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 0, M, K, k0, offs, stride_xm,
-                            stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                            stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd0, stride_rm, NORM,
+                            NW_DTYPE)
         if BLOCK_M > 1:
             acc1 = fma_row_step(acc1, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 1, M, K, k0, offs, stride_xm,
-                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd1, stride_rm, NORM,
+                                NW_DTYPE)
         if BLOCK_M > 2:
             acc2 = fma_row_step(acc2, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 2, M, K, k0, offs, stride_xm,
-                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd2, stride_rm, NORM,
+                                NW_DTYPE)
             acc3 = fma_row_step(acc3, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, 3, M, K, k0, offs, stride_xm,
-                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET)
+                                stride_xk, TW, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd3, stride_rm, NORM,
+                                NW_DTYPE)
         q, v = q_next, v_next
         if k0 + TW >= KW:                            # the tile's last step: write its rows, start the next tile
             if USE_PDL and not EARLY_RELEASE:

@@ -10,7 +10,10 @@ signature in :mod:`.reference`; layouts and checks in :mod:`.spec`):
 * ``moe_experts(x, weights, ids, w13, w2) -> out [M, H]``: the routed experts, grouped NVFP4 GEMMs
   (:mod:`.triton_experts`), or the same kernels over plain float weights (the bf16 baseline);
 * ``moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True) -> [..., H]``: router, routing,
-  experts and the :class:`SharedExpert`, summed and rounded once.
+  experts and the :class:`SharedExpert`, summed and rounded once;
+* ``norm_moe_block(x, norm_weight, router_weight, w13, w2, shared=None, *, top_k, renormalize=True, eps=1e-6,
+  residual=None) -> (y, xn)`` / ``(y, xn, h)``: the block's RMSNorm (with the residual add) in front, folded into
+  the router's launch on the three-launch decode path.
 
 The kernel layout (:mod:`.packed`): ``pack_experts(w13, w2, shared=None) -> (w13, w2, shared)`` puts the expert
 stacks into the packed layout of :func:`lynn_kernels.matmul.pack` (:class:`PackedExperts`), once at load time, and
@@ -39,7 +42,7 @@ from . import reference, spec
 from .packed import PackedExperts, pack_experts
 from .spec import SharedExpert, fuse_w13, max_padded, stack_w13
 from .triton_align import align_triton
-from .triton_experts import moe_block_triton, moe_experts_triton
+from .triton_experts import moe_block_triton, moe_experts_triton, norm_moe_block_triton
 from .triton_route import route_triton
 
 
@@ -169,5 +172,7 @@ def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True
     return moe_block_triton(x, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
 
 
-__all__ = ["route", "align", "moe_experts", "moe_block", "SharedExpert", "stack_w13", "fuse_w13", "max_padded",
+norm_moe_block = runtime.public_op(reference.norm_moe_block, norm_moe_block_triton)
+
+__all__ = ["route", "align", "moe_experts", "moe_block", "norm_moe_block", "SharedExpert", "stack_w13", "fuse_w13", "max_padded",
            "reference", "spec"]

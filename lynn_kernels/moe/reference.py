@@ -144,3 +144,18 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shared: Sha
     if shared is not None:
         out = out + shared_expert(x2, shared)
     return out.to(x.dtype).reshape(x.shape)
+
+
+def norm_moe_block(x: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor, w13, w2,
+                   shared: SharedExpert | None = None, *, top_k: int, renormalize: bool = True, eps: float = 1e-6,
+                   residual: torch.Tensor | None = None) -> tuple:
+    """A pre-norm MoE block: ``xn = rmsnorm(x (+ residual), norm_weight, eps)`` (:func:`lynn_kernels.rmsnorm`),
+    then ``y = moe_block(xn, ...)``. Returns ``(y, xn)``, or ``(y, xn, h)`` with ``residual`` (``h = x +
+    residual``)."""
+    from ..norm import reference as norm_reference
+
+    got = norm_reference.rmsnorm(x, norm_weight, eps, residual=residual)
+    xn = got if residual is None else got[0]
+    y = moe_block(xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
+    return (y, xn) if residual is None else (y, xn, got[1])
+

@@ -820,7 +820,7 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
 
 
 def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shared: SharedExpert | None = None, *,
-                     top_k: int, renormalize: bool = True) -> torch.Tensor:
+                     top_k: int, renormalize: bool = True, _norm: tuple | None = None) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.moe.moe_block`: checks shapes, dtypes and devices (no host sync), then the
     router logits (on the GPU, for bf16 / fp16 x and router, HF's own ``F.linear``: cuBLAS accumulates in fp32 and
     rounds once, as the reference's fp32 product rounded to x's dtype, up to the order of the sum; otherwise that
@@ -828,7 +828,9 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
     (dense mode of the expert kernels) and the routed experts, summed in the combine step and rounded once. For a
     decode batch (``M <= 16``) the router's logits and routing are one launch (its product holds the shared gate as
     one more row), and where the shared expert is expert E of packed stacks (:func:`.packed.shared_slot`) the block
-    is three launches: the router writes the shared slot, then gate_up and down over ``top_k + 1`` slots a token."""
+    is three launches: the router writes the shared slot, then gate_up and down over ``top_k + 1`` slots a token.
+    ``_norm`` (:func:`norm_moe_block_triton`, that path only): the router's ``norm`` argument; the experts then read
+    its normed rows."""
     spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
     tensors = [("x", x), ("router_weight", router_weight), spec.weight_data("w13", w13), spec.weight_data("w2", w2)]
     if shared is not None:
@@ -849,18 +851,22 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(x.shape)
-    if (M <= min(ROUTER_MAX_M, DECODE_MAX_M) and router_weight.dtype == x.dtype and FOLD_SHARED_GATE
-            and shared_slot(w13, w2, shared) and shared.gate_weight.dtype == x.dtype):
+    if _slot_path(M, x.dtype, router_weight, w13, w2, shared):
         # the shared expert is expert E of the packed stacks: one more slot of the router's and experts' launches
         slots = top_k + 1
         weights = torch.empty((M, slots), dtype=torch.float32, device=x.device)
         ids = torch.empty((M, slots), dtype=torch.int32, device=x.device)
         launch_router(x2, router_weight.contiguous(), top_k, renormalize, weights, ids,
-                      gate_weight=shared.gate_weight.reshape(-1).contiguous(), shared_slot=True)
+                      gate_weight=shared.gate_weight.reshape(-1).contiguous(), shared_slot=True, norm=_norm)
+        if _norm is not None:
+            x2 = _norm[3]                                          # the normed rows the router wrote
         h = torch.empty((M * slots, I), dtype=intermediate_dtype(x.dtype), device=x.device)
         _launch_packed_decode(x2, weights.view(-1), ids.view(-1), slots, _weights("w13", w13, True, True),
                               _weights("w2", w2, True, False), h, out, None, False)
         return out.reshape(x.shape)
+    if _norm is not None:
+        raise ValueError("the norm folds into the router only on the decode path of packed stacks with the shared "
+                         "expert as a slot (norm_moe_block_fuses says which)")
     weights = torch.empty((M, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((M, top_k), dtype=torch.int32, device=x.device)
     gate = None
@@ -886,3 +892,46 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
     ws = moe_workspace(M, top_k, E, H, I, x.dtype, x.device)
     launch_moe_experts(x2, weights, ids, w13, w2, out, ws, shared_out)
     return out.reshape(x.shape)
+
+
+def _slot_path(M: int, dtype: torch.dtype, router_weight, w13, w2, shared) -> bool:
+    """Whether :func:`moe_block_triton` runs a block of ``M`` tokens in three launches (the router with the shared
+    expert as its last slot, gate_up, down)."""
+    return (M <= min(ROUTER_MAX_M, DECODE_MAX_M) and router_weight.dtype == dtype and FOLD_SHARED_GATE
+            and shared_slot(w13, w2, shared) and shared.gate_weight.dtype == dtype)
+
+
+def norm_moe_block_fuses(x: torch.Tensor, norm_weight: torch.Tensor, router_weight, w13, w2, shared) -> bool:
+    """Whether :func:`norm_moe_block_triton` folds the norm into the router's launch for this call (else it runs
+    the norm kernel first)."""
+    H = x.shape[-1]
+    return (_slot_path(x.numel() // max(H, 1), x.dtype, router_weight, w13, w2, shared) and H <= 8192
+            and norm_weight.dtype in runtime.TORCH_TO_TL)
+
+
+def norm_moe_block_triton(x: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor, w13, w2,
+                          shared: SharedExpert | None = None, *, top_k: int, renormalize: bool = True,
+                          eps: float = 1e-6, residual: torch.Tensor | None = None) -> tuple:
+    """Host side of :func:`lynn_kernels.moe.norm_moe_block`: the norm folded into the router's launch where the
+    block runs in three launches (:func:`norm_moe_block_fuses`: a decode batch, packed stacks with the shared expert
+    as a slot); otherwise the norm kernel, then :func:`moe_block_triton` (the same values either way)."""
+    from ..norm import rmsnorm
+    from ..norm import spec as norm_spec
+
+    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None)
+    if not norm_moe_block_fuses(x, norm_weight, router_weight, w13, w2, shared):
+        got = rmsnorm(x, norm_weight, eps, residual=residual)
+        xn = got if residual is None else got[0]
+        y = moe_block_triton(xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
+        return (y, xn) if residual is None else (y, xn, got[1])
+    norm_spec.check_devices(x=x, norm_weight=norm_weight, residual=residual)
+    H = x.shape[-1]
+    x2 = norm_spec.last_dim_contiguous(x.reshape(-1, H))
+    r2 = None if residual is None else norm_spec.last_dim_contiguous(residual.reshape(-1, H))
+    xn = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    h = None if residual is None else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = moe_block_triton(x2, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize,
+                         _norm=(r2, norm_weight.contiguous(), float(eps), xn, h))
+    y, xn = y.reshape(x.shape), xn.reshape(x.shape)
+    return (y, xn) if residual is None else (y, xn, h.reshape(x.shape))
+

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..matmul.triton_matmul import kernel_constexprs, split_k_counter, split_k_for
+from ..norm.triton_rmsnorm import normed_at, norm_row
 from ..runtime import kernel_view, pdl_enter, round_to_dtype, to_float32
 from . import spec
 
@@ -108,14 +109,27 @@ def _route_kernel(
 
 
 @triton.jit
+def _x_tile(x_rows, r_rows, nw_ptr, offs_h, rstd, mask, NORM: tl.constexpr, X_DTYPE: tl.constexpr,
+            NW_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """x ``[BLOCK_H, 16]`` (H along the rows, the tokens along the columns) as loaded: x itself, or with ``NORM``
+    its RMSNorm (``rstd [16]`` per token)."""
+    if NORM > 0:
+        return normed_at(x_rows, r_rows, nw_ptr, offs_h[:, None], rstd[None, :], mask, NORM == 2, X_DTYPE, NW_DTYPE,
+                         INTERPRET)
+    return tl.load(x_rows + offs_h[:, None], mask=mask, other=0)
+
+
+@triton.jit
 def _router_kernel(
     x_ptr, r_ptr, g_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, gate_ptr,
     M, E, H, stride_xm, stride_re,
+    res_ptr, nw_ptr, xo_ptr, ho_ptr, eps, stride_rm, stride_om,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, X_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr, ROUTE_M: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_GATE: tl.constexpr, SHARED_SLOT: tl.constexpr, INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr = False, KEY32: tl.constexpr = False,
+    NORM: tl.constexpr = 0, NORM_D: tl.constexpr = 16, NW_DTYPE: tl.constexpr = tl.float32,
 ):
     """Router logits and routing in one launch, for at most 16 tokens: program ``(i, s)`` computes the fp32 logits
     of experts ``[i * BLOCK_E, (i + 1) * BLOCK_E)`` over H slice ``s`` (``tl.dot``, token rows padded to 16) into
@@ -125,7 +139,12 @@ def _router_kernel(
     tile of its own, to keep the registers of the expert tiles'): its partial logits are summed the same way, not
     rounded, and ``sigmoid(logit)`` goes to ``gate [M]``; with ``SHARED_SLOT`` instead to one more column of the
     routing, ``weights[t, TOP_K]``, its id ``ids[t, TOP_K] = E`` (the shared expert as the stack's expert ``E``;
-    the routing's rows are then ``TOP_K + 1`` long)."""
+    the routing's rows are then ``TOP_K + 1`` long).
+
+    ``NORM`` folds the block's RMSNorm in front (as the FMA GEMV does, :func:`~lynn_kernels.norm.triton_rmsnorm.norm_row`):
+    x is ``rmsnorm(x + r) * (1 + nw)`` (2) or ``rmsnorm(x) * (1 + nw)`` (1); every program computes the rows'
+    ``rstd`` and normalises the x tiles it loads, and program ``(0, 0)`` writes the normed rows to ``xo`` and
+    ``x + r`` to ``ho``, which the expert kernels after it read."""
     pdl_enter(USE_PDL)
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -140,6 +159,14 @@ def _router_kernel(
     mask_m = offs_m < M
     n_chunks = tl.cdiv(H, BLOCK_H)
     per_split = tl.cdiv(n_chunks, n_split)
+    rstd = tl.full((16,), 1.0, tl.float32)
+    if NORM > 0:                                         # each row's rstd; program (0, 0) writes the normed rows
+        for mm in range(0, M):
+            rs = norm_row(x_ptr, res_ptr, nw_ptr, xo_ptr, ho_ptr, mm, M, H, eps, stride_xm, stride_rm, stride_om,
+                          (pid_e == 0) & (pid_h == 0), NORM, NORM_D, X_DTYPE, NW_DTYPE, INTERPRET)
+            rstd = tl.where(offs_m == mm, rs, rstd)
+    x_rows = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+    r_rows = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm
     is_gate = pid_e < 0
     if HAS_GATE:                                         # the last row of programs computes the gate's row
         is_gate = pid_e == tl.cdiv(E, BLOCK_E)
@@ -148,8 +175,8 @@ def _router_kernel(
         for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
             offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
             g = tl.load(g_ptr + offs_h, mask=offs_h < H, other=0)
-            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
-                         mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
+            xt = _x_tile(x_rows, r_rows, nw_ptr, offs_h, rstd, mask_m[None, :] & (offs_h[:, None] < H), NORM,
+                         X_DTYPE, NW_DTYPE, INTERPRET)
             acc_g += tl.sum(to_float32(g, X_DTYPE, INTERPRET)[:, None] * to_float32(xt, X_DTYPE, INTERPRET), axis=0)
         tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m * E_ALL + E, acc_g, mask=mask_m)
     else:
@@ -158,8 +185,8 @@ def _router_kernel(
             offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
             r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
                         mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
-            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_h[:, None],
-                         mask=mask_m[None, :] & (offs_h[:, None] < H), other=0)
+            xt = _x_tile(x_rows, r_rows, nw_ptr, offs_h, rstd, mask_m[None, :] & (offs_h[:, None] < H), NORM,
+                         X_DTYPE, NW_DTYPE, INTERPRET)
             acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE),
                          to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE), acc, input_precision=PRECISION)
         tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m[None, :] * E_ALL + offs_e[:, None], acc,
@@ -249,7 +276,7 @@ ROUTER_CONFIG = {"BLOCK_E": 16, "BLOCK_H": 512, "num_warps": 4}
 def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
                   weights: torch.Tensor, ids: torch.Tensor, config: dict | None = None,
                   gate_weight: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                  shared_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  shared_slot: bool = False, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync): the router logits ``x2 @ router_weight^T`` (``x2 [M, H]`` with
     ``M <= ROUTER_MAX_M``, ``router_weight [E, H]`` in x's dtype, both unit stride along H), rounded to x's dtype,
     and their routing, in one launch, into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``. The fp32
@@ -258,7 +285,10 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     the interpreter (tests). With ``gate_weight`` (the shared expert's gate, ``H`` values of x's dtype, unit
     stride) the same launch also writes ``gate [M]`` fp32: ``sigmoid(x2 @ gate_weight)``, the product in fp32 and
     not rounded, as the reference's. With ``shared_slot`` (and ``gate_weight``, no ``gate``) ``weights`` and ``ids``
-    are ``[M, top_k + 1]``: the last column gets the gate and the id ``E``, the shared expert as one more slot."""
+    are ``[M, top_k + 1]``: the last column gets the gate and the id ``E``, the shared expert as one more slot.
+    ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the block's RMSNorm in front: the logits are
+    of ``rmsnorm(x2 + residual) * (1 + norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), written to ``x_out``
+    for the expert kernels, and ``x2 + residual`` to ``residual_out`` (contiguous ``[M, H]``, ``H <= 8192``)."""
     M, H = x2.shape
     E = router_weight.shape[0]
     if M == 0:
@@ -283,13 +313,26 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     split = split_k_for(n_e, H, meta["BLOCK_H"], 32)               # about 64 programs, no empty H slice
     part = torch.empty((split, M, E + has_gate), dtype=torch.float32, device=x2.device)
     g = kernel_view(gate_weight) if has_gate else x2                # valid pointers when unused
+    if norm is None:
+        r = nw = xo = ho = x2
+        eps, stride_rm, stride_om, norm_meta = 0.0, 0, 0, {}
+    else:
+        r, nw, eps, xo, ho = norm
+        if H > 8192:
+            raise ValueError(f"the norm folded into the router holds a row of x in registers: H <= 8192, got {H}")
+        if r is None:
+            r = ho = x2
+        stride_rm, stride_om = r.stride(0), xo.stride(0)
+        norm_meta = {"NORM": 1 if norm[0] is None else 2, "NORM_D": runtime.next_power_of_2(H),
+                     "NW_DTYPE": runtime.TORCH_TO_TL[nw.dtype]}
     _router_kernel[(n_e, split)](
         kernel_view(x2), kernel_view(router_weight), g, part, split_k_counter(x2.device, 1), weights, ids,
         gate if gate is not None else weights, M, E, H, x2.stride(0), router_weight.stride(0),
+        kernel_view(r), kernel_view(nw), kernel_view(xo), kernel_view(ho), float(eps), stride_rm, stride_om,
         TOP_K=top_k, RENORMALIZE=renormalize, X_DTYPE=c["X_DTYPE"], DOT_DTYPE=c["DOT_DTYPE"],
         PRECISION=c["PRECISION"], ALL_E=all_e, ROUTE_M=max(1, min(runtime.next_power_of_2(M), 4096 // all_e)),
         BLOCK_K=max(2, runtime.next_power_of_2(top_k)), HAS_GATE=has_gate, SHARED_SLOT=shared_slot,
-        KEY32=_key32(x2.dtype, all_e), **meta,
+        KEY32=_key32(x2.dtype, all_e), **meta, **norm_meta,
         num_warps=warps,
         num_stages=runtime.register_dot_stages(3), INTERPRET=c["INTERPRET"],   # 3: Triton's default
         **runtime.pdl_flags())
