@@ -18,7 +18,7 @@ from torch import nn
 
 import lynn_kernels
 from lynn_kernels import NVFP4Tensor, deltanet, moe, nvfp4_linear, rmsnorm
-from lynn_kernels.matmul import PackedNVFP4, concat_rows
+from lynn_kernels.matmul import PackedNVFP4, concat_rows, norm_linear
 from lynn_kernels.attention import decode_attention, flash_attention, qk_norm_rope, split_q_gate
 
 from .cache import Batch, Cache
@@ -85,6 +85,64 @@ class Norm(nn.Module):
         return rmsnorm(x, self.weight, self.eps, residual=residual)
 
 
+class PreNorm:
+    """A block's input whose RMSNorm has not run yet: ``norm(delta + residual)`` (``residual`` None: ``norm(delta)``),
+    handed to the block so that its first kernel runs the norm in its own launch (``Model.fuse_norms``).
+
+    :meth:`project` runs the first projection with the norm folded in (:func:`lynn_kernels.matmul.norm_linear`) and
+    keeps the normed rows ``x`` and the residual stream ``h`` it wrote; later projections read ``x``. The MoE block
+    folds it into its router (:func:`lynn_kernels.moe.norm_moe_block`). ``h`` is the residual after the add (the
+    delta itself without a residual)."""
+
+    __slots__ = ("delta", "residual", "norm", "x", "h")
+
+    def __init__(self, delta: torch.Tensor, residual: torch.Tensor | None, norm: "Norm"):
+        self.delta, self.residual, self.norm = delta, residual, norm
+        self.x: torch.Tensor | None = None
+        self.h: torch.Tensor | None = delta if residual is None else None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.delta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.delta.dtype
+
+    def take(self, got: tuple) -> torch.Tensor:
+        """Keep ``(y, xn[, h])`` from a fused op; returns ``y``."""
+        self.x = got[1]
+        if self.residual is not None:
+            self.h = got[2]
+        return got[0]
+
+    def tensor(self) -> torch.Tensor:
+        """The normed input, running the norm kernel where no fused op has run it yet."""
+        if self.x is None:
+            got = self.norm(self.delta, residual=self.residual)
+            if self.residual is None:
+                self.x = got
+            else:
+                self.x, self.h = got
+        return self.x
+
+    def project(self, proj: "Linear") -> torch.Tensor:
+        """``proj(x)``, the norm in the projection's launch where it is the first to read ``x`` and NVFP4."""
+        if self.x is None and proj.quantized:
+            return self.take(norm_linear(self.delta, self.norm.weight, proj.weight, self.norm.eps,
+                                         residual=self.residual))
+        return proj(self.tensor())
+
+
+def _project(proj: "Linear", x) -> torch.Tensor:
+    """``proj(x)`` for a tensor or a :class:`PreNorm`."""
+    return x.project(proj) if isinstance(x, PreNorm) else proj(x)
+
+
+def _tensor(x) -> torch.Tensor:
+    return x.tensor() if isinstance(x, PreNorm) else x
+
+
 class Attention(nn.Module):
     """Gated full attention: q / k / v projections, q / k norm + partial RoPE (+ the cache write), flash prefill or
     split-KV decode over the paged cache, the output gate ``sigmoid(gate)`` fused, then ``o_proj``."""
@@ -115,10 +173,12 @@ class Attention(nn.Module):
         t = x.shape[0]
         nq, nk = 2 * self.hq * self.d, self.hkv * self.d
         if self.qkv_proj is not None:                          # strided views of one output, no copy
-            qkv = self.qkv_proj(x)
+            qkv = _project(self.qkv_proj, x)
             qg, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
         else:
-            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qg = _project(self.q_proj, x)
+            x = _tensor(x)
+            k, v = self.k_proj(x), self.v_proj(x)
         q, gate = split_q_gate(qg, self.hq, self.d)                            # views [T, Hq, D]
         k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         kc = vc = None
@@ -180,11 +240,13 @@ class GatedDeltaNet(nn.Module):
         """``(qkv [T, C], z [T, nv dv], b [T, nv], a [T, nv])``: strided views where the projections are fused;
         ``b`` and ``a`` None without ``gates``."""
         if self.in_proj_qkvz is not None:
-            qkvz = self.in_proj_qkvz(x)
+            qkvz = _project(self.in_proj_qkvz, x)
             c = qkvz.shape[-1] - self.nv * self.dv
             qkv, z = qkvz[:, :c], qkvz[:, c:]
         else:
-            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            qkv = _project(self.in_proj_qkv, x)
+            z = self.in_proj_z(_tensor(x))
+        x = _tensor(x)
         if not gates:
             return qkv, z, None, None
         if self.in_proj_ba is not None:
@@ -217,6 +279,7 @@ class GatedDeltaNet(nn.Module):
         fused = batch.decode and self.fused_decode
         gw = self._gate_weights(x.dtype) if fused else None
         qkv, z, b, a = self._projections(x, gates=gw is None)
+        x = _tensor(x)                                         # a PreNorm's normed rows, written by the GEMV
         if fused:                                              # the gates' projections (float weights), conv,
             proj = {} if gw is None else dict(x=x, a_weight=gw[0], b_weight=gw[1])   # gates, delta rule, gated
             conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
@@ -278,7 +341,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = _project(self.gate_proj, x)
+        return self.down_proj(F.silu(g) * self.up_proj(_tensor(x)))
 
 
 class SparseMoE(nn.Module):
@@ -297,7 +361,11 @@ class SparseMoE(nn.Module):
         self.shared: moe.SharedExpert | None = None
 
     def forward(self, x):
-        return moe.moe_block(x, self.router, self.w13, self.w2, self.shared, top_k=self.top_k,
+        if isinstance(x, PreNorm) and x.x is None:            # the norm in the router's launch
+            return x.take(moe.norm_moe_block(x.delta, x.norm.weight, self.router, self.w13, self.w2, self.shared,
+                                             top_k=self.top_k, renormalize=self.renormalize, eps=x.norm.eps,
+                                             residual=x.residual))
+        return moe.moe_block(_tensor(x), self.router, self.w13, self.w2, self.shared, top_k=self.top_k,
                              renormalize=self.renormalize)
 
 
@@ -334,6 +402,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = Norm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
+        self.fused_norms = False                               # decode: each norm in the next block's first launch
 
     @property
     def device(self) -> torch.device:
@@ -366,14 +435,38 @@ class Model(nn.Module):
                 n += 1
         return n
 
+    def fuse_norms(self, enabled: bool = True) -> int:
+        """In a decode step, run each layer norm (and its residual add) inside the launch of the first kernel of
+        the block after it: the mixer's first input projection where it is a packed NVFP4 GEMV on the FMA units
+        (one or two rows), the MoE block's router (:class:`PreNorm`); elsewhere the norm kernel runs as before.
+        The same operations and roundings as the norm kernel (bit-equal under the interpreter; docs/decoder.md);
+        returns how many norms can fold (two a layer; the final norm stays). Off by default."""
+        self.fused_norms = bool(enabled)
+        return 2 * len(self.layers) if enabled else 0
+
     def _trunk(self, ids: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         """``ids [T]`` -> the final-normed hidden states ``[T, H]``; residual adds fused into the norms."""
         h = F.embedding(ids, self.embed_tokens)
+        if self.fused_norms and batch.decode:
+            return self._trunk_prenorm(h, batch, cache)
         x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):
             x, h = layer.post_attention_layernorm(layer.mixer(x, batch, cache), residual=h)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, h = nxt(layer.mlp(x), residual=h)
+        return x
+
+    def _trunk_prenorm(self, h: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
+        """:meth:`_trunk` with each norm handed to the block after it (:meth:`fuse_norms`)."""
+        pending = PreNorm(h, None, self.layers[0].input_layernorm)
+        for i, layer in enumerate(self.layers):
+            out = layer.mixer(pending, batch, cache)
+            pending = PreNorm(out, pending.h, layer.post_attention_layernorm)
+            out = layer.mlp(pending)
+            if i + 1 < len(self.layers):
+                pending = PreNorm(out, pending.h, self.layers[i + 1].input_layernorm)
+            else:
+                x, _ = self.norm(out, residual=pending.h)
         return x
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
