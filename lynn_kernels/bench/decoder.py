@@ -8,7 +8,8 @@
   weights, graph-replayed (what 4-bit weights buy); graph rows at contexts of 1k, 4k and 32k (batch 1) and 4k
   (batch 8), one with the shared expert's gate unfolded and one with each mixer's input projections in one GEMV
   (``model.fuse_input_projections()``, measured last: the fusions' figures either way), then the fused step at
-  batch 8 with its census (how ``lynn generate`` runs a batch of 8); prefill of 2,048 and
+  batch 8 with its census (how ``lynn generate`` runs a batch of 8), then the fused step with each layer norm folded
+  into the next block's first kernel (``model.fuse_norms()``), batch 1 and 8, each with its census; prefill of 2,048 and
   16,384 tokens, each with the profiler's kernel time beside it;
 * ``lynn nvfp4 (prefill graph)``: the same prefills through a :class:`lynn_model.PrefillStep` captured for their
   length, and a 1,536-token prompt in the 2,048-row graph (padding), each checked against the eager prefill first;
@@ -271,6 +272,18 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         info.setdefault("graph_b8_fused", {"error": f"{type(err).__name__}: {err}"})
         info["census_b8_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"batch 8, fused: {err!r}")
+    for key, batch in (("graph_b1_norms_folded", 1), ("graph_b8_norms_folded", 8)):
+        try:                                     # and each layer norm inside the next block's first kernel
+            model.fuse_norms()
+            grows, info[key] = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph, fused, norms folded)",
+                                            decode_bytes(model, CONTEXT) if batch == 1 else 0)
+            rows += grows
+            info[key.replace("graph", "census")] = census(model, batch)
+        except Exception as err:
+            info.setdefault(key, {"error": f"{type(err).__name__}: {err}"})
+            _log(f"norms folded, batch {batch}: {err!r}")
+        finally:
+            model.fuse_norms(False)
     del model
     torch.cuda.empty_cache()
     return rows, info
@@ -413,6 +426,7 @@ def census(model, batch: int = 1) -> dict:
     profiles the whole step as a check."""
     import torch.nn.functional as F
     from lynn_model import DecodeStep, Sampling, SamplingParams
+    from lynn_model.model import PreNorm
 
     import lynn_kernels
 
@@ -431,13 +445,18 @@ def census(model, batch: int = 1) -> dict:
     logits = torch.randn(batch, cfg.vocab_size, device="cuda", dtype=model.dtype)
     gdn = next(m for m in model.layers if m.kind != "full_attention")
     attn = next(m for m in model.layers if m.kind == "full_attention")
+    folded = model.fused_norms      # each part then takes its input un-normed (a PreNorm): the norm in its launch
+    pre = (lambda layer_norm: PreNorm(x, x, layer_norm)) if folded else (lambda _: x)
     parts = {
         "embedding": (lambda: F.embedding(step.tokens, model.embed_tokens), 1),
         "step prologue (positions, slots, lengths)": (step.prologue, 1),
-        "norm + residual add": (lambda: model.norm(x, residual=x), 2 * cfg.num_hidden_layers + 1),
-        "Gated DeltaNet mixer": (lambda: gdn.mixer(x, step.batch, cache), len(cfg.linear_layers)),
-        "gated attention mixer": (lambda: attn.mixer(x, step.batch, cache), len(cfg.attention_layers)),
-        "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(x), cfg.num_hidden_layers),
+        "norm + residual add": (lambda: model.norm(x, residual=x), 1 if folded else 2 * cfg.num_hidden_layers + 1),
+        "Gated DeltaNet mixer": (lambda: gdn.mixer(pre(gdn.input_layernorm), step.batch, cache),
+                                 len(cfg.linear_layers)),
+        "gated attention mixer": (lambda: attn.mixer(pre(attn.input_layernorm), step.batch, cache),
+                                  len(cfg.attention_layers)),
+        "MoE block (router, experts, shared expert)": (lambda: model.layers[0].mlp(
+            pre(model.layers[0].post_attention_layernorm)), cfg.num_hidden_layers),
         "MoE block, shared gate unfolded (not in the sum)": (lambda: _unfolded_moe(model.layers[0].mlp, x), 0),
         "MoE block, 64-bit top-k keys (not in the sum)": (lambda: _key64_moe(model.layers[0].mlp, x), 0),
         "Gated DeltaNet mixer, decode fused (not in the sum)": (lambda: _fused_gdn(gdn.mixer, x, step.batch, cache),
