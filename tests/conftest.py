@@ -17,6 +17,51 @@ import pytest
 import torch
 
 
+
+# -- interpreter speed ----------------------------------------------------------------------------------------------
+# Triton's interpreter re-patches triton.language (inspect.getmembers over tl, tl.core, tl.math, tl.tensor) on every
+# call of a @triton.jit helper from inside a kernel, not only at each launch: ~0.16 ms a call, hundreds of thousands
+# of calls in a run of the suite. Inside a launch the modules are already patched, and a re-patch changes nothing
+# (builtins already wrapped are skipped, the rest are set to equivalent functions), so a helper call whose modules
+# the running launch has patched skips it. Launches (and any helper seeing another module) patch exactly as before.
+def _skip_nested_lang_patches() -> None:
+    if not runtime.INTERPRET:
+        return
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real_patch, real_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    launches: list[list] = []          # per launch now running: [its modules, whether its own patch has been made]
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    class _Nothing:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        if launches and launches[-1][1] and langs(fn) <= launches[-1][0]:
+            return _Nothing()          # a helper call: its modules are patched until the launch restores them
+        if launches:
+            launches[-1][1] = True     # the launch's own patch (its first), which it restores at its end
+        return real_patch(fn)
+
+    def launch(self, *args, **kwargs):
+        launches.append([langs(self.fn), False])
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
+
+
+_skip_nested_lang_patches()
+
 # -- oracles -------------------------------------------------------------------------------------------------------
 # The independent implementations the tests compare with (HF transformers, compressed-tensors, ModelOpt) are test
 # extras. A missing one fails its tests: they never skip, so a green run always means the oracles ran. A test names
