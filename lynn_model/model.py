@@ -85,6 +85,13 @@ class Norm(nn.Module):
         return rmsnorm(x, self.weight, self.eps, residual=residual)
 
 
+#: Decode steps of at most this many sequences fold their norms (``Model.fuse_norms``). On the H200 at the
+#: Qwen3.5-35B-A3B shape (git 270e91a, docs/performance.md) folding took the fused batch-1 step from 2.116 to 2.093
+#: ms, and made batch 8 slower, 5.635 -> 5.855 ms: from three rows on the mixers' products are not the FMA GEMV's
+#: (their norms stay kernels) and the router's eight-row prologue costs more than the launch it saves.
+FOLD_NORMS_MAX_ROWS = 2
+
+
 class PreNorm:
     """A block's input whose RMSNorm has not run yet: ``norm(delta + residual)`` (``residual`` None: ``norm(delta)``),
     handed to the block so that its first kernel runs the norm in its own launch (``Model.fuse_norms``).
@@ -440,14 +447,16 @@ class Model(nn.Module):
         the block after it: the mixer's first input projection where it is a packed NVFP4 GEMV on the FMA units
         (one or two rows), the MoE block's router (:class:`PreNorm`); elsewhere the norm kernel runs as before.
         The same operations and roundings as the norm kernel (bit-equal under the interpreter; docs/decoder.md);
-        returns how many norms can fold (two a layer; the final norm stays). Off by default."""
+        returns how many norms can fold (two a layer; the final norm stays). Only steps of at most
+        :data:`FOLD_NORMS_MAX_ROWS` sequences fold. Off by default; ``lynn generate`` turns it on with the other
+        decode fusions on a GPU."""
         self.fused_norms = bool(enabled)
         return 2 * len(self.layers) if enabled else 0
 
     def _trunk(self, ids: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         """``ids [T]`` -> the final-normed hidden states ``[T, H]``; residual adds fused into the norms."""
         h = F.embedding(ids, self.embed_tokens)
-        if self.fused_norms and batch.decode:
+        if self.fused_norms and batch.decode and ids.shape[0] <= FOLD_NORMS_MAX_ROWS:
             return self._trunk_prenorm(h, batch, cache)
         x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):

@@ -214,8 +214,8 @@ def test_model_with_norms_folded_decodes_the_same(ckpts, name, fast):
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_gpu_graph_decode_with_norms_folded_equals_eager(preset, batch):
     """The step as ``lynn generate`` runs it with the norms folded too: captured and eager give the same tokens,
-    greedy and sampled, over 24 steps (batch 8: the mixers' norms stay kernels, the routers fold theirs); and the
-    greedy tokens are those of the same model with the norm kernels."""
+    greedy and sampled, over 24 steps (batch 8: more rows than ``FOLD_NORMS_MAX_ROWS``, the norm kernels run);
+    and the greedy tokens are those of the same model with the norm kernels."""
     from lynn_model.loader import random_model
 
     from test_graphs import _gen, _graph_equals_eager

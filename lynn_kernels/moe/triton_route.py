@@ -144,8 +144,10 @@ def _router_kernel(
     ``NORM`` folds the block's RMSNorm in front (as the FMA GEMV does, :func:`~lynn_kernels.norm.triton_rmsnorm.norm_row`):
     x is ``rmsnorm(x + r) * (1 + nw)`` (2) or ``rmsnorm(x) * (1 + nw)`` (1); every program computes the rows'
     ``rstd`` and normalises the x tiles it loads, and program ``(0, 0)`` writes the normed rows to ``xo`` and
-    ``x + r`` to ``ho``, which the expert kernels after it read."""
-    pdl_enter(USE_PDL)
+    ``x + r`` to ``ho``, which the expert kernels after it read.
+
+    The first chunk of a program's weights (its router tile, or the gate's slice) loads before the wait on the
+    kernel before (PDL): no earlier kernel writes them."""
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -159,6 +161,16 @@ def _router_kernel(
     mask_m = offs_m < M
     n_chunks = tl.cdiv(H, BLOCK_H)
     per_split = tl.cdiv(n_chunks, n_split)
+    c0 = pid_h * per_split
+    c1 = tl.minimum(c0 + per_split, n_chunks)
+    is_gate = pid_e < 0
+    if HAS_GATE:                                         # the last row of programs computes the gate's row
+        is_gate = pid_e == tl.cdiv(E, BLOCK_E)
+    offs_h0 = c0 * BLOCK_H + tl.arange(0, BLOCK_H)
+    r0 = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h0[None, :],
+                 mask=mask_e[:, None] & (offs_h0[None, :] < H) & (c0 < c1), other=0)     # the gate's: none
+    g0 = tl.load(g_ptr + offs_h0, mask=(offs_h0 < H) & (c0 < c1) & is_gate, other=0)
+    pdl_enter(USE_PDL)
     rstd = tl.full((16,), 1.0, tl.float32)
     if NORM > 0:                                         # each row's rstd; program (0, 0) writes the normed rows
         for mm in range(0, M):
@@ -167,24 +179,27 @@ def _router_kernel(
             rstd = tl.where(offs_m == mm, rs, rstd)
     x_rows = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
     r_rows = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm
-    is_gate = pid_e < 0
-    if HAS_GATE:                                         # the last row of programs computes the gate's row
-        is_gate = pid_e == tl.cdiv(E, BLOCK_E)
     if is_gate:
         acc_g = tl.zeros((16,), dtype=tl.float32)
-        for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
+        for chunk in range(c0, c1):
             offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-            g = tl.load(g_ptr + offs_h, mask=offs_h < H, other=0)
+            if chunk == c0:
+                g = g0
+            else:
+                g = tl.load(g_ptr + offs_h, mask=offs_h < H, other=0)
             xt = _x_tile(x_rows, r_rows, nw_ptr, offs_h, rstd, mask_m[None, :] & (offs_h[:, None] < H), NORM,
                          X_DTYPE, NW_DTYPE, INTERPRET)
             acc_g += tl.sum(to_float32(g, X_DTYPE, INTERPRET)[:, None] * to_float32(xt, X_DTYPE, INTERPRET), axis=0)
         tl.store(part_ptr + pid_h * (M * E_ALL) + offs_m * E_ALL + E, acc_g, mask=mask_m)
     else:
         acc = tl.zeros((BLOCK_E, 16), dtype=tl.float32)
-        for chunk in range(pid_h * per_split, tl.minimum(pid_h * per_split + per_split, n_chunks)):
+        for chunk in range(c0, c1):
             offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-            r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
-                        mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
+            if chunk == c0:
+                r = r0
+            else:
+                r = tl.load(r_ptr + offs_e[:, None].to(tl.int64) * stride_re + offs_h[None, :],
+                            mask=mask_e[:, None] & (offs_h[None, :] < H), other=0)
             xt = _x_tile(x_rows, r_rows, nw_ptr, offs_h, rstd, mask_m[None, :] & (offs_h[:, None] < H), NORM,
                          X_DTYPE, NW_DTYPE, INTERPRET)
             acc = tl.dot(to_float32(r, X_DTYPE, INTERPRET).to(DOT_DTYPE),
