@@ -28,7 +28,7 @@ MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1
 OPS = (
     "matmul.nvfp4_gemv", "matmul.nvfp4_gemv packed", "matmul.nvfp4_gemm", "matmul.nvfp4_gemm packed",
     "matmul.nvfp4_linear", "matmul.nvfp4_linear packed", "matmul.tensor-core gemv packed", "matmul.fma gemv packed",
-    "matmul.dequantise + cuBLAS packed",
+    "matmul.dequantise + cuBLAS packed", "matmul.norm_linear packed",
 )
 
 
@@ -65,12 +65,33 @@ def iter_rows() -> Iterator[dict]:
             if m <= 2:
                 got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
                 yield _row("matmul.fma gemv packed", label, got, want, base, dtype)
+                yield _norm_row(label, x, p, gen, dtype)
         if m > 16 and runtime.backend() != "reference":
             # the prefill path (nvfp4_linear's from DEQUANT_MIN_M rows) on its own: dequantise once, then cuBLAS
             from .triton_matmul import launch_dequant_gemm
 
             got = launch_dequant_gemm(x, pack(w), bias, torch.empty(m, n, dtype=dtype, device=x.device))
             yield _row("matmul.dequantise + cuBLAS packed", label, got, want, base, dtype)
+
+
+def _norm_row(label: str, x: torch.Tensor, w, gen: torch.Generator, dtype) -> dict:
+    """``norm_linear`` (the norm with the residual add in the FMA GEMV's launch): its product against the reference
+    product of its own normed rows (the product's bound), its normed rows within one rounding of the norm's
+    reference, its residual sum exact."""
+    from ..norm import reference as norm_reference
+    from . import norm_linear, reference
+
+    k = x.shape[1]
+    nw = (torch.randn(k, generator=gen) * 0.2).to(torch.bfloat16).to(x.device)
+    res = (torch.randn(x.shape, generator=gen) * 3).to(dtype).to(x.device)
+    y, xn, h = norm_linear(x, nw, w, 1e-6, residual=res)
+    want_xn, want_h = norm_reference.rmsnorm(x, nw, 1e-6, residual=res)
+    from .packed import unpack
+
+    base = (xn.float() @ reference.nvfp4_reference.dequantize(unpack(w), torch.bfloat16).float().t()).to(dtype)
+    row = _row("matmul.norm_linear packed", label + " + norm", y, reference.nvfp4_linear(xn, w), base, dtype)
+    row["passed"] = row["passed"] and torch.equal(h, want_h) and _within_one_flip(xn, want_xn.to(xn.dtype))
+    return row
 
 
 def check_matmul() -> list[dict]:

@@ -22,7 +22,7 @@ from .spec import SharedExpert, fuse_w13, stack_w13
 
 
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
-OPS = ("moe.route", "moe.align", "moe.moe_experts", "moe.moe_block")
+OPS = ("moe.route", "moe.align", "moe.moe_experts", "moe.moe_block", "moe.norm_moe_block")
 
 
 def _weights(E: int, H: int, I: int, gen: torch.Generator):
@@ -121,6 +121,21 @@ def iter_rows() -> Iterator[dict]:
         path = "decode, shared expert as a routed slot" if M <= 16 else "prefill"
         yield {"op": "moe.moe_block", "case": f"M{M} E{E} top{k} packed experts + shared ({path})", "metrics": m,
                "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and shared_slot(p13, p2, pshared)}
+
+    # the block's RMSNorm (with the residual add) in the router's launch, on the three-launch decode path
+    from . import norm_moe_block
+
+    nw = (torch.randn(H, generator=gen) * 0.2).to(bf16).to(dev)
+    for M in (1, 2):
+        x = torch.randn(M, H, generator=gen).to(bf16).to(dev)
+        res = (torch.randn(M, H, generator=gen) * 3).to(bf16).to(dev)
+        y, xn, h = norm_moe_block(x, nw, router, p13, p2, pshared, top_k=k, residual=res)
+        ry, rxn, rh = reference.norm_moe_block(x, nw, router, w13, w2, shared_p, top_k=k, residual=res)
+        m = compare(y, ry)
+        xn_err = ((xn.float() - rxn.float()).abs() / rxn.float().abs().clamp_min(1e-30)).max().item()
+        yield {"op": "moe.norm_moe_block", "case": f"M{M} E{E} top{k} packed experts + shared, norm in the router",
+               "metrics": m, "passed": m.cosine >= 0.9999 and m.rel_l2 <= 5e-3 and torch.equal(h, rh)
+               and xn_err <= 2 ** -7}
 
 
 def check_moe() -> list[dict]:
