@@ -230,7 +230,6 @@ def _cmd_generate(args) -> int:
         fused = model.fuse_input_projections()       # the decode fast path: fewer GEMVs a step (docs/performance.md)
         if n_gdn := model.fuse_gdn_decode():         # and each Gated DeltaNet decode step in one kernel
             fused["gdn decode step"] = n_gdn
-        fused["norms folded"] = model.fuse_norms()   # and each layer norm into the next block's first kernel
     load_s = time.perf_counter() - t0
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt

@@ -88,7 +88,9 @@ class Norm(nn.Module):
 #: Decode steps of at most this many sequences fold their norms (``Model.fuse_norms``). On the H200 at the
 #: Qwen3.5-35B-A3B shape (git 270e91a, docs/performance.md) folding took the fused batch-1 step from 2.116 to 2.093
 #: ms, and made batch 8 slower, 5.635 -> 5.855 ms: from three rows on the mixers' products are not the FMA GEMV's
-#: (their norms stay kernels) and the router's eight-row prologue costs more than the launch it saves.
+#: (their norms stay kernels) and the router's eight-row prologue costs more than the launch it saves. Once the
+#: router loaded its weights before the PDL wait (b62c4f6) folding lost at batch 1 too (2.053 -> 2.099 ms): off by
+#: default, and ``lynn generate`` does not turn it on.
 FOLD_NORMS_MAX_ROWS = 2
 
 
@@ -448,8 +450,8 @@ class Model(nn.Module):
         (one or two rows), the MoE block's router (:class:`PreNorm`); elsewhere the norm kernel runs as before.
         The same operations and roundings as the norm kernel (bit-equal under the interpreter; docs/decoder.md);
         returns how many norms can fold (two a layer; the final norm stays). Only steps of at most
-        :data:`FOLD_NORMS_MAX_ROWS` sequences fold. Off by default; ``lynn generate`` turns it on with the other
-        decode fusions on a GPU."""
+        :data:`FOLD_NORMS_MAX_ROWS` sequences fold. Off by default: on the H200 it measured no faster than the norm
+        kernels under PDL (docs/performance.md, "The norms folded")."""
         self.fused_norms = bool(enabled)
         return 2 * len(self.layers) if enabled else 0
 
