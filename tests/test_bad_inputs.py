@@ -256,6 +256,19 @@ def args_block_nvfp4():
     return args_block(True)
 
 
+def args_norm_linear():
+    return {"x": rand(2, 32, seed=1), "norm_weight": rand(32, seed=2, scale=0.1), "w": matmul.pack(q4(rand(8, 32))),
+            "eps": 1e-6, "residual": rand(2, 32, seed=3)}
+
+
+def args_norm_block():
+    a = args_block(True)
+    a["w13"], a["w2"], a["shared"] = moe.pack_experts(a["w13"], a["w2"], a["shared"]._replace(
+        w13=q4(rand(2 * I, H, seed=5, scale=0.1)), w2=q4(rand(H, I, seed=6, scale=0.1))))
+    a.update(norm_weight=rand(H, seed=8, scale=0.1), eps=1e-6, residual=rand(1, 3, H, seed=9))
+    return a
+
+
 def args_from_linear():
     return {"linear": torch.nn.Linear(32, 8).to(DEV)}
 
@@ -285,6 +298,7 @@ OPS: dict[str, tuple[Callable, Callable[[], dict]]] = {
     "matmul.NVFP4Linear": (call_nvfp4_linear_module, args_linear),
     "matmul.NVFP4Linear.from_linear": (matmul.NVFP4Linear.from_linear, args_from_linear),
     "matmul.quantize_linears": (matmul.quantize_linears, args_quantize_linears),
+    "matmul.norm_linear": (matmul.norm_linear, args_norm_linear),
     "attention.flash_attention": (attention.flash_attention, args_flash),
     "attention.decode_attention": (attention.decode_attention, args_decode),
     "attention.qk_norm_rope": (attention.qk_norm_rope, args_rope),
@@ -301,6 +315,7 @@ OPS: dict[str, tuple[Callable, Callable[[], dict]]] = {
     "moe.align": (moe.align, args_align),
     "moe.moe_experts": (moe.moe_experts, args_experts),
     "moe.moe_block": (moe.moe_block, args_block),
+    "moe.norm_moe_block": (moe.norm_moe_block, args_norm_block),
     "norm.rmsnorm": (norm.rmsnorm, args_rmsnorm),
 }
 
@@ -896,6 +911,20 @@ CASES: list[Case] = [
       lambda a: {"shared": a["shared"]._replace(w13=q4(a["shared"].w13))}),
     c("moe.moe_block", "device", "w13-meta", V_, "w13", lambda a: {"w13": meta(a["w13"])}),
     c("moe.moe_block@nvfp4", "device", "w13-meta", V_, "w13.codes", lambda a: {"w13": a["w13"].to("meta")}),
+    # -- the norm in the next kernel's launch (norm_linear, norm_moe_block) -----------------------------------------
+    *[row for op in ("matmul.norm_linear", "moe.norm_moe_block") for row in (
+        c(op, "type", "norm_weight-none", T_, "norm_weight", lambda a: {"norm_weight": None}),
+        c(op, "dtype", "norm_weight-int", T_, "norm_weight", lambda a: {"norm_weight": a["norm_weight"].int()}),
+        c(op, "shape", "norm_weight", V_, "norm_weight", lambda a: {"norm_weight": a["norm_weight"][:16]}),
+        c(op, "shape", "residual", V_, "residual", lambda a: {"residual": a["residual"][..., :16]}),
+        c(op, "dtype", "residual-bf16", T_, "residual", lambda a: {"residual": a["residual"].bfloat16()}),
+        c(op, "value", "eps-0", V_, "eps", lambda a: {"eps": 0.0}),
+        c(op, "dtype", "x-int", T_, "x", lambda a: {"x": a["x"].int()}),
+        c(op, "device", "norm_weight-meta", V_, "norm_weight", lambda a: {"norm_weight": meta(a["norm_weight"])}),
+        c(op, "cuda", "all", V_, "x", cuda("x"), N_ONLY),
+    )],
+    c("matmul.norm_linear", "type", "w-tensor", T_, "w", lambda a: {"w": rand(8, 32)}),
+    c("moe.norm_moe_block", "range", "top_k-0", V_, "top_k", lambda a: {"top_k": 0}),
     # -- norm ----------------------------------------------------------------------------------------------------------------
     c("norm.rmsnorm", "type", "x-list", T_, "x", lambda a: {"x": a["x"].tolist()}),
     c("norm.rmsnorm", "type", "weight-none", T_, "weight", lambda a: {"weight": None}),

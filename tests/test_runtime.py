@@ -374,7 +374,8 @@ def _pdl_kernels():
 def test_every_pdl_kernel_waits_before_it_touches_memory():
     """A kernel launched with programmatic dependent launch runs beside the kernel before it until it waits: each
     kernel that takes ``USE_PDL`` waits (``pdl_enter`` as its first statement, or the FMA GEMV's own ``gdc_wait``
-    after its first weight loads), and the decode path's kernels are all among them."""
+    after its first weight loads, or the router's ``pdl_enter`` after loads of its weights alone), and the decode
+    path's kernels are all among them."""
     import inspect
     import re
 
@@ -390,6 +391,11 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
         first = body.strip().splitlines()[0].strip()
         if name.endswith("packed_gemv_kernel"):
             assert "tl.extra.cuda.gdc_wait()" in body and "if USE_PDL:" in body, name
+        elif name.endswith("_router_kernel"):           # its first chunk of weights (constant) before the wait
+            pre = body.split("pdl_enter(USE_PDL)", 1)
+            assert len(pre) == 2, name
+            assert "tl.store" not in pre[0] and "atomic" not in pre[0], name
+            assert set(re.findall(r"tl\.load\((\w+)", pre[0])) == {"r_ptr", "g_ptr"}, name
         else:
             assert first == "pdl_enter(USE_PDL)", (name, first)
 

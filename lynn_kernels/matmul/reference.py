@@ -48,7 +48,10 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float = 1e-6
     residual``, the residual stream after the add)."""
     from ..norm import reference as norm_reference
 
+    from ..norm import spec as norm_spec
+
     check_linear_args(x, w, None)
+    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
     got = norm_reference.rmsnorm(x, norm_weight, eps, residual=residual)
     xn = got if residual is None else got[0]
     y = nvfp4_linear(xn, w)

@@ -779,7 +779,7 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float
     from ..norm import spec as norm_spec
 
     check_linear_args(x, w, None)
-    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None)
+    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
     runtime.check_device("x", x)
     n, k = w.shape
     x2 = x.reshape(-1, k)

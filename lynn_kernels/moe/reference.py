@@ -153,7 +153,10 @@ def norm_moe_block(x: torch.Tensor, norm_weight: torch.Tensor, router_weight: to
     then ``y = moe_block(xn, ...)``. Returns ``(y, xn)``, or ``(y, xn, h)`` with ``residual`` (``h = x +
     residual``)."""
     from ..norm import reference as norm_reference
+    from ..norm import spec as norm_spec
 
+    spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
+    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
     got = norm_reference.rmsnorm(x, norm_weight, eps, residual=residual)
     xn = got if residual is None else got[0]
     y = moe_block(xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)

@@ -918,7 +918,9 @@ def norm_moe_block_triton(x: torch.Tensor, norm_weight: torch.Tensor, router_wei
     from ..norm import rmsnorm
     from ..norm import spec as norm_spec
 
-    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None)
+    spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
+    norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
+    runtime.check_device("x", x)
     if not norm_moe_block_fuses(x, norm_weight, router_weight, w13, w2, shared):
         got = rmsnorm(x, norm_weight, eps, residual=residual)
         xn = got if residual is None else got[0]

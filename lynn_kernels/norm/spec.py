@@ -63,21 +63,22 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
-def check_rmsnorm(x, weight, eps, residual=None, out=None, residual_out=None) -> int:
-    """All arguments of :func:`lynn_kernels.norm.rmsnorm`; returns D."""
+def check_rmsnorm(x, weight, eps, residual=None, out=None, residual_out=None, weight_name: str = "weight") -> int:
+    """All arguments of :func:`lynn_kernels.norm.rmsnorm`; returns D. ``weight_name``: the weight's name in the
+    messages (an op that takes the norm's weight under another name says that one)."""
     _need_tensor("x", x)
-    _need_tensor("weight", weight)
+    _need_tensor(weight_name, weight)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; expected one of {_dtype_names(FLOAT_DTYPES)}")
     if not weight.dtype.is_floating_point:
-        raise TypeError(f"weight has dtype {weight.dtype}; expected a floating-point dtype")
+        raise TypeError(f"{weight_name} has dtype {weight.dtype}; expected a floating-point dtype")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"x must be [..., D] with D >= 1, found shape {tuple(x.shape)}")
     D = x.shape[-1]
     if tuple(weight.shape) != (D,):
-        raise ValueError(f"weight must have shape [D] = ({D},) (x's last dim), found {tuple(weight.shape)}")
+        raise ValueError(f"{weight_name} must have shape [D] = ({D},) (x's last dim), found {tuple(weight.shape)}")
     if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device} but x is on {x.device}; all tensors must share a device")
+        raise ValueError(f"{weight_name} is on {weight.device} but x is on {x.device}; all tensors must share a device")
     if isinstance(eps, (torch.Tensor, bool)) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps must be a positive finite Python number, got {type(eps).__name__} {eps!r}")
     if not (math.isfinite(eps) and eps > 0):                        # eps = 0 gives NaN on an all-zero row
