@@ -32,6 +32,8 @@ def _skip_nested_lang_patches() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
+    if not (hasattr(interpreter, "_patch_lang") and hasattr(interpreter, "GridExecutor")):
+        return                         # another Triton's interpreter: run it as it is
     real_patch, real_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     launches: list[list] = []          # per launch now running: [its modules, whether its own patch has been made]
 
