@@ -80,14 +80,13 @@ def _norm_row(label: str, x: torch.Tensor, w, gen: torch.Generator, dtype) -> di
     reference, its residual sum exact."""
     from ..norm import reference as norm_reference
     from . import norm_linear, reference
+    from .packed import unpack
 
     k = x.shape[1]
     nw = (torch.randn(k, generator=gen) * 0.2).to(torch.bfloat16).to(x.device)
     res = (torch.randn(x.shape, generator=gen) * 3).to(dtype).to(x.device)
     y, xn, h = norm_linear(x, nw, w, 1e-6, residual=res)
     want_xn, want_h = norm_reference.rmsnorm(x, nw, 1e-6, residual=res)
-    from .packed import unpack
-
     base = (xn.float() @ reference.nvfp4_reference.dequantize(unpack(w), torch.bfloat16).float().t()).to(dtype)
     row = _row("matmul.norm_linear packed", label + " + norm", y, reference.nvfp4_linear(xn, w), base, dtype)
     row["passed"] = row["passed"] and torch.equal(h, want_h) and _within_one_flip(xn, want_xn.to(xn.dtype))

@@ -47,12 +47,9 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float = 1e-6
     then ``y = nvfp4_linear(xn, w)``. Returns ``(y, xn)``, or ``(y, xn, h)`` with ``residual`` (``h = x +
     residual``, the residual stream after the add)."""
     from ..norm import reference as norm_reference
-
     from ..norm import spec as norm_spec
 
     check_linear_args(x, w, None)
     norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
-    got = norm_reference.rmsnorm(x, norm_weight, eps, residual=residual)
-    xn = got if residual is None else got[0]
-    y = nvfp4_linear(xn, w)
-    return (y, xn) if residual is None else (y, xn, got[1])
+    return norm_spec.norm_then(norm_reference.rmsnorm, lambda xn: nvfp4_linear(xn, w), x, norm_weight, eps,
+                               residual)

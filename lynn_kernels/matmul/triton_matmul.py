@@ -784,12 +784,9 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float
     n, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not (isinstance(w, PackedNVFP4) and 0 < m <= 4 and use_fma_gemv(m, n) and k <= NORM_MAX_K
+    if not (isinstance(w, PackedNVFP4) and m > 0 and use_fma_gemv(m, n) and k <= NORM_MAX_K
             and norm_weight.dtype in runtime.TORCH_TO_TL):
-        got = rmsnorm(x, norm_weight, eps, residual=residual)
-        xn = got if residual is None else got[0]
-        y = nvfp4_linear_triton(xn, w)
-        return (y, xn) if residual is None else (y, xn, got[1])
+        return norm_spec.norm_then(rmsnorm, lambda xn: nvfp4_linear_triton(xn, w), x, norm_weight, eps, residual)
     norm_spec.check_devices(x=x, norm_weight=norm_weight, residual=residual)
     x2 = norm_spec.last_dim_contiguous(x2)
     r2 = None if residual is None else norm_spec.last_dim_contiguous(residual.reshape(-1, k))
@@ -801,4 +798,3 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float
     lead = x.shape[:-1]
     y, xn = y.reshape(*lead, n), xn.reshape(*lead, k)
     return (y, xn) if residual is None else (y, xn, h.reshape(*lead, k))
-

@@ -157,8 +157,5 @@ def norm_moe_block(x: torch.Tensor, norm_weight: torch.Tensor, router_weight: to
 
     spec.check_block(x, router_weight, w13, w2, shared, top_k, renormalize)
     norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
-    got = norm_reference.rmsnorm(x, norm_weight, eps, residual=residual)
-    xn = got if residual is None else got[0]
-    y = moe_block(xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
-    return (y, xn) if residual is None else (y, xn, got[1])
-
+    return norm_spec.norm_then(norm_reference.rmsnorm, lambda xn: moe_block(
+        xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize), x, norm_weight, eps, residual)

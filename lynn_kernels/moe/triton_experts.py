@@ -922,10 +922,8 @@ def norm_moe_block_triton(x: torch.Tensor, norm_weight: torch.Tensor, router_wei
     norm_spec.check_rmsnorm(x, norm_weight, eps, residual, None, None, "norm_weight")
     runtime.check_device("x", x)
     if not norm_moe_block_fuses(x, norm_weight, router_weight, w13, w2, shared):
-        got = rmsnorm(x, norm_weight, eps, residual=residual)
-        xn = got if residual is None else got[0]
-        y = moe_block_triton(xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
-        return (y, xn) if residual is None else (y, xn, got[1])
+        return norm_spec.norm_then(rmsnorm, lambda xn: moe_block_triton(
+            xn, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize), x, norm_weight, eps, residual)
     norm_spec.check_devices(x=x, norm_weight=norm_weight, residual=residual)
     H = x.shape[-1]
     x2 = norm_spec.last_dim_contiguous(x.reshape(-1, H))
@@ -936,4 +934,3 @@ def norm_moe_block_triton(x: torch.Tensor, norm_weight: torch.Tensor, router_wei
                          _norm=(r2, norm_weight.contiguous(), float(eps), xn, h))
     y, xn = y.reshape(x.shape), xn.reshape(x.shape)
     return (y, xn) if residual is None else (y, xn, h.reshape(x.shape))
-

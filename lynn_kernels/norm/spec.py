@@ -120,3 +120,15 @@ def check_devices(**tensors) -> None:
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     """The kernel takes any row stride but needs the last dim contiguous."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def norm_then(norm, consumer, x, weight, eps, residual):
+    """A pre-norm op run as two ops: ``xn = norm(x, weight, eps, residual=residual)`` (an ``rmsnorm``), then ``y =
+    consumer(xn)``; returns ``(y, xn)``, or ``(y, xn, h)`` with ``residual`` (the return of ``norm_linear`` and
+    ``norm_moe_block``, whose references and unfused paths this is)."""
+    got = norm(x, weight, eps, residual=residual)
+    if residual is None:
+        return consumer(got), got
+    xn, h = got
+    return consumer(xn), xn, h
+
