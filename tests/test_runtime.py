@@ -374,15 +374,17 @@ def _pdl_kernels():
 def test_every_pdl_kernel_waits_before_it_touches_memory():
     """A kernel launched with programmatic dependent launch runs beside the kernel before it until it waits: each
     kernel that takes ``USE_PDL`` waits (``pdl_enter`` as its first statement, or the FMA GEMV's own ``gdc_wait``
-    after its first weight loads, or the router's ``pdl_enter`` after loads of its weights alone), and the decode
-    path's kernels are all among them."""
+    after its first weight loads, the router's ``pdl_enter`` after loads of its weights alone, the fused Gated
+    DeltaNet step's after loads of its layer's own states and constants, the packed MoE down kernel's after the
+    routing and its first words, which the gate_up kernel before it makes safe by releasing it only after its own
+    wait), and the decode path's kernels are all among them."""
     import inspect
     import re
 
     kernels = _pdl_kernels()
     want = {"_rmsnorm_kernel", "packed_gemv_kernel", "_causal_conv1d_update_kernel", "_recurrent_kernel",
             "_gated_rmsnorm_kernel", "_qk_norm_rope_kernel", "_decode_split_kernel", "_decode_merge_kernel",
-            "_router_kernel", "_moe_packed_gate_up_kernel", "_moe_packed_down_kernel"}
+            "_router_kernel", "_moe_packed_gate_up_kernel", "_moe_packed_down_kernel", "_gdn_decode_kernel"}
     assert want <= {k.rsplit(".", 1)[1] for k in kernels}, sorted(kernels)
     del kernels["lynn_kernels.runtime.pdl_enter"]                   # the helper itself
     for name, fn in kernels.items():
@@ -396,6 +398,23 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
             assert len(pre) == 2, name
             assert "tl.store" not in pre[0] and "atomic" not in pre[0], name
             assert set(re.findall(r"tl\.load\((\w+)", pre[0])) == {"r_ptr", "g_ptr"}, name
+        elif name.endswith("_gdn_decode_kernel"):      # its own states and constants before the wait
+            pre = body.split("tl.extra.cuda.gdc_wait()", 1)
+            assert len(pre) == 2 and first == "if USE_PDL:", name
+            assert "tl.store" not in pre[0] and "atomic" not in pre[0] and "_roll_store" not in pre[0], name
+            # nothing an earlier kernel of the step writes: the projections, the layer input, the tickets, out
+            for ptr in ("x_row", "x_ptr", "z_ptr", "hx_ptr", "hx_row", "a_ptr", "b_ptr", "count_ptr", "out_ptr"):
+                assert re.search(rf"\b{ptr}\b", pre[0]) is None, (name, ptr)
+            assert set(re.findall(r"tl\.load\((\w+)", pre[0])) == {"state", "alog_ptr", "dtb_ptr", "nw_ptr",
+                                                                    "wa_ptr", "wb_ptr"}, name
+        elif name.endswith("_moe_packed_gate_up_kernel"):   # waits, then releases the down kernel
+            assert body.strip().splitlines()[:3] == ["if USE_PDL:", "        tl.extra.cuda.gdc_wait()",
+                                                     "        tl.extra.cuda.gdc_launch_dependents()"], name
+        elif name.endswith("_moe_packed_down_kernel"):       # the routing and its first words before the wait
+            pre = body.split("tl.extra.cuda.gdc_wait()", 1)
+            assert len(pre) == 2 and first == "if USE_PDL:", name
+            assert "tl.store" not in pre[0] and "atomic" not in pre[0] and "_slots_step" not in pre[0], name
+            assert "tl.load(" not in pre[0], name               # its loads: _slot_group's and load_words'
         else:
             assert first == "pdl_enter(USE_PDL)", (name, first)
 

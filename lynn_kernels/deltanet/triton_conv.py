@@ -88,12 +88,11 @@ def _causal_conv1d_kernel(
 
 
 @triton.jit
-def conv_update_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
-                         W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One decode step of the conv on channels ``chan`` of one row: ``(silu(sum) fp32, the raw new inputs)``, the
-    sum over the newest ``W - 1`` state columns and the new input in the prefill kernel's order (the same bits).
-    Shared with the fused decode step (:mod:`.triton_decode_step`)."""
-    x_raw = tl.load(x_row + chan, mask=mask, other=0)
+def conv_state_sum(state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
+                   W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The part of one conv decode step that reads no new input: ``(the fp32 sum of the newest W - 1 state columns
+    of channels chan against weights 0..W-2, oldest first; weight W-1 as fp32)``. :func:`conv_finish` adds the
+    new input; the two together are the prefill kernel's order of operations (the same bits)."""
     base = state_row + chan * stride_sc
     acc = tl.zeros(chan.shape, dtype=tl.float32)
     for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
@@ -102,8 +101,25 @@ def conv_update_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_
         acc += xs * wj
     w_last = to_float32(tl.load(w_ptr + chan * stride_wc + (W - 1) * stride_ww, mask=mask, other=0),
                         W_DTYPE, INTERPRET)
+    return acc, w_last
+
+
+@triton.jit
+def conv_finish(acc, w_last, x_raw, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The conv's last term, the new input ``x_raw`` (x's dtype) against the last weight, then SiLU (fp32)."""
     acc += to_float32(x_raw, X_DTYPE, INTERPRET) * w_last      # same order as the prefill kernel: same bits
-    return acc * tl.sigmoid(acc), x_raw
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def conv_update_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
+                         W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One decode step of the conv on channels ``chan`` of one row: ``(silu(sum) fp32, the raw new inputs)``, the
+    sum over the newest ``W - 1`` state columns and the new input in the prefill kernel's order (the same bits)."""
+    x_raw = tl.load(x_row + chan, mask=mask, other=0)
+    acc, w_last = conv_state_sum(state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S, W,
+                                 X_DTYPE, W_DTYPE, INTERPRET)
+    return conv_finish(acc, w_last, x_raw, X_DTYPE, INTERPRET), x_raw
 
 
 @triton.jit

@@ -19,20 +19,10 @@ import triton.language as tl
 
 from .. import runtime
 from ..matmul.triton_matmul import COUNTER_SLOTS, split_k_counter
-from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
+from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
 from .spec import TL_L2NORM_EPS as _EPS
-from .triton_conv import conv_update_channels
-
-
-@triton.jit
-def _conv_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
-                   W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """The conv update's output of channels ``chan`` rounded to x's dtype as the conv kernel stores it (held as
-    fp32), and their raw new inputs."""
-    y, x_raw = conv_update_channels(x_row, state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww,
-                                    S, W, X_DTYPE, W_DTYPE, INTERPRET)
-    return round_to_dtype(y, X_DTYPE, INTERPRET), x_raw
+from .triton_conv import conv_finish, conv_state_sum
 
 
 @triton.jit
@@ -68,8 +58,15 @@ def _gdn_decode_kernel(
 ):
     """Program ``b * HV + hv``: value head ``hv`` of sequence ``b`` (key head ``hv // GROUP``). With ``BA_PROJ``
     the head's raw gates come from the layer input ``hx [B, HD]`` and rows ``hv`` of ``in_proj_a`` /
-    ``in_proj_b``: two dot products, fp32 sums rounded to hx's dtype (what ``F.linear`` returns)."""
-    pdl_enter(USE_PDL)
+    ``in_proj_b``: two dot products, fp32 sums rounded to hx's dtype (what ``F.linear`` returns).
+
+    With ``USE_PDL`` the program lets the next kernel launch at once, then loads, before it waits for the kernels
+    ahead of it, what none of them writes: the head's recurrent state and its channels' conv state (written only
+    by this layer's decode kernel, one step earlier; every decode step ends in launches made without PDL, which
+    wait for everything before them, so that write is complete), the conv weights, the gates' constants and the
+    first chunk of the gate projections' rows. Nothing is written before the wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_b, pid_hv = pid // HV, pid % HV
     pid_hq = pid_hv // GROUP
@@ -77,22 +74,43 @@ def _gdn_decode_kernel(
     mask_k = offs_k < K
     offs_v = tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
-    x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     conv_row = conv_ptr + pid_b.to(tl.int64) * stride_cb
     chan_q = pid_hq * K + offs_k
     chan_k = H * K + pid_hq * K + offs_k
     chan_v = 2 * H * K + pid_hv * V + offs_v
 
-    # 1. the conv update of this head's channels; the rolled states are written once every reader is done
-    q, xq = _conv_channels(x_row, conv_row, cw_ptr, chan_q, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                           W, X_DTYPE, W_DTYPE, INTERPRET)
-    k, xk = _conv_channels(x_row, conv_row, cw_ptr, chan_k, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                           W, X_DTYPE, W_DTYPE, INTERPRET)
-    v, xv = _conv_channels(x_row, conv_row, cw_ptr, chan_v, mask_v, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                           W, X_DTYPE, W_DTYPE, INTERPRET)
+    # 0. before the wait: the layer's own states and the constants (see above)
+    state = h_ptr + pid.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    s = tl.load(state, mask=mask_kv, other=0.0)                                     # [BLOCK_K, BLOCK_V] fp32
+    acc_q, wl_q = conv_state_sum(conv_row, cw_ptr, chan_q, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
+                                 W, X_DTYPE, W_DTYPE, INTERPRET)
+    acc_k, wl_k = conv_state_sum(conv_row, cw_ptr, chan_k, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
+                                 W, X_DTYPE, W_DTYPE, INTERPRET)
+    acc_v, wl_v = conv_state_sum(conv_row, cw_ptr, chan_v, mask_v, stride_cc, stride_cs, stride_wc, stride_ww, S,
+                                 W, X_DTYPE, W_DTYPE, INTERPRET)
     roll_q = _roll_load(conv_row, chan_q, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_k = _roll_load(conv_row, chan_k, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_v = _roll_load(conv_row, chan_v, mask_v, stride_cc, stride_cs, S, BLOCK_S)
+    a_log = tl.load(alog_ptr + pid_hv)
+    dt_bias = tl.load(dtb_ptr + pid_hv)
+    nw = to_float32(tl.load(nw_ptr + offs_v, mask=mask_v, other=0), NW_DTYPE, INTERPRET)
+    offs_h0 = tl.arange(0, BLOCK_HD)
+    mask_h0 = offs_h0 < HD
+    if BA_PROJ:
+        wa0 = to_float32(tl.load(wa_ptr + pid_hv * stride_wa + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
+        wb0 = to_float32(tl.load(wb_ptr + pid_hv * stride_wb + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    # 1. the conv update of this head's channels; the rolled states are written once every reader is done
+    x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
+    xq = tl.load(x_row + chan_q, mask=mask_k, other=0)
+    xk = tl.load(x_row + chan_k, mask=mask_k, other=0)
+    xv = tl.load(x_row + chan_v, mask=mask_v, other=0)
+    q = round_to_dtype(conv_finish(acc_q, wl_q, xq, X_DTYPE, INTERPRET), X_DTYPE, INTERPRET)
+    k = round_to_dtype(conv_finish(acc_k, wl_k, xk, X_DTYPE, INTERPRET), X_DTYPE, INTERPRET)
+    v = round_to_dtype(conv_finish(acc_v, wl_v, xv, X_DTYPE, INTERPRET), X_DTYPE, INTERPRET)
     tl.debug_barrier()                                   # every thread has read the old conv state
     _roll_store(conv_row, chan_v, mask_v, roll_v, xv, stride_cc, stride_cs, S, BLOCK_S)   # this head's own
     if GROUP == 1:
@@ -108,9 +126,12 @@ def _gdn_decode_kernel(
     # 2. the gates and the delta rule (the recurrent kernel's operations, one token)
     if BA_PROJ:                                          # the head's in_proj_a / in_proj_b rows against hx
         hx_row = hx_ptr + pid_b.to(tl.int64) * stride_hx
+        hx = to_float32(tl.load(hx_row + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
         acc_a = tl.zeros((BLOCK_HD,), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_HD,), dtype=tl.float32)
-        for h0 in range(0, HD, BLOCK_HD):
+        acc_a += hx * wa0                                # the first chunk's weights came before the wait
+        acc_b += hx * wb0
+        for h0 in range(BLOCK_HD, HD, BLOCK_HD):
             offs_h = h0 + tl.arange(0, BLOCK_HD)
             mask_h = offs_h < HD
             hx = to_float32(tl.load(hx_row + offs_h, mask=mask_h, other=0), HX_DTYPE, INTERPRET)
@@ -125,17 +146,14 @@ def _gdn_decode_kernel(
     else:
         g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
         beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), BETA_DTYPE, INTERPRET)
-    x = g + tl.load(dtb_ptr + pid_hv)
+    x = g + dt_bias
     e = tl.exp(tl.minimum(x, 20.0))
     y = 1.0 + e
-    g = -tl.exp(tl.load(alog_ptr + pid_hv)) * tl.where(x > 20.0, x, tl.where(y == 1.0, e, tl.log(y) * e / (y - 1.0)))
+    g = -tl.exp(a_log) * tl.where(x > 20.0, x, tl.where(y == 1.0, e, tl.log(y) * e / (y - 1.0)))
     beta = 1.0 / (1.0 + tl.exp(-beta))
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + _EPS)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + _EPS)
     q = q * scale
-    state = h_ptr + pid.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    s = tl.load(state, mask=mask_kv, other=0.0)                                     # [BLOCK_K, BLOCK_V] fp32
     s = s * tl.exp(g)                                                               # forget
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta                             # v - S^T k
     s = s + k[:, None] * delta[None, :]
@@ -145,7 +163,6 @@ def _gdn_decode_kernel(
     # 3. the gated RMSNorm over the head's V values
     zf = to_float32(tl.load(z_ptr + pid_b.to(tl.int64) * stride_zb + pid_hv * stride_zh + offs_v, mask=mask_v,
                             other=0), X_DTYPE, INTERPRET)
-    nw = to_float32(tl.load(nw_ptr + offs_v, mask=mask_v, other=0), NW_DTYPE, INTERPRET)
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
     normed = round_to_dtype(o * rstd, X_DTYPE, INTERPRET)
     hh = round_to_dtype(nw * normed, WX_DTYPE, INTERPRET)

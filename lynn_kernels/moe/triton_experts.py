@@ -24,7 +24,7 @@ from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
 from ..matmul.triton_matmul import kernel_constexprs, w_halves, w_tile
 from ..matmul.triton_packed import FMA_UNIT, X_PRESCALE, decode_word, fma_row_step, fma_scales, load_words, split8
-from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
+from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
 from . import spec
 from .packed import shared_slot
 from .spec import SharedExpert
@@ -330,8 +330,13 @@ def _moe_packed_gate_up_kernel(
 ):
     """Decode gate_up on packed experts (the FMA GEMV's word decode): program ``(slot, n)`` computes ``h[slot, n
     * BLOCK_N : (n + 1) * BLOCK_N]`` of expert ``ids[slot]`` from token ``slot // SLOTS``, its gate and up rows in
-    steps of ``TW`` words, the next step's words loading while this one is multiplied."""
-    pdl_enter(USE_PDL)
+    steps of ``TW`` words, the next step's words loading while this one is multiplied.
+
+    With ``USE_PDL`` it waits first and only then lets the next kernel (the down kernel) launch: by then the
+    router has finished, so the down kernel can load the routing and its first weights before its own wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if DENSE:                                                      # the shared expert alone: expert 0
@@ -427,11 +432,11 @@ def _slot_group(ids_ptr, weights_ptr, g_ptr, h_ptr, t, offs_n, mask_n, H, I, G_S
     slots = t * SLOTS + offs_j
     if DENSE:
         e = (offs_j * 0).to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + slots, mask=mask_j, other=0).to(tl.int64)
+    else:                                        # through L2 (.cg): loaded before the PDL wait, see the kernel
+        e = tl.load(ids_ptr + slots, mask=mask_j, other=0, cache_modifier=".cg").to(tl.int64)
     rows = tl.reshape(e[:, None] * H + offs_n[None, :], (NJ_P2 * BLOCK_N,))
     mask_rows = tl.reshape(mask_j[:, None] & mask_n[None, :], (NJ_P2 * BLOCK_N,))[:, None]
-    w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0), W_DTYPE, INTERPRET)
+    w = to_float32(tl.load(weights_ptr + slots, mask=mask_j, other=0, cache_modifier=".cg"), W_DTYPE, INTERPRET)
     coef = _w2_global(g_ptr, e * G_STRIDE, False, FMA_UNIT) * w
     return rows, mask_rows, h_ptr + slots.to(tl.int64) * I, mask_j, coef
 
@@ -450,8 +455,15 @@ def _moe_packed_down_kernel(
     ``SLOTS_A`` (a power of two) as one ``[SLOTS_A * BLOCK_N, TW]`` tile of words per step, the rest (e.g. the
     shared expert's slot: 9 = 8 + 1) as a second tile of ``SLOTS_B_P2`` slots, rather than one tile padded to 16
     slots; each slot's rows from its own expert. Each slot's sum times its routing weight and global scale, added
-    in slot order (a fixed order: the same bits on every run)."""
-    pdl_enter(USE_PDL)
+    in slot order (a fixed order: the same bits on every run).
+
+    With ``USE_PDL`` the program lets the next kernel launch at once, and loads the routing (ids, weights), the
+    global scales and every slot's first step of words before it waits: it is launched right after the gate_up
+    kernel, which releases it only once its own wait is over, i.e. once the router that wrote the routing has
+    finished (those loads go through L2, ``.cg``, never a stale L1 line). ``h``, gate_up's output, loads after the
+    wait; nothing is written before it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     HAS_B: tl.constexpr = SLOTS > SLOTS_A
@@ -473,6 +485,8 @@ def _moe_packed_down_kernel(
         w_b = words_ptr + rows_b[:, None].to(tl.int64) * KW
         q_b, v_b = load_words(w_b, scales_ptr, rows_b, mask_b, 0, offs, offs_s, KW, False)
         acc_b = tl.zeros((SLOTS_B_P2, BLOCK_N, TW), dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     for k0 in range(0, KW, TW):
         q_a_next, v_a_next = load_words(w_a, scales_ptr, rows_a, mask_a, k0 + TW, offs, offs_s, KW, False)
         if HAS_B:
@@ -666,6 +680,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
         SLOTS=slots, DENSE=dense, G_PER_ROW=w13.g_per_row, X_DTYPE=f["X_DTYPE"], H_DTYPE=f["DOT_DTYPE"], **meta,
         EVEN=even_k and I % meta["BLOCK_N"] == 0, EVEN_K=even_k, INTERPRET=f["INTERPRET"], num_warps=warps,
         num_stages=1, **runtime.pdl_flags())
+    # the down kernel must come right after gate_up: it reads the routing before its PDL wait (see both kernels)
     meta, warps = _packed_tiles(H, I, PACKED_DOWN_CONFIGS[batch], config)
     slots_a = 1 << (slots.bit_length() - 1)                       # the largest power of two <= slots
     _moe_packed_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
