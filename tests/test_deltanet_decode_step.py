@@ -232,12 +232,14 @@ def test_decode_step_bad_inputs(change, exc, match, backend):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_decode_step_real_shapes(B, pdl):
     """The Qwen3.5 / Qwen3-Next layer (16 key heads, 32 value heads of 128) on the H200: against the chain over
-    4 steps, with and without programmatic dependent launch, and the same bits on a repeat."""
+    4 steps, with and without programmatic dependent launch, and the same bits on a repeat; with PDL the first
+    call loads its states before its wait (``states_early``: the launch before it is the chain's, made without
+    PDL), the repeat after it."""
     inp = _layer(B, 16, 32, 128, 128, seed=B)
     fused, chain, again = _clone(inp), _clone(inp), _clone(inp)
     for step in range(4):
         with runtime.programmatic_launches(pdl):
-            got = deltanet.gated_delta_decode(**fused)
+            got = deltanet.gated_delta_decode(**fused, states_early=True)
             rep = deltanet.gated_delta_decode(**again)
         via = _chain(**chain)
         assert bit_mismatches(got, rep) == 0 and bit_mismatches(fused["state"], again["state"]) == 0

@@ -398,13 +398,16 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
             assert len(pre) == 2, name
             assert "tl.store" not in pre[0] and "atomic" not in pre[0], name
             assert set(re.findall(r"tl\.load\((\w+)", pre[0])) == {"r_ptr", "g_ptr"}, name
-        elif name.endswith("_gdn_decode_kernel"):      # its own states and constants before the wait
-            pre = body.split("tl.extra.cuda.gdc_wait()", 1)
-            assert len(pre) == 2 and first == "if USE_PDL:", name
+        elif name.endswith("_gdn_decode_kernel"):      # with STATE_EARLY: its own states and constants first
+            lines = [ln.strip() for ln in body.strip().splitlines()[:4]]
+            assert lines == ["if USE_PDL:", "tl.extra.cuda.gdc_launch_dependents()", "if not STATE_EARLY:",
+                             "tl.extra.cuda.gdc_wait()"], name
+            pre = body.split("        if STATE_EARLY:\n            tl.extra.cuda.gdc_wait()", 1)
+            assert len(pre) == 2, name
             assert "tl.store" not in pre[0] and "atomic" not in pre[0] and "_roll_store" not in pre[0], name
             # nothing an earlier kernel of the step writes: the projections, the layer input, the tickets, out
             for ptr in ("x_row", "x_ptr", "z_ptr", "hx_ptr", "hx_row", "a_ptr", "b_ptr", "count_ptr", "out_ptr"):
-                assert re.search(rf"\b{ptr}\b", pre[0]) is None, (name, ptr)
+                assert re.search(rf"\b{ptr}\b", pre[0].split("tl.extra.cuda.gdc_wait()", 1)[1]) is None, (name, ptr)
             assert set(re.findall(r"tl\.load\((\w+)", pre[0])) == {"state", "alog_ptr", "dtb_ptr", "nw_ptr",
                                                                     "wa_ptr", "wb_ptr"}, name
         elif name.endswith("_moe_packed_gate_up_kernel"):   # waits, then releases the down kernel

@@ -218,7 +218,7 @@ def gated_rmsnorm(x, z, weight, eps=1e-6):
 
 @runtime.op(reference=reference.gated_delta_decode)
 def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
-                       eps=1e-6, *, x=None, a_weight=None, b_weight=None):
+                       eps=1e-6, *, x=None, a_weight=None, b_weight=None, states_early=False):
     """A Gated DeltaNet layer's decode step from its projections to ``out_proj``'s input, in one kernel: the conv
     update (+ SiLU) of ``qkv``, the gates, the l2-normed delta rule on ``state`` and the gated RMSNorm with ``z``;
     the same as :func:`causal_conv1d_update`, :func:`recurrent_gated_delta_rule_gates` (``use_qk_l2norm=True``) and
@@ -240,6 +240,11 @@ def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, st
             ``[HV, HD]`` of ``in_proj_a`` / ``in_proj_b`` in x's dtype; the kernel forms ``a = x @ a_weight^T`` and
             ``b = x @ b_weight^T`` itself (fp32 sums rounded to x's dtype, as ``F.linear`` returns them), so the
             gates' projection is not a launch of its own.
+        states_early: under :func:`lynn_kernels.programmatic_launches` only: load ``state``, ``conv_state`` and
+            the constants before waiting for the kernels ahead (they overlap the kernel before). A promise by the
+            caller: the launch right before this one is the layer's input projection through the packed FMA GEMV
+            (which releases its dependents only after its own wait) or a launch made without PDL, and no kernel
+            since the one before that has written these states. The decoder's step keeps it (docs/deltanet.md).
 
     Returns:
         ``[B, HV, V]`` in qkv's dtype: the input of ``out_proj`` (reshaped to ``[B, HV V]``).
@@ -250,7 +255,8 @@ def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, st
                                layer.norm_weight, 16)                     # qkv [B, 8192], z [B, 32, 128]
     """
     return gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
-                                     num_k_heads, eps, x=x, a_weight=a_weight, b_weight=b_weight)
+                                     num_k_heads, eps, x=x, a_weight=a_weight, b_weight=b_weight,
+                                     states_early=states_early)
 
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_gates", "gates",

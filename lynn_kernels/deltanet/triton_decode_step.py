@@ -30,7 +30,7 @@ def _roll_load(state_row, chan, mask, stride_sc, stride_ss, S, BLOCK_S: tl.const
     offs_s = tl.arange(0, BLOCK_S)
     keep = (offs_s + 1) < S
     return tl.load(state_row + chan[:, None] * stride_sc + (offs_s + 1)[None, :] * stride_ss,
-                   mask=mask[:, None] & keep[None, :], other=0)
+                   mask=mask[:, None] & keep[None, :], other=0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -54,19 +54,24 @@ def _gdn_decode_kernel(
     NW_DTYPE: tl.constexpr,
     WX_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
     BA_PROJ: tl.constexpr, HX_DTYPE: tl.constexpr, BLOCK_HD: tl.constexpr,
-    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False, STATE_EARLY: tl.constexpr = False,
 ):
     """Program ``b * HV + hv``: value head ``hv`` of sequence ``b`` (key head ``hv // GROUP``). With ``BA_PROJ``
     the head's raw gates come from the layer input ``hx [B, HD]`` and rows ``hv`` of ``in_proj_a`` /
     ``in_proj_b``: two dot products, fp32 sums rounded to hx's dtype (what ``F.linear`` returns).
 
-    With ``USE_PDL`` the program lets the next kernel launch at once, then loads, before it waits for the kernels
-    ahead of it, what none of them writes: the head's recurrent state and its channels' conv state (written only
-    by this layer's decode kernel, one step earlier; every decode step ends in launches made without PDL, which
-    wait for everything before them, so that write is complete), the conv weights, the gates' constants and the
-    first chunk of the gate projections' rows. Nothing is written before the wait."""
+    With ``USE_PDL`` the program lets the next kernel launch at once and waits for the kernels ahead of it. With
+    ``STATE_EARLY`` too it first loads what none of them writes: the head's recurrent state and its channels' conv
+    state, the conv weights, the gates' constants and the first chunk of the gate projections' rows. The states
+    are written only by this layer's decode step (this kernel, one step earlier); the caller promises that the
+    kernel launched right before this one releases its dependents only after its own wait (the FMA GEMV of the
+    layer's input projection) or is launched without PDL, and that the previous step on these states came before
+    that kernel: it has finished, then. The states load through L2 (``.cg``). Nothing is written before the
+    wait."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+        if not STATE_EARLY:
+            tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     pid_b, pid_hv = pid // HV, pid % HV
     pid_hq = pid_hv // GROUP
@@ -79,16 +84,16 @@ def _gdn_decode_kernel(
     chan_k = H * K + pid_hq * K + offs_k
     chan_v = 2 * H * K + pid_hv * V + offs_v
 
-    # 0. before the wait: the layer's own states and the constants (see above)
+    # 0. the layer's own states and the constants: before the wait with STATE_EARLY (see above)
     state = h_ptr + pid.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
     mask_kv = mask_k[:, None] & mask_v[None, :]
-    s = tl.load(state, mask=mask_kv, other=0.0)                                     # [BLOCK_K, BLOCK_V] fp32
+    s = tl.load(state, mask=mask_kv, other=0.0, cache_modifier=".cg")               # [BLOCK_K, BLOCK_V] fp32
     acc_q, wl_q = conv_state_sum(conv_row, cw_ptr, chan_q, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                                 W, X_DTYPE, W_DTYPE, INTERPRET)
+                                 W, X_DTYPE, W_DTYPE, INTERPRET, ".cg")
     acc_k, wl_k = conv_state_sum(conv_row, cw_ptr, chan_k, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                                 W, X_DTYPE, W_DTYPE, INTERPRET)
+                                 W, X_DTYPE, W_DTYPE, INTERPRET, ".cg")
     acc_v, wl_v = conv_state_sum(conv_row, cw_ptr, chan_v, mask_v, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                                 W, X_DTYPE, W_DTYPE, INTERPRET)
+                                 W, X_DTYPE, W_DTYPE, INTERPRET, ".cg")
     roll_q = _roll_load(conv_row, chan_q, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_k = _roll_load(conv_row, chan_k, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_v = _roll_load(conv_row, chan_v, mask_v, stride_cc, stride_cs, S, BLOCK_S)
@@ -101,7 +106,8 @@ def _gdn_decode_kernel(
         wa0 = to_float32(tl.load(wa_ptr + pid_hv * stride_wa + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
         wb0 = to_float32(tl.load(wb_ptr + pid_hv * stride_wb + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+        if STATE_EARLY:
+            tl.extra.cuda.gdc_wait()
 
     # 1. the conv update of this head's channels; the rolled states are written once every reader is done
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
@@ -177,8 +183,13 @@ def _gdn_decode_kernel(
 DECODE_STEP_WARPS = 4
 
 
+def _pdl_flags(states_early: bool) -> dict:
+    flags = runtime.pdl_flags()
+    return {**flags, "STATE_EARLY": True} if states_early and flags["USE_PDL"] else flags
+
+
 def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
-                              num_k_heads, eps=1e-6, x=None, a_weight=None, b_weight=None):
+                              num_k_heads, eps=1e-6, x=None, a_weight=None, b_weight=None, states_early=False):
     """Host side of :func:`lynn_kernels.deltanet.gated_delta_decode`: checks, allocates the output, launches."""
     dims = spec.check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
                                   num_k_heads, eps, x=x, a_weight=a_weight, b_weight=b_weight)
@@ -188,16 +199,17 @@ def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
     out = torch.empty((dims.B, dims.HV, dims.V), dtype=qkv.dtype, device=qkv.device)
     return launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log.float().contiguous(),
                                      dt_bias.float().contiguous(), state, norm_weight, dims, float(eps), out,
-                                     x=x, a_weight=a_weight, b_weight=b_weight)
+                                     x=x, a_weight=a_weight, b_weight=b_weight, states_early=states_early)
 
 
 def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
                               dims: spec.Dims, eps: float, out: torch.Tensor, num_warps: int | None = None,
-                              x=None, a_weight=None, b_weight=None):
+                              x=None, a_weight=None, b_weight=None, states_early: bool = False):
     """Launch only (no checks, no host sync), into a contiguous ``out [B, HV, V]``: ``A_log`` / ``dt_bias`` fp32
     contiguous, ``state`` contiguous; the conv state is rolled and ``state`` updated in place. With ``x`` (and
     ``a_weight`` / ``b_weight`` ``[HV, HD]`` of its dtype, unit stride along HD; ``a`` / ``b`` unused) the gates'
-    projections run in the kernel. The tickets of shared
+    projections run in the kernel. ``states_early``: the kernel's ``STATE_EARLY`` under PDL (the caller's promise,
+    :func:`lynn_kernels.deltanet.gated_delta_decode`). The tickets of shared
     key heads use the matmul's zeroed per-stream buffer (one stream at a time), one per sequence and key head: at
     most :data:`~lynn_kernels.matmul.triton_matmul.COUNTER_SLOTS` of them."""
     B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
@@ -236,5 +248,5 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
         BLOCK_S=max(2, runtime.next_power_of_2(S)),
         BA_PROJ=proj, HX_DTYPE=runtime.TORCH_TO_TL[x.dtype], BLOCK_HD=min(512, runtime.next_power_of_2(hd)),
         num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS), **runtime.kernel_flags(),
-        **runtime.pdl_flags())
+        **_pdl_flags(states_early))
     return out
