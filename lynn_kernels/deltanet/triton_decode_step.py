@@ -62,12 +62,13 @@ def _gdn_decode_kernel(
 
     With ``USE_PDL`` the program lets the next kernel launch at once and waits for the kernels ahead of it. With
     ``STATE_EARLY`` too it first loads what none of them writes: the head's recurrent state and its channels' conv
-    state, the conv weights, the gates' constants and the first chunk of the gate projections' rows. The states
-    are written only by this layer's decode step (this kernel, one step earlier); the caller promises that the
-    kernel launched right before this one releases its dependents only after its own wait (the FMA GEMV of the
+    state, the conv weights, the gates' constants and the gate projections' rows (their first 4,096 columns). The
+    states are written only by this layer's decode step (this kernel, one step earlier); the caller promises that
+    the kernel launched right before this one releases its dependents only after its own wait (the FMA GEMV of the
     layer's input projection) or is launched without PDL, and that the previous step on these states came before
-    that kernel: it has finished, then. The states load through L2 (``.cg``). Nothing is written before the
-    wait."""
+    that kernel: it has finished, then. The states load through L2 (``.cg``). Nothing is written before the wait.
+    After it, everything the kernels before wrote loads at once, and a shared key head's ticket is taken then and
+    read at the end, where the group's last reader rolls the shared conv state."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if not STATE_EARLY:
@@ -102,41 +103,47 @@ def _gdn_decode_kernel(
     nw = to_float32(tl.load(nw_ptr + offs_v, mask=mask_v, other=0), NW_DTYPE, INTERPRET)
     offs_h0 = tl.arange(0, BLOCK_HD)
     mask_h0 = offs_h0 < HD
-    if BA_PROJ:
-        wa0 = to_float32(tl.load(wa_ptr + pid_hv * stride_wa + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
-        wb0 = to_float32(tl.load(wb_ptr + pid_hv * stride_wb + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
+    if BA_PROJ:                                          # raw, converted where used
+        wa0 = tl.load(wa_ptr + pid_hv * stride_wa + offs_h0, mask=mask_h0, other=0)
+        wb0 = tl.load(wb_ptr + pid_hv * stride_wb + offs_h0, mask=mask_h0, other=0)
     if USE_PDL:
         if STATE_EARLY:
             tl.extra.cuda.gdc_wait()
 
-    # 1. the conv update of this head's channels; the rolled states are written once every reader is done
+    # 1. everything the kernels before wrote, loaded at once: the projections, z, the gates or the layer input;
+    #    then the ticket of a shared key head (its answer is read at the end)
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     xq = tl.load(x_row + chan_q, mask=mask_k, other=0)
     xk = tl.load(x_row + chan_k, mask=mask_k, other=0)
     xv = tl.load(x_row + chan_v, mask=mask_v, other=0)
+    zf = to_float32(tl.load(z_ptr + pid_b.to(tl.int64) * stride_zb + pid_hv * stride_zh + offs_v, mask=mask_v,
+                            other=0), X_DTYPE, INTERPRET)
+    if BA_PROJ:
+        hx_row = hx_ptr + pid_b.to(tl.int64) * stride_hx
+        hx = to_float32(tl.load(hx_row + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
+    else:
+        g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
+        beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), BETA_DTYPE, INTERPRET)
+    tl.debug_barrier()                                   # every thread has read the old conv state
+    ticket = 0
+    if GROUP > 1:                                        # q / k shared by GROUP heads: the last reader rolls them
+        ticket = tl.atomic_add(count_ptr + pid_b * H + pid_hq, 1, sem="acq_rel")
+
+    # 2. the conv update of this head's channels; its own rolled state written now, the shared ones at the end
     q = round_to_dtype(conv_finish(acc_q, wl_q, xq, X_DTYPE, INTERPRET), X_DTYPE, INTERPRET)
     k = round_to_dtype(conv_finish(acc_k, wl_k, xk, X_DTYPE, INTERPRET), X_DTYPE, INTERPRET)
     v = round_to_dtype(conv_finish(acc_v, wl_v, xv, X_DTYPE, INTERPRET), X_DTYPE, INTERPRET)
-    tl.debug_barrier()                                   # every thread has read the old conv state
-    _roll_store(conv_row, chan_v, mask_v, roll_v, xv, stride_cc, stride_cs, S, BLOCK_S)   # this head's own
+    _roll_store(conv_row, chan_v, mask_v, roll_v, xv, stride_cc, stride_cs, S, BLOCK_S)
     if GROUP == 1:
         _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
         _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
-    else:                                                # q / k shared by GROUP heads: the last reader rolls them
-        ticket = tl.atomic_add(count_ptr + pid_b * H + pid_hq, 1, sem="acq_rel")
-        if ticket == GROUP - 1:
-            _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
-            _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
-            tl.atomic_xchg(count_ptr + pid_b * H + pid_hq, 0)              # ready for the next call
 
-    # 2. the gates and the delta rule (the recurrent kernel's operations, one token)
+    # 3. the gates and the delta rule (the recurrent kernel's operations, one token)
     if BA_PROJ:                                          # the head's in_proj_a / in_proj_b rows against hx
-        hx_row = hx_ptr + pid_b.to(tl.int64) * stride_hx
-        hx = to_float32(tl.load(hx_row + offs_h0, mask=mask_h0, other=0), HX_DTYPE, INTERPRET)
         acc_a = tl.zeros((BLOCK_HD,), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_HD,), dtype=tl.float32)
-        acc_a += hx * wa0                                # the first chunk's weights came before the wait
-        acc_b += hx * wb0
+        acc_a += hx * to_float32(wa0, HX_DTYPE, INTERPRET)   # the first chunk (all of HD <= 4096) came early
+        acc_b += hx * to_float32(wb0, HX_DTYPE, INTERPRET)
         for h0 in range(BLOCK_HD, HD, BLOCK_HD):
             offs_h = h0 + tl.arange(0, BLOCK_HD)
             mask_h = offs_h < HD
@@ -149,9 +156,6 @@ def _gdn_decode_kernel(
             acc_b += hx * wb
         g = round_to_dtype(tl.sum(acc_a, axis=0), HX_DTYPE, INTERPRET)
         beta = round_to_dtype(tl.sum(acc_b, axis=0), HX_DTYPE, INTERPRET)
-    else:
-        g = to_float32(tl.load(a_ptr + pid_b.to(tl.int64) * stride_ab + pid_hv), G_DTYPE, INTERPRET)
-        beta = to_float32(tl.load(b_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv), BETA_DTYPE, INTERPRET)
     x = g + dt_bias
     e = tl.exp(tl.minimum(x, 20.0))
     y = 1.0 + e
@@ -166,14 +170,17 @@ def _gdn_decode_kernel(
     o = round_to_dtype(tl.sum(s * q[:, None], axis=0), X_DTYPE, INTERPRET)          # S^T q, as the chain stores it
     tl.store(state, s, mask=mask_kv)
 
-    # 3. the gated RMSNorm over the head's V values
-    zf = to_float32(tl.load(z_ptr + pid_b.to(tl.int64) * stride_zb + pid_hv * stride_zh + offs_v, mask=mask_v,
-                            other=0), X_DTYPE, INTERPRET)
+    # 4. the gated RMSNorm over the head's V values
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
     normed = round_to_dtype(o * rstd, X_DTYPE, INTERPRET)
     hh = round_to_dtype(nw * normed, WX_DTYPE, INTERPRET)
     out = hh * (zf * tl.sigmoid(zf))
     tl.store(out_ptr + pid.to(tl.int64) * V + offs_v, cast_output(out, X_DTYPE, INTERPRET), mask=mask_v)
+    if GROUP > 1:                                        # the last of the group to read rolls the shared q / k
+        if ticket == GROUP - 1:
+            _roll_store(conv_row, chan_q, mask_k, roll_q, xq, stride_cc, stride_cs, S, BLOCK_S)
+            _roll_store(conv_row, chan_k, mask_k, roll_k, xk, stride_cc, stride_cs, S, BLOCK_S)
+            tl.atomic_xchg(count_ptr + pid_b * H + pid_hq, 0)              # ready for the next call
 
 
 #: ``num_warps`` of the fused step on the GPU (one program holds a head's K x V fp32 state: 64 KB at 128 x 128).
@@ -246,7 +253,7 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
         NW_DTYPE=runtime.TORCH_TO_TL[norm_weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx],
         BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=runtime.next_power_of_2(V),
         BLOCK_S=max(2, runtime.next_power_of_2(S)),
-        BA_PROJ=proj, HX_DTYPE=runtime.TORCH_TO_TL[x.dtype], BLOCK_HD=min(512, runtime.next_power_of_2(hd)),
+        BA_PROJ=proj, HX_DTYPE=runtime.TORCH_TO_TL[x.dtype], BLOCK_HD=min(4096, runtime.next_power_of_2(hd)),
         num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS), **runtime.kernel_flags(),
         **_pdl_flags(states_early))
     return out
