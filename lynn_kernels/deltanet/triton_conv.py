@@ -90,16 +90,19 @@ def _causal_conv1d_kernel(
 @triton.jit
 def conv_state_sum(state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
                    W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-                   CACHE: tl.constexpr = ""):
+                   L2_ONLY: tl.constexpr = False):
     """The part of one conv decode step that reads no new input: ``(the fp32 sum of the newest W - 1 state columns
     of channels chan against weights 0..W-2, oldest first; weight W-1 as fp32)``. :func:`conv_finish` adds the
-    new input; the two together are the prefill kernel's order of operations (the same bits). ``CACHE``: the state
-    loads' cache modifier (``".cg"``: through L2 only)."""
+    new input; the two together are the prefill kernel's order of operations (the same bits). ``L2_ONLY``: the
+    state loads go through L2 only (``.cg``)."""
     base = state_row + chan * stride_sc
     acc = tl.zeros(chan.shape, dtype=tl.float32)
     for j in tl.static_range(W - 1):        # the newest W - 1 state columns meet weights 0..W-2, oldest first
-        xs = to_float32(tl.load(base + (S - (W - 1) + j) * stride_ss, mask=mask, other=0, cache_modifier=CACHE),
-                        X_DTYPE, INTERPRET)
+        if L2_ONLY:
+            xs = tl.load(base + (S - (W - 1) + j) * stride_ss, mask=mask, other=0, cache_modifier=".cg")
+        else:
+            xs = tl.load(base + (S - (W - 1) + j) * stride_ss, mask=mask, other=0)
+        xs = to_float32(xs, X_DTYPE, INTERPRET)
         wj = to_float32(tl.load(w_ptr + chan * stride_wc + j * stride_ww, mask=mask, other=0), W_DTYPE, INTERPRET)
         acc += xs * wj
     w_last = to_float32(tl.load(w_ptr + chan * stride_wc + (W - 1) * stride_ww, mask=mask, other=0),

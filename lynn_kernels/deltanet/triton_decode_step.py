@@ -62,7 +62,7 @@ def _gdn_decode_kernel(
 
     With ``USE_PDL`` the program lets the next kernel launch at once and waits for the kernels ahead of it. With
     ``STATE_EARLY`` too it first loads what none of them writes: the head's recurrent state and its channels' conv
-    state, the conv weights, the gates' constants and the gate projections' rows (their first 4,096 columns). The
+    state, the conv weights, the gates' constants and the gate projections' rows (their first chunk). The
     states are written only by this layer's decode step (this kernel, one step earlier); the caller promises that
     the kernel launched right before this one releases its dependents only after its own wait (the FMA GEMV of the
     layer's input projection) or is launched without PDL, and that the previous step on these states came before
@@ -90,11 +90,11 @@ def _gdn_decode_kernel(
     mask_kv = mask_k[:, None] & mask_v[None, :]
     s = tl.load(state, mask=mask_kv, other=0.0, cache_modifier=".cg")               # [BLOCK_K, BLOCK_V] fp32
     acc_q, wl_q = conv_state_sum(conv_row, cw_ptr, chan_q, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                                 W, X_DTYPE, W_DTYPE, INTERPRET, ".cg")
+                                 W, X_DTYPE, W_DTYPE, INTERPRET, True)
     acc_k, wl_k = conv_state_sum(conv_row, cw_ptr, chan_k, mask_k, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                                 W, X_DTYPE, W_DTYPE, INTERPRET, ".cg")
+                                 W, X_DTYPE, W_DTYPE, INTERPRET, True)
     acc_v, wl_v = conv_state_sum(conv_row, cw_ptr, chan_v, mask_v, stride_cc, stride_cs, stride_wc, stride_ww, S,
-                                 W, X_DTYPE, W_DTYPE, INTERPRET, ".cg")
+                                 W, X_DTYPE, W_DTYPE, INTERPRET, True)
     roll_q = _roll_load(conv_row, chan_q, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_k = _roll_load(conv_row, chan_k, mask_k, stride_cc, stride_cs, S, BLOCK_S)
     roll_v = _roll_load(conv_row, chan_v, mask_v, stride_cc, stride_cs, S, BLOCK_S)
@@ -142,7 +142,7 @@ def _gdn_decode_kernel(
     if BA_PROJ:                                          # the head's in_proj_a / in_proj_b rows against hx
         acc_a = tl.zeros((BLOCK_HD,), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_HD,), dtype=tl.float32)
-        acc_a += hx * to_float32(wa0, HX_DTYPE, INTERPRET)   # the first chunk (all of HD <= 4096) came early
+        acc_a += hx * to_float32(wa0, HX_DTYPE, INTERPRET)   # the first chunk came before the wait
         acc_b += hx * to_float32(wb0, HX_DTYPE, INTERPRET)
         for h0 in range(BLOCK_HD, HD, BLOCK_HD):
             offs_h = h0 + tl.arange(0, BLOCK_HD)
@@ -188,6 +188,11 @@ def _gdn_decode_kernel(
 #: batch from 1 to 32; 8 and 16 were 1.8-2.8x slower, 2 about 7x slower. Splitting a head's V columns over
 #: programs (the last one normalising the row) was no faster at any batch and was removed (docs/deltanet.md).
 DECODE_STEP_WARPS = 4
+
+#: Columns of the gates' projection rows a step of the fused kernel takes (the first before the PDL wait). 1,024:
+#: compiled for sm_90 at the Qwen3.5 head shape, 2,048 (the whole row) spills 40 bytes (255 registers), 1,024
+#: takes 252 registers and spills none (``experiments/sm90_compile.py``'s ``compile_sm90``).
+GATE_CHUNK = 1024
 
 
 def _pdl_flags(states_early: bool) -> dict:
@@ -253,7 +258,7 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
         NW_DTYPE=runtime.TORCH_TO_TL[norm_weight.dtype], WX_DTYPE=runtime.TORCH_TO_TL[wx],
         BLOCK_K=runtime.next_power_of_2(K), BLOCK_V=runtime.next_power_of_2(V),
         BLOCK_S=max(2, runtime.next_power_of_2(S)),
-        BA_PROJ=proj, HX_DTYPE=runtime.TORCH_TO_TL[x.dtype], BLOCK_HD=min(4096, runtime.next_power_of_2(hd)),
+        BA_PROJ=proj, HX_DTYPE=runtime.TORCH_TO_TL[x.dtype], BLOCK_HD=min(GATE_CHUNK, runtime.next_power_of_2(hd)),
         num_warps=num_warps or (4 if runtime.INTERPRET else DECODE_STEP_WARPS), **runtime.kernel_flags(),
         **_pdl_flags(states_early))
     return out
