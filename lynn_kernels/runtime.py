@@ -260,9 +260,11 @@ def pdl_supported() -> bool:
 def programmatic_launches(enabled: bool = True):
     """Launch the decode-path kernels with programmatic dependent launch inside the block (a no-op where
     :func:`pdl_supported` is false). Each such kernel starts before the kernel ahead of it on the stream has
-    finished, waits in ``gdc_wait`` before it touches memory anything before it may write (only weights load
-    earlier: the FMA GEMV's first step), and lets the kernel behind it start early in turn
-    (:func:`pdl_enter`). The results are the same bits; what changes is the gap between kernels (about 0.4 us of
+    finished, waits in ``gdc_wait`` before it touches memory anything before it may write, and lets the kernel
+    behind it start early in turn (:func:`pdl_enter`). What loads before the wait: weights (the FMA GEMV's first
+    step, the router's first chunk); where the kernel ahead releases its dependents only after its own wait (so
+    everything before *it* has finished), what those earlier kernels wrote: the packed MoE down kernel's routing
+    (gate_up ahead of it), the fused Gated DeltaNet step's own states (its layer's projection ahead of it). The results are the same bits; what changes is the gap between kernels (about 0.4 us of
     1.1 a boundary on the H200, docs/performance.md). Launches made by anything else (torch, cuBLAS) keep their
     full ordering. ``enabled=False`` undoes an outer one. :class:`lynn_model.graphs.DecodeStep` captures its step
     inside it."""
