@@ -208,11 +208,34 @@ class Entry:
 def _read_json(path: Path) -> dict:
     try:
         d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoadError(f"{path}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise LoadError(f"{path}: not valid JSON ({e or 'nested too deep'})") from e
     if not isinstance(d, dict):
         raise LoadError(f"{path}: expected a JSON object, found a {type(d).__name__}")
     return d
+
+
+#: Largest safetensors header read (the format's own reader refuses more than 100 MB).
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+def shard_path(folder: Path, name, where: str) -> Path:
+    """``folder / name`` for a shard ``name`` read from ``where`` (the index entry), refused unless it is a plain file
+    name that stays inside ``folder``: no separator, no ``..``, not absolute, and no symlink that leaves the folder,
+    except into the ``blobs/`` beside a Hugging Face cache's ``snapshots/<rev>/`` folder (how the hub stores files)."""
+    if not isinstance(name, str) or not name:
+        raise LoadError(f"{where}: a shard must be a file name (a string), found {name!r}")
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+        raise LoadError(f"{where} names the shard {name!r}: a shard must be a plain file name inside {folder} (no "
+                        f"folder separator, no '..', not an absolute path)")
+    path = folder / name
+    if path.is_symlink():
+        real, home = path.resolve(), folder.resolve()
+        blobs = home.parent.parent / "blobs" if home.parent.name == "snapshots" else None
+        if home not in real.parents and not (blobs and blobs in real.parents):
+            raise LoadError(f"{where} names the shard {name!r}, a symlink to {real}, outside {folder}: a shard must "
+                            f"be a file inside the model folder")
+    return path
 
 
 def _shard_files(folder: Path) -> list[Path]:
@@ -220,59 +243,109 @@ def _shard_files(folder: Path) -> list[Path]:
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise LoadError(f"{index} has no weight_map")
-        files = list(dict.fromkeys(weight_map.values()))
-        for f in files:
-            if not (folder / f).is_file():
+            raise LoadError(f"{index}: no weight_map (expected an object of tensor name -> shard file name)")
+        files = {}
+        for tensor, f in weight_map.items():
+            if f not in files:
+                files[f] = shard_path(folder, f, f"{index.name}, weight_map[{tensor!r}]")
+        for f, path in files.items():
+            if not path.is_file():
                 names = [n for n, v in weight_map.items() if v == f]
                 raise LoadError(f"{index.name} names {f} (for {names[0]} and {len(names) - 1} more tensors), but "
-                                f"{folder / f} does not exist")
-        return [folder / f for f in files]
+                                f"{path} does not exist")
+        return list(files.values())
     single = folder / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [shard_path(folder, single.name, str(folder))]
     found = sorted(folder.glob("*.safetensors"))
     if found:
-        return found
+        return [shard_path(folder, f.name, str(folder)) for f in found]
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     hint = f" (found {pickles}: only safetensors is read, never pickle)" if pickles else ""
     raise LoadError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
 
 
+_ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1,
+             "F8_E5M2": 1, "BOOL": 1}
+
+
+def read_header(f: Path) -> tuple[dict, int]:
+    """One shard's safetensors header, checked entry by entry, and where its data starts (no data read)."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size or n > MAX_HEADER_BYTES:
+                raise LoadError(f"{f}: not a safetensors file, or truncated (header of {n} bytes, file of {size})")
+            header = json.loads(fh.read(n))
+    except LoadError:
+        raise
+    except RecursionError as e:
+        raise LoadError(f"{f}: corrupt safetensors header (JSON nested too deep)") from e
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise LoadError(f"{f}: cannot read the safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise LoadError(f"{f}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise LoadError(f"{name} in {f.name}: corrupt safetensors header (an entry needs dtype, shape and "
+                            f"data_offsets)")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+            raise LoadError(f"{name} in {f.name} has dtype {dtype!r}, which the loader does not read (it reads "
+                            f"{', '.join(_ST_DTYPES)})")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise LoadError(f"{name} in {f.name}: corrupt safetensors header (shape {shape!r}: expected a list of "
+                            f"non-negative ints)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise LoadError(f"{name} in {f.name}: corrupt safetensors header (data_offsets {offsets!r}: expected "
+                            f"[begin, end] with 0 <= begin <= end)")
+        if offsets[1] - offsets[0] != _numel(shape) * _ST_BYTES[dtype]:
+            raise LoadError(f"{name} in {f.name}: corrupt safetensors header ({dtype} {shape} needs "
+                            f"{_numel(shape) * _ST_BYTES[dtype]} bytes, data_offsets span {offsets[1] - offsets[0]})")
+        spans.append((offsets[1], name))
+    end, last = max(spans, default=(0, ""))
+    if 8 + n + end > size:
+        raise LoadError(f"{f} is truncated: its header describes {8 + n + end} bytes, the file has {size} (the data "
+                        f"of {last} is cut)")
+    return header, 8 + n
+
+
 def read_headers(folder: Path) -> list[Entry]:
     """Name, dtype and shape of every tensor of every shard, from the safetensors headers (no data read)."""
     entries = []
-    for f in _shard_files(folder):
-        size = f.stat().st_size
-        try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if n <= 0 or 8 + n > size:
-                    raise LoadError(f"{f}: not a safetensors file, or truncated (header of {n} bytes, file of "
-                                    f"{size})")
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            if isinstance(e, LoadError):
-                raise
-            raise LoadError(f"{f}: cannot read the safetensors header ({e})") from e
-        if not isinstance(header, dict):
-            raise LoadError(f"{f}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
-        end, last = 0, ""
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-                raise LoadError(f"{name} in {f.name}: corrupt safetensors header (an entry needs dtype, shape and "
-                                f"data_offsets)")
-            dtype = _ST_DTYPES.get(info.get("dtype"))
-            if dtype is None:
-                raise LoadError(f"{name} in {f.name} has dtype {info.get('dtype')}, which the loader does not read")
-            end, last = max((end, last), (info["data_offsets"][1], name))
-            entries.append(Entry(name, f, dtype, tuple(info["shape"])))
-        if 8 + n + end > size:
-            raise LoadError(f"{f} is truncated: its header describes {8 + n + end} bytes, the file has {size} "
-                            f"(the data of {last} is cut)")
+    for f in _shard_files(Path(folder)):
+        header, _ = read_header(f)
+        entries += [Entry(name, f, _ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+                    for name, info in header.items() if name != "__metadata__"]
     return entries
+
+
+def check_counts(raw: dict, entries: list[Entry], where: Path) -> None:
+    """Refuse a ``config.json`` that asks for more layers or experts than the checkpoint holds, before the config
+    is expanded into per-layer and per-expert lists (a hostile count would otherwise exhaust memory)."""
+    layers, experts = {-1}, {-1}
+    for e in entries:
+        m = re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", canonical(e.name) or "")
+        if m:
+            layers.add(int(m.group(1)))
+            if m.group(3):
+                experts.add(int(m.group(3)))
+        elif (canonical(e.name) or "").endswith("mlp.experts.gate_up_proj") and e.shape:
+            experts.add(e.shape[0] - 1)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    for key, found, what in (("num_hidden_layers", max(layers) + 1, "layers"),
+                             ("num_experts", max(experts) + 1, "routed experts per layer")):
+        value = text.get(key, raw.get(key))
+        if type(value) is int and found and value > found:
+            raise LoadError(f"{where}: {key} = {value}, but the checkpoint's safetensors hold {found} {what}")
+        if type(value) is int and key == "num_hidden_layers" and value > 0 and max(layers) < 0:
+            raise LoadError(f"{where}: {key} = {value}, but the checkpoint's safetensors hold no model.layers.* "
+                            f"tensors")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -635,7 +708,7 @@ def split_ba(value, config: Config):
 
 def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dtype | None = None,
                     keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", progress: bool = False,
-                    layout: str = "packed") -> Model:
+                    layout: str = "packed", check_weights: bool = True) -> Model:
     """Load a HF model folder (the contract of :func:`lynn_model.from_pretrained`).
 
     Args:
@@ -649,6 +722,8 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
         layout: ``"packed"`` (NVFP4 projections and expert stacks in the packed kernels' layout, made once here,
             the shared expert joined to the routed stacks where its shape allows: the fast path) or
             ``"checkpoint"`` (kept as stored, for comparing the two).
+        check_weights: refuse a tensor holding NaN or Inf, or an NVFP4 scale that is negative, zero (a global
+            scale) or NaN, naming it (:class:`WeightCheck`: checked on the device, one sync per shard).
     """
     folder = Path(path)
     if weights not in WEIGHT_MODES:
@@ -659,9 +734,10 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     if not cfg_path.is_file():
         raise LoadError(f"no config.json in {folder}")
     raw = _read_json(cfg_path)
+    entries = read_headers(folder)
+    check_counts(raw, entries, cfg_path)
     config = Config.from_hf(raw, name=folder.name)
     quant = QuantConfig.read(folder, raw)
-    entries = read_headers(folder)
     mods, packed = plan(config, entries, quant)
     if dtype is None:
         dtype = torch.bfloat16 if weights == "bf16" else mods["model.embed_tokens"].parts["weight"].dtype
@@ -682,6 +758,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
             if e.file != end:
                 hold_in[e.file].append(e)
     held: dict[str, torch.Tensor] = {}
+    checker = WeightCheck(enabled=check_weights)
     from safetensors import safe_open
     for n, f in enumerate(order):
         if progress:
@@ -692,10 +769,13 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
                     held[e.name] = fh.get_tensor(e.name)
 
                 def get(e: Entry) -> torch.Tensor:
-                    return fh.get_tensor(e.name) if e.file == f else held.pop(e.name)
+                    t = (fh.get_tensor(e.name) if e.file == f else held.pop(e.name)).to(device)
+                    checker.add(e, t)
+                    return t
 
                 for m in build_in[f]:
-                    _build(asm, m, get, device, config)
+                    _build(asm, m, get, config)
+            checker.verify()
         except LoadError:
             raise
         except Exception as e:                        # a damaged shard: name it
@@ -710,6 +790,61 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
         pack_moe_experts(model)
     model.eval()
     return model
+
+
+class WeightCheck:
+    """Damaged weights caught at load: a float tensor holding NaN or Inf, an NVFP4 block scale that is negative or
+    NaN, a global scale that is not a positive finite number. Each tensor is checked where it lands (two reductions,
+    no copy of its size), and the flags are read back once per shard, so a GPU load syncs per shard, not per tensor."""
+
+    _GLOBAL = ("weight_global_scale", "weight_scale_2")
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.pending: list[tuple[Entry, torch.Tensor]] = []
+
+    def add(self, e: Entry, t: torch.Tensor) -> None:
+        if not self.enabled or t.numel() == 0:
+            return
+        if t.dtype == torch.float8_e4m3fn:                         # block scales: their bits, no float copy
+            bits = t.view(torch.uint8)
+            bad = (bits.amax() > 0x80) | ((bits & 0x7F) == 0x7F).any()     # negative (not -0), or NaN
+        elif t.dtype in _FLOATS:
+            lo, hi = torch.aminmax(t)
+            bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+            if e.name.endswith(self._GLOBAL):
+                bad = bad | (lo <= 0)
+        else:
+            return                                                 # codes and ints: every bit pattern is a value
+        self.pending.append((e, bad))
+
+    def verify(self) -> None:
+        """Raise :class:`LoadError` naming the first damaged tensor seen since the last call."""
+        if not self.pending:
+            return
+        flags = torch.stack([bad.reshape(()) for _, bad in self.pending]).cpu()
+        pending, self.pending = self.pending, []
+        if not flags.any():
+            return
+        e = pending[int(flags.nonzero()[0, 0])][0]
+        raise LoadError(f"{e.name} in {e.file.name}: {self.describe(e)}: the checkpoint is damaged (a corrupted "
+                        f"download or a bad export); lynn_model.from_pretrained(check_weights=False) loads it anyway")
+
+    @classmethod
+    def describe(cls, e: Entry) -> str:
+        from safetensors import safe_open
+
+        with safe_open(str(e.file), framework="pt") as fh:
+            t = fh.get_tensor(e.name)
+        if t.dtype == torch.float8_e4m3fn:
+            bits = t.view(torch.uint8)
+            nan, neg = int(((bits & 0x7F) == 0x7F).sum()), int((bits > 0x80).sum())
+            return f"{nan} NaN and {neg} negative NVFP4 block scales of {t.numel()}"
+        t = t.float()
+        nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
+        if e.name.endswith(cls._GLOBAL) and not nan and not inf:
+            return f"a global scale of {t.flatten()[0].item()!r} (expected a positive number)"
+        return f"{nan} NaN and {inf} infinite values of {t.numel()}"
 
 
 def pack_linears(model: Model) -> int:
@@ -740,10 +875,11 @@ def pack_moe_experts(model: Model) -> int:
     return n
 
 
-def _build(asm: Assembler, m: Module, get, device, config: Config) -> None:
+def _build(asm: Assembler, m: Module, get, config: Config) -> None:
+    """Convert one module from its tensors (``get(entry)``: on the device, checked) and hand it to ``asm``."""
     if m.fmt == "packed":
-        gu = get(m.parts["gate_up_proj"]).to(device)
-        down = get(m.parts["down_proj"]).to(device)
+        gu = get(m.parts["gate_up_proj"])
+        down = get(m.parts["down_proj"])
         n = config.moe_intermediate_size
         t = Target("linear", (n, config.hidden_size))
         for j in range(config.num_experts):
@@ -753,10 +889,10 @@ def _build(asm: Assembler, m: Module, get, device, config: Config) -> None:
         return
     if m.fmt == "float":
         e = m.parts.get("weight", m.parts.get(""))
-        value = get(e).to(device)
+        value = get(e)
     else:
         names = NVFP4_SUFFIXES[m.fmt]
-        codes, scales, g = (get(m.parts[s]).to(device) for s in names)
+        codes, scales, g = (get(m.parts[s]) for s in names)
         prefix = m.parts[names[0]].name.rpartition(".")[0] + "."
         if m.fmt == "compressed-tensors":
             value = NVFP4Tensor.from_compressed_tensors(codes, scales, g, prefix=prefix)

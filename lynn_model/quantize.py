@@ -46,6 +46,8 @@ import lynn_kernels  # noqa: F401  (first: it picks the Triton backend before tr
 from lynn_kernels import nvfp4, runtime
 from lynn_kernels.nvfp4.spec import BLOCK, check_recipe, default_global_scale
 
+from . import loader
+
 FORMATS = ("compressed-tensors", "modelopt")
 #: The recipe each layout's own tool uses; ``recipe=None`` picks it.
 DEFAULT_RECIPE = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt"}
@@ -277,11 +279,72 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         if any(dst.iterdir()) and not overwrite:
             raise FileExistsError(f"DST {dst} exists and is not empty; pass overwrite=True (--overwrite) to "
                                   f"replace it")
+        if overwrite:
+            _check_replaceable(src, dst)
+
+
+#: Files of DST besides its shards that this command writes.
+_OUTPUT_FILES = ("config.json", "model.safetensors.index.json", "hf_quant_config.json")
+
+
+def _check_replaceable(src: Path, dst: Path) -> None:
+    """``--overwrite`` replaces a model, not any folder: DST must hold a model (``config.json`` and safetensors)
+    and nothing this command could not have written (its outputs, or files named as in SRC)."""
+    if not any(dst.iterdir()):
+        return
+    unexpected = []
+    for root, dirs, files in os.walk(dst):
+        rel_root = Path(root).relative_to(dst)
+        for d in list(dirs):
+            if not (src / rel_root / d).is_dir() or (Path(root) / d).is_symlink():
+                unexpected.append(f"{rel_root / d}/")
+                dirs.remove(d)
+        for name in files:
+            rel = rel_root / name
+            if not (str(rel) in _OUTPUT_FILES or (rel_root == Path(".") and name.endswith(".safetensors"))
+                    or (src / rel).is_file()):
+                unexpected.append(str(rel))
+    is_model = (dst / "config.json").is_file() and any(dst.glob("*.safetensors"))
+    if unexpected or not is_model:
+        listing = sorted(p.name + ("/" if p.is_dir() else "") for p in dst.iterdir())
+        why = (f"it holds files lynn quantize does not write: {', '.join(sorted(unexpected)[:8])}"
+               + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")) if unexpected else \
+            "it holds no model (config.json and *.safetensors)"
+        raise FileExistsError(f"DST {dst} is not replaced by --overwrite: {why}. Its contents: "
+                              f"{', '.join(listing[:12])}{' ...' if len(listing) > 12 else ''}. Choose a new "
+                              f"folder, or empty this one yourself")
+
+
+def _tmp_prefix(dst: Path) -> str:
+    return f".{dst.name}.lynn-quantize-"
+
+
+def _clean_leftovers(dst: Path, notes: list) -> None:
+    """Remove the temporary folders of earlier runs on DST that were killed; refuse while another run is alive."""
+    for old in sorted(dst.parent.glob(_tmp_prefix(dst) + "*")):
+        pid = old.name[len(_tmp_prefix(dst)):].partition("-")[0]
+        if not pid.isdigit() or not old.is_dir() or old.is_symlink():
+            continue
+        if int(pid) != os.getpid() and _alive(int(pid)):
+            raise FileExistsError(f"{old} belongs to another lynn quantize writing {dst} (process {pid} is "
+                                  f"running); wait for it to finish, or stop it and run again")
+        shutil.rmtree(old)
+        notes.append(f"removed {old.name}, left in {dst.parent} by an interrupted run (process {pid})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # someone else's process: alive
+        return True
+    return True
 
 
 def _read_config(src: Path) -> dict:
-    config = json.loads((src / "config.json").read_text())
-    text = config.get("text_config") or {}
+    config = loader._read_json(src / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     types = {config.get("model_type"), text.get("model_type")} - {None}
     if not types & set(FAMILIES):
         raise ValueError(f"{src / 'config.json'}: model_type {sorted(types) or None} is not one of {FAMILIES}")
@@ -292,34 +355,43 @@ def _read_config(src: Path) -> dict:
 
 
 def _weight_files(src: Path) -> tuple[list, bool]:
-    """Shard file names in order, and whether SRC has an index."""
+    """Shard file names in order, and whether SRC has an index; each name a plain file inside SRC
+    (:func:`lynn_model.loader.shard_path`), as the loader requires."""
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = loader._read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map (expected an object of tensor name -> shard file name)")
+        for tensor, shard in weight_map.items():
+            loader.shard_path(src, shard, f"{index.name}, weight_map[{tensor!r}]")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (src / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
         return shards, True
     if (src / "model.safetensors").is_file():
+        loader.shard_path(src, "model.safetensors", str(src))
         return ["model.safetensors"], False
     raise FileNotFoundError(f"SRC {src} has neither model.safetensors nor model.safetensors.index.json "
                             f"(lynn quantize reads safetensors only)")
 
 
 def _read_headers(src: Path, shards: list) -> tuple[dict, dict]:
-    """``{tensor: (shard, shape, dtype)}`` shard by shard, and each shard's metadata, without reading any data."""
-    from safetensors import safe_open
-
+    """``{tensor: (shard, shape, dtype)}`` shard by shard, and each shard's metadata, without reading any data
+    (each header checked as the loader checks it)."""
     headers, metadata = {}, {}
     for shard in shards:
-        with safe_open(src / shard, framework="pt") as f:
-            metadata[shard] = f.metadata() or {"format": "pt"}
-            for name in f.keys():
-                if name in headers:
-                    raise ValueError(f"tensor {name} is in both {headers[name][0]} and {shard}")
-                s = f.get_slice(name)
-                headers[name] = (shard, tuple(s.get_shape()), s.get_dtype())
+        header, _ = loader.read_header(src / shard)
+        meta = header.get("__metadata__")
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            raise ValueError(f"{src / shard}: corrupt safetensors header (__metadata__ must map names to strings)")
+        metadata[shard] = meta or {"format": "pt"}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if name in headers:
+                raise ValueError(f"tensor {name} is in both {headers[name][0]} and {shard}")
+            headers[name] = (shard, tuple(info["shape"]), info["dtype"])
     return headers, metadata
 
 
@@ -510,6 +582,7 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
     config = _read_config(src)
     shards, has_index = _weight_files(src)
     headers, metadata = _read_headers(src, shards)
+    _check_loadable(src, config)
     plan = _plan(headers, patterns, quantize_linear_attn)
     if progress:
         for note in plan.notes:
@@ -526,10 +599,14 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
     bytes_before = sum(_tensor_bytes(shape, dtype) for _, shape, dtype in headers.values())
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.lynn-quantize-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    n_notes = len(plan.notes)
+    _clean_leftovers(dst, plan.notes)
+    if progress:
+        for note in plan.notes[n_notes:]:
+            print(f"note: {note}", file=sys.stderr)
+    tmp = dst.parent / f"{_tmp_prefix(dst)}{os.getpid()}"
     tmp.mkdir()
+    mode = 0o666 & ~_umask()                        # safetensors writes 0600; the other files get the usual mode
     writer = _Writer(src, plan, format, recipe)
     bar = _Progress(bytes_before, len(shards), progress)
     done = 0
@@ -546,7 +623,13 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
                 bar.show(done, i, shard)
 
             out = writer.shard(shard, by_shard[shard], on_tensor)
-            save_file(out, str(tmp / shard), metadata=metadata[shard])
+            try:
+                save_file(out, str(tmp / shard), metadata=metadata[shard])
+            except Exception as err:  # noqa: BLE001  (safetensors raises its own error for a full disk)
+                if isinstance(err, OSError) or "safetensor" in type(err).__name__.lower():
+                    raise OSError(f"cannot write {dst / shard} (in the temporary {tmp}): {err}") from err
+                raise
+            os.chmod(tmp / shard, mode)
             for name, t in out.items():
                 weight_map[name] = shard
                 bytes_after += t.numel() * t.element_size()
@@ -569,9 +652,13 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
         skip = set(shards) | {"config.json", "model.safetensors.index.json"}
         files = _copy_others(src, tmp, skip, plan.notes)
 
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        if dst.exists():                            # checked by _check_replaceable: set aside, then removed
+            old = dst.parent / f"{_tmp_prefix(dst)}{os.getpid()}-old"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dst)
     except BaseException:
         if done:
             bar.close()
@@ -585,6 +672,22 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
         "tensors_copied": writer.copied, "bytes_before": bytes_before, "bytes_after": bytes_after,
         "files_copied": files, "notes": list(plan.notes), "seconds": time.perf_counter() - t0,
     }
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _check_loadable(src: Path, raw: dict) -> None:
+    """Refuse, before anything is written, a SRC that ``lynn_model.from_pretrained`` would refuse (its config
+    and its headers; no data is read)."""
+    from .config import Config
+
+    entries = loader.read_headers(src)
+    loader.check_counts(raw, entries, src / "config.json")
+    loader.plan(Config.from_hf(raw, name=src.name), entries, loader.QuantConfig())
 
 
 def format_summary(summary: dict) -> str:
