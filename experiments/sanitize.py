@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 experiments/sanitize.py [--families nvfp4 matmul ...] [--racecheck attention moe ...]
         [--timeout 150] [--jobs 9] [--out $OUT/sanitizer.json]
 
-Each run is ``compute-sanitizer --tool TOOL python3 -m lynn_kernels.cli check FAMILY...``: ``lynn check`` runs each
+Each run is ``compute-sanitizer --tool TOOL python3 -m lynn_cli check FAMILY...``: ``lynn check`` runs each
 family's kernels against their references at its awkward shapes (tails, odd sizes, every dtype), so every kernel
 launch of those checks goes through the tool. memcheck looks for out-of-bounds and misaligned accesses; racecheck
 for shared-memory hazards between threads, on the families whose kernels stage tiles in shared memory. The summary
@@ -30,7 +30,7 @@ FAMILIES = ("nvfp4", "matmul", "attention", "deltanet", "moe", "norm")
 
 def run(tool: str, families: list[str], timeout: float) -> dict:
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    cmd = [exe, "--tool", tool, "--print-limit", "20", sys.executable, "-m", "lynn_kernels.cli", "check", *families]
+    cmd = [exe, "--tool", tool, "--print-limit", "20", sys.executable, "-m", "lynn_cli", "check", *families]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)

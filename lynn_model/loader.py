@@ -32,7 +32,7 @@ from lynn_kernels import NVFP4Tensor, moe
 from lynn_kernels.matmul import PackedNVFP4, pack
 from lynn_kernels import runtime
 
-from .config import Config
+from .config import Config, ConfigError
 from .model import Model
 
 WEIGHT_MODES = ("auto", "nvfp4", "bf16")
@@ -323,6 +323,14 @@ def read_headers(folder: Path) -> list[Entry]:
         entries += [Entry(name, f, _ST_DTYPES[info["dtype"]], tuple(info["shape"]))
                     for name, info in header.items() if name != "__metadata__"]
     return entries
+
+
+def read_config(raw: dict, path: Path) -> Config:
+    """:meth:`Config.from_hf` of the parsed ``config.json`` at ``path``, its errors naming the file."""
+    try:
+        return Config.from_hf(raw, name=path.parent.name)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 def check_counts(raw: dict, entries: list[Entry], where: Path) -> None:
@@ -736,7 +744,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     raw = _read_json(cfg_path)
     entries = read_headers(folder)
     check_counts(raw, entries, cfg_path)
-    config = Config.from_hf(raw, name=folder.name)
+    config = read_config(raw, cfg_path)
     quant = QuantConfig.read(folder, raw)
     mods, packed = plan(config, entries, quant)
     if dtype is None:

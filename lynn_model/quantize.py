@@ -683,11 +683,9 @@ def _umask() -> int:
 def _check_loadable(src: Path, raw: dict) -> None:
     """Refuse, before anything is written, a SRC that ``lynn_model.from_pretrained`` would refuse (its config
     and its headers; no data is read)."""
-    from .config import Config
-
     entries = loader.read_headers(src)
     loader.check_counts(raw, entries, src / "config.json")
-    loader.plan(Config.from_hf(raw, name=src.name), entries, loader.QuantConfig())
+    loader.plan(loader.read_config(raw, src / "config.json"), entries, loader.QuantConfig())
 
 
 def format_summary(summary: dict) -> str:

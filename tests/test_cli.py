@@ -1,4 +1,4 @@
-"""The ``lynn`` command line, called in-process through ``lynn_kernels.cli.main``."""
+"""The ``lynn`` command line, called in-process through ``lynn_cli.main``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import tomllib
 import torch
 
 import lynn_kernels
-from lynn_kernels import checks, cli, compare
-from lynn_kernels.cli import main
+import lynn_cli
+from lynn_cli import check as check_cmd, lab as lab_cmd, main
+from lynn_kernels import checks, compare
 
 ON_GPU = torch.cuda.is_available()
 
@@ -157,11 +158,11 @@ def test_no_command_is_a_usage_error(capsys):
 
 def test_lab_opens_jupyterlab_on_the_notebooks(monkeypatch):
     calls = []
-    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: calls.append(argv))
-    assert cli.main(["lab", "--no-browser", "--port", "8899"]) == 0
+    monkeypatch.setattr(lab_cmd.os, "execv", lambda exe, argv: calls.append(argv))
+    assert main(["lab", "--no-browser", "--port", "8899"]) == 0
     (argv,) = calls
     assert argv[1:3] == ["-m", "jupyterlab"]
-    root = Path(cli.__file__).resolve().parents[1]                # the repository, so ../docs links resolve
+    root = Path(lab_cmd.__file__).resolve().parents[1]                # the repository, so ../docs links resolve
     assert argv[3] == f"--ServerApp.root_dir={root}" and argv[4] == "--LabApp.default_url=/lab/tree/notebooks"
     assert argv[-3:] == ["--no-browser", "--port", "8899"]
     assert ("--allow-root" in argv) == (os.geteuid() == 0)
@@ -169,7 +170,7 @@ def test_lab_opens_jupyterlab_on_the_notebooks(monkeypatch):
 
 def test_unknown_options_are_refused_outside_lab():
     with pytest.raises(SystemExit):
-        cli.main(["check", "--bogus"])
+        main(["check", "--bogus"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,8 +194,8 @@ COMMANDS = {"script": [str(Path(sys.executable).with_name("lynn"))], "module": [
 
 
 def test_the_lynn_script_enters_outside_the_package():
-    """``lynn_kernels.cli`` cannot catch an error raised while ``lynn_kernels`` is imported: the script starts at
-    ``lynn_cli.main``, which imports it."""
+    """The script starts at ``lynn_cli.main``, outside ``lynn_kernels``, so that it can report an error raised while
+    ``lynn_kernels`` is imported."""
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert meta["project"]["scripts"]["lynn"] == "lynn_cli:main"
     assert Path(COMMANDS["script"][0]).is_file(), "the lynn script is not installed next to this python"
@@ -296,7 +297,7 @@ def test_check_says_the_reference_checks_itself(capsys):
         assert main(["check", "norm"]) == 0
     lines, rows = check_lines(capsys.readouterr().out)
     assert "backend reference" in lines[0]
-    assert " ".join(lines[1:3]) == cli.REFERENCE_NOTICE and lines[3].split()[0] == "fam"
+    assert " ".join(lines[1:3]) == check_cmd.REFERENCE_NOTICE and lines[3].split()[0] == "fam"
     assert max(len(line) for line in lines) <= 120 and len(rows) == 9
 
 
@@ -319,7 +320,7 @@ def test_check_shows_a_progress_line_on_a_terminal(capsys, monkeypatch):
             return True
 
     err = Terminal()
-    monkeypatch.setattr(cli.sys, "stderr", err)
+    monkeypatch.setattr(check_cmd.sys, "stderr", err)
     row = {"op": "fake.op", "case": "one", "mismatches": 0, "passed": True}
     monkeypatch.setattr(checks, "CHECKS", {"fake": lambda: [row], "other": lambda: [row]})
     assert main(["check"]) == 0

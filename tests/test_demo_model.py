@@ -13,7 +13,8 @@ import torch
 
 import lynn_kernels
 import lynn_model
-from lynn_kernels.cli import DEMO_MODEL, DEMO_PROMPT, main
+from lynn_cli import main
+from lynn_cli.generate import DEMO_MODEL, DEMO_PROMPT
 from lynn_model.quantize import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
