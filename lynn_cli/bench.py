@@ -34,11 +34,16 @@ def run(args) -> int:
     if args.make_baseline or args.check_only:
         from lynn_kernels.bench import gate
 
-        if args.make_baseline:
-            base = gate.make_baseline(args.make_baseline)
-            print(f"wrote {gate.BASELINE}: {len(base['rows'])} gated rows from {', '.join(base['made_from'])}")
-            return 0
-        return _gate_report(gate, args.check_only)
+        from . import CommandError
+
+        try:
+            if args.make_baseline:
+                base = gate.make_baseline(args.make_baseline)
+                print(f"wrote {gate.BASELINE}: {len(base['rows'])} gated rows from {', '.join(base['made_from'])}")
+                return 0
+            return _gate_report(gate, args.check_only)
+        except (ValueError, OSError) as err:
+            raise CommandError(str(err)) from None
     if not torch.cuda.is_available():
         print("lynn bench needs a CUDA GPU: timings under the interpreter mean nothing. Committed H200 results "
               "are in data/bench/h200/ and the notebooks plot them.", file=sys.stderr)

@@ -235,6 +235,10 @@ CASES = [
                           ("--seed", "1e23"), ("--seed", str(2**64)))),
     Case("quantize/src-missing", ["quantize", "{root}/nonexistent", "{out}"], 2, r"SRC .*nonexistent does not exist"),
     Case("quantize/bad-regex", [*QUANT, "--ignore", "(("], 2, r"argument --ignore: '\(\(' is not a valid regular"),
+    Case("bench/result-missing", ["bench", "--check-only", "{root}/nonexistent.json"], 1,
+         r"No such file or directory: '.*nonexistent\.json'"),
+    Case("bench/result-not-a-result", ["bench", "--check-only", "{model}/config.json"], 1,
+         r"config\.json: not a lynn bench result"),
     # -- 6. configs: what the kernels divide by ------------------------------------------------------------------
     *(Case(f"generate/config-{key}={value!r}", GEN, 1, key, edit_config(**{key: value}))
       for key, value in (("rms_norm_eps", 0), ("rms_norm_eps", float("nan")), ("num_key_value_heads", 0),

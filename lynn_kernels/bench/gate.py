@@ -43,11 +43,26 @@ def _gated(row: dict) -> bool:
     return row["provider"] in GATED or f"{row['provider']}@{row['op']}" in GATED
 
 
+def read_result(f) -> dict:
+    """A ``lynn bench`` result file, checked: a ValueError (or OSError) naming the file when it is not one."""
+    try:
+        data = json.loads(Path(f).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"{f}: not a JSON file ({err})") from None
+    rows = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("op"), str) or not isinstance(rows, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("op"), str) and isinstance(r.get("provider"), str)
+            and isinstance(r.get("median_ms"), (int, float)) for r in rows):
+        raise ValueError(f"{f}: not a lynn bench result (expected an object with 'op' and 'results', rows with "
+                         f"'op', 'provider' and 'median_ms')")
+    return data
+
+
 def gated_rows(result_files: list) -> dict[str, dict]:
     """``{key: {"median_ms", "git_sha", "date"}}`` for the gated rows of benchmark result files."""
     rows = {}
     for f in result_files:
-        data = json.loads(Path(f).read_text())
+        data = read_result(f)
         prov = data.get("provenance", {})
         for row in data["results"]:
             if _gated(row):
@@ -72,7 +87,7 @@ def check(result_files: list, path: Path = BASELINE) -> tuple[bool, list[dict]]:
     baseline row of the benchmarks present (missing rows fail), with its ratio and verdict."""
     base = json.loads(Path(path).read_text())
     now = gated_rows(result_files)
-    benches = {json.loads(Path(f).read_text())["op"] for f in result_files}
+    benches = {read_result(f)["op"] for f in result_files}
     report = []
     for key, ref in base["rows"].items():
         bench, op = key.split(" | ")[:2]
