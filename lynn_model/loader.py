@@ -802,44 +802,79 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
 
 class WeightCheck:
     """Damaged weights caught at load: a float tensor holding NaN or Inf, an NVFP4 block scale that is negative or
-    NaN, a global scale that is not a positive finite number. Each tensor is checked where it lands (two reductions,
-    no copy of its size), and the flags are read back once per shard, so a GPU load syncs per shard, not per tensor."""
+    NaN, a global scale that is not a positive finite number.
+
+    A checkpoint holds tens of thousands of small tensors (one per expert and projection), so a check per tensor
+    would cost more in launches than in bytes: small tensors of one kind are joined (``torch.cat``, a copy of at
+    most :attr:`BATCH_BYTES`) and checked together, large ones alone, each with two reductions where it lands; the
+    flags are read back once per shard. Only when a flag is set are that batch's tensors read again, one by one, to
+    name the first damaged one."""
 
     _GLOBAL = ("weight_global_scale", "weight_scale_2")
+    BATCH_BYTES = 64 * 2**20          #: small tensors of one kind joined up to this many bytes
+    ALONE_BYTES = 4 * 2**20           #: larger tensors are checked alone
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.pending: list[tuple[Entry, torch.Tensor]] = []
+        self.groups: dict[str, tuple[list, list, int]] = {}     # kind -> (entries, tensors, bytes)
+        self.flags: list[tuple[list[Entry], torch.Tensor]] = []
+
+    @classmethod
+    def _kind(cls, e: Entry, t: torch.Tensor) -> str | None:
+        if t.dtype == torch.float8_e4m3fn:
+            return "scales"
+        if t.dtype in _FLOATS:
+            return f"global {t.dtype}" if e.name.endswith(cls._GLOBAL) else f"float {t.dtype}"
+        return None                                                 # codes and ints: every bit pattern is a value
+
+    @staticmethod
+    def _bad(kind: str, t: torch.Tensor) -> torch.Tensor:
+        if kind == "scales":                                        # their bits, no float copy
+            bits = t.view(torch.uint8)
+            return (bits.amax() > 0x80) | ((bits & 0x7F) == 0x7F).any()       # negative (not -0), or NaN
+        lo, hi = torch.aminmax(t)
+        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        return bad | (lo <= 0) if kind.startswith("global") else bad
 
     def add(self, e: Entry, t: torch.Tensor) -> None:
-        if not self.enabled or t.numel() == 0:
+        kind = self._kind(e, t) if self.enabled and t.numel() else None
+        if kind is None:
             return
-        if t.dtype == torch.float8_e4m3fn:                         # block scales: their bits, no float copy
-            bits = t.view(torch.uint8)
-            bad = (bits.amax() > 0x80) | ((bits & 0x7F) == 0x7F).any()     # negative (not -0), or NaN
-        elif t.dtype in _FLOATS:
-            lo, hi = torch.aminmax(t)
-            bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
-            if e.name.endswith(self._GLOBAL):
-                bad = bad | (lo <= 0)
-        else:
-            return                                                 # codes and ints: every bit pattern is a value
-        self.pending.append((e, bad))
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= self.ALONE_BYTES:
+            self.flags.append(([e], self._bad(kind, t)))
+            return
+        entries, tensors, total = self.groups.get(kind, ([], [], 0))
+        entries.append(e)
+        tensors.append(t.reshape(-1))
+        self.groups[kind] = (entries, tensors, total + nbytes)
+        if total + nbytes >= self.BATCH_BYTES:
+            self._flush(kind)
+
+    def _flush(self, kind: str) -> None:
+        entries, tensors, _ = self.groups.pop(kind)
+        joined = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        self.flags.append((entries, self._bad(kind, joined)))
 
     def verify(self) -> None:
         """Raise :class:`LoadError` naming the first damaged tensor seen since the last call."""
-        if not self.pending:
+        for kind in list(self.groups):
+            self._flush(kind)
+        if not self.flags:
             return
-        flags = torch.stack([bad.reshape(()) for _, bad in self.pending]).cpu()
-        pending, self.pending = self.pending, []
-        if not flags.any():
-            return
-        e = pending[int(flags.nonzero()[0, 0])][0]
-        raise LoadError(f"{e.name} in {e.file.name}: {self.describe(e)}: the checkpoint is damaged (a corrupted "
-                        f"download or a bad export); lynn_model.from_pretrained(check_weights=False) loads it anyway")
+        pending, self.flags = self.flags, []
+        bad = torch.stack([flag.reshape(()) for _, flag in pending]).cpu()
+        for entries, _ in (pending[i] for i in bad.nonzero().flatten().tolist()):
+            for e in entries:
+                what = self.describe(e)
+                if what:
+                    raise LoadError(f"{e.name} in {e.file.name}: {what}: the checkpoint is damaged (a corrupted "
+                                    f"download or a bad export); lynn_model.from_pretrained(check_weights=False) "
+                                    f"loads it anyway")
 
     @classmethod
     def describe(cls, e: Entry) -> str:
+        """What is wrong with one tensor, read again from its file ('' when nothing is)."""
         from safetensors import safe_open
 
         with safe_open(str(e.file), framework="pt") as fh:
@@ -847,12 +882,14 @@ class WeightCheck:
         if t.dtype == torch.float8_e4m3fn:
             bits = t.view(torch.uint8)
             nan, neg = int(((bits & 0x7F) == 0x7F).sum()), int((bits > 0x80).sum())
-            return f"{nan} NaN and {neg} negative NVFP4 block scales of {t.numel()}"
+            return f"{nan} NaN and {neg} negative NVFP4 block scales of {t.numel()}" if nan or neg else ""
         t = t.float()
         nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
-        if e.name.endswith(cls._GLOBAL) and not nan and not inf:
+        if nan or inf:
+            return f"{nan} NaN and {inf} infinite values of {t.numel()}"
+        if e.name.endswith(cls._GLOBAL) and not bool((t > 0).all()):
             return f"a global scale of {t.flatten()[0].item()!r} (expected a positive number)"
-        return f"{nan} NaN and {inf} infinite values of {t.numel()}"
+        return ""
 
 
 def pack_linears(model: Model) -> int:
