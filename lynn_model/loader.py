@@ -338,13 +338,14 @@ def check_counts(raw: dict, entries: list[Entry], where: Path) -> None:
     is expanded into per-layer and per-expert lists (a hostile count would otherwise exhaust memory)."""
     layers, experts = {-1}, {-1}
     for e in entries:
-        m = re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", canonical(e.name) or "")
+        name = canonical(e.name) or ""
+        m = re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", name)
         if m:
             layers.add(int(m.group(1)))
             if m.group(3):
                 experts.add(int(m.group(3)))
-        elif (canonical(e.name) or "").endswith("mlp.experts.gate_up_proj") and e.shape:
-            experts.add(e.shape[0] - 1)
+            elif _PACKED_EXPERTS.match(name) and e.shape:
+                experts.add(e.shape[0] - 1)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     for key, found, what in (("num_hidden_layers", max(layers) + 1, "layers"),
                              ("num_experts", max(experts) + 1, "routed experts per layer")):
