@@ -18,12 +18,12 @@ import lynn_kernels  # noqa: F401, I001  (chooses the Triton backend before any 
 
 from .cache import Batch, Cache, CacheFull
 from .config import PRESETS, Config, ConfigError, preset
-from .generate import Stats, TextStream, Tokenizer, generate
+from .generate import NonFiniteError, Stats, TextStream, Tokenizer, check_generate_args, generate
 from .graphs import BUCKETS, DecodeStep, PrefillStep
 from .loader import LoadError, from_pretrained
 from .model import Model
-from .sampling import Sampling, SamplingParams, sample, sample_rows
+from .sampling import Sampling, SamplingParams, check_sampling_args, sample, sample_rows
 
 __all__ = ["Batch", "Cache", "CacheFull", "Config", "ConfigError", "PRESETS", "preset", "Model", "from_pretrained",
            "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "PrefillStep", "BUCKETS",
-           "Stats", "Tokenizer", "TextStream"]
+           "Stats", "Tokenizer", "TextStream", "NonFiniteError", "check_generate_args", "check_sampling_args"]

@@ -6,9 +6,10 @@ of all of them, embedding to sampled token, from tensors that stay in place: ``t
 out: the token sampled), ``lengths`` (tokens cached per row), ``active`` (rows that take part) and the sampling
 settings. Everything a step needs besides is derived on the device inside the step: positions (``lengths``),
 where each new key goes (the block table), the sequence lengths attention reads, the sampling counter; and the step
-ends by writing its tokens back into ``tokens`` and advancing ``lengths``. So a replay needs no input from the host
-at all, and nothing inside it synchronises. An inactive row (padding up to the bucket size, or a sequence that has
-finished) writes no key (slot -1), attends to nothing and keeps its length; its recurrent states are scratch.
+ends by writing its tokens back into ``tokens`` (and whether each row's logits were finite into ``finite``: the two
+rows of ``out``, so the host reads them in one copy) and advancing ``lengths``. So a replay needs no input from the
+host at all, and nothing inside it synchronises. An inactive row (padding up to the bucket size, or a sequence that
+has finished) writes no key (slot -1), attends to nothing and keeps its length; its recurrent states are scratch.
 
 On a GPU the step is captured (after a warm-up that compiles and autotunes every kernel it meets, at the cache's
 full length) and :meth:`replay` launches the graph; under the interpreter or the reference backend the same step
@@ -100,7 +101,9 @@ class DecodeStep:
             raise ValueError("the cache was built for another model: use model.new_cache(...)")
         self.model, self.cache, self.rows, self.params, self.pdl = model, cache, rows, params, pdl
         dev = cache.device
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(2, rows, dtype=torch.int64, device=dev)   # one copy brings both to the host
+        self.tokens = self.out[0]                      #: the token of each row (in: its last; out: the new one)
+        self.finite = self.out[1]                      #: 1 where the step's logits were finite, else 0
         self.lengths = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -126,13 +129,15 @@ class DecodeStep:
                     self.kv_slots, self.seq_lens)
 
     def epilogue(self, logits: torch.Tensor) -> None:
-        """Sample each row's next token into ``tokens``; advance the active rows' ``lengths``. When every row is
+        """Sample each row's next token into ``tokens``; set ``finite`` (0 where the row's largest logit is NaN or
+        inf: a NaN or +inf anywhere, or every logit -inf); advance the active rows' ``lengths``. When every row is
         greedy, the argmax goes straight into ``tokens`` (of the logits as they are: the same index as of their
         fp32 copy, which :func:`sample_rows` takes)."""
         if self.params.greedy:
             torch.argmax(logits, -1, out=self.tokens)
         else:
             self.tokens.copy_(sample_rows(logits, self.params, self.lengths + 1))
+        self.finite.copy_(torch.isfinite(logits.amax(-1)))      # max propagates NaN: one reduction checks the row
         self.lengths.add_(self.active)
 
     def _run(self) -> None:

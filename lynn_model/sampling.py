@@ -17,18 +17,60 @@ Example::
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 _M32 = 0xFFFFFFFF
 
+#: seeds and top_k travel as int64: both stay below this
+SEED_LIMIT = 2**63
+
+
+def check_sampling_args(temperature=0.0, top_k=None, top_p=None, seed=None, *, flags: bool = False) -> None:
+    """Raise a ValueError naming the first bad sampling setting, what it expects and what it got.
+
+    ``temperature``: a finite number >= 0 (0 is greedy); ``top_k``: an int >= 1, or 0 or None for no limit (as HF
+    and llama.cpp read 0); ``top_p``: a number in (0, 1] (1 or None: no limit); ``seed``: an int in [0, 2**63) or
+    None (a seed drawn at random). Bools are not numbers here. ``flags``: name the settings as ``lynn generate``'s
+    flags (``--top-k``) rather than as Python arguments (``top_k``).
+    """
+    def name(arg: str) -> str:
+        return "--" + arg.replace("_", "-") if flags else arg
+
+    if not _is_real(temperature) or not _finite(temperature) or temperature < 0:
+        raise ValueError(f"{name('temperature')} = {temperature!r}: expected a finite number >= 0 (0 is greedy)")
+    if top_k is not None and (not _is_int(top_k) or not 0 <= top_k < SEED_LIMIT):
+        raise ValueError(f"{name('top_k')} = {top_k!r}: expected an int in [1, 2**63), or 0 for no top-k limit")
+    if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):         # NaN fails the comparison too
+        raise ValueError(f"{name('top_p')} = {top_p!r}: expected a number in (0, 1] (1: no top-p limit)")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"{name('seed')} = {seed!r}: expected an int in [0, 2**63) (the sampler's seeds are int64)")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:                   # an int past the largest float
+        return False
+
 
 @dataclass(frozen=True)
 class Sampling:
     """One request's settings: ``temperature == 0`` is greedy (argmax, ties to the lowest id); ``top_k`` keeps the k
-    most likely tokens (None: all); ``top_p`` keeps the smallest set whose probability reaches it, the best token
-    always (None or 1: all); ``seed`` names the request's stream of draws."""
+    most likely tokens (None or 0: all; stored as None); ``top_p`` keeps the smallest set whose probability reaches
+    it, the best token always (None or 1: all); ``seed`` names the request's stream of draws. Bad settings raise a
+    ValueError (:func:`check_sampling_args`)."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -36,14 +78,11 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature = {self.temperature!r}: expected a number >= 0")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k = {self.top_k!r}: expected an int >= 1 or None")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p = {self.top_p!r}: expected a number in (0, 1] or None")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed = {self.seed!r}: expected an int in [0, 2^63)")
+        if self.seed is None:
+            raise ValueError("seed = None: a Sampling needs an int in [0, 2**63)")
+        check_sampling_args(self.temperature, self.top_k, self.top_p, self.seed)
+        object.__setattr__(self, "top_k", int(self.top_k) if self.top_k else None)
+        object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:

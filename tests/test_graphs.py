@@ -75,6 +75,27 @@ def test_an_idle_row_writes_nothing(tiny):
         assert torch.equal(k1, k2)
 
 
+def test_the_step_flags_non_finite_logits(tiny):
+    """``finite`` (the second row of ``out``, which the host reads with the tokens) is 1 where the row's logits are
+    finite, 0 once they are not (the final norm's weight NaN)."""
+    norm = tiny.norm.weight.clone()
+    with lynn_kernels.use_reference(), torch.no_grad():
+        cache = tiny.new_cache(max_batch=2, max_tokens=64)
+        step = lynn_model.DecodeStep(tiny, cache, 2, _params(2), graph=False)
+        s = cache.add()
+        logits = tiny.step(torch.tensor([5, 6, 7]), cache, [s], [3])
+        cache.reserve([s], [8])
+        step.begin(logits.argmax(-1), [s])
+        step.replay()
+        assert step.finite[s] == 1 and torch.equal(step.out[0], step.tokens)
+        try:
+            tiny.norm.weight.fill_(float("nan"))
+            step.replay()
+            assert step.finite[s] == 0
+        finally:
+            tiny.norm.weight.copy_(norm)
+
+
 def test_reserve_and_release_keep_the_block_table_honest(tiny):
     cache = tiny.new_cache(max_batch=2, max_tokens=64)
     s = cache.add()
@@ -217,6 +238,20 @@ def test_gpu_pdl_step_equals_plain_launches(preset, monkeypatch):
             m.setattr(runtime, "pdl_supported", lambda: False)
             plain, _ = _gen(model, prompts, 40, True, **kw)
         assert pdl.tolist() == plain.tolist(), kw
+
+
+@pytest.mark.gpu
+def test_gpu_graph_step_stops_at_non_finite_logits():
+    """The captured step computes its finite flags inside the graph: weights damaged once the first token is out
+    stop generate at the first decode step, greedy and sampled, batch 1 and 3."""
+    model = random_model(lynn_model.preset("tiny-qwen3.5-moe"), weights="bf16", device="cuda", seed=3)
+    norm = model.norm.weight.clone()
+    for prompts, kw in (([[1, 2, 3]], {}), ([[1, 2, 3], [4, 5], [6]], {"temperature": 0.9, "top_k": 20, "seed": 1})):
+        with pytest.raises(lynn_model.NonFiniteError, match=r"not finite \(NaN or inf\) at new token 2"):
+            lynn_model.generate(model, prompts, 8, cuda_graph=True, stream=lambda t: model.norm.weight.fill_(
+                float("nan")), **kw)
+        model.norm.weight.copy_(norm)
+        _gen(model, prompts, 8, True, **kw)                     # and the same model, mended, runs to the end
 
 
 @pytest.mark.gpu
