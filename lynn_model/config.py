@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,11 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 #: Largest Gated DeltaNet head dims the chunk / recurrent kernels take; most experts the router kernel takes.
 MAX_GDN_HEAD_DIM = 256
 MAX_EXPERTS = 1024
+#: Most layers a config may declare (the largest published models of the family have 48 to 64): checked before the
+#: per-layer lists are built, so a bad count is refused at once rather than expanded until memory runs out.
+MAX_LAYERS = 1024
+#: Largest vocabulary: token ids must fit an int32.
+MAX_VOCAB = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -86,7 +92,7 @@ class Config:
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed, validated again (e.g. ``num_hidden_layers`` for a shorter model)."""
         if "num_hidden_layers" in changes:
-            n = changes["num_hidden_layers"]
+            n = _int("num_hidden_layers", changes["num_hidden_layers"], *_INT_FIELDS["num_hidden_layers"])
             changes.setdefault("layer_types", tuple(self.layer_types[i % len(self.layer_types)] for i in range(n)))
             changes.setdefault("ffn_types", tuple(self.ffn_types[i % len(self.ffn_types)] for i in range(n)))
         return _validated(dataclasses.replace(self, **changes))
@@ -95,11 +101,17 @@ class Config:
     @classmethod
     def from_hf(cls, d: dict, name: str = "") -> "Config":
         """Build from a parsed ``config.json`` (flat, or with ``text_config``); raises :class:`ConfigError`."""
-        top = d
-        text = d.get("text_config") or d
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json: expected a JSON object, found {_kind(d)}")
+        top, text = d, d.get("text_config")
+        if text is None or text == {}:
+            text = d
+        elif not isinstance(text, dict):
+            raise ConfigError(f"text_config = {_short(text)}: expected an object (the text model's config), found "
+                              f"{_kind(text)}")
         model_type = text.get("model_type", top.get("model_type"))
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(f"model_type = {model_type!r}: the decoder runs {sorted(MODEL_TYPES)}")
+        if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type = {_short(model_type)}: the decoder runs {sorted(MODEL_TYPES)}")
         family = MODEL_TYPES[model_type]
 
         def get(key, default=None, required=False):
@@ -107,29 +119,46 @@ class Config:
                 if key in src and src[key] is not None:
                     return src[key]
             if required:
+                if key in text or key in top:
+                    raise ConfigError(f"{key} = null: expected a value (needed by a {model_type} decoder)")
                 raise ConfigError(f"config.json has no {key!r} (needed by a {model_type} decoder)")
             return default
 
-        n_layers = int(get("num_hidden_layers", required=True))
+        # the counts that are expanded into per-layer lists are read, and bounded, before anything is expanded
+        n_layers = _int("num_hidden_layers", get("num_hidden_layers", required=True), *_INT_FIELDS["num_hidden_layers"])
         layer_types = get("layer_types")
         if layer_types is None:
-            interval = int(get("full_attention_interval", 4))
+            interval = _int("full_attention_interval", get("full_attention_interval", 4), 1)
             layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                            for i in range(n_layers)]
+        elif not isinstance(layer_types, list) or len(layer_types) != n_layers or not all(
+                isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"layer_types = {_short(layer_types)}: expected a list of {n_layers} strings (one per "
+                              f"layer: num_hidden_layers = {n_layers}), each {' or '.join(map(repr, LAYER_KINDS))}")
         layer_types = tuple(layer_types)
 
-        num_experts = int(get("num_experts", 0) or 0) if family != "qwen3_5" else 0
+        num_experts = _int("num_experts", get("num_experts", 0), *_INT_FIELDS["num_experts"]) if family != "qwen3_5" \
+            else 0
         if family == "qwen3_5":
             ffn = ("mlp",) * n_layers
         elif family == "qwen3_5_moe":
             ffn = ("moe",) * n_layers
         else:
-            step = int(get("decoder_sparse_step", 1))
-            only = set(get("mlp_only_layers", []) or [])
+            step = _int("decoder_sparse_step", get("decoder_sparse_step", 1), 1)
+            only = get("mlp_only_layers", [])
+            if not isinstance(only, list) or len(only) > n_layers or not all(
+                    type(i) is int and 0 <= i < n_layers for i in only):
+                raise ConfigError(f"mlp_only_layers = {_short(only)}: expected a list of layer indices (integers in "
+                                  f"[0, num_hidden_layers = {n_layers})), at most one per layer")
+            only = set(only)
             ffn = tuple("moe" if i not in only and num_experts > 0 and (i + 1) % step == 0 else "mlp"
                         for i in range(n_layers))
 
-        rope = get("rope_parameters") or get("rope_scaling") or {}
+        rope_key = "rope_parameters" if get("rope_parameters") else "rope_scaling"
+        rope = get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{rope_key} = {_short(rope)}: expected an object (rope_type, rope_theta, ...), found "
+                              f"{_kind(rope)}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope_parameters.rope_type = {rope_type!r}: only 'default' RoPE is supported "
@@ -138,8 +167,9 @@ class Config:
         if theta is None:      # HF's own fallback: a missing theta means 10000, silently; we say so loudly
             raise ConfigError("rope_theta is missing (looked in rope_parameters, rope_scaling and the top level); "
                               "HF would silently use 10000, real checkpoints use 1e7 (Coder-Next 5e6)")
-        prf = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)))
-        head_dim = int(get("head_dim", required=True))
+        prf = _float("partial_rotary_factor", rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)),
+                     hi=1.0)
+        head_dim = _int("head_dim", get("head_dim", required=True), *_INT_FIELDS["head_dim"])
 
         for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
             if get(key, want) != want:
@@ -148,31 +178,32 @@ class Config:
             raise ConfigError("attn_output_gate = false: this decoder's attention always has the output gate "
                               "(q_proj emits query and gate per head), as HF's does")
         eos = get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         moe = num_experts > 0
         cfg = cls(
-            family=family, vocab_size=int(get("vocab_size", required=True)),
-            hidden_size=int(get("hidden_size", required=True)), num_hidden_layers=n_layers,
+            family=family, vocab_size=get("vocab_size", required=True),
+            hidden_size=get("hidden_size", required=True), num_hidden_layers=n_layers,
             layer_types=layer_types, ffn_types=ffn,
-            num_attention_heads=int(get("num_attention_heads", required=True)),
-            num_key_value_heads=int(get("num_key_value_heads", required=True)),
-            head_dim=head_dim, rotary_dim=int(head_dim * prf), rope_theta=float(theta),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            linear_num_key_heads=int(get("linear_num_key_heads", required=True)),
-            linear_num_value_heads=int(get("linear_num_value_heads", required=True)),
-            linear_key_head_dim=int(get("linear_key_head_dim", required=True)),
-            linear_value_head_dim=int(get("linear_value_head_dim", required=True)),
-            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-            intermediate_size=int(get("intermediate_size", 0) or 0) if "mlp" in ffn else 0,
+            num_attention_heads=get("num_attention_heads", required=True),
+            num_key_value_heads=get("num_key_value_heads", required=True),
+            head_dim=head_dim, rotary_dim=int(head_dim * prf), rope_theta=_float("rope_theta", theta),
+            rms_norm_eps=_float("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+            linear_num_key_heads=get("linear_num_key_heads", required=True),
+            linear_num_value_heads=get("linear_num_value_heads", required=True),
+            linear_key_head_dim=get("linear_key_head_dim", required=True),
+            linear_value_head_dim=get("linear_value_head_dim", required=True),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim", 4),
+            intermediate_size=get("intermediate_size", 0) if "mlp" in ffn else 0,
             num_experts=num_experts,
-            num_experts_per_tok=int(get("num_experts_per_tok", required=moe) or 0) if moe else 0,
-            moe_intermediate_size=int(get("moe_intermediate_size", required=moe) or 0) if moe else 0,
-            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0) if moe else 0,
+            num_experts_per_tok=get("num_experts_per_tok", required=moe) if moe else 0,
+            moe_intermediate_size=get("moe_intermediate_size", required=moe) if moe else 0,
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0) if moe else 0,
             # Qwen3.5-MoE always renormalises (its config has no such field); Qwen3-Next reads norm_topk_prob
-            norm_topk_prob=bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True,
-            tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            max_position_embeddings=int(get("max_position_embeddings", 262144)),
-            bos_token_id=get("bos_token_id"), eos_token_ids=eos, name=name)
+            norm_topk_prob=get("norm_topk_prob", True) if family == "qwen3_next" else True,
+            tie_word_embeddings=next((src["tie_word_embeddings"] for src in (top, text)
+                                      if src.get("tie_word_embeddings") is not None), False),
+            max_position_embeddings=get("max_position_embeddings", 262144),
+            bos_token_id=get("bos_token_id"),
+            eos_token_ids=() if eos is None else _token_ids("eos_token_id", eos, many=True), name=name)
         return _validated(cfg)
 
     @classmethod
@@ -220,23 +251,56 @@ class Config:
         return d
 
 
+#: Integer fields: (smallest, largest or None, why the bound). Sizes need not be multiples of 16: that is NVFP4's
+#: block rule, applied where weights are quantised (a projection whose K is not a multiple of 16 stays in float).
+_INT_FIELDS = {
+    "num_hidden_layers": (1, MAX_LAYERS, "the largest published models of the family have 48 to 64 layers"),
+    "vocab_size": (1, MAX_VOCAB, "token ids must fit an int32"),
+    "hidden_size": (1, None, ""),
+    "num_attention_heads": (1, None, ""),
+    "num_key_value_heads": (1, None, ""),
+    "head_dim": (1, None, ""),
+    "linear_num_key_heads": (1, None, ""),
+    "linear_num_value_heads": (1, None, ""),
+    "linear_key_head_dim": (1, None, ""),
+    "linear_value_head_dim": (1, None, ""),
+    "linear_conv_kernel_dim": (2, 8, "the conv widths the Gated DeltaNet kernels take"),
+    "intermediate_size": (0, None, ""),
+    "num_experts": (0, MAX_EXPERTS, "the routing and align kernels' limit"),
+    "num_experts_per_tok": (0, None, ""),
+    "moe_intermediate_size": (0, None, ""),
+    "shared_expert_intermediate_size": (0, None, ""),
+    "max_position_embeddings": (1, None, ""),
+}
+
+
 def _validated(c: Config) -> Config:
     """Refuse what the kernels cannot run, naming the field."""
     def need(ok: bool, msg: str):
         if not ok:
             raise ConfigError(msg)
 
-    need(len(c.layer_types) == c.num_hidden_layers,
+    for key, (lo, hi, why) in _INT_FIELDS.items():       # first: every later check divides by or counts with these
+        _int(key, getattr(c, key), lo, hi, why)
+    _float("rope_theta", c.rope_theta)
+    _float("rms_norm_eps", c.rms_norm_eps)
+    for key in ("norm_topk_prob", "tie_word_embeddings"):
+        v = getattr(c, key)
+        need(type(v) is bool, f"{key} = {_short(v)}: expected true or false, found {_kind(v)}")
+    families = sorted(set(MODEL_TYPES.values()))
+    need(c.family in families, f"family = {_short(c.family)}: expected one of {families}")
+    need(isinstance(c.layer_types, tuple) and len(c.layer_types) == c.num_hidden_layers,
          f"layer_types has {len(c.layer_types)} entries; num_hidden_layers = {c.num_hidden_layers}")
-    need(len(c.ffn_types) == c.num_hidden_layers and set(c.ffn_types) <= {"moe", "mlp"},
-         f"ffn_types = {c.ffn_types}: expected 'moe' / 'mlp' for each of the {c.num_hidden_layers} layers")
-    bad = sorted(set(c.layer_types) - set(LAYER_KINDS))
+    need(isinstance(c.ffn_types, tuple) and len(c.ffn_types) == c.num_hidden_layers
+         and all(t in ("moe", "mlp") for t in c.ffn_types),
+         f"ffn_types = {_short(c.ffn_types)}: expected 'moe' / 'mlp' for each of the {c.num_hidden_layers} layers")
+    bad = sorted({_short(t) for t in c.layer_types if t not in LAYER_KINDS})
     need(not bad, f"layer_types contains {bad}: the decoder runs {list(LAYER_KINDS)}")
     need(c.head_dim in HEAD_DIMS, f"head_dim = {c.head_dim}: the attention kernels take {HEAD_DIMS}")
     need(c.num_attention_heads % c.num_key_value_heads == 0,
          f"num_attention_heads = {c.num_attention_heads} is not a multiple of num_key_value_heads = "
          f"{c.num_key_value_heads}")
-    need(c.rotary_dim % 2 == 0 and 0 < c.rotary_dim <= c.head_dim,
+    need(type(c.rotary_dim) is int and c.rotary_dim % 2 == 0 and 0 < c.rotary_dim <= c.head_dim,
          f"partial_rotary_factor gives rotary_dim = {c.rotary_dim}; expected an even number in (0, head_dim]")
     need(c.linear_num_value_heads % c.linear_num_key_heads == 0,
          f"linear_num_value_heads = {c.linear_num_value_heads} is not a multiple of linear_num_key_heads = "
@@ -245,20 +309,75 @@ def _validated(c: Config) -> Config:
         v = getattr(c, key)
         need(16 <= v <= MAX_GDN_HEAD_DIM and v % 16 == 0,
              f"{key} = {v}: the Gated DeltaNet kernels take multiples of 16 up to {MAX_GDN_HEAD_DIM}")
-    need(2 <= c.linear_conv_kernel_dim <= 8, f"linear_conv_kernel_dim = {c.linear_conv_kernel_dim}: expected 2..8")
-    need(c.hidden_size % 16 == 0, f"hidden_size = {c.hidden_size} is not a multiple of 16 (NVFP4 blocks)")
     if "moe" in c.ffn_types:
         need(0 < c.num_experts <= MAX_EXPERTS, f"num_experts = {c.num_experts}: expected 1..{MAX_EXPERTS}")
         need(0 < c.num_experts_per_tok <= c.num_experts,
              f"num_experts_per_tok = {c.num_experts_per_tok}: expected 1..num_experts ({c.num_experts})")
-        need(c.moe_intermediate_size > 0 and c.moe_intermediate_size % 16 == 0,
-             f"moe_intermediate_size = {c.moe_intermediate_size}: expected a positive multiple of 16")
-        need(c.shared_expert_intermediate_size % 16 == 0,
-             f"shared_expert_intermediate_size = {c.shared_expert_intermediate_size}: expected a multiple of 16")
+        need(c.moe_intermediate_size > 0,
+             f"moe_intermediate_size = {c.moe_intermediate_size}: MoE layers need a positive size")
+        for key in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            v = getattr(c, key)              # the same rule as lynn_kernels.moe's argument check (check_ffn)
+            need(v % 2 == 0, f"{key} = {v}: MoE layers need an even size (the grouped expert kernels read float "
+                             f"expert weights in column pairs)")
     if "mlp" in c.ffn_types:
-        need(c.intermediate_size > 0 and c.intermediate_size % 16 == 0,
-             f"intermediate_size = {c.intermediate_size}: dense MLP layers need a positive multiple of 16")
+        need(c.intermediate_size > 0,
+             f"intermediate_size = {c.intermediate_size}: dense MLP layers need a positive size")
+    if c.bos_token_id is not None:
+        _token_ids("bos_token_id", c.bos_token_id, many=False, vocab=c.vocab_size)
+    need(isinstance(c.eos_token_ids, tuple), f"eos_token_ids = {_short(c.eos_token_ids)}: expected a tuple of ints")
+    eos = list(c.eos_token_ids)
+    _token_ids("eos_token_id", eos[0] if len(eos) == 1 else eos, many=True, vocab=c.vocab_size)
     return c
+
+
+def _kind(v) -> str:
+    """What a JSON value is, for messages: ``a string``, ``a float``, ``null``, ..."""
+    if v is None:
+        return "null"
+    name = {bool: "a bool", int: "an integer", float: "a float", str: "a string", list: "a list", tuple: "a list",
+            dict: "an object"}.get(type(v))
+    return name or f"a {type(v).__name__}"
+
+
+def _short(v, n: int = 80) -> str:
+    """``repr(v)``, cut to ``n`` characters (a hostile value must not flood the message)."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def _int(key: str, v, lo: int, hi: int | None = None, why: str = "") -> int:
+    """``v`` read strictly as an integer in ``[lo, hi]``: a JSON integer, not a string, float, bool, list or null
+    (``int()`` would turn "2048" or 2048.7 into a size without a word)."""
+    if type(v) is not int:
+        raise ConfigError(f"{key} = {_short(v)}: expected an integer, found {_kind(v)}")
+    if v < lo or (hi is not None and v > hi):
+        want = f"{lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+        raise ConfigError(f"{key} = {v}: expected {want}{f' ({why})' if why else ''}")
+    return v
+
+
+def _float(key: str, v, hi: float | None = None) -> float:
+    """``v`` read strictly as a finite number > 0 (and <= ``hi``): the kernels divide by these or raise them to a
+    power, where 0, a negative, NaN or inf gives NaN logits."""
+    if type(v) not in (int, float):
+        raise ConfigError(f"{key} = {_short(v)}: expected a number, found {_kind(v)}")
+    if not (math.isfinite(v) and v > 0 and (hi is None or v <= hi)):
+        raise ConfigError(f"{key} = {v!r}: expected a finite number > 0{f' and <= {hi:g}' if hi is not None else ''}")
+    return float(v)
+
+
+def _token_ids(key: str, v, many: bool, vocab: int | None = None):
+    """A token id (``many=False``: an integer) or ids (``many``: an integer or a list of integers), each in
+    ``[0, vocab)`` when ``vocab`` is given; returns the id, or a tuple of the ids."""
+    ids = v if many and isinstance(v, list) else [v]
+    bad = [i for i in ids if type(i) is not int]
+    if bad:
+        want = "an integer or a list of integers" if many else "an integer"
+        found = f"a list holding {_kind(bad[0])}" if ids is v else _kind(v)
+        raise ConfigError(f"{key} = {_short(v)}: expected {want} (token ids), found {found}")
+    if vocab is not None and not all(0 <= i < vocab for i in ids):
+        raise ConfigError(f"{key} = {_short(v)}: expected token ids in [0, vocab_size = {vocab})")
+    return tuple(ids) if many else v
 
 
 def _preset(_name: str, **kw) -> Config:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import re
+import shutil
+import time
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ import lynn_kernels
 import lynn_model
 from lynn_kernels import validate
 from lynn_model import loader
+from lynn_model.config import MAX_EXPERTS
 
 import tiny_hf
 
@@ -29,7 +33,7 @@ FAMILY_OF = {"next": "qwen3_next", "q35": "qwen3_5", "q35moe": "qwen3_5_moe", "q
 ONE_PER_FAMILY = ("next", "q35", "q35moe")
 
 #: fixtures that load an oracle package (tests/conftest.py counts the tests that use them)
-ORACLE_FIXTURES = {"ckpts": "transformers", "hf_logits": "transformers"}
+ORACLE_FIXTURES = {"ckpts": "transformers", "hf_logits": "transformers", "testers": "transformers"}
 
 
 @pytest.fixture(scope="session")
@@ -380,6 +384,77 @@ def test_nvfp4_checkpoints_run_on_the_kernels(ckpts, tmp_path, name, fmt):
     assert validate.compare(got, hf).cosine > 0.99
 
 
+# -- HF's own tester configs: sizes that are not multiples of 16 ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def testers(tmp_path_factory) -> dict:
+    """HF's tester configs (tests/tiny_hf.py, TESTERS) as fp32 checkpoints."""
+    root = tmp_path_factory.mktemp("hf_testers")
+    return {name: tiny_hf.save(name, root / name) for name in tiny_hf.TESTERS}
+
+
+@pytest.mark.parametrize("name", tiny_hf.TESTERS)
+def test_hf_tester_configs_load_and_match_hf(testers, name):
+    """HF's own tester configs (intermediate_size 37, expert sizes 12 and 36, vocab 99) load and match HF: fp32 on
+    the references and on the kernels (measured: rel_l2 ~1e-7), bf16 on the kernels as close to HF fp32 as HF's own
+    bf16 (measured: error ratios 0.98-1.09)."""
+    folder = testers[name]
+    ids = torch.randint(0, tiny_hf.TESTER["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = tiny_hf.load(folder, torch.float32)(input_ids=ids, use_cache=False).logits.float()
+        hf16 = tiny_hf.load(folder, torch.bfloat16, experts="eager")(input_ids=ids, use_cache=False).logits.float()
+        with lynn_kernels.use_reference():
+            model = lynn_model.from_pretrained(folder, device="cpu")
+            c = model.config
+            assert any(v % 16 for v in (c.intermediate_size, c.moe_intermediate_size, c.shared_expert_intermediate_size))
+            ref = model.forward(ids).float()
+        fp32 = lynn_model.from_pretrained(folder, dtype=torch.float32)
+        got32 = fp32.forward(ids.to(fp32.device)).float().cpu()
+        bf16 = lynn_model.from_pretrained(folder, weights="bf16")
+        got16 = bf16.forward(ids.to(bf16.device)).float().cpu()
+    for what, got in (("reference fp32", ref), ("kernels fp32", got32)):
+        m = validate.compare(got, want)
+        assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, (what, m)
+    m = validate.compare(got16, want, baseline=hf16)
+    assert m.cosine > 0.9998 and m.err_ratio < 1.5, m
+
+
+def test_nvfp4_on_a_tester_config_keeps_k_not_a_multiple_of_16_in_float(testers, tmp_path):
+    """NVFP4's blocks of 16 along K are the one rule sizes must meet, and the NVFP4 paths apply it: quantising a
+    K = 37 weight (the tester's down_proj: K = intermediate_size) is refused with the reason; quantising on load keeps
+    it in float and quantises the K = 32 projections, and that model equals its dequantised weights on the
+    references; an NVFP4 checkpoint that stores a K = 37 projection as NVFP4 is refused by the loader."""
+    from safetensors.torch import load_file, save_file
+
+    folder = testers["q35-tester"]
+    down = load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert down.shape[1] == 37
+    with pytest.raises(ValueError, match=r"K = 37 .*multiple of 16"):
+        lynn_kernels.quantize(down)
+
+    model = _load(folder, weights="nvfp4", dtype=torch.float32)
+    mlps = [layer.mlp for layer in model.layers]
+    assert all(m.gate_proj.quantized and m.up_proj.quantized and not m.down_proj.quantized for m in mlps)
+    ids = torch.randint(0, 99, (1, 20), generator=torch.Generator().manual_seed(1)).to(model.device)
+    with torch.no_grad():
+        got = model.forward(ids)
+        with lynn_kernels.use_reference():
+            want = loader.dequantize_model(model).forward(ids)
+    assert validate.compare(got, want).rel_l2 < 1e-5
+
+    bad = tmp_path / "nvfp4-k37"
+    shutil.copytree(folder, bad)
+    tensors = load_file(bad / "model.safetensors")
+    w = tensors.pop("model.layers.0.mlp.down_proj.weight")                # a ModelOpt NVFP4 entry of K = 37
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(w.shape[0], 18, dtype=torch.uint8)
+    tensors["model.layers.0.mlp.down_proj.weight_scale"] = torch.zeros(w.shape[0], 2).to(torch.float8_e4m3fn)
+    tensors["model.layers.0.mlp.down_proj.weight_scale_2"] = torch.ones(())
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(lynn_model.LoadError, match="in_features = 37 is not a multiple of 16"):
+        lynn_model.from_pretrained(bad)
+
+
 # -- config -------------------------------------------------------------------------------------------------------
 
 
@@ -428,6 +503,119 @@ def test_config_text_config_and_layer_types_derivation():
 def test_config_refuses_what_the_kernels_cannot_run(change, field):
     with pytest.raises(lynn_model.ConfigError, match=field):
         lynn_model.Config.from_hf(_hf_dict(**change))
+
+
+def _cfg(base: str = "moe", rope: dict | None = None, drop: tuple = (), **changes):
+    """A tiny preset's HF dict (``base``: moe / next / q35) with top-level ``changes``, ``rope`` merged into its
+    ``rope_parameters`` and the keys in ``drop`` left out."""
+    d = lynn_model.preset({"moe": "tiny-qwen3.5-moe", "next": "tiny-qwen3-next", "q35": "tiny-qwen3.5"}[base]).to_hf()
+    d.update(changes)
+    if rope:
+        d["rope_parameters"] = {**d["rope_parameters"], **rope}
+    for k in drop:
+        del d[k]
+    return d
+
+
+NAN, INF = float("nan"), float("inf")
+#: (the field the message must name, a config.json that is wrong in that field only); the tiny presets have
+#: vocab_size 512 and 4 layers.
+BAD_CONFIGS = [
+    ("rms_norm_eps", _cfg(rms_norm_eps=0.0)), ("rms_norm_eps", _cfg(rms_norm_eps=-1e-6)),
+    ("rms_norm_eps", _cfg(rms_norm_eps=NAN)), ("rms_norm_eps", _cfg(rms_norm_eps=INF)),
+    ("rms_norm_eps", _cfg(rms_norm_eps="1e-6")), ("rms_norm_eps", _cfg(rms_norm_eps=True)),
+    ("rope_theta", _cfg(rope={"rope_theta": 0})), ("rope_theta", _cfg(rope={"rope_theta": -1e7})),
+    ("rope_theta", _cfg(rope={"rope_theta": NAN})), ("rope_theta", _cfg(rope={"rope_theta": INF})),
+    ("rope_theta", _cfg(rope={"rope_theta": "1e7"})),
+    ("num_key_value_heads", _cfg(num_key_value_heads=0)), ("num_attention_heads", _cfg(num_attention_heads=0)),
+    ("linear_num_key_heads", _cfg(linear_num_key_heads=0)),
+    ("linear_num_value_heads", _cfg(linear_num_value_heads=0)),
+    ("num_hidden_layers", _cfg(num_hidden_layers=0)), ("num_hidden_layers", _cfg(num_hidden_layers=-4)),
+    ("num_hidden_layers", _cfg(num_hidden_layers="4")), ("num_hidden_layers", _cfg(num_hidden_layers=4.0)),
+    ("vocab_size", _cfg(vocab_size=0)), ("vocab_size", _cfg(vocab_size=-512)), ("vocab_size", _cfg(vocab_size=2**31)),
+    ("hidden_size", _cfg(hidden_size=0)), ("hidden_size", _cfg(hidden_size=-64)),
+    ("hidden_size", _cfg(hidden_size="64")), ("hidden_size", _cfg(hidden_size=64.5)),
+    ("hidden_size", _cfg(hidden_size=True)), ("hidden_size", _cfg(hidden_size=[64])),
+    ("hidden_size", _cfg(hidden_size=None)), ("hidden_size", _cfg(drop=("hidden_size",))),
+    ("head_dim", _cfg(head_dim="32")), ("head_dim", _cfg(head_dim=32.5)),
+    ("intermediate_size", _cfg("q35", intermediate_size="96")), ("intermediate_size", _cfg("q35", intermediate_size=0)),
+    ("num_experts", _cfg(num_experts=8.0)), ("num_experts", _cfg(num_experts=MAX_EXPERTS + 1)),
+    ("num_experts_per_tok", _cfg(num_experts_per_tok="2")),
+    ("moe_intermediate_size", _cfg(moe_intermediate_size=32.7)),
+    ("shared_expert_intermediate_size", _cfg(shared_expert_intermediate_size=[48])),
+    ("linear_conv_kernel_dim", _cfg(linear_conv_kernel_dim=9)),
+    ("max_position_embeddings", _cfg(max_position_embeddings=0)),
+    ("max_position_embeddings", _cfg(max_position_embeddings="512")),
+    ("eos_token_id", _cfg(eos_token_id="2")), ("eos_token_id", _cfg(eos_token_id=2.0)),
+    ("eos_token_id", _cfg(eos_token_id={"id": 2})), ("eos_token_id", _cfg(eos_token_id=[1, "2"])),
+    ("eos_token_id", _cfg(eos_token_id=True)), ("eos_token_id", _cfg(eos_token_id=[1, False])),
+    ("eos_token_id", _cfg(eos_token_id=512)), ("eos_token_id", _cfg(eos_token_id=[2, -1])),
+    ("bos_token_id", _cfg(bos_token_id="1")), ("bos_token_id", _cfg(bos_token_id=1.0)),
+    ("bos_token_id", _cfg(bos_token_id=[1])), ("bos_token_id", _cfg(bos_token_id=False)),
+    ("bos_token_id", _cfg(bos_token_id=512)), ("bos_token_id", _cfg(bos_token_id=-1)),
+    ("layer_types", _cfg(layer_types="full_attention")), ("layer_types", _cfg(layer_types=[0, 1, 2, 3])),
+    ("layer_types", _cfg(layer_types=["full_attention"] * 3)),
+    ("mlp_only_layers", _cfg("next", mlp_only_layers=["1"])), ("mlp_only_layers", _cfg("next", mlp_only_layers=1)),
+    ("mlp_only_layers", _cfg("next", mlp_only_layers=[4])), ("mlp_only_layers", _cfg("next", mlp_only_layers=[True])),
+    ("partial_rotary_factor", _cfg(rope={"partial_rotary_factor": 0})),
+    ("partial_rotary_factor", _cfg(rope={"partial_rotary_factor": 1.5})),
+    ("partial_rotary_factor", _cfg(rope={"partial_rotary_factor": NAN})),
+    ("partial_rotary_factor", _cfg(rope={"partial_rotary_factor": "0.25"})),
+    ("full_attention_interval", _cfg(drop=("layer_types",), full_attention_interval=0)),
+    ("full_attention_interval", _cfg(drop=("layer_types",), full_attention_interval="4")),
+    ("decoder_sparse_step", _cfg("next", decoder_sparse_step=0)),
+    ("decoder_sparse_step", _cfg("next", decoder_sparse_step=-1)),
+    ("tie_word_embeddings", _cfg(tie_word_embeddings="false")), ("tie_word_embeddings", _cfg(tie_word_embeddings=0)),
+    ("norm_topk_prob", _cfg("next", norm_topk_prob="true")),
+    ("rope_parameters", _cfg(rope_parameters=[1e7])),
+    ("model_type", _cfg(model_type=["qwen3_5_moe_text"])),
+    ("text_config", {"model_type": "qwen3_5_moe", "text_config": [_cfg()]}),
+    ("text_config", {"model_type": "qwen3_5_moe", "text_config": "qwen3_5_moe_text"}),
+    ("config.json", [_cfg()]), ("config.json", "qwen3_5_moe"),
+    # the grouped MoE kernels read float expert weights in column pairs: MoE sizes must be even
+    ("hidden_size", _cfg(hidden_size=65)), ("moe_intermediate_size", _cfg(moe_intermediate_size=33)),
+    ("shared_expert_intermediate_size", _cfg(shared_expert_intermediate_size=35)),
+]
+
+
+@pytest.mark.parametrize("field, d", BAD_CONFIGS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_CONFIGS)])
+def test_config_refuses_a_bad_field_naming_it(field, d):
+    """Each row is wrong in one field only: a ConfigError (never a TypeError, a ZeroDivisionError or a silent
+    ``int("2048")``), whose message names the field."""
+    with pytest.raises(lynn_model.ConfigError, match=re.escape(field)):
+        lynn_model.Config.from_hf(d)
+
+
+def test_config_takes_sizes_that_are_not_multiples_of_16():
+    """Only NVFP4 needs K % 16 == 0 (it keeps such a projection in float); the float kernels take any size, the
+    grouped MoE kernels even ones. Numbers are read as HF writes them: an integer rope_theta is a number."""
+    c = lynn_model.Config.from_hf(_cfg("next", hidden_size=40, intermediate_size=37, moe_intermediate_size=12,
+                                       shared_expert_intermediate_size=36, rope={"rope_theta": 10000}))
+    assert (c.hidden_size, c.intermediate_size, c.moe_intermediate_size) == (40, 37, 12)
+    assert c.rope_theta == 10000.0 and isinstance(c.rope_theta, float)
+    assert lynn_model.Config.from_hf(_cfg("q35", hidden_size=33, intermediate_size=37)).hidden_size == 33
+    c = lynn_model.Config.from_hf(_cfg(eos_token_id=[1, 511], bos_token_id=0, tie_word_embeddings=True))
+    assert c.eos_token_ids == (1, 511) and c.bos_token_id == 0 and c.tie_word_embeddings
+    assert lynn_model.Config.from_hf(_cfg(eos_token_id=None, bos_token_id=None)).eos_token_ids == ()
+
+
+def test_config_refuses_a_huge_layer_count_at_once():
+    """A layer count is bounded before the per-layer lists are built: ``num_hidden_layers: 10**9`` without
+    ``layer_types`` is refused in microseconds, not expanded until memory runs out (as are ``Config.replace`` and a
+    huge ``mlp_only_layers``)."""
+    from lynn_model.config import MAX_LAYERS
+
+    t0 = time.perf_counter()
+    with pytest.raises(lynn_model.ConfigError, match=f"num_hidden_layers = {10**9}: expected 1..{MAX_LAYERS}"):
+        lynn_model.Config.from_hf(_cfg(drop=("layer_types",), num_hidden_layers=10**9))
+    with pytest.raises(lynn_model.ConfigError, match="num_hidden_layers"):
+        lynn_model.Config.from_hf(_cfg("next", drop=("layer_types", "mlp_only_layers"), num_hidden_layers=10**9))
+    with pytest.raises(lynn_model.ConfigError, match="num_hidden_layers"):
+        lynn_model.preset("tiny-qwen3.5").replace(num_hidden_layers=10**9)
+    with pytest.raises(lynn_model.ConfigError, match="mlp_only_layers"):
+        lynn_model.Config.from_hf(_cfg("next", mlp_only_layers=[0] * 10**6))
+    assert time.perf_counter() - t0 < 1.0
+    assert lynn_model.preset("tiny-qwen3.5").replace(num_hidden_layers=MAX_LAYERS).num_hidden_layers == MAX_LAYERS
 
 
 def test_presets_have_the_published_shapes():

@@ -29,6 +29,16 @@ ROUTER_SCALE = 10.0
 NAMES = ("next", "q35", "q35moe", "q35vl", "q35moevl")
 MOE_NAMES = ("next", "q35moe", "q35moevl")
 
+#: HF's own tester configs (transformers' tests: CausalLMModelTester's defaults as Qwen3NextModelTester,
+#: Qwen3_5TextModelTester and Qwen3_5MoeTextModelTester set them): sizes that are not multiples of 16
+#: (intermediate_size 37, moe_intermediate_size 12, shared_expert_intermediate_size 36, vocab_size 99).
+TESTER = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+              intermediate_size=37, hidden_act="silu", max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_num_key_heads=4, linear_num_value_heads=8)
+TESTER_MOE = dict(moe_intermediate_size=12, shared_expert_intermediate_size=36, num_experts_per_tok=2, num_experts=8)
+TESTERS = ("next-tester", "q35-tester", "q35moe-tester")
+
 
 def build(name: str, seed: int = 0, **next_config):
     """The HF model ``name`` (fp32, eval mode), built from a fixed seed; ``next_config`` replaces fields of the
@@ -56,6 +66,17 @@ def build(name: str, seed: int = 0, **next_config):
     elif name == "q35moevl":
         m = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
             text_config=dict(COMMON, **MOE, rope_parameters=MROPE), vision_config=VISION, **MM_IDS))
+    elif name == "next-tester":
+        m = Qwen3NextForCausalLM(Qwen3NextConfig(**TESTER, **TESTER_MOE, head_dim=16,
+                                                 layer_types=["linear_attention", "full_attention"]))
+    elif name == "q35-tester":
+        m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **TESTER, head_dim=32, layer_types=["full_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000, "mrope_section": [2, 1, 1],
+                             "mrope_interleaved": True}))
+    elif name == "q35moe-tester":
+        m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TESTER, **TESTER_MOE, head_dim=16,
+                                                       layer_types=["full_attention", "linear_attention"]))
     else:
         raise KeyError(name)
     if next_config and name != "next":
@@ -79,13 +100,14 @@ def save(name: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
     return Path(folder)
 
 
-def load(folder: Path, dtype: torch.dtype):
+def load(folder: Path, dtype: torch.dtype, experts: str = "grouped_mm"):
     """HF's own load of a saved tiny model, with the settings under which HF's bf16 results are bitwise
-    reproducible: eager attention and (MoE classes) grouped_mm experts."""
+    reproducible: eager attention and (MoE classes) grouped_mm experts. ``experts="eager"`` for expert sizes
+    torch's grouped_mm refuses (it needs 16-byte strides: the testers' bf16 moe_intermediate_size 12)."""
     from transformers import AutoModelForCausalLM
 
     kw = {}
     cfg = __import__("json").loads((Path(folder) / "config.json").read_text())
     if "num_experts" in cfg or "num_experts" in cfg.get("text_config", {}):
-        kw["experts_implementation"] = "grouped_mm"
+        kw["experts_implementation"] = experts
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **kw).eval()
