@@ -417,9 +417,10 @@ def test_qk_norm_rope_matches_reference(t, hq, hkv, d, rot, dtype, tables, poiso
         assert_close(got[i], want[i], name, exact=exact[i])
 
 
-@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("layout", ["paged", "contiguous", "paged-interleaved"])
 def test_qk_norm_rope_writes_the_cache(layout, poison_empty):
-    """Writes k_out and v at their slots, skips slot -1, leaves every other slot alone."""
+    """Writes k_out and v at their slots, skips slot -1 (any number of times), leaves every other slot alone; the K
+    and V caches may interleave page by page in one buffer (their byte ranges overlap, their elements do not)."""
     t, hkv, d = 11, 2, 32
     qg = randn((t, 4 * 2 * d), BF16, 1)
     q, _ = split_q_gate(qg, 4, d)                                       # a strided view, as in the model
@@ -427,13 +428,16 @@ def test_qk_norm_rope_writes_the_cache(layout, poison_empty):
     qw, kw = randn((d,), BF16, 4, scale=0.1), randn((d,), BF16, 5, scale=0.1)
     seq = ints([0] * 6 + [1] * 5, torch.int64)
     pos = ints([0, 1, 2, 3, 4, 5, 17, 18, 19, 20, 21], torch.int64)
-    if layout == "paged":
+    if layout.startswith("paged"):
         table = ints([[3, 0], [1, 2]])
         cache_shape, slots = (4, 16, hkv, d), paged_slots(table, seq, pos, 16)
     else:
         cache_shape, slots = (2, 24, hkv, d), contiguous_slots(seq, pos, 24)
-    slots[4] = -1                                                       # a padding token
+    slots[4] = slots[7] = -1                                            # padding tokens
     kc, vc = randn(cache_shape, BF16, 6), randn(cache_shape, BF16, 7)     # old contents, to be kept
+    if layout == "paged-interleaved":                                   # [blocks, K | V, PAGE, Hkv, D]
+        kv = torch.stack([kc, vc], dim=1)
+        kc, vc = kv[:, 0], kv[:, 1]
     kc_ref, vc_ref = kc.clone(), vc.clone()
     got = qk_norm_rope(q, k, qw, kw, pos, v=v, rotary_dim=8, rope_theta=1e6, k_cache=kc, v_cache=vc,
                        slot_mapping=slots)
@@ -442,14 +446,14 @@ def test_qk_norm_rope_writes_the_cache(layout, poison_empty):
     exact = reference.qk_norm_rope(q.float(), k.float(), qw, kw, pos, rotary_dim=8, rope_theta=1e6)
     assert_close(got[0], want[0], "q_out", exact=exact[0])
     assert_close(got[1], want[1], "k_out", exact=exact[1])
-    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    flat_k, flat_v = kc.reshape(-1, hkv, d), vc.reshape(-1, hkv, d)
     kept = slots[slots >= 0]
     assert bit_mismatches(flat_k[kept], got[1][slots >= 0]) == 0
     assert bit_mismatches(flat_v[kept], v[slots >= 0]) == 0
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=kc.device)
     untouched[kept] = False
-    assert bit_mismatches(flat_k[untouched], kc_ref.view(-1, hkv, d)[untouched]) == 0
-    assert bit_mismatches(flat_v[untouched], vc_ref.view(-1, hkv, d)[untouched]) == 0
+    assert bit_mismatches(flat_k[untouched], kc_ref.reshape(-1, hkv, d)[untouched]) == 0
+    assert bit_mismatches(flat_v[untouched], vc_ref.reshape(-1, hkv, d)[untouched]) == 0
 
 
 @pytest.mark.parametrize("q_wdtype,k_wdtype", [(BF16, FP32), (FP32, BF16), (FP16, BF16)],

@@ -11,13 +11,18 @@ Case kinds (the second part of each row's id): ``type`` (not a tensor), ``dtype`
 (one input on the ``meta`` device, the others on the kernels' device), ``layout`` (not contiguous where the op
 writes in place or needs unit stride), ``k16`` (K not a multiple of 16), ``empty``, ``finite`` (NaN / Inf where the
 op promises finiteness), ``range`` (ids, lengths, offsets, positions and sizes out of range), ``value`` (other bad
-values: a width, a power of two, a flag), ``cuda`` (every input a CUDA tensor, on the interpreter backend). The CUDA
-tensors are torch fake tensors (``FakeTensorMode``): they carry ``device='cuda:0'`` and real shapes and strides but no
-data, so they can be built on a machine without CUDA; an op must refuse them before it reads a value.
+values: a width, a power of two, a flag, a cache slot written twice), ``alias`` (an output the op writes in place
+sharing memory with an input or another output: a shifted view of the state it updates, a cache over its own input;
+the very same view, an in-place update, stays valid), ``cuda`` (every input a CUDA tensor, on the interpreter
+backend). The CUDA tensors are torch fake tensors (``FakeTensorMode``): they carry ``device='cuda:0'`` and real
+shapes and strides but no data, so they can be built on a machine without CUDA; an op must refuse them before it
+reads a value.
 
-Not swept: the attention helpers ``split_q_gate`` / ``paged_slots`` / ``contiguous_slots`` / ``default_num_splits``
-and ``moe.max_padded`` (index arithmetic on values the caller made, no tensor contract of their own), and the
-``launch_*`` functions (launch-only by contract: no checks, no host sync).
+The helpers that build an op's arguments (``attention.split_q_gate`` / ``paged_slots`` / ``contiguous_slots``,
+``moe.stack_w13`` / ``fuse_w13``) are swept too, once each (:data:`ONCE`: they have no backend); ``paged_slots``
+reads no value back, so an index out of range is an exception on the CPU only (``cpu_only`` rows). Not swept:
+``attention.default_num_splits`` and ``moe.max_padded`` (arithmetic on Python ints), and the ``launch_*`` functions
+(launch-only by contract: no checks, no host sync).
 """
 
 from __future__ import annotations
@@ -70,6 +75,19 @@ def in_place(state: torch.Tensor) -> dict:
 def shifted_residual(buf: torch.Tensor) -> dict:
     """``residual_out`` one row past ``residual`` in the same buffer: overlapping, not the same view."""
     return {"residual": buf[:3], "residual_out": buf[1:]}
+
+
+def shifted_state(buf: torch.Tensor) -> dict:
+    """``out_state`` half a state past ``initial_state`` in one buffer of 48 values: overlapping, not the same view."""
+    return {"initial_state": buf[:32].view(1, 2, 4, 4), "out_state": buf[16:].view(1, 2, 4, 4)}
+
+
+def state_over(name: str, shape: tuple) -> dict:
+    """Input ``name`` (fp32, ``shape``) at the start of one buffer and ``out_state [1, 2, 4, 4]`` from its last value
+    on."""
+    n = torch.Size(shape).numel()
+    buf = rand(n + 31, seed=12)
+    return {name: buf[:n].view(shape), "out_state": buf[n - 1:].view(1, 2, 4, 4)}
 
 
 def with_value(t: torch.Tensor, value: float, index=0) -> torch.Tensor:
@@ -269,6 +287,34 @@ def args_norm_block():
     return a
 
 
+def args_split_q_gate():
+    return {"q_proj_out": rand(3, 2 * 2 * 16), "num_heads": 2, "head_dim": 16}
+
+
+def args_paged_slots():
+    return {"block_table": ints([[2, 0], [1, 3]]), "seq_idx": ints([0, 1, 1], I64), "positions": ints([3, 17, 5], I64),
+            "page": 16}
+
+
+def args_contiguous_slots():
+    return {"seq_idx": ints([0, 1, 1], I64), "positions": ints([3, 17, 5], I64), "max_len": 24}
+
+
+def args_stack_w13(nvfp4_weights: bool = False):
+    ws = [rand(16, 32, seed=s) for s in (1, 2, 3, 4)]
+    if nvfp4_weights:
+        ws = [q4(w) for w in ws]
+    return {"gates": ws[:2], "ups": ws[2:]}
+
+
+def args_stack_w13_nvfp4():
+    return args_stack_w13(True)
+
+
+def args_fuse_w13():
+    return {"gate": rand(16, 32, seed=1), "up": rand(16, 32, seed=2)}
+
+
 def args_from_linear():
     return {"linear": torch.nn.Linear(32, 8).to(DEV)}
 
@@ -303,6 +349,9 @@ OPS: dict[str, tuple[Callable, Callable[[], dict]]] = {
     "attention.decode_attention": (attention.decode_attention, args_decode),
     "attention.qk_norm_rope": (attention.qk_norm_rope, args_rope),
     "attention.decode_plan": (attention.decode_plan, args_decode_plan),
+    "attention.split_q_gate": (attention.split_q_gate, args_split_q_gate),
+    "attention.paged_slots": (attention.paged_slots, args_paged_slots),
+    "attention.contiguous_slots": (attention.contiguous_slots, args_contiguous_slots),
     "deltanet.chunk_gated_delta_rule": (deltanet.chunk_gated_delta_rule, args_chunk),
     "deltanet.recurrent_gated_delta_rule": (deltanet.recurrent_gated_delta_rule, args_delta),
     "deltanet.recurrent_gated_delta_rule_gates": (deltanet.recurrent_gated_delta_rule_gates, args_delta_gates),
@@ -316,6 +365,8 @@ OPS: dict[str, tuple[Callable, Callable[[], dict]]] = {
     "moe.moe_experts": (moe.moe_experts, args_experts),
     "moe.moe_block": (moe.moe_block, args_block),
     "moe.norm_moe_block": (moe.norm_moe_block, args_norm_block),
+    "moe.stack_w13": (moe.stack_w13, args_stack_w13),
+    "moe.fuse_w13": (moe.fuse_w13, args_fuse_w13),
     "norm.rmsnorm": (norm.rmsnorm, args_rmsnorm),
 }
 
@@ -328,6 +379,7 @@ VARIANTS: dict[str, Callable[[], dict]] = {
     "deltanet.chunk_gated_delta_rule@packed": args_chunk_packed,
     "moe.moe_experts@nvfp4": args_experts_nvfp4,
     "moe.moe_block@nvfp4": args_block_nvfp4,
+    "moe.stack_w13@nvfp4": args_stack_w13_nvfp4,
 }
 
 
@@ -345,18 +397,21 @@ class Case:
     edit: Callable[[dict], dict]          #: valid arguments -> the replacements that make them bad
     backends: tuple = BOTH
     match: str | None = None              #: a regex the message must also match (default: the name as a word)
+    cpu_only: bool = False                #: the error is an exception on the CPU only (on a GPU a device-side assert)
 
     @property
     def id(self) -> str:
         return f"{self.op}-{self.kind}-{self.what}"
 
 
-def c(op, kind, what, error, name, edit, backends=BOTH, match=None) -> Case:
-    return Case(op, kind, what, error, name, edit, backends, match)
+def c(op, kind, what, error, name, edit, backends=BOTH, match=None, cpu_only=False) -> Case:
+    return Case(op, kind, what, error, name, edit, backends, match, cpu_only)
 
 
 T_, V_ = TypeError, ValueError
 N_ONLY, R_ONLY = (NATIVE,), (REFERENCE,)
+#: a helper with no backend of its own (no kernel, no reference): one run is all there is to test
+ONCE = (NATIVE,)
 
 
 def cuda(*names) -> Callable[[dict], dict]:
@@ -628,6 +683,60 @@ CASES: list[Case] = [
     c("attention.qk_norm_rope@tables", "value", "sin-missing", V_, "sin", lambda a: {"sin": None}),
     c("attention.qk_norm_rope@tables", "dtype", "cos-int", T_, "cos", lambda a: {"cos": a["cos"].int()}),
     c("attention.qk_norm_rope@tables", "device", "cos-meta", V_, "cos", lambda a: {"cos": meta(a["cos"])}),
+    c("attention.qk_norm_rope", "alias", "v_cache-is-k_cache", V_, "v_cache", lambda a: {"v_cache": a["k_cache"]},
+      match=r"k_cache and v_cache share memory"),
+    c("attention.qk_norm_rope", "alias", "v_cache-shifted-k_cache", V_, "v_cache",
+      lambda a: (lambda buf: {"k_cache": buf[:2], "v_cache": buf[1:]})(rand(3, 16, 1, 16, seed=6)),
+      match=r"k_cache and v_cache share memory"),
+    c("attention.qk_norm_rope", "alias", "k-in-k_cache", V_, "k_cache", lambda a: {"k": a["k_cache"][1, :3]},
+      match=r"k_cache shares memory with k\b"),
+    c("attention.qk_norm_rope", "value", "slot_mapping-duplicate", V_, "slot_mapping",
+      lambda a: {"slot_mapping": ints([17, -1, 17], I64)}, match=r"found slot 17 at tokens \[0, 2\]"),
+    # -- attention: the helpers that build its arguments ---------------------------------------------------------------
+    c("attention.split_q_gate", "type", "q_proj_out-nvfp4", T_, "q_proj_out",
+      lambda a: {"q_proj_out": q4(a["q_proj_out"])}, ONCE),
+    c("attention.split_q_gate", "dtype", "q_proj_out-int", T_, "q_proj_out",
+      lambda a: {"q_proj_out": a["q_proj_out"].int()}, ONCE),
+    c("attention.split_q_gate", "rank", "q_proj_out-3d", V_, "q_proj_out",
+      lambda a: {"q_proj_out": a["q_proj_out"][None]}, ONCE),
+    c("attention.split_q_gate", "shape", "q_proj_out-width", V_, "q_proj_out", lambda a: {"num_heads": 3}, ONCE,
+      match=r"q_proj_out must be \[T, num_heads \* 2 \* head_dim\] = \[T, 3 \* 2 \* 16\] = \[T, 96\]"),
+    c("attention.split_q_gate", "type", "num_heads-float", T_, "num_heads", lambda a: {"num_heads": 2.0}, ONCE),
+    c("attention.split_q_gate", "range", "head_dim-0", V_, "head_dim",
+      lambda a: {"q_proj_out": a["q_proj_out"][:, :0], "head_dim": 0}, ONCE),
+    c("attention.paged_slots", "type", "block_table-none", T_, "block_table", lambda a: {"block_table": None}, ONCE),
+    c("attention.paged_slots", "dtype", "block_table-fp32", T_, "block_table",
+      lambda a: {"block_table": a["block_table"].float()}, ONCE),
+    c("attention.paged_slots", "rank", "block_table-1d", V_, "block_table",
+      lambda a: {"block_table": a["block_table"][0]}, ONCE),
+    c("attention.paged_slots", "dtype", "seq_idx-bool", T_, "seq_idx", lambda a: {"seq_idx": a["seq_idx"].bool()},
+      ONCE),
+    c("attention.paged_slots", "rank", "seq_idx-2d", V_, "seq_idx",
+      lambda a: {"seq_idx": a["seq_idx"][None], "positions": a["positions"][None]}, ONCE),
+    c("attention.paged_slots", "shape", "positions-count", V_, "positions",
+      lambda a: {"positions": a["positions"][:2]}, ONCE),
+    c("attention.paged_slots", "range", "seq_idx-past-table", V_, "seq_idx", lambda a: {"seq_idx": ints([0, 2, 1])},
+      ONCE, cpu_only=True),
+    c("attention.paged_slots", "range", "seq_idx-negative", V_, "seq_idx", lambda a: {"seq_idx": ints([0, -1, 1])},
+      ONCE, cpu_only=True),
+    c("attention.paged_slots", "range", "positions-past-table", V_, "positions",
+      lambda a: {"positions": ints([3, 40, 5])}, ONCE, cpu_only=True),
+    c("attention.paged_slots", "range", "positions-negative", V_, "positions",
+      lambda a: {"positions": ints([3, 17, -1])}, ONCE, cpu_only=True),
+    c("attention.paged_slots", "range", "page-0", V_, "page", lambda a: {"page": 0}, ONCE),
+    c("attention.paged_slots", "type", "page-float", T_, "page", lambda a: {"page": 16.0}, ONCE),
+    c("attention.paged_slots", "device", "seq_idx-meta", V_, "seq_idx", lambda a: {"seq_idx": meta(a["seq_idx"])},
+      ONCE),
+    c("attention.contiguous_slots", "type", "seq_idx-list", T_, "seq_idx", lambda a: {"seq_idx": [0, 1, 1]}, ONCE),
+    c("attention.contiguous_slots", "dtype", "positions-fp32", T_, "positions",
+      lambda a: {"positions": a["positions"].float()}, ONCE),
+    c("attention.contiguous_slots", "shape", "positions-count", V_, "positions",
+      lambda a: {"positions": a["positions"][:2]}, ONCE),
+    c("attention.contiguous_slots", "range", "seq_idx-negative", V_, "seq_idx",
+      lambda a: {"seq_idx": ints([0, -1, 1])}, ONCE),
+    c("attention.contiguous_slots", "range", "positions-past-max_len", V_, "positions", lambda a: {"max_len": 16},
+      ONCE),
+    c("attention.contiguous_slots", "range", "max_len-0", V_, "max_len", lambda a: {"max_len": 0}, ONCE),
     # -- deltanet: the delta rule (chunk and recurrent share the checks) ----------------------------------------------
     *[row for op in ("deltanet.chunk_gated_delta_rule", "deltanet.recurrent_gated_delta_rule") for row in (
         c(op, "type", "q-list", T_, "q", lambda a: {"q": a["q"].tolist()}),
@@ -661,6 +770,10 @@ CASES: list[Case] = [
         c(op, "layout", "out_state-strided", V_, "out_state", lambda a: {"out_state": strided(a["out_state"])}),
         c(op, "layout", "in-place-strided", V_, "out_state",
           lambda a: in_place(strided(a["initial_state"]))),
+        c(op, "alias", "out_state-shifted-initial_state", V_, "out_state",
+          lambda a: shifted_state(rand(48, seed=12)), match=r"out_state overlaps initial_state without being the same"),
+        c(op, "alias", "out_state-over-v", V_, "out_state", lambda a: state_over("v", (1, 3, 2, 4)),
+          match=r"out_state shares memory with v\b"),
         c(op, "device", "k-meta", V_, "k", lambda a: {"k": meta(a["k"])}),
         c(op, "device", "g-meta", V_, "g", lambda a: {"g": meta(a["g"])}),
         c(op, "device", "initial_state-meta", V_, "initial_state",
@@ -700,6 +813,10 @@ CASES: list[Case] = [
     c("deltanet.recurrent_gated_delta_rule_gates", "finite", "scale-nan", V_, "scale", lambda a: {"scale": NAN}),
     c("deltanet.recurrent_gated_delta_rule_gates", "layout", "out_state-strided", V_, "out_state",
       lambda a: {"out_state": strided(a["out_state"])}),
+    c("deltanet.recurrent_gated_delta_rule_gates", "alias", "out_state-shifted-initial_state", V_, "out_state",
+      lambda a: shifted_state(rand(48, seed=12)), match=r"out_state overlaps initial_state without being the same"),
+    c("deltanet.recurrent_gated_delta_rule_gates", "alias", "out_state-over-a", V_, "out_state",
+      lambda a: state_over("a", (1, 1, 2)), match=r"out_state shares memory with a\b"),
     c("deltanet.recurrent_gated_delta_rule_gates", "device", "dt_bias-meta", V_, "dt_bias",
       lambda a: {"dt_bias": meta(a["dt_bias"])}),
     c("deltanet.recurrent_gated_delta_rule_gates", "device", "out_state-meta", V_, "out_state",
@@ -911,6 +1028,45 @@ CASES: list[Case] = [
       lambda a: {"shared": a["shared"]._replace(w13=q4(a["shared"].w13))}),
     c("moe.moe_block", "device", "w13-meta", V_, "w13", lambda a: {"w13": meta(a["w13"])}),
     c("moe.moe_block@nvfp4", "device", "w13-meta", V_, "w13.codes", lambda a: {"w13": a["w13"].to("meta")}),
+    # -- moe: w13 from a checkpoint's gate_proj / up_proj --------------------------------------------------------------
+    c("moe.stack_w13", "type", "gates-tensor", T_, "gates", lambda a: {"gates": torch.stack(a["gates"])}, ONCE,
+      match=r"gates must be a non-empty list"),
+    c("moe.stack_w13", "type", "gates-none", T_, "gates", lambda a: {"gates": None}, ONCE),
+    c("moe.stack_w13", "empty", "gates", V_, "gates", lambda a: {"gates": [], "ups": []}, ONCE),
+    c("moe.stack_w13", "type", "gates-entry-list", T_, "gates[1]",
+      lambda a: {"gates": [a["gates"][0], a["gates"][1].tolist()]}, ONCE),
+    c("moe.stack_w13", "type", "nvfp4-gates-float-ups", T_, "gates",
+      lambda a: {"gates": [q4(w) for w in a["gates"]]}, ONCE,
+      match="gates and ups must all be NVFP4Tensors or all float torch.Tensors"),
+    c("moe.stack_w13", "value", "ups-count", V_, "ups", lambda a: {"ups": a["ups"][:1]}, ONCE,
+      match="gates and ups must list the same experts, found 2 and 1"),
+    c("moe.stack_w13", "rank", "gates-3d", V_, "gates[0]", lambda a: {"gates": [w[None] for w in a["gates"]]}, ONCE,
+      match=r"gates\[0\] must be 2-D \[I, H\]"),
+    c("moe.stack_w13", "shape", "gates-1", V_, "gates[1]", lambda a: {"gates": [a["gates"][0], a["gates"][1][:, :16]]},
+      ONCE),
+    c("moe.stack_w13", "shape", "ups-rows", V_, "ups[0]", lambda a: {"ups": [w[:8] for w in a["ups"]]}, ONCE),
+    c("moe.stack_w13", "dtype", "ups-bf16", T_, "ups", lambda a: {"ups": [w.bfloat16() for w in a["ups"]]}, ONCE,
+      match=r"float gates and ups must share one float dtype"),
+    c("moe.stack_w13", "dtype", "int", T_, "gates",
+      lambda a: {k: [w.int() for w in a[k]] for k in ("gates", "ups")}, ONCE),
+    c("moe.stack_w13", "device", "gates-1-meta", V_, "gates[1]",
+      lambda a: {"gates": [a["gates"][0], meta(a["gates"][1])]}, ONCE),
+    c("moe.stack_w13@nvfp4", "shape", "gates-1", V_, "gates[1]",
+      lambda a: {"gates": [a["gates"][0], q4(rand(16, 64))]}, ONCE),
+    c("moe.stack_w13@nvfp4", "shape", "gates-1-global_scale", V_, "gates[1].global_scale",
+      lambda a: {"gates": [a["gates"][0], NVFP4Tensor(a["gates"][1].codes, a["gates"][1].scales,
+                                                      a["gates"][1].global_scale.expand(16).clone())]}, ONCE),
+    c("moe.stack_w13@nvfp4", "type", "packed", T_, "gates", lambda a: {"gates": [matmul.pack(w) for w in a["gates"]]},
+      ONCE),
+    c("moe.fuse_w13", "type", "gate-none", T_, "gate", lambda a: {"gate": None}, ONCE),
+    c("moe.fuse_w13", "type", "nvfp4-gate-float-up", T_, "gate", lambda a: {"gate": q4(a["gate"])}, ONCE,
+      match="gate and up must both be NVFP4Tensors or both float torch.Tensors"),
+    c("moe.fuse_w13", "rank", "1d", V_, "gate", lambda a: {"gate": a["gate"][0], "up": a["up"][0]}, ONCE),
+    c("moe.fuse_w13", "shape", "up-rows", V_, "up", lambda a: {"up": a["up"][:8]}, ONCE,
+      match=r"gate and up must have one shape \[..., I, H\], found \(16, 32\) and \(8, 32\)"),
+    c("moe.fuse_w13", "dtype", "up-bf16", T_, "up", lambda a: {"up": a["up"].bfloat16()}, ONCE),
+    c("moe.fuse_w13", "dtype", "int", T_, "gate", lambda a: {"gate": a["gate"].int(), "up": a["up"].int()}, ONCE),
+    c("moe.fuse_w13", "device", "up-meta", V_, "up", lambda a: {"up": meta(a["up"])}, ONCE),
     # -- the norm in the next kernel's launch (norm_linear, norm_moe_block) -----------------------------------------
     *[row for op in ("matmul.norm_linear", "moe.norm_moe_block") for row in (
         c(op, "type", "norm_weight-none", T_, "norm_weight", lambda a: {"norm_weight": None}),
@@ -1025,6 +1181,8 @@ def _params():
             marks = []
             if case.kind == "cuda" and not runtime.INTERPRET:
                 marks.append(pytest.mark.skip(reason="a CUDA tensor is only a bad input for the interpreter"))
+            if case.cpu_only and DEV.type != "cpu":
+                marks.append(pytest.mark.skip(reason="on a GPU this is a device-side assert, which ends the process"))
             yield pytest.param(case, backend, id=f"{case.id}-{backend}", marks=marks)
 
 

@@ -111,7 +111,9 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, 
         eps: RMSNorm epsilon.
         k_cache, v_cache, slot_mapping: write ``k_out`` and ``v`` at flat slot ``slot_mapping[t]`` over the cache's
             first two dims (paged ``block * PAGE + offset``, contiguous ``b * S_max + pos``; ``-1`` skips); see
-            :func:`paged_slots` / :func:`contiguous_slots`.
+            :func:`paged_slots` / :func:`contiguous_slots`. Two caches sharing no element with each other or with
+            an input (they may interleave in one buffer); each slot named at most once, checked with the range in
+            the same host read.
 
     Returns:
         ``(q_out [T, Hq, D], k_out [T, Hkv, D])`` contiguous, in q's dtype, rounded once from fp32.

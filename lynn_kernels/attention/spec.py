@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
+from ..norm.spec import overlaps
 
 #: Head dims the kernels are built for (``tl.dot`` needs >= 16; powers of two keep tiles unmasked along D).
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -332,15 +333,28 @@ def check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, c
             raise ValueError(f"slot_mapping must have one entry per token: expected shape ({q.shape[0]},), "
                              f"found {_shape(slot_mapping)}")
         check_unit_head_stride(k_cache, v_cache)
+        if overlaps(k_cache, v_cache):
+            raise ValueError("k_cache and v_cache share memory; pass two separate caches (keys and values written to "
+                             "the same memory overwrite each other)")
+        for cache_name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            for name, t in (("q", q), ("k", k), ("v", v), ("q_weight", q_weight), ("k_weight", k_weight),
+                            ("positions", positions), ("cos", cos), ("sin", sin), ("slot_mapping", slot_mapping)):
+                if t is not None and overlaps(cache, t):
+                    raise ValueError(f"{cache_name} shares memory with {name}; the caches are written while the "
+                                     f"inputs are read, so they must not alias them")
     check_same_device("q", q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, positions=positions, cos=cos, sin=sin,
                       k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if slot_mapping is not None:                                    # then the whole cache write was checked above
         n_slots = k_cache.shape[0] * k_cache.shape[1]
         if runtime.values_checkable() and slot_mapping.numel():
-            lo, hi = _min_max(slot_mapping)
+            lo, hi, twice = _slot_stats(slot_mapping)
             if lo < -1 or hi >= n_slots:
                 raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 skips a token), "
                                  f"found min {lo}, max {hi}")
+            if twice >= 0:                                          # which of two writes lands is unspecified
+                tokens = (slot_mapping == twice).nonzero().flatten().tolist()
+                raise ValueError(f"slot_mapping must name each cache slot at most once (-1 excepted), found slot "
+                                 f"{twice} at tokens {tokens}")
     if runtime.values_checkable() and positions.numel():                        # one host sync, like slot_mapping's
         lo, hi = _min_max(positions)
         if cos is not None and (lo < 0 or hi >= cos.shape[0]):
@@ -358,8 +372,22 @@ def _min_max(t: torch.Tensor) -> tuple[int, int]:
     return tuple(int(x) for x in torch.stack((lo, hi)).tolist())
 
 
+def _slot_stats(slots: torch.Tensor) -> tuple[int, int, int]:
+    """``(min, max, a slot >= 0 that occurs twice or -1)`` of a non-empty slot mapping, read back in one host sync."""
+    s = slots.sort().values
+    twice = torch.cat((s.new_full((1,), -1), torch.where((s[1:] == s[:-1]) & (s[1:] >= 0), s[1:], -1)))
+    return tuple(int(x) for x in torch.stack((s[0], s[-1], twice.max())).tolist())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # helpers for callers
+
+
+def _need_positive_int(name: str, n, what: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be a positive Python int ({what}), found {type(n).__name__} {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be a positive Python int ({what}), found {n}")
 
 
 def split_q_gate(q_proj_out: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,20 +396,77 @@ def split_q_gate(q_proj_out: torch.Tensor, num_heads: int, head_dim: int) -> tup
     Qwen3-Next emits ``[query | gate]`` per head (HF ``chunk(2, dim=-1)`` on ``view(T, Hq, 2 D)``); the kernels read
     both views in place through their strides, no copy.
     """
+    check_tensor("q_proj_out", q_proj_out, 2)
+    _need_positive_int("num_heads", num_heads, "Hq")
+    _need_positive_int("head_dim", head_dim, "D")
+    width = num_heads * 2 * head_dim
+    if q_proj_out.shape[1] != width:
+        raise ValueError(f"q_proj_out must be [T, num_heads * 2 * head_dim] = [T, {num_heads} * 2 * {head_dim}] = "
+                         f"[T, {width}] ([query | gate] per head), found shape {_shape(q_proj_out)}")
     x = q_proj_out.view(q_proj_out.shape[0], num_heads, 2 * head_dim)
     return x[..., :head_dim], x[..., head_dim:]
 
 
+def _check_slot_indices(seq_idx, positions, ref_name: str, ref: torch.Tensor) -> None:
+    """``seq_idx`` and ``positions``: 1-D integer tensors of one length on ``ref``'s device."""
+    check_tensor("seq_idx", seq_idx, 1, INDEX_DTYPES)
+    check_tensor("positions", positions, 1, INDEX_DTYPES)
+    if positions.shape[0] != seq_idx.shape[0]:
+        raise ValueError(f"positions must have one entry per entry of seq_idx: expected shape ({seq_idx.shape[0]},), "
+                         f"found {_shape(positions)}")
+    check_same_device(ref_name, ref, seq_idx=seq_idx, positions=positions)
+
+
 def contiguous_slots(seq_idx: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Cache slots for a contiguous ``[B, S_max, Hkv, D]`` cache: ``seq_idx * S_max + positions`` (int64)."""
-    return seq_idx.long() * max_len + positions.long()
+    """Cache slots for a contiguous ``[B, S_max, Hkv, D]`` cache: ``seq_idx * S_max + positions`` (int64).
+
+    ``seq_idx``, ``positions``: int32 / int64 ``[N]``; ``max_len``: ``S_max``. Outside :func:`lynn_kernels.trusted`
+    (and a CUDA graph capture) the values are checked, one host sync: ``seq_idx >= 0``, ``0 <= positions < S_max``.
+    """
+    _check_slot_indices(seq_idx, positions, "seq_idx", seq_idx)
+    _need_positive_int("max_len", max_len, "S_max, the cache's rows per sequence")
+    seq, pos = seq_idx.long(), positions.long()
+    if runtime.values_checkable() and seq.numel():
+        s_lo, p_lo, p_hi = (int(x) for x in torch.stack((seq.min(), pos.min(), pos.max())).tolist())
+        if s_lo < 0:
+            raise ValueError(f"seq_idx must be >= 0 (a row of the cache), found min {s_lo}")
+        if p_lo < 0 or p_hi >= max_len:
+            raise ValueError(f"positions must lie in [0, max_len) = [0, {max_len}), found min {p_lo}, max {p_hi}")
+    return seq * max_len + pos
 
 
 def paged_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
-    """Cache slots for a paged ``[num_blocks, PAGE, Hkv, D]`` cache: ``block * PAGE + position % PAGE`` (int64)."""
-    pos = positions.long()
-    blocks = block_table[seq_idx.long(), pos // page].long()
+    """Cache slots for a paged ``[num_blocks, PAGE, Hkv, D]`` cache: ``block * PAGE + position % PAGE`` (int64).
+
+    ``block_table``: int32 / int64 ``[B, max_blocks]``; ``seq_idx``, ``positions``: int32 / int64 ``[N]`` on its
+    device; ``page``: ``PAGE``. No value is read back (the model's step plans its slots with it): a ``seq_idx``
+    outside ``[0, B)`` or a position outside ``[0, max_blocks * PAGE)`` fails the block-table lookup, which on the CPU
+    raises a ``ValueError`` naming it, and on a GPU is a device-side assert.
+    """
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
+    _check_slot_indices(seq_idx, positions, "block_table", block_table)
+    _need_positive_int("page", page, "PAGE, the cache's rows per block")
+    rows, width = block_table.shape
+    seq, pos = seq_idx.long(), positions.long()
+    # a negative index would wrap around silently: send it past the end, where the lookup refuses it
+    row = torch.where(seq < 0, rows, seq)
+    col = torch.where(pos < 0, width, pos // page)
+    try:
+        blocks = block_table[row, col].long()
+    except IndexError:
+        _refuse_slot_indices(seq, pos, rows, width, page)
+        raise
     return blocks * page + pos % page
+
+
+def _refuse_slot_indices(seq: torch.Tensor, pos: torch.Tensor, rows: int, width: int, page: int) -> None:
+    """On the error path of :func:`paged_slots` only (it reads the indices back): name the one out of range."""
+    s_lo, s_hi, p_lo, p_hi = (int(x) for x in torch.stack((seq.min(), seq.max(), pos.min(), pos.max())).tolist())
+    if s_lo < 0 or s_hi >= rows:
+        raise ValueError(f"seq_idx must lie in [0, {rows}) (block_table's rows), found min {s_lo}, max {s_hi}")
+    if p_lo < 0 or p_hi >= width * page:
+        raise ValueError(f"positions must lie in [0, {width * page}) (block_table's {width} blocks of page {page}), "
+                         f"found min {p_lo}, max {p_hi}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

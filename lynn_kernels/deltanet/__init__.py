@@ -76,7 +76,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         output_final_state: return the state after the last token (of each sequence).
         use_qk_l2norm: L2-normalise q and k in the kernel (``x * rsqrt(sum(x^2) + 1e-6)``, HF / fla), as Qwen does.
         out_state: contiguous fp32 ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``) that receives the
-            final state (may be ``initial_state`` itself for an in-place update); implies a returned final state.
+            final state (may be ``initial_state`` itself for an in-place update, but no other view sharing its
+            memory or an input's); implies a returned final state.
         cu_seqlens: int32 ``[N+1]`` offsets of packed sequences, ``0 = cu[0] <= ... <= cu[N] = T`` (sequence ``n`` is
             tokens ``cu[n]:cu[n+1]``, possibly none), on q's device; or None. Then q, k are ``[1, T, H, K]``, v
             ``[1, T, HV, V]``, g, beta ``[1, T, HV]``, and each sequence runs on its own from its row of

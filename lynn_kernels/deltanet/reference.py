@@ -152,8 +152,7 @@ def gates(A_log, a, dt_bias, b):
 def recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm=False, *, out_state=None):
     """:func:`recurrent_gated_delta_rule` with the gates computed from the layer's raw inputs (see :func:`gates`)."""
-    dims = spec.check_qkv(q, k, v)
-    spec.check_gates(A_log, a, dt_bias, b, dims, q)
+    spec.check_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale, initial_state, out_state)
     g, beta = gates(A_log, a, dt_bias, b)
     return recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
                                       out_state=out_state)

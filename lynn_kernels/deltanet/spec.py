@@ -29,6 +29,7 @@ import torch
 import triton.language as tl
 
 from .. import runtime
+from ..norm.spec import overlaps, same_view
 
 #: Chunk length of the chunked (WY / UT) prefill.
 CHUNK = 64
@@ -237,7 +238,33 @@ def check_delta_rule(q, k, v, g, beta, scale, initial_state, out_state=None, cu_
         dims = replace(dims, cu=check_cu_seqlens(cu_seqlens, dims.B, dims.T, "q", q))
     check_state("initial_state", initial_state, dims, q)
     check_state("out_state", out_state, dims, q)
+    check_out_state_alias(out_state, initial_state, q=q, k=k, v=v, g=g, beta=beta)
     return dims
+
+
+def check_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale, initial_state, out_state=None) -> Dims:
+    """All arguments of ``recurrent_gated_delta_rule_gates``; returns the sizes."""
+    dims = check_qkv(q, k, v)
+    check_gates(A_log, a, dt_bias, b, dims, q)
+    check_scale(scale)
+    check_state("initial_state", initial_state, dims, q)
+    check_state("out_state", out_state, dims, q)
+    check_out_state_alias(out_state, initial_state, q=q, k=k, v=v, A_log=A_log, a=a, dt_bias=dt_bias, b=b)
+    return dims
+
+
+def check_out_state_alias(out_state, initial_state, **inputs) -> None:
+    """``out_state`` is written while the kernels still read the inputs: it may be ``initial_state`` itself (each
+    program reads its slice before writing it), but must share no memory with it otherwise, nor with any input."""
+    if out_state is None:
+        return
+    if initial_state is not None and overlaps(out_state, initial_state) and not same_view(out_state, initial_state):
+        raise ValueError("out_state overlaps initial_state without being the same view of it; pass initial_state "
+                         "itself for an in-place update, or a separate tensor")
+    for name, t in inputs.items():
+        if overlaps(out_state, t):
+            raise ValueError(f"out_state shares memory with {name}; out_state must be initial_state or a tensor of "
+                             f"its own")
 
 
 def check_gates(A_log, a, dt_bias, b, dims: Dims, ref: torch.Tensor) -> None:

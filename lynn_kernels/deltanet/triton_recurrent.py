@@ -132,11 +132,7 @@ def recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_stat
 def recurrent_gated_delta_rule_gates_triton(q, k, v, A_log, a, dt_bias, b, scale=None, initial_state=None,
                                             output_final_state=False, use_qk_l2norm=False, *, out_state=None):
     """Host side of :func:`lynn_kernels.deltanet.recurrent_gated_delta_rule_gates` (gates computed in the kernel)."""
-    dims = spec.check_qkv(q, k, v)
-    spec.check_gates(A_log, a, dt_bias, b, dims, q)
-    spec.check_scale(scale)
-    spec.check_state("initial_state", initial_state, dims, q)
-    spec.check_state("out_state", out_state, dims, q)
+    dims = spec.check_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, scale, initial_state, out_state)
     check_devices(q=q, k=k, v=v, A_log=A_log, a=a, dt_bias=dt_bias, b=b, initial_state=initial_state,
                   out_state=out_state)
     # fp32 per-head parameters (a no-op for the fp32 A_log / dt_bias a checkpoint keeps; a cast otherwise)

@@ -149,25 +149,47 @@ def stack_w13(gates, ups):
         w2 = NVFP4Tensor.stack([NVFP4Tensor.from_state_dict(sd, f"mlp.experts.{e}.down_proj") for e in range(E)])
     """
     for name, ws in (("gates", gates), ("ups", ups)):
-        if isinstance(ws, (torch.Tensor, NVFP4Tensor)) or len(ws) == 0:
+        if not isinstance(ws, (list, tuple)):
             raise TypeError(f"{name} must be a non-empty list of per-expert [I, H] weights, found "
                             f"{type(ws).__name__}")
+        if len(ws) == 0:
+            raise ValueError(f"{name} must be a non-empty list of per-expert [I, H] weights, found an empty "
+                             f"{type(ws).__name__}")
     if len(gates) != len(ups):
         raise ValueError(f"gates and ups must list the same experts, found {len(gates)} and {len(ups)}")
     if any(is_packed(w) for w in (*gates, *ups)):
         raise TypeError("gates and ups must be in the checkpoint layout (NVFP4Tensors) or float tensors, found packed "
                         "weights: stack before packing (pack_experts)")
+    for name, ws in (("gates", gates), ("ups", ups)):
+        bad = [i for i, w in enumerate(ws) if not isinstance(w, (NVFP4Tensor, torch.Tensor))]
+        if bad:
+            raise TypeError(f"{name}[{bad[0]}] must be an NVFP4Tensor or a float torch.Tensor [I, H], found "
+                            f"{type(ws[bad[0]]).__name__}")
     kinds = {is_nvfp4(w) for w in (*gates, *ups)}
     if len(kinds) != 1:
         raise TypeError("gates and ups must all be NVFP4Tensors or all float torch.Tensors, found both kinds")
+    first = gates[0]
     for name, ws in (("gates", gates), ("ups", ups)):
         bad = [i for i, w in enumerate(ws) if w.dim() != 2]
         if bad:
             raise ValueError(f"{name}[{bad[0]}] must be 2-D [I, H], found shape {tuple(ws[bad[0]].shape)}")
+        for i, w in enumerate(ws):                  # the stacks would fail on these without naming the expert
+            if tuple(w.shape) != tuple(first.shape):
+                raise ValueError(f"{name}[{i}] has shape {tuple(w.shape)} but gates[0] has {tuple(first.shape)}; "
+                                 f"every expert's gate and up weight must have one shape [I, H]")
+            if w.device != first.device:
+                raise ValueError(f"{name}[{i}] is on {w.device} but gates[0] is on {first.device}; all weights must "
+                                 f"share a device")
+            if kinds == {True} and w.global_scale.shape != ws[0].global_scale.shape:
+                raise ValueError(f"{name}[{i}].global_scale has shape {tuple(w.global_scale.shape)} but "
+                                 f"{name}[0].global_scale has {tuple(ws[0].global_scale.shape)}; the {name}' global "
+                                 f"scales must have one shape (() or [I])")
     if kinds == {False}:
         dtypes = {w.dtype for w in (*gates, *ups)}
-        if len(dtypes) != 1:
-            raise TypeError(f"float gates and ups must share one dtype, found {sorted(str(d)[6:] for d in dtypes)}")
+        if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES):
+            allowed = ", ".join(str(d)[6:] for d in FLOAT_DTYPES)
+            raise TypeError(f"float gates and ups must share one float dtype ({allowed}), found "
+                            f"{sorted(str(d)[6:] for d in dtypes)}")
     stack = NVFP4Tensor.stack if kinds == {True} else torch.stack
     return fuse_w13(stack(list(gates)), stack(list(ups)))
 

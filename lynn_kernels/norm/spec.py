@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import runtime
 
@@ -51,14 +52,51 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+def _has_memory(t: torch.Tensor) -> bool:
+    """Meta and fake tensors hold no elements (every one reports address 0), so they alias nothing."""
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+def _interleaved(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b``, whose byte ranges intersect, still share no element: two views of one layout (shape,
+    strides, element size) at an offset no difference of indices reaches, such as K and V caches interleaved page by
+    page in one buffer. Decided only for layouts whose strides nest (each larger than the span of the smaller ones);
+    anything else counts as sharing."""
+    size = a.element_size()
+    if tuple(a.shape) != tuple(b.shape) or a.stride() != b.stride() or b.element_size() != size:
+        return False
+    delta, misaligned = divmod(abs(a.data_ptr() - b.data_ptr()), size)
+    if misaligned or delta == 0:
+        return False
+    dims = sorted((s, n) for n, s in zip(a.shape, a.stride()) if n > 1 and s != 0)
+    reach = 0
+    for s, n in dims:
+        if s <= reach:
+            return False
+        reach += (n - 1) * s
+
+    def hits(rest: int, i: int) -> bool:               # rest = sum of (index difference * stride) over dims[:i + 1]
+        if i < 0:
+            return rest == 0
+        s, n = dims[i]                                 # nested: this dim's difference is rest // s or one more
+        return any(abs(c) < n and hits(rest - c * s, i - 1) for c in (rest // s, rest // s + 1))
+
+    return not hits(delta, len(dims) - 1)
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share an element (the same view included: see :func:`same_view`). The aliasing
+    checks of every family use it."""
+    if not (_has_memory(a) and _has_memory(b)) or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
+    return a0 < b1 and b0 < a1 and not _interleaved(a, b)
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements in the same order: an in-place update through ``b`` reads and writes ``a`` one to one."""
     return (a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
             and a.dtype == b.dtype)
 
@@ -94,17 +132,17 @@ def check_rmsnorm(x, weight, eps, residual=None, out=None, residual_out=None, we
             raise ValueError(f"residual_out must be contiguous (it is written in place), found strides "
                              f"{tuple(residual_out.stride())}")
         for name, t in (("residual", residual), ("x", x)):   # the same elements in place are fine, a shift is not
-            if _overlap(residual_out, t) and not _same_view(residual_out, t):
+            if overlaps(residual_out, t) and not same_view(residual_out, t):
                 raise ValueError(f"residual_out overlaps {name} without being the same view of it; pass {name} "
                                  f"itself for an in-place update, or a separate tensor")
-        if _overlap(residual_out, weight):
+        if overlaps(residual_out, weight):
             raise ValueError("residual_out shares memory with weight; it must be residual, x or a separate tensor")
     if out is not None:
         _need_like_x("out", out, x)
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous (it is written in place), found strides {tuple(out.stride())}")
         for name, t in (("x", x), ("residual", residual), ("weight", weight), ("residual_out", residual_out)):
-            if t is not None and _overlap(out, t):
+            if t is not None and overlaps(out, t):
                 raise ValueError(f"out shares memory with {name}; out must be a separate tensor")
     return D
 
