@@ -121,6 +121,11 @@ def run(args) -> int:
     if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":   # chosen when lynn_kernels loaded
         raise CommandError("--backend interpreter: this process compiles the kernels for the GPU; start it with "
                            "TRITON_INTERPRET=1 to run them through the interpreter", code=2)
+    try:                                             # the library's own rules, before anything is loaded
+        lynn_model.check_generate_args(args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                       top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens, flags=True)
+    except ValueError as err:
+        raise CommandError(str(err), code=2) from None
     model_dir = _model_dir(args)
     prompt = _prompt(args)
     backend = args.backend
@@ -163,10 +168,18 @@ def run(args) -> int:
     stops = sorted(set(tok.stop_ids) | set(model.config.eos_token_ids)) if not args.ignore_eos else []
     stats = lynn_model.Stats()
     out = sys.stdout
-    stream = lynn_model.TextStream(tok, lambda s: (out.write(s), out.flush()))
-    if not args.chat:
-        out.write(prompt)
+    echoed = args.chat                               # the prompt is echoed with the first text, so a refusal
+                                                     # before any token leaves stdout empty
+
+    def write(text: str) -> None:
+        nonlocal echoed
+        if not echoed:
+            out.write(prompt)
+            echoed = True
+        out.write(text)
         out.flush()
+
+    stream = lynn_model.TextStream(tok, write)
     threads = torch.get_num_threads()
     if model.device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
@@ -176,13 +189,15 @@ def run(args) -> int:
                                 top_k=args.top_k or None, top_p=args.top_p, seed=seed, stop_ids=stops,
                                 stream=stream, stats=stats, max_tokens=args.max_tokens)
     except (ValueError, lynn_model.CacheFull) as err:
-        out.write("\n")
-        out.flush()
+        if echoed and not args.chat:
+            out.write("\n")
+            out.flush()
         raise CommandError(str(err)) from None
     finally:
         torch.set_num_threads(threads)               # main() may be called in-process (tests, notebooks)
-    out.write("\n")
-    out.flush()
+    write("\n")
+    for note in stats.notes:
+        print(f"note: {note}", file=sys.stderr)
     decode = f"CUDA graph, captured in {stats.capture_s:.1f} s" if stats.cuda_graph else "eager steps"
     weights = sum(t.nbytes for t in _weights(model))
     print(f"[loaded in {load_s:.1f} s; prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
