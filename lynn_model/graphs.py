@@ -129,15 +129,17 @@ class DecodeStep:
                     self.kv_slots, self.seq_lens)
 
     def epilogue(self, logits: torch.Tensor) -> None:
-        """Sample each row's next token into ``tokens``; set ``finite`` (0 where the row's largest logit is NaN or
-        inf: a NaN or +inf anywhere, or every logit -inf); advance the active rows' ``lengths``. When every row is
+        """Sample each row's next token into ``tokens``; set ``finite`` (0 where the chosen token's logit is NaN or
+        inf, which it is whenever the row holds a NaN or +inf, or only -inf); advance the active rows' ``lengths``. When every row is
         greedy, the argmax goes straight into ``tokens`` (of the logits as they are: the same index as of their
         fp32 copy, which :func:`sample_rows` takes)."""
         if self.params.greedy:
             torch.argmax(logits, -1, out=self.tokens)
         else:
             self.tokens.copy_(sample_rows(logits, self.params, self.lengths + 1))
-        self.finite.copy_(torch.isfinite(logits.amax(-1)))      # max propagates NaN: one reduction checks the row
+        # the chosen token's logit: argmax and the sampler's Gumbel argmax pick a NaN or +inf wherever one is, and
+        # an all -inf row picks a -inf; one gathered value per row, not a reduction over the vocabulary
+        self.finite.copy_(torch.isfinite(logits.gather(-1, self.tokens[:, None])).squeeze(-1))
         self.lengths.add_(self.active)
 
     def _run(self) -> None:
