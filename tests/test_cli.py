@@ -160,12 +160,25 @@ def test_lab_opens_jupyterlab_on_the_notebooks(monkeypatch):
     calls = []
     monkeypatch.setattr(lab_cmd.os, "execv", lambda exe, argv: calls.append(argv))
     assert main(["lab", "--no-browser", "--port", "8899"]) == 0
-    (argv,) = calls
+    assert main(["lab", "--port=8900", "--ip", "0.0.0.0", "--ServerApp.token=x"]) == 0   # the rest: jupyter lab's
+    (argv, other) = calls
     assert argv[1:3] == ["-m", "jupyterlab"]
     root = Path(lab_cmd.__file__).resolve().parents[1]                # the repository, so ../docs links resolve
-    assert argv[3] == f"--ServerApp.root_dir={root}" and argv[4] == "--LabApp.default_url=/lab/tree/notebooks"
+    start = "/lab/tree/notebooks/00-start-here.ipynb"
+    assert argv[3] == f"--ServerApp.root_dir={root}" and argv[4] == f"--LabApp.default_url={start}"
+    assert (root / "notebooks" / "00-start-here.ipynb").exists()
     assert argv[-3:] == ["--no-browser", "--port", "8899"]
     assert ("--allow-root" in argv) == (os.geteuid() == 0)
+    assert other[-5:] == ["--port", "8900", "--ip", "0.0.0.0", "--ServerApp.token=x"]
+    assert "--no-browser" not in other
+
+
+def test_lab_help_says_where_the_options_go(capsys):
+    with pytest.raises(SystemExit):
+        main(["lab", "--help"])
+    out = capsys.readouterr().out
+    assert "00-start-here.ipynb" in out and "--no-browser" in out and "--port PORT" in out
+    assert "jupyter lab --help" in out
 
 
 def test_unknown_options_are_refused_outside_lab():
