@@ -17,8 +17,8 @@ import time
 import torch
 
 import lynn_model
-from lynn_kernels.bench.decoder import CONTEXT, STEPS, decode_bytes, graph_decode
 from lynn_kernels.bench.harness import measure_ceilings, provenance
+from lynn_model.bench import CONTEXT, STEPS, decode_bytes, graph_decode
 from lynn_model.loader import random_model
 
 OUT = os.environ.get("OUT", "out")

@@ -18,8 +18,8 @@ import sys
 import torch
 
 import lynn_model
-from lynn_kernels.bench.decoder import CONTEXT, STEPS, census, decode_bytes, graph_decode
 from lynn_kernels.bench.harness import measure_ceilings, provenance
+from lynn_model.bench import CONTEXT, STEPS, census, decode_bytes, graph_decode
 from lynn_model.loader import random_model
 
 OUT = os.environ.get("OUT", "out")

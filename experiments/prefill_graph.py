@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, ".")
 
 import lynn_model  # noqa: E402
-from lynn_kernels.bench import decoder as bd  # noqa: E402
 from lynn_kernels.bench.harness import kernel_ms, measure_ceilings, provenance  # noqa: E402
+from lynn_model import bench as bd  # noqa: E402
 from lynn_model.loader import random_model  # noqa: E402
 
 

@@ -26,6 +26,7 @@ def add(sub):
 def run(args) -> int:
     import torch
 
+    import lynn_model.bench  # noqa: F401  (registers the whole decoder's benchmarks)
     from lynn_kernels import bench
 
     if args.list:

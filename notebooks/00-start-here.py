@@ -267,6 +267,7 @@ print(f"  {row['bytes']:,} B / {row['median_ms'] * 1e3:.1f} us = {gbps:,.0f} GB/
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+import lynn_model.bench  # noqa: F401  (registers the whole decoder's benchmarks)
 from lynn_kernels import bench
 
 print("check families:", ", ".join(checks.CHECKS))

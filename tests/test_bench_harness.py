@@ -199,6 +199,8 @@ def test_validated_bounds_per_dtype_and_by_error_ratio():
 
 
 def test_bench_registry_lists_every_family():
+    import lynn_model.bench  # noqa: F401  (the whole decoder's benchmarks register on import)
+
     assert bench.available() == ["attention.decode", "attention.prefill", "decoder.qwen3-next-80b-a3b",
                                  "decoder.qwen3.5-35b-a3b", "deltanet.chunk", "deltanet.conv",
                                  "deltanet.recurrent", "matmul.chain", "matmul.graph", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
@@ -427,15 +429,15 @@ def test_perf_gate_committed_baseline_matches_its_results():
 
 
 def test_decode_bytes_counts_every_weight_kind():
-    """``bench.decoder.decode_bytes`` counts the packed experts (the stacks, and the shared expert's views of expert
+    """``lynn_model.bench.decode_bytes`` counts the packed experts (the stacks, and the shared expert's views of expert
     E: hidden and expert sizes 128, so the shared expert joins the stacks) as it counts the checkpoint layout: the
     packed model reads at least as many bytes (K padded to 128 where a projection's is 64) and at most 3% more; a
     weight kind it did not know used to count as 0 bytes."""
     import dataclasses
 
     import lynn_model
-    from lynn_kernels.bench.decoder import _nbytes, decode_bytes
     from lynn_kernels.moe.packed import shared_slot
+    from lynn_model.bench import _nbytes, decode_bytes
     from lynn_model.model import SparseMoE
 
     config = dataclasses.replace(lynn_model.preset("tiny-qwen3.5-moe"), hidden_size=128, moe_intermediate_size=128,

@@ -2,6 +2,11 @@
 
 Each registered benchmark takes the measured ceilings and returns :class:`~.harness.Result` rows; it validates every
 provider's output against the reference before timing it, and refuses to time a wrong op.
+
+The kernel families' benchmarks live here and register when :func:`available` or :func:`run` loads them. A package
+above this one registers its own by importing :func:`register` (the whole decoder's are in :mod:`lynn_model.bench`,
+registered when that module is imported; this package never imports ``lynn_model``), so whatever lists or runs the
+whole project's benchmarks (``lynn bench``, the tests) imports those modules first.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ def register(op: str):
 
 
 def _load_families() -> None:
-    from . import attention, decoder, deltanet, matmul, matmul_graph, moe, nvfp4  # noqa: F401  (each module registers its benchmarks)
+    from . import attention, deltanet, matmul, matmul_graph, moe, nvfp4  # noqa: F401  (each module registers its benchmarks)
 
 
 def available() -> list[str]:

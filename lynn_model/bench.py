@@ -25,6 +25,10 @@ against the read ceiling. Prefill: tokens per second of one call; FLOPs ``2 x ac
 step computes the last token's logits only, HF's forward every token's: the LM head is counted accordingly).
 The first ``lynn_model`` forward is validated against the reference path on the same weights (a short prompt),
 so no speed is reported for a wrong decoder.
+
+Importing this module registers ``decoder.qwen3.5-35b-a3b`` and ``decoder.qwen3-next-80b-a3b`` in
+:mod:`lynn_kernels.bench` (which never imports ``lynn_model``): whatever lists or runs the whole project's benchmarks
+(``lynn bench``) imports it first.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ import time
 
 import torch
 
-from . import register
-from .harness import Ceilings, Result, derive, kernel_ms, validated
+from lynn_kernels.bench import register
+from lynn_kernels.bench.harness import Ceilings, Result, derive, kernel_ms, validated
 
 CONTEXT, PREFILL, STEPS = 4096, 2048, 24
 #: the prefill lengths timed, and the (batch, context) pairs of the graph decode rows
@@ -52,9 +56,9 @@ def _log(msg: str) -> None:
 
 
 def _nbytes(w) -> int:
-    from ..matmul import PackedNVFP4
-    from ..moe import PackedExperts
-    from ..nvfp4 import NVFP4Tensor
+    from lynn_kernels.matmul import PackedNVFP4
+    from lynn_kernels.moe import PackedExperts
+    from lynn_kernels.nvfp4 import NVFP4Tensor
 
     if isinstance(w, (NVFP4Tensor, PackedNVFP4, PackedExperts)):
         return w.nbytes
@@ -125,9 +129,8 @@ def _row(op, provider, shape, dims, times, ceilings, bytes_=0, flops=0, ceiling=
 def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     import lynn_kernels
     import lynn_model
+    from lynn_kernels.validate import compare
     from lynn_model.loader import random_model
-
-    from ..validate import compare
 
     cfg = lynn_model.preset(name)
     torch.cuda.reset_peak_memory_stats()
@@ -298,9 +301,8 @@ def graph_prefill(model, ids, n: int, size: int, ceilings: Ceilings, val: dict) 
     reservation and the replay: what a caller waits for), median of 5, the host's time per call beside it. Checked
     first: its logits against the eager ``model.step`` of the same prompt (cosine; bit-equality recorded), and a
     second prompt through the same graph against its eager prefill."""
+    from lynn_kernels.validate import compare
     from lynn_model import PrefillStep
-
-    from ..validate import compare
 
     cfg = model.config
     cache = model.new_cache(max_batch=1, max_tokens=size + 64)
