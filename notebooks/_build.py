@@ -1,14 +1,17 @@
-"""Rebuild the teaching notebooks: sync each ``NN-name.ipynb`` with its jupytext script, execute it, store outputs.
+"""Rebuild the teaching notebooks: sync each ``NN-name.ipynb`` with its jupytext script ``py/NN-name.py``, execute it,
+store outputs.
 
     python notebooks/_build.py              # sync, execute and store every notebook
     python notebooks/_build.py 03           # only those whose name starts with 03
     python notebooks/_build.py --no-exec    # sync the pair and normalise, keep the stored outputs
 
-Each notebook is paired with a percent-format script beside it (``NN-name.py``, ``# %%`` cells, pairing recorded in
-the notebook's ``jupytext`` metadata), so either one can be edited: in JupyterLab (jupytext is a dependency of the
-package) saving the notebook writes both, and ``tests/test_notebooks.py`` fails while the two differ. The
-build takes the cells from whichever of the pair was modified last (as ``jupytext --sync`` does) and writes both;
-an ``.ipynb`` without a script gets one, and a script without an ``.ipynb`` becomes a notebook. It executes on this
+Each notebook is paired with a percent-format script in ``notebooks/py/`` (``py/NN-name.py``, ``# %%`` cells,
+pairing recorded in the notebook's ``jupytext`` metadata and in ``jupytext.toml``; in their own folder the scripts
+keep out of JupyterLab's file browser, where each notebook shows once), so either one can be edited: in
+JupyterLab (jupytext is a dependency of the package) saving the notebook writes both, and
+``tests/test_notebooks.py`` fails while the two differ. The build takes the cells from whichever of the pair was
+modified last (as ``jupytext --sync`` does) and writes both; an ``.ipynb`` without a script gets one, and a script
+without an ``.ipynb`` becomes a notebook. It executes on this
 machine's backend (Triton's interpreter on a CPU), in ``notebooks/``, top to bottom, and stores the notebook with
 its volatile parts normalised so that a rebuild diffs small: no widget state, no timing or kernel-version metadata,
 PNG figures re-encoded as 256-colour palette PNGs (the same size in pixels, about a third of the bytes).
@@ -30,10 +33,11 @@ import nbformat
 from jupytext.combine import combine_inputs_with_outputs
 
 HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "py"                              # the paired scripts: py/NN-name.py
 FORMAT = "py:percent"
 #: The notebook metadata kept; ``jupytext`` pairs the notebook with its script (without the jupytext version in the
 #: script's header, which would change with whoever saved it last).
-JUPYTEXT = {"formats": "ipynb,py:percent",
+JUPYTEXT = {"formats": "ipynb,py//py:percent",
             "notebook_metadata_filter": "-jupytext.text_representation.jupytext_version"}
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 LANGUAGE_INFO = {"name": "python", "pygments_lexer": "ipython3"}
@@ -44,9 +48,14 @@ def cells(nb) -> list[tuple[str, str]]:
     return [(c.cell_type, c.source) for c in nb.cells]
 
 
+def script_of(ipynb: Path) -> Path:
+    """The notebook's paired script: ``notebooks/NN-name.ipynb`` -> ``notebooks/py/NN-name.py``."""
+    return SCRIPTS / ipynb.with_suffix(".py").name
+
+
 def sync(ipynb: Path) -> nbformat.NotebookNode:
     """The notebook with the cells of the newer of the pair and the stored outputs of the ``.ipynb``."""
-    script = ipynb.with_suffix(".py")
+    script = script_of(ipynb)
     if not ipynb.exists():                         # a new notebook, written as a script
         return jupytext.read(script, fmt=FORMAT)
     nb = nbformat.read(ipynb, as_version=4)
@@ -102,13 +111,13 @@ def build(ipynb: Path, execute_it: bool = True) -> None:
     normalise(nb)
     nbformat.validate(nb)
     nbformat.write(nb, ipynb)
-    jupytext.write(nb, ipynb.with_suffix(".py"), fmt=FORMAT)
+    jupytext.write(nb, script_of(ipynb), fmt=FORMAT)
 
 
 def main(argv: list[str]) -> int:
     execute_it = "--no-exec" not in argv
     prefixes = [a for a in argv if not a.startswith("--")]
-    pairs = sorted({p.with_suffix(".ipynb") for p in [*HERE.glob("[0-9]*.ipynb"), *HERE.glob("[0-9]*.py")]})
+    pairs = sorted({HERE / f"{p.stem}.ipynb" for p in [*HERE.glob("[0-9]*.ipynb"), *SCRIPTS.glob("[0-9]*.py")]})
     for ipynb in pairs:
         if not prefixes or any(ipynb.name.startswith(p) for p in prefixes):
             print("building" if execute_it else "syncing", ipynb.relative_to(HERE.parent))

@@ -56,7 +56,7 @@ def test_moe_kernel_time_figure_is_a_grid():
 def draw(notebook: str, *markers: str, monkeypatch) -> plt.Figure:
     """Run the notebook's first code cell, then the code cells containing each marker (in notebook order), and
     return the figure the last ``plt.show()`` drew."""
-    nb = jupytext.read(next(NOTEBOOKS.glob(f"{notebook}-*.py")), fmt="py:percent")
+    nb = jupytext.read(next((NOTEBOOKS / "py").glob(f"{notebook}-*.py")), fmt="py:percent")
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     chosen = [code[0]] + [src for src in code[1:] if any(m in src for m in markers)]
     assert len(chosen) == len(markers) + 1, f"{notebook}: the markers pick {len(chosen) - 1} cells"

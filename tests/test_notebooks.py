@@ -1,6 +1,7 @@
 """The notebooks and their jupytext scripts: paired, equal cell by cell, committed with the outputs nbval checks.
 
-Each ``notebooks/NN-name.ipynb`` has a percent-format script ``notebooks/NN-name.py`` beside it. Editing either one
+Each ``notebooks/NN-name.ipynb`` has a percent-format script ``notebooks/py/NN-name.py`` (in a folder of their own,
+out of the way of JupyterLab's file browser, where each notebook shows once). Editing either one
 (JupyterLab with jupytext saves both) and then ``python notebooks/_build.py NN`` (sync, execute, store outputs; add
 ``--no-exec`` to sync only) keeps them equal. Nothing is executed here: ``pytest notebooks`` (nbval) does that.
 """
@@ -14,9 +15,10 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = sorted({p.stem for p in [*NOTEBOOKS.glob("[0-9]*.ipynb"), *NOTEBOOKS.glob("[0-9]*.py")]})
+SCRIPTS = NOTEBOOKS / "py"
+NAMES = sorted({p.stem for p in [*NOTEBOOKS.glob("[0-9]*.ipynb"), *SCRIPTS.glob("[0-9]*.py")]})
 IPYNB = [n for n in NAMES if (NOTEBOOKS / f"{n}.ipynb").exists()]
-PAIRS = [n for n in IPYNB if (NOTEBOOKS / f"{n}.py").exists()]
+PAIRS = [n for n in IPYNB if (SCRIPTS / f"{n}.py").exists()]
 REBUILD = "python notebooks/_build.py {prefix} --no-exec syncs the pair (without --no-exec it also executes)"
 
 
@@ -39,14 +41,15 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_and_script_come_in_pairs(name):
-    missing = [f"{name}{ext}" for ext in (".ipynb", ".py") if not (NOTEBOOKS / f"{name}{ext}").exists()]
+    pair = (NOTEBOOKS / f"{name}.ipynb", SCRIPTS / f"{name}.py")
+    missing = [str(p.relative_to(NOTEBOOKS)) for p in pair if not p.exists()]
     assert not missing, f"notebooks/{missing[0]} is missing; {REBUILD.format(prefix=name[:2])}"
 
 
 @pytest.mark.parametrize("name", PAIRS)
 def test_notebook_and_script_have_the_same_cells(name):
     nb = cells(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4))
-    text = cells(jupytext.read(NOTEBOOKS / f"{name}.py", fmt="py:percent"))
+    text = cells(jupytext.read(SCRIPTS / f"{name}.py", fmt="py:percent"))
     differ = [i for i, (a, b) in enumerate(zip(nb, text)) if a != b]
     where = (f"cell {differ[0]} differs, {first_difference(nb[differ[0]], text[differ[0]])}" if differ
              else f"{len(nb)} cells in the .ipynb, {len(text)} in the .py")
@@ -56,7 +59,14 @@ def test_notebook_and_script_have_the_same_cells(name):
 @pytest.mark.parametrize("name", IPYNB)
 def test_notebook_records_its_pairing(name):
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    assert nb.metadata.get("jupytext", {}).get("formats") == "ipynb,py:percent"
+    assert nb.metadata.get("jupytext", {}).get("formats") == "ipynb,py//py:percent"
+
+
+def test_scripts_stay_out_of_the_notebook_folder():
+    """Only the notebooks (and the build script) in notebooks/: a script beside its notebook would show the
+    notebook twice in JupyterLab's file browser; jupytext.toml pairs new notebooks the same way."""
+    assert not list(NOTEBOOKS.glob("[0-9]*.py")), "the pairs live in notebooks/py/"
+    assert 'formats = "ipynb,py//py:percent"' in (NOTEBOOKS / "jupytext.toml").read_text()
 
 
 @pytest.mark.parametrize("name", IPYNB)
