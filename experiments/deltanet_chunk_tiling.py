@@ -2,7 +2,7 @@
 stages) and the output kernel's value block, at the Qwen shape (B=1, T=16384, 16/32 heads, d 128), by kernel time.
 
 Recorded run: commit 42d1008f5fbb, H200, torch 2.11 / triton 3.6, 2026-11-29, result in
-``data/bench/h200/deltanet_chunk_tiling.json``. The two output-block overrides (32, 128) ended in an illegal memory
+``data/experiments/deltanet-chunk-tiling/results.json``. The two output-block overrides (32, 128) ended in an illegal memory
 access on that run, not investigated (the shipped 64 validates). Run: ``PYTHONPATH=. python3 experiments/deltanet_chunk_tiling.py``.
 """
 import collections, itertools, json, os

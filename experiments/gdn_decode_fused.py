@@ -8,8 +8,8 @@ state bit for bit) and with itself on a repeat.
 
 The first run (2f040dd: one program a head, BLOCK_V = 128) measured 4 warps best and slower than the PDL chain at
 batch 1 (6.71 against 5.95 us a layer), faster from batch 2 (8.71 / 15.04 / 48.57 against 9.12 / 19.71 / 59.87);
-8 and 16 warps were 1.8-2.8x slower: ``data/bench/h200/gdn_decode_fused-2f040dd.json``. The second (b1d3bf9, this
-script: ``gdn_decode_fused-b1d3bf9.json``) found no V split faster than whole heads at any batch, and the split was
+8 and 16 warps were 1.8-2.8x slower: ``data/experiments/gdn-decode-fused/2f040dd.json``. The second (b1d3bf9, this
+script: ``data/experiments/gdn-decode-fused/b1d3bf9.json``) found no V split faster than whole heads at any batch, and the split was
 removed from the kernel after it: ``block_v`` exists only at b1d3bf9, where this script runs.
 
 Writes ``$OUT/gdn_decode_fused.json`` and prints a table.

@@ -12,7 +12,7 @@ Writes ``$OUT/gemv_xwords.json`` and prints a table.
 
     PYTHONPATH=. python3 experiments/gemv_xwords.py
 
-Run once, at git e374425 (``data/bench/h200/gemv_xwords-e374425.json``): no faster at M = 1 (the same tile 0.97-1.16x
+Run once, at git e374425 (``data/experiments/gemv-xwords/e374425.json``): no faster at M = 1 (the same tile 0.97-1.16x
 the shipped time; the chain 176.2 against 166.4 us), so ``X_WORDS`` and ``x_words`` were taken out after it; the
 script runs at that commit (``git checkout e374425``).
 """

@@ -6,7 +6,7 @@
 * ``chunk_gated_delta_rule`` per-kernel times next to fla's at T = 4096 and 16384.
 
 Recorded run: commit 4c21c1d5b8c5, H200, torch 2.11 / triton 3.6, fla 0.6.0, 2026-11-29, result in
-``data/bench/h200/h200_profile_decode_prefill_chunk.json``. Run: ``PYTHONPATH=. python3 experiments/h200_profile_decode_prefill_chunk.py`` (fla importable for its rows; JSON under $OUT).
+``data/experiments/h200-profile-decode-prefill-chunk/results.json``. Run: ``PYTHONPATH=. python3 experiments/h200_profile_decode_prefill_chunk.py`` (fla importable for its rows; JSON under $OUT).
 """
 import collections, json, os, sys, time
 import torch, triton.testing

@@ -3,7 +3,7 @@
 
 Recorded run: commit c2c8d10 (the FMA decode kernels and the fused router; the first run, commit 9373b79, is in
 ``docs/moe.md`` section 4), H200, torch 2.11 / triton 3.6, 2026-11-29, output in
-``data/bench/h200/moe_profile.txt`` (us per call, by kernel). Run: ``PYTHONPATH=. python3 experiments/moe_profile.py``.
+``data/experiments/moe-profile/results.txt`` (us per call, by kernel). Run: ``PYTHONPATH=. python3 experiments/moe_profile.py``.
 """
 import collections, torch
 from lynn_kernels.moe import moe_block

@@ -11,7 +11,7 @@ on rotating weight sets (``graph_us``). Writes ``$OUT/packed_prefetch.json`` and
 
 Run it at git 286151a: the ``PREFETCH`` option measured slower in 27 of 34 cells (GEMV config; the GEMM by its
 best tile)
-(``data/bench/h200/packed_prefetch-286151a.json``) and was removed after that run.
+(``data/experiments/packed-prefetch/286151a.json``) and was removed after that run.
 """
 
 import json

@@ -1,6 +1,6 @@
 """Qwen3-Next-80B-A3B shape, random NVFP4 weights: the 4-layer trunk stage by stage, kernel path against reference
 path, to find where the decoder benchmark's gate failed at 3182a39 (GPU machine only; its runs:
-data/bench/h200/qwen3-next-trunk-diag-*.txt, qwen3-next-determinism-*.txt).
+data/experiments/qwen3-next-trunk-diag/*.txt).
 
     PYTHONPATH=. python3 experiments/qwen3_next_trunk_diag.py [--dirty] [--repeats 3] [--layers 0] [--out $OUT/trunk_diag.json]
 

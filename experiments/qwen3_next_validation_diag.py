@@ -6,7 +6,7 @@ the reference path on the same input, at M = 80 (prefill) and M = 1 (GPU machine
 
 Written when `lynn bench decoder.qwen3-next-80b-a3b` stopped at its validation gate at 3182a39 (the 4-layer model's
 logits: cosine 0.707, rel_l2 0.707): this looks for the module that disagrees. Its output at 3182a39 is
-`data/bench/h200/qwen3-next-validation-diag.txt`.
+`data/experiments/qwen3-next-validation-diag/results.txt`.
 """
 import torch, lynn_kernels, lynn_model
 from lynn_kernels import moe

@@ -9,7 +9,7 @@ launch of those checks goes through the tool. memcheck looks for out-of-bounds a
 for shared-memory hazards between threads, on the families whose kernels stage tiles in shared memory. The summary
 records, per run: the families, the checks that passed, the sanitizer's ERROR SUMMARY count, its exit status, the
 seconds, and whether it hit the timeout (a run that did not finish says so; it is not counted clean). Re-run it
-after a kernel change and commit the JSON under data/bench/h200/.
+after a kernel change and commit the JSON under data/experiments/sanitize/.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ split-K call wrote, and tells apart:
 
 It also times each variant (``do_bench`` of the launch with its two allocations) and writes the compiled TTGIR /
 PTX of the 64 x 128 x 128 tile at each stage count beside the JSON. What it found on the H200 with Triton 3.6
-(``data/bench/h200/split-k-race-d96117f.json``): the partials themselves were wrong (8 weight rows x every token,
+(``data/experiments/split-k-race/d96117f.json``): the partials themselves were wrong (8 weight rows x every token,
 the register-operand wgmma hazard that :func:`lynn_kernels.runtime.register_dot_hazard` describes), at three
 stages (4 of 1,000 calls at M = 80; with 8 warps at M = 2,048 every call), never at one. Two stages compile the same
 overlap but showed no fault in 2,500 calls. The ticket hand-off and the two-pass reduce (``_gemm_variant`` +

@@ -1161,7 +1161,7 @@ from matplotlib.colors import LogNorm
 
 from lynn_kernels.bench.harness import DATA_DIR
 
-STREAM = json.loads((DATA_DIR / "h200" / "packed_gemv_stream-a906a61.json").read_text())
+STREAM = json.loads((DATA_DIR.parent / "experiments" / "packed-gemv-stream" / "a906a61.json").read_text())
 SWEEP = {(r["shape"], r["M"], r["variant"]): r for r in STREAM["sweep"]}
 TILES = ["4x128", "8x128", "16x128", "8x64", "16x64", "32x64"]
 GRIDS = ["tiles", 132, 264, 396, 528]
@@ -1520,7 +1520,7 @@ import json
 from pathlib import Path
 
 dq = json.loads(Path(lk.__file__).resolve().parents[1].joinpath(
-    "data/bench/h200/dequant_gemm-9130a4f.json").read_text())
+    "data/experiments/dequant-gemm/9130a4f.json").read_text())
 fig, ax = plt.subplots(figsize=(8, 3.4))
 for shape in dict.fromkeys(r["shape"] for r in dq["crossover"]):
     cells = [r for r in dq["crossover"] if r["shape"] == shape]

@@ -733,7 +733,7 @@ print(f"\n{sum(r['passed'] for r in val_rows)}/{len(val_rows)} passed")
 #
 # `lynn check moe` runs its own small cases (routing and align exactly, both expert paths, the block, and since
 # then the packed block with its norm in the router's launch, `norm_moe_block`) with the same helper; on the H200
-# it passed 11/11 compiled when it had 11 rows (`data/bench/h200/lynn-check-moe.txt`). Its `err_ratio` divides by
+# it passed 11/11 compiled when it had 11 rows (`docs/reliability.md`, GPU test runs). Its `err_ratio` divides by
 # the error of the exact answer rounded once to bf16 (the best a bf16 output can be), hence about 1.3 rather than
 # 0.4. Here, under this machine's backend:
 
@@ -773,7 +773,7 @@ print(f"{sum(r['passed'] for r in check_rows)}/{len(check_rows)} checks passed i
 #
 # On a GPU the next cell runs the quick benchmark live. The cells after it read the committed results,
 # `data/bench/h200/moe.block.json` (the full run: both Qwen shapes, M in {1, 4, 16, 64, 512, 4096}) and
-# `moe_profile.txt`; their output depends on the machine and on what is committed, so nbval does not check it.
+# `data/experiments/moe-profile/results.txt`; their output depends on the machine and on what is committed, so nbval does not check it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -860,7 +860,7 @@ else:
     plt.show()
 
 # %% [markdown]
-# **Where the kernel time goes.** `data/bench/h200/moe_profile.txt` (written by
+# **Where the kernel time goes.** `data/experiments/moe-profile/results.txt` (written by
 # `experiments/moe_profile.py`, the same commit) lists every CUDA kernel of one `moe_block` call
 # with its time, at M = 1, 16 and 4096. Grouped by role, with the read rate of the gate_up kernel at M = 1:
 
@@ -868,7 +868,7 @@ else:
 # NBVAL_IGNORE_OUTPUT
 from pathlib import Path
 
-PROFILE = Path(lk.__file__).resolve().parents[1] / "data" / "bench" / "h200" / "moe_profile.txt"
+PROFILE = Path(lk.__file__).resolve().parents[1] / "data" / "experiments" / "moe-profile" / "results.txt"
 
 
 def role(name):
@@ -899,7 +899,7 @@ def parse_profile(path):
 
 PROF = parse_profile(PROFILE) if PROFILE.exists() else {}
 if not PROF:
-    print("no committed profile yet (data/bench/h200/moe_profile.txt)")
+    print("no committed profile yet (data/experiments/moe-profile/results.txt)")
 else:
     ORDER = ["gate_up", "down", "combine", "router logits + route (1 launch)", "route", "align (3 kernels)",
              "router logits GEMM (cuBLAS)"]
@@ -1034,7 +1034,7 @@ print("the last column is the shared gate:",
       torch.allclose(w_slot[:, -1], torch.sigmoid(x_p @ shared_p.gate_weight.reshape(-1)), rtol=1e-6, atol=0))
 
 # %% [markdown]
-# On the H200 (`experiments/moe_packed_decode.py`, committed in `data/bench/h200/moe_packed_decode.json`): the same
+# On the H200 (`experiments/moe_packed_decode.py`, committed in `data/experiments/moe-packed-decode/results.json`): the same
 # block in its three forms, per block, by CUDA-graph replay of 8 distinct blocks in a row (their experts come from
 # HBM, not L2), each checked against the fp32 reference first:
 
@@ -1042,7 +1042,7 @@ print("the last column is the shared gate:",
 # NBVAL_IGNORE_OUTPUT
 import json
 
-PACKED = Path(lk.__file__).resolve().parents[1] / "data" / "bench" / "h200" / "moe_packed_decode.json"
+PACKED = Path(lk.__file__).resolve().parents[1] / "data" / "experiments" / "moe-packed-decode" / "results.json"
 if PACKED.exists():
     pk = json.loads(PACKED.read_text())
     print(f"git {pk['provenance']['git_sha']}, {pk['provenance']['date'][:10]}, {pk['provenance']['gpu']}, "

@@ -1175,7 +1175,7 @@ display(widgets.VBox([widgets.HBox([t_w, c_w]), g_w, out]))
 # ## What's next
 #
 # The kernels are validated here and in `tests/test_attention.py` on the CPU, and `lynn check` has passed with
-# them compiled on the H200 (`data/bench/h200/lynn-check.txt`); section 6 judges the goals on their
+# them compiled on the H200 (`docs/reliability.md`, GPU test runs); section 6 judges the goals on their
 # H200 benchmark (`data/bench/h200/attention.*.json`). One step left open there: the decode merge is a second
 # launch (1.3-2.0 us at batch 1 on the H200); folding it into the split kernel, with a last-program ticket as in
 # the matmul's split-K, would save it. Next notebook: `05`, Gated DeltaNet, the linear attention that fills the

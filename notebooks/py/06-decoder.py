@@ -907,7 +907,7 @@ for shape, doc in BENCH.items():
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-BOUNDARY = Path(lk.__file__).resolve().parents[1] / "data" / "bench" / "h200" / "decode_ahead_pdl-5e06e96.json"
+BOUNDARY = Path(lk.__file__).resolve().parents[1] / "data" / "experiments" / "decode-ahead-pdl" / "5e06e96.json"
 AHEAD = json.loads(BOUNDARY.read_text()) if BOUNDARY.exists() else None
 if AHEAD is None:
     print(f"no committed results at {BOUNDARY}: run experiments/decode_ahead_pdl.py on a GPU")
