@@ -45,7 +45,6 @@
 # per second**, against the bandwidth the GPU reaches on a plain copy.
 
 # %%
-import dataclasses
 import os
 import subprocess
 import sys
@@ -56,19 +55,8 @@ import torch
 import lynn_kernels                      # first: it picks the backend before any kernel is defined
 from lynn_kernels import checks, compare, render_table
 from lynn_kernels.bench import load, result_table
+from lynn_kernels.notebook import rounded   # metrics to 4 significant digits, so nbval's text comparison holds
 from lynn_kernels.runtime import DEVICE
-
-
-def rounded(rows, digits=4):
-    """Round the metrics of table rows to `digits` significant digits, so that float noise from another CPU or
-    torch build cannot change the committed output (nbval compares it as text)."""
-    def r(v):
-        return v if v is None else float(f"{v:.{digits}g}")
-
-    return [{k: dataclasses.replace(v, cosine=r(v.cosine), max_abs=r(v.max_abs), rel_l2=r(v.rel_l2),
-                                    err_ratio=r(v.err_ratio)) if isinstance(v, lynn_kernels.Metrics) else v
-             for k, v in row.items()} for row in rows]
-
 
 # %% [markdown]
 # ## 1. What am I running on?
@@ -238,7 +226,53 @@ print(f"  {row['bytes']:,} B / {row['median_ms'] * 1e3:.1f} us = {gbps:,.0f} GB/
       f"{row['frac_of_ceiling']:.1%})")
 
 # %% [markdown]
-# ## 4. Map of the notebooks and the command line
+# ## 4. Triton in ten lines
+#
+# The kernels are written in [Triton](https://triton-lang.org): Python functions that run as many **programs** in
+# parallel on the GPU, each working on a block of elements at once. Notebook 01 builds its first kernel with these
+# words, so here they are on a toy, `out = x + alpha * y`:
+#
+# | word | what it means |
+# |---|---|
+# | `@triton.jit` | the function is a kernel: compiled for the GPU (here: run by Triton's interpreter with numpy) |
+# | `kernel[grid](args)` | the **launch grid**: how many programs to start, e.g. `(cdiv(n, BLOCK),)`; tensors arrive as pointers |
+# | `tl.program_id(0)` | which program this is, 0 .. grid[0] - 1: it picks the block of the data this program owns |
+# | `tl.arange(0, BLOCK)` | a vector of indices 0 .. BLOCK - 1; pointer + vector = a vector of addresses, loaded in one `tl.load` |
+# | `mask=offs < n` | lanes past the end are switched off: a masked load gives `other=` there (undefined without it), a masked store skips them |
+# | `BLOCK: tl.constexpr` | a compile-time constant: each value compiles its own kernel, and block shapes (`tl.arange`) must be constant powers of 2 |
+
+# %%
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scaled_add_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):   # a toy, not a library kernel
+    pid = tl.program_id(0)                          # this program's number along grid axis 0
+    offs = pid * BLOCK + tl.arange(0, BLOCK)        # the BLOCK indices it owns
+    mask = offs < n                                 # the last block runs past n: those lanes do nothing
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x + alpha * y, mask=mask)
+
+
+gen = torch.Generator().manual_seed(2)
+x, y = torch.randn(1000, generator=gen).to(DEVICE), torch.randn(1000, generator=gen).to(DEVICE)
+out = torch.full_like(x, float("nan"))             # so an element no program wrote would show
+BLOCK = 256
+grid = (triton.cdiv(x.numel(), BLOCK),)             # 4 programs: 3 full blocks, and 232 of the last block's 256
+scaled_add_kernel[grid](x, y, out, 0.5, x.numel(), BLOCK=BLOCK)
+print(f"n {x.numel()}, BLOCK {BLOCK}, grid {grid}: vs torch's x + 0.5 * y, "
+      f"max_abs {compare(out, x + 0.5 * y).max_abs}, elements not written {int(out.isnan().sum())}")
+
+# %% [markdown]
+# On a GPU the first launch compiles the kernel for this `BLOCK` (and for the argument dtypes), later launches
+# reuse it. The library's kernels add a second grid axis, loops over blocks (`for k in range(0, K, BLOCK_K)`),
+# `tl.dot` on tiles and autotuned `constexpr`s, but they are read the same way: find `program_id`, then what each
+# program owns. The [Triton tutorials](https://triton-lang.org/main/getting-started/tutorials/index.html) go
+# further; [`docs/interpreter.md`](../docs/interpreter.md) says what the interpreter gets right and wrong.
+#
+# ## 5. Map of the notebooks and the command line
 #
 # | notebook | what you learn |
 # |---|---|
@@ -258,10 +292,14 @@ print(f"  {row['bytes']:,} B / {row['median_ms'] * 1e3:.1f} us = {gbps:,.0f} GB/
 #
 # | command | what it does |
 # |---|---|
-# | `lynn check [FAMILY ...]` | the validation table above, for every family (or the ones named), on this device; exits non-zero if a check fails |
-# | `lynn bench [OP ...] [--quick] [--out DIR]` | GPU only: measures the ceilings, validates then times each provider, writes `data/bench/<gpu>/<op>.json` |
-# | `lynn lab` | opens JupyterLab on `notebooks/` |
+# | `lynn check [NAME ...]` | the validation table above, for every family (or the families / ops named), on this device; exits non-zero if a check fails |
+# | `lynn bench [OP ...] [--quick] [--out DIR] [--list] [--check]` | GPU only: measures the ceilings, validates then times each provider, writes `data/bench/<gpu>/<op>.json`; `--check` compares with the committed perf baseline |
+# | `lynn lab [--no-browser] [--port PORT]` | opens JupyterLab on this notebook; any other option goes to `jupyter lab` |
 # | `lynn info` | the device and backend, as in section 1 |
+# | `lynn quantize SRC DST` | writes an NVFP4 (W4A16) copy of a bf16 / fp16 / fp32 Qwen3-Next / Qwen3.5 HF checkpoint folder, read by vLLM, SGLang and `lynn_model` (`docs/nvfp4.md`) |
+# | `lynn generate [PROMPT] [--model DIR]` | streams a continuation of the prompt from the shipped demo model or a checkpoint folder (greedy, or `--temperature` / `--top-k` / `--top-p` / `--seed`; notebook 07) |
+#
+# `lynn COMMAND --help` gives each command's options.
 #
 # `pytest notebooks -q` re-runs these notebooks and checks their outputs (nbval). Registered now:
 
