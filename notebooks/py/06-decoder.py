@@ -41,7 +41,6 @@ import dataclasses
 import json
 import tempfile
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
@@ -54,8 +53,8 @@ from transformers.utils import logging as hf_logging
 
 from lynn_kernels import compare, render_table
 from lynn_model import Config, ConfigError, loader
-from lynn_model import model as lm
 from lynn_model.cache import Batch
+from lynn_model.notebook import OPS, count_ops   # wraps the ops lynn_model.model calls, and counts the calls
 
 hf_logging.set_verbosity_error()         # not its notices that fla / causal-conv1d are absent (they need a GPU)
 hf_logging.disable_progress_bar()        # nor its progress bars when saving and loading
@@ -98,65 +97,13 @@ print(lk.device_summary())
 # The residual add is fused into the next norm: `rmsnorm(x, w, residual=h)` returns the normed input of the next
 # block and the new residual, rounded as HF's `h = h + out; x = norm(h)`.
 #
-# Which op of `lynn_kernels` runs each piece is easiest to read off a forward: the cell below wraps the ops that
-# `lynn_model.model` calls, runs a random model of the tiny Qwen3.5-MoE preset (NVFP4 weights, as in production;
-# on the references, so it takes a moment) through one packed prefill of two prompts and one decode step, and
-# counts the calls.
+# Which op of `lynn_kernels` runs each piece is easiest to read off a forward: `count_ops()` (from
+# `lynn_model/notebook.py`, with the table `OPS` of the ops and what each does) wraps the ops that
+# `lynn_model.model` calls; the cell below runs a random model of the tiny Qwen3.5-MoE preset (NVFP4 weights, as in
+# production; on the references, so it takes a moment) through one packed prefill of two prompts and one decode
+# step, and counts the calls.
 
 # %%
-OPS = {  # op as lynn_model.model calls it -> (piece of the decoder, kernel family, notebook)
-    "F.embedding": ("token embedding (a row gather)", "torch", "-"),
-    "rmsnorm": ("zero-centred RMSNorm, residual add fused", "norm", "-"),
-    "nvfp4_linear": ("NVFP4 projections: packed GEMV (<= 16 rows) / GEMM", "matmul", "02"),
-    "F.linear": ("float projections: LM head, GDN in_proj_a / in_proj_b", "torch (cuBLAS)", "-"),
-    "qk_norm_rope": ("q / k norm + partial RoPE + paged cache write", "attention", "04"),
-    "flash_attention": ("attention, prefill (varlen, GQA, gate fused)", "attention", "04"),
-    "decode_attention": ("attention, decode (split-KV, paged)", "attention", "04"),
-    "deltanet.causal_conv1d": ("GDN causal conv + SiLU, prefill", "deltanet", "05"),
-    "deltanet.causal_conv1d_update": ("GDN conv, decode (rolls the state)", "deltanet", "05"),
-    "deltanet.gates": ("GDN gates g, beta (prefill)", "deltanet", "05"),
-    "deltanet.chunk_gated_delta_rule": ("GDN chunked WY prefill", "deltanet", "05"),
-    "deltanet.recurrent_gated_delta_rule_gates": ("GDN decode step, gates fused", "deltanet", "05"),
-    "deltanet.gated_rmsnorm": ("GDN gated RMSNorm w * norm(o) * silu(z)", "deltanet", "05"),
-    "moe.moe_block": ("MoE: router, top-k, grouped experts, shared expert", "moe", "03"),
-}
-
-
-class _Counted:
-    """Stands in for a module (F, deltanet, moe): its functions are counted under the name `prefix.fn`."""
-
-    def __init__(self, mod, prefix, counts):
-        self._mod, self._prefix, self._counts = mod, prefix, counts
-
-    def __getattr__(self, name):
-        fn = getattr(self._mod, name)
-        key = f"{self._prefix}.{name}"
-        if key not in OPS:
-            return fn
-
-        def wrapped(*a, **kw):
-            self._counts[key] += 1
-            return fn(*a, **kw)
-        return wrapped
-
-
-@contextmanager
-def count_ops():
-    """Count the calls lynn_model.model makes to each op of OPS (wrapping the names it imported)."""
-    counts, saved = Counter(), {}
-    for name in ("rmsnorm", "nvfp4_linear", "qk_norm_rope", "flash_attention", "decode_attention"):
-        fn = saved[name] = getattr(lm, name)
-        setattr(lm, name, lambda *a, _fn=fn, _n=name, **kw: (counts.update([_n]), _fn(*a, **kw))[1])
-    for name, mod in (("F", F), ("deltanet", lm.deltanet), ("moe", lm.moe)):
-        saved[name] = getattr(lm, name)
-        setattr(lm, name, _Counted(mod, name, counts))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(lm, name, fn)
-
-
 tiny_cfg = lynn_model.preset("tiny-qwen3.5-moe")
 demo_prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
 with lk.use_reference(), torch.no_grad():
@@ -715,7 +662,7 @@ print("  top_p = 0.5            ->", kept(temperature=1.0, top_p=0.5), "(the bes
 # %% [markdown]
 # ## 6. Profile on the H200
 #
-# `lynn bench decoder.qwen3.5-35b-a3b` and `decoder.qwen3-next-80b-a3b` (`lynn_kernels/bench/decoder.py`) run the
+# `lynn bench decoder.qwen3.5-35b-a3b` and `decoder.qwen3-next-80b-a3b` (`lynn_model/bench.py`) run the
 # whole decoder at the real sizes with random weights quantised to NVFP4 on the GPU (`loader.random_model`; the LM
 # head, routers and gates stay bf16), batch 1:
 #
@@ -741,6 +688,7 @@ print("  top_p = 0.5            ->", kept(temperature=1.0, top_p=0.5), "(the bes
 # %%
 # NBVAL_IGNORE_OUTPUT
 from lynn_kernels.bench import load
+from lynn_model.notebook import pick, print_profile   # a row of a committed result; its tables, printed
 
 SHAPES = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
 if torch.cuda.is_available():
@@ -756,75 +704,8 @@ for shape in SHAPES:
     except FileNotFoundError as e:
         print(e)
 
-
-def pick(doc, op, provider, batch=1, context=4096, tokens=2048):
-    """The row of ``provider`` at this batch, decode context and prefill length (rows of other contexts exist)."""
-    return next((r for r in doc["results"] if r["op"] == op and r["provider"] == provider
-                 and r["dims"].get("B", 1) == batch and r["dims"].get("context", context) == context
-                 and r["dims"].get("T", tokens) == tokens), None)
-
-
-def perf_rows(shape, doc):
-    read = doc["ceilings"]["read_gbps"]
-    out = []
-    for who, prov in (("ours NVFP4, eager", "lynn nvfp4 (eager)"),
-                      ("ours NVFP4, kernel time of the eager step", "lynn nvfp4 (kernel)"),
-                      ("ours NVFP4, CUDA graph", "lynn nvfp4 (graph)"),
-                      ("ours NVFP4, CUDA graph, plain launches", "lynn nvfp4 (graph, plain launches)"),
-                      ("ours NVFP4, CUDA graph, input projections fused", "lynn nvfp4 (graph, input projections fused)"),
-                      ("ours NVFP4, CUDA graph, input projections and GDN decode fused",
-                       "lynn nvfp4 (graph, input projections and GDN decode fused)"),
-                      ("ours NVFP4, generate() (graph)", "lynn nvfp4 generate() (graph)"),
-                      ("ours NVFP4, captured prefill", "lynn nvfp4 (prefill graph)"),
-                      ("ours, bf16 weights (cuBLAS), CUDA graph", "lynn bf16 weights, cuBLAS (graph)"),
-                      ("HF transformers bf16, eager", "HF transformers bf16 (eager)")):
-        pre, dec = pick(doc, "decoder.prefill", prov), pick(doc, "decoder.decode", prov)
-        if pre is None and dec is None:
-            continue
-        out.append({"model": shape, "provider": who,
-                    "prefill ms": f"{pre['median_ms']:.1f}" if pre else None,
-                    "prefill tok/s": f"{pre['dims']['T'] / pre['median_ms'] * 1e3:,.0f}" if pre else None,
-                    "decode ms/token": f"{dec['median_ms']:.2f}" if dec else None,
-                    "decode tok/s": f"{1e3 / dec['median_ms']:,.1f}" if dec else None,
-                    "GB/token": f"{dec['bytes'] / 1e9:.2f}" if dec else None,
-                    "of read BW": f"{dec['frac_of_ceiling']:.1%}" if dec else None})
-    ours = pick(doc, "decoder.decode", "lynn nvfp4 (eager)")
-    out.append({"model": shape, "provider": "read-bandwidth bound (our bytes)",
-                "decode ms/token": f"{ours['bytes'] / read / 1e6:.2f}",
-                "decode tok/s": f"{read * 1e9 / ours['bytes']:,.0f}", "GB/token": f"{ours['bytes'] / 1e9:.2f}",
-                "of read BW": "100%"})
-    return out
-
-
 for shape, doc in BENCH.items():
-    p, c, info = doc["provenance"], doc["ceilings"], doc["info"][shape]
-    print(f"\n== {doc['op']} on {p['gpu']}, {p['date']}, git {p['git_sha']}, torch {p['torch']}, "
-          f"triton {p['triton']}, CUDA {p['cuda']}; `{p['command']}`")
-    print(f"read {c['read_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s; weights "
-          f"{info['weights_gb']:.1f} GB (peak {info['peak_gb']:.1f} GB with the cache), built in "
-          f"{info['build_s']:.0f} s; prefill of 2,048 tokens, decode at a 4,096-token context, batch 1")
-    v = pick(doc, "decoder.decode", "lynn nvfp4 (eager)")["validation"]
-    print(f"validated before timing: kernels vs references, cosine {v['cosine']:.6f} over the first 4 layers, "
-          f"{v['full_depth_cosine']:.6f} over all layers")
-    print(render_table(perf_rows(shape, doc)))
-    b8 = pick(doc, "decoder.decode", "lynn nvfp4 (graph)", batch=8)
-    if b8:
-        print(f"batch 8, CUDA graph: {b8['median_ms']:.2f} ms per step, {8e3 / b8['median_ms']:,.0f} tok/s "
-              f"aggregate")
-    for key, form in (("census", "batch 1, as loaded"), ("census_fused", "batch 1, input projections and GDN decode "
-                      "fused"), ("census_b8", "batch 8, as loaded")):
-        census = info.get(key)
-        if not census or "error" in census:
-            continue
-        parts = [{"part": k, "operations": v["kernels"], "us each": f"{v['us']:.1f}", "times per step": v["per_step"],
-                  "us per step": f"{v['us'] * v['per_step']:,.0f}"} for k, v in census.items()
-                 if k not in ("per_step", "whole_step")]
-        print(f"\nlaunch census, one decode step, {form}: {census['whole_step']['kernels']} GPU operations, "
-              f"{census['whole_step']['us']:,.0f} us profiled as a whole")
-        print(render_table(parts))
-        for k, v in census.items():                 # each kernel's time, where the run recorded it
-            if len(v.get("detail", ())) > 1 and v.get("per_step"):
-                print(f"  {k}: " + ", ".join(f"{name.replace('void ', '')[:32]} {us:.1f}" for name, us in v["detail"]))
+    print_profile(shape, doc)            # provenance, a table per provider, batch 8, the launch censuses
 
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
@@ -1072,9 +953,18 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # ## What's next
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
-# H200), and on a GPU its decode step is a CUDA graph (350 tok/s at batch 1 on Qwen3.5-35B-A3B, 404 with the input
-# projections fused; 277 and 313 on Qwen3-Next-80B-A3B). Both needed a workaround for a
-# Triton 3.6 compiler fault on Hopper (`docs/performance.md`). Next: fewer launches (the norm in the next
-# projection, the Gated DeltaNet decode chain, the router's top-k) and the bytes: the expert and projection GEMVs
-# at their byte roofline. `docs/decoder.md` has the model's math and
-# dtypes, the loader's rules and what is not supported yet; `docs/performance.md` the full benchmark record.
+# H200). On a GPU its decode step is a CUDA graph; in the committed run of section 6, at batch 1 and a 4,096-token
+# context, Qwen3.5-35B-A3B decodes 382 tok/s as loaded and 481 tok/s with each mixer's input projections in one
+# GEMV and each Gated DeltaNet decode step in one kernel (as `lynn generate` runs it on a GPU), Qwen3-Next-80B-A3B
+# 277 and 313 (input projections fused); the bytes of a step allow 1,527 and 1,441 tok/s at the measured read
+# bandwidth. The Triton 3.6 compiler fault on Hopper is worked around (`docs/performance.md`).
+#
+# Of the fusions this notebook once listed as next, two are in (the input projections, the Gated DeltaNet decode
+# chain) and one was measured and left off: folding each norm into the next kernel (`Model.fuse_norms`: the
+# projection's prologue and the router's) saved its launches but slowed the kernels it entered, within noise at
+# batch 1 (-1.1% and +2.2% in two runs) and slower at batch 8, so it stays off, with its tests
+# (`docs/performance.md`, the norms folded). Not tried yet, in the order of the time they could win
+# (`docs/performance.md`): a persistent kernel that runs a layer's kernels back to back with its weights streamed
+# ahead; the expert kernels grouped by expert at batch 8; the norm's statistic produced by the kernel that writes
+# the residual. `docs/decoder.md` has the model's math and dtypes, the loader's rules and what is not supported
+# yet; `docs/performance.md` the benchmark record.
