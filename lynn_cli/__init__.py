@@ -3,7 +3,7 @@ neither imports it).
 
 * ``lynn check [NAME ...]``    validate every kernel (or the families / ops named) against its reference here;
 * ``lynn bench [OP ...]``      run the GPU benchmarks and write JSON under data/bench/<gpu>/;
-* ``lynn lab``                 open JupyterLab on notebooks/;
+* ``lynn lab``                 open JupyterLab on notebooks/00-start-here.ipynb (other options go to jupyter lab);
 * ``lynn info``                what this process runs on;
 * ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md);
 * ``lynn generate [PROMPT]``   stream a continuation from the demo model, or ``--model DIR`` (docs/decoder.md).
