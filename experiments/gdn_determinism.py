@@ -30,7 +30,8 @@ import torch
 import lynn_kernels
 import lynn_model
 from lynn_kernels import deltanet
-from lynn_kernels.matmul.triton_matmul import _counters, launch_gemm
+from lynn_kernels.matmul.triton_matmul import launch_gemm
+from lynn_kernels.triton_shared import _counters
 from lynn_model.cache import Batch
 from lynn_model.loader import random_model
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from lynn_kernels import quantize, runtime
 from lynn_kernels.matmul import nvfp4_linear, reference
+from lynn_kernels import triton_shared as ts
 from lynn_kernels.matmul import triton_matmul as tm
 from lynn_kernels.runtime import cast_output, to_float32
 from lynn_kernels.validate import compare
@@ -56,8 +57,8 @@ def _gemm_textbook_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, s
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w, s = tm._load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
-        wt = tm._scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)                      # [BLOCK_N, BLOCK_K]
+        w, s = ts._load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
+        wt = ts._scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)                      # [BLOCK_N, BLOCK_K]
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0)
         x = to_float32(x, X_DTYPE, INTERPRET).to(DOT_DTYPE)                        # [BLOCK_M, BLOCK_K]

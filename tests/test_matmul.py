@@ -22,13 +22,14 @@ import triton.language as tl
 from torch import nn
 
 import lynn_kernels
+from lynn_kernels import triton_shared
 from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_linear, quantize_linears,
                                  reference)
 from lynn_kernels.matmul import PackedNVFP4, pack, packed, triton_matmul, unpack
-from lynn_kernels.matmul.triton_matmul import _counters, launch_gemm, launch_gemv, launch_packed_gemv, split_k_for
-from lynn_kernels.matmul.triton_packed import packed_w_tile
+from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv, launch_packed_gemv
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
+from lynn_kernels.triton_shared import _counters, packed_w_tile, split_k_for
 from lynn_kernels.validate import bit_mismatches, compare
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -262,7 +263,7 @@ def test_split_k_for_never_leaves_an_empty_slice():
                     chunks = -(-k // block_k)
                     split = split_k_for(tiles, k, block_k, sms)
                     case = f"tiles={tiles} K={k} BLOCK_K={block_k} sms={sms}: split {split}, {chunks} chunks"
-                    assert 1 <= split <= min(chunks, triton_matmul.MAX_SPLIT_K), case
+                    assert 1 <= split <= min(chunks, triton_shared.MAX_SPLIT_K), case
                     per = -(-chunks // split)
                     assert (split - 1) * per < chunks, f"the last slice is empty; {case}"
                     if tiles >= 2 * sms:
@@ -1130,14 +1131,14 @@ def test_split_k_tickets_are_fixed_per_stream(make_weight, make_nvfp4, device, p
     y = torch.empty(3, 37, dtype=BF16, device=device)
     launch_gemv(x, w, None, y, config=GEMV_CONFIG, split_k=3)
     before = {k: v.data_ptr() for k, v in _counters.items()}
-    triton_matmul.split_k_counter(device, 5000)   # more tickets than any earlier call: the old buffer was replaced
+    triton_shared.split_k_counter(device, 5000)   # more tickets than any earlier call: the old buffer was replaced
     big = make_nvfp4(257, 48, seed=3)
     launch_gemm(make_weight((40, 48), BF16, seed=4), big, None, torch.empty(40, 257, dtype=BF16, device=device))
     assert {k: v.data_ptr() for k, v in _counters.items() if k in before} == before
-    assert all(v.numel() == triton_matmul.COUNTER_SLOTS for v in _counters.values())
+    assert all(v.numel() == triton_shared.COUNTER_SLOTS for v in _counters.values())
     assert_counters_zeroed()
     with pytest.raises(ValueError, match="split-K over"):
-        triton_matmul.split_k_counter(device, triton_matmul.COUNTER_SLOTS + 1)
+        triton_shared.split_k_counter(device, triton_shared.COUNTER_SLOTS + 1)
 
 
 @pytest.mark.gpu

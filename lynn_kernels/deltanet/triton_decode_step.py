@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..matmul.triton_matmul import COUNTER_SLOTS, split_k_counter
 from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
+from ..triton_shared import COUNTER_SLOTS, split_k_counter
 from . import spec
 from .spec import TL_L2NORM_EPS as _EPS
 from .triton_conv import conv_finish, conv_state_sum
@@ -223,7 +223,7 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
     projections run in the kernel. ``states_early``: the kernel's ``STATE_EARLY`` under PDL (the caller's promise,
     :func:`lynn_kernels.deltanet.gated_delta_decode`). The tickets of shared
     key heads use the matmul's zeroed per-stream buffer (one stream at a time), one per sequence and key head: at
-    most :data:`~lynn_kernels.matmul.triton_matmul.COUNTER_SLOTS` of them."""
+    most :data:`~lynn_kernels.triton_shared.COUNTER_SLOTS` of them."""
     B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
     if B == 0:
         return out

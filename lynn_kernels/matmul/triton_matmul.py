@@ -3,7 +3,7 @@
 Both kernels compute the transposed product ``y^T [N, M] = W [N, K] @ x^T [K, M]``, so the weight, decoded in
 registers, is the first ``tl.dot`` operand (Hopper's wgmma can take that one straight from registers) and the small
 activation tile is the second (docs/matmul.md derives the decode, its exactness and the split-K reduce; what
-follows is the map of this file). Each weight tile is decoded the same way (:func:`_load_w_tile`):
+follows is the map of this file). Each weight tile is decoded the same way (:func:`~lynn_kernels.triton_shared.w_tile`):
 
 * a byte holds two E2M1 codes; each nibble's 3 magnitude bits dropped into an fp16 exponent/mantissa (and its sign
   bit into the fp16 sign) give the exact value times ``2^-14`` (subnormals included), one integer op chain per
@@ -12,7 +12,7 @@ follows is the map of this file). Each weight tile is decoded the same way (:fun
   exact (6 significant bits), so the weight tile in bf16 equals ``e2m1 * scale`` exactly;
 * the global scale multiplies the fp32 accumulator once per output, in the epilogue.
 
-On the GPU with bf16 activations the decode is packed (:func:`_e2m1_bf16x2_scaled`, inline PTX, two elements per
+On the GPU with bf16 activations the decode is packed (``_e2m1_bf16x2_scaled``, inline PTX, two elements per
 instruction); elsewhere (fp16 / fp32 activations, the interpreter) it is the portable integer decode above.
 
 ``_nvfp4_gemv_kernel`` (M <= 16, decode) streams the weight once: one program per ``BLOCK_N`` rows and K slice
@@ -25,13 +25,10 @@ last one adds the partials in split order and writes ``y``; it also resets the c
 stream serves every call, fixed in size and never replaced (a CUDA graph keeps the buffer it captured). The partial
 sums go to a workspace allocated per call (from the graph's pool inside a capture).
 
-Public helpers, shared with the MoE family (``lynn_kernels.moe``); the other helpers here are private to matmul:
-
-* :func:`w_tile` / :func:`w_halves` (Triton): an NVFP4 weight tile decoded in registers, as one ``tl.dot`` operand
-  or as its even / odd columns for FMA loops (the expert kernels of :mod:`lynn_kernels.moe.triton_experts`);
-* :func:`kernel_constexprs` (host): the dtype / decode constexprs of a launch (the expert and router kernels);
-* :func:`split_k_counter` (host) and :func:`split_k_for`: the per-stream ticket buffer of the deterministic
-  split-K reduce and the split count (the router kernel of :mod:`lynn_kernels.moe.triton_route`).
+The weight-tile decode (:func:`~lynn_kernels.triton_shared.w_tile`), the split-K tickets
+(:func:`~lynn_kernels.triton_shared.split_k_counter`, :func:`~lynn_kernels.triton_shared.split_k_for`) and the launch
+constexprs (:func:`~lynn_kernels.triton_shared.kernel_constexprs`) are shared with the MoE and Gated DeltaNet kernels,
+so they live in :mod:`lynn_kernels.triton_shared`; every helper here is private to matmul.
 """
 
 from __future__ import annotations
@@ -44,154 +41,15 @@ import triton.language as tl
 
 from .. import runtime
 from ..nvfp4 import NVFP4Tensor
-from ..nvfp4.triton_quant import e4m3_decode
 from ..runtime import cast_output, kernel_view, to_float32
+from ..triton_shared import MMA_UNIT, kernel_constexprs, packed_w_tile, split_k_counter, split_k_for, w_tile
 from .packed import CHUNK, PackedNVFP4
 from .spec import GEMV_MAX_M, check_linear_args
-from .triton_packed import MMA_UNIT, packed_gemv_kernel, packed_w_tile
+from .triton_packed import packed_gemv_kernel
 
-MAX_SPLIT_K = 16
 
 # ---------------------------------------------------------------------------------------------------------------
-# shared device helpers
-
-
-@triton.jit
-def _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K: tl.constexpr):
-    """The raw bytes of W[offs_n, k0:k0+BLOCK_K]: codes (uint8 [BLOCK_N, BLOCK_K/2], two E2M1 nibbles each, the even
-    element in the low nibble) and block scales (E4M3 bits, uint8 [BLOCK_N, BLOCK_K/16])."""
-    offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    c = tl.load(codes_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + offs_c[None, :],
-                mask=mask_n[:, None] & (offs_c[None, :] < K // 2), other=0)
-    s = tl.load(scales_ptr + offs_n[:, None].to(tl.int64) * (K // 16) + offs_s[None, :],
-                mask=mask_n[:, None] & (offs_s[None, :] < K // 16), other=0)
-    return c, s
-
-
-@triton.jit
-def _decode_nibbles(c, s, INTERPRET: tl.constexpr):
-    """Code and scale bytes of :func:`_load_codes` -> (even, odd) E2M1 values * 2^-14 (fp32 [BLOCK_N, BLOCK_K/2]) and
-    the block scales * 2^14 (fp32 [BLOCK_N, BLOCK_K/16]): any backend."""
-    if INTERPRET:
-        s = e4m3_decode(s)
-    else:
-        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)                        # hardware E4M3 convert
-    c16 = c.to(tl.uint16)
-    even = (((c16 & 0x7) << 9) | ((c16 & 0x8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
-    odd = (((c16 & 0x70) << 5) | ((c16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    return even, odd, s * 16384.0
-
-
-@triton.jit
-def _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """W[offs_n, k0:k0+BLOCK_K] as (E2M1 values * 2^-14 [BLOCK_N, BLOCK_K], block scales * 2^14 [BLOCK_N, BLOCK_K/16])."""
-    c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
-    even, odd, s = _decode_nibbles(c, s, INTERPRET)
-    return tl.interleave(even, odd), s
-
-
-@triton.jit
-def _scaled(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Apply the block scales to a decoded tile: exact, ``e2m1 * scale`` has at most 6 significant bits."""
-    w = tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * s[:, :, None]
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _e2m1_bf16x2_scaled(c, s):
-    """GPU only: code bytes ``c`` (uint8) and a bf16 scale per byte ``s`` (``scale * 2^119``) -> (even, odd) bf16
-    tiles equal to ``e2m1 * scale * 2^-7``, exactly, two elements per 32-bit instruction.
-
-    Each nibble's magnitude bits land on bf16 bits 6..8 (the low exponent bits and the top mantissa bit), its sign
-    on bit 15: that bf16 is ``e2m1 * 2^-126`` (a subnormal for 0 and 0.5); one ``mul.bf16x2`` by the pre-scaled
-    block scale makes it ``e2m1 * scale * 2^-7``, normal and exact. The epilogue multiplies by ``2^7``.
-    """
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t01, t23, a, b;
-        prmt.b32 t01, $4, 0, 0x4140;
-        prmt.b32 t23, $4, 0, 0x4342;
-        shl.b32 a, t01, 6;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t01, 12;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        mul.rn.bf16x2 $0, a, $5;
-        shl.b32 a, t23, 6;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t23, 12;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        mul.rn.bf16x2 $1, a, $6;
-        shl.b32 a, t01, 2;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t01, 8;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        mul.rn.bf16x2 $2, a, $5;
-        shl.b32 a, t23, 2;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t23, 8;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        mul.rn.bf16x2 $3, a, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[c, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           DOT_DTYPE: tl.constexpr, PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
-           PACKED_LAYOUT: tl.constexpr = False, ACC_UNIT: tl.constexpr = 1.0):
-    """The scaled weight tile [BLOCK_N, BLOCK_K] in ``DOT_DTYPE`` for ``tl.dot``: ``e2m1 * scale`` exactly, times
-    ``2^-7`` with ``PACKED_DECODE`` (bf16 on the GPU, see :func:`_e2m1_bf16x2_scaled`), times ``2^-19`` from the
-    packed layout (``PACKED_LAYOUT``: ``codes_ptr`` / ``scales_ptr`` are a PackedNVFP4's words and scales).
-
-    Rows ``offs_n`` (masked by ``mask_n``) and columns ``k0 .. k0 + BLOCK_K`` of an ``[N, K]`` NVFP4 weight, read
-    from its code and E4M3 scale bytes; the global scale is left to the caller's epilogue (``ACC_UNIT`` says which
-    power of two to undo). Public: the GEMV and GEMM kernels here and the MoE expert kernels
-    (:mod:`lynn_kernels.moe.triton_experts`, with the flags of :func:`kernel_constexprs`) call it."""
-    if PACKED_LAYOUT:
-        return packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, tl.cdiv(K, 128) * 16, BLOCK_N,
-                             BLOCK_K, DOT_DTYPE, PACKED_DECODE, ACC_UNIT == 1.0)
-    elif PACKED_DECODE:
-        c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)          # [BLOCK_N, BLOCK_K/2]
-        even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
-        return tl.interleave(even, odd)
-    else:
-        w, s = _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, INTERPRET)
-        return _scaled(w, s, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
-
-
-@triton.jit
-def _per_byte_scales(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """GPU: E4M3 scale bytes [BLOCK_N, BLOCK_K/16] -> bf16 ``scale * 2^119`` per code byte [BLOCK_N, BLOCK_K/2], the
-    operand of :func:`_e2m1_bf16x2_scaled`."""
-    s = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)  # * 2^119
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
-
-
-@triton.jit
-def w_halves(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PACKED_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
-    """The scaled weight tile split into its even and odd columns, fp32 ``[BLOCK_N, BLOCK_K/2]`` each:
-    ``W[n, k0 + 2i]`` and ``W[n, k0 + 2i + 1]`` (times ``2^-7`` with ``PACKED_DECODE``), exact. For consumers that
-    multiply on the FMA units rather than ``tl.dot``: the two nibbles of a byte stay in the thread that loaded it, with
-    no interleave and no change of layout. Public: the MoE decode kernels (:mod:`lynn_kernels.moe.triton_experts`)
-    call it; the arguments are :func:`w_tile`'s (checkpoint layout only)."""
-    c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
-    if PACKED_DECODE:
-        even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))
-        return even.to(tl.float32), odd.to(tl.float32)
-    else:
-        even, odd, s = _decode_nibbles(c, s, INTERPRET)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
-        return even * s, odd * s
+# the split-K epilogue
 
 
 @triton.jit
@@ -356,8 +214,6 @@ def _nvfp4_gemm_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # host side
 
-_counters: dict = {}
-
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
@@ -378,44 +234,6 @@ def _gemm_split(meta, m: int, n: int, k: int, sms: int) -> int:
     return split_k_for(tiles, k, meta["BLOCK_K"], sms) if tiles < sms else 1
 
 
-def split_k_for(tiles: int, k: int, block_k: int, sms: int) -> int:
-    """K slices per output tile: enough programs for about two per SM, each slice at least one BLOCK_K chunk, and
-    no empty slice (the split is rounded so every slice gets ``ceil(chunks / split)`` chunks but the last)."""
-    chunks = runtime.cdiv(k, block_k)
-    split = max(1, min(runtime.cdiv(2 * sms, tiles), chunks, MAX_SPLIT_K))
-    return runtime.cdiv(chunks, runtime.cdiv(chunks, split))
-
-
-#: Split-K tickets per (device, stream): split-K only runs when the output tiles cannot fill the GPU (fewer than
-#: two per SM for the GEMV, one per SM for any GEMM config, so at most ~32 x the SM count when counted in the GEMM's
-#: smallest tile), so one fixed buffer serves every call and is never replaced: a CUDA graph captured earlier keeps
-#: replaying its atomics on the buffer it captured.
-COUNTER_SLOTS = 8192
-
-
-def split_k_counter(device: torch.device, n: int) -> torch.Tensor:
-    """The zeroed int32 ticket buffer of the current stream on ``device`` (kernels leave it zeroed again); each
-    stream has its own, so two streams never share tickets. ``n`` is the number of output tiles of a split-K
-    call, 0 for a call without split.
-
-    Public: the GEMV / GEMM launches here and the MoE router kernel
-    (:func:`lynn_kernels.moe.triton_route.launch_router`, whose last program to take a ticket adds the partial
-    logits) share these buffers."""
-    if n == 0:                  # no split: the kernel never touches the tickets, any buffer of the device will do
-        stream = None
-    elif n > COUNTER_SLOTS:
-        raise ValueError(f"split-K over {n} output tiles needs more than the {COUNTER_SLOTS} tickets kept per stream; "
-                         f"split-K is for shapes whose tiles cannot fill the GPU (pass split_k=None)")
-    else:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _counters.get(key)
-    if buf is None:
-        buf = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf
-
-
 def _prepare(x: torch.Tensor, w, bias):
     check_linear_args(x, w, bias)                            # x, w and bias on one device
     runtime.check_device("x", x)
@@ -434,32 +252,6 @@ def _weight_args(w) -> tuple:
     if isinstance(w, PackedNVFP4):
         return w.words, w.scales, w.global_scale
     return w.codes, w.scales.view(torch.uint8), w.global_scale
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: bool = False) -> dict:
-    """Constexprs shared by both kernels (cached: this runs on every call). The dot runs in x's dtype on the GPU
-    (the weight tile is exact in bf16 and fp16), in fp32 for fp32 x (IEEE, not TF32) and always in fp32 under the
-    interpreter.
-
-    Returns ``HAS_BIAS``, ``X_DTYPE``, ``BIAS_DTYPE``, ``OUT_DTYPE``, ``DOT_DTYPE``, ``PRECISION``, ``PACKED_DECODE``
-    (the bf16x2 decode: bf16 x on the GPU), ``PACKED_LAYOUT``, ``ACC_UNIT`` and the runtime's kernel flags
-    (``INTERPRET``). Public: the MoE expert and router kernels take their dot dtype and decode flags from it, so
-    that they decode weights exactly as the matmul does."""
-    fp32_dot = interpret or x_dtype == torch.float32
-    return dict(
-        HAS_BIAS=bias_dtype is not None, X_DTYPE=runtime.TORCH_TO_TL[x_dtype],
-        BIAS_DTYPE=tl.float32 if bias_dtype is None else runtime.TORCH_TO_TL[bias_dtype],
-        OUT_DTYPE=runtime.TORCH_TO_TL[y_dtype],
-        DOT_DTYPE=tl.float32 if fp32_dot else runtime.TORCH_TO_TL[x_dtype],
-        PRECISION="ieee" if fp32_dot else "tf32",
-        PACKED_DECODE=not interpret and x_dtype == torch.bfloat16, PACKED_LAYOUT=packed,
-        # the power of two the epilogue undoes: 2^-7 of the packed decode, 2^-19 of a packed-layout tile (an fp16
-        # tile is e2m1 * s itself: fp16's range is narrower)
-        ACC_UNIT=(1.0 if not fp32_dot and x_dtype == torch.float16 else MMA_UNIT.value) if packed
-        else (128.0 if not interpret and x_dtype == torch.bfloat16 else 1.0),
-        **runtime.kernel_flags(),
-    )
 
 
 def _check_packed_block_k(w, meta: dict) -> None:

@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..matmul.triton_matmul import kernel_constexprs, split_k_counter, split_k_for
-from ..norm.triton_rmsnorm import normed_at, norm_row
 from ..runtime import kernel_view, pdl_enter, round_to_dtype, to_float32
+from ..triton_shared import kernel_constexprs, norm_row, normed_at, split_k_counter, split_k_for
 from . import spec
 
 #: Largest expert count the kernel holds in registers (Qwen3-Next has 512).
@@ -141,7 +140,7 @@ def _router_kernel(
     routing, ``weights[t, TOP_K]``, its id ``ids[t, TOP_K] = E`` (the shared expert as the stack's expert ``E``;
     the routing's rows are then ``TOP_K + 1`` long).
 
-    ``NORM`` folds the block's RMSNorm in front (as the FMA GEMV does, :func:`~lynn_kernels.norm.triton_rmsnorm.norm_row`):
+    ``NORM`` folds the block's RMSNorm in front (as the FMA GEMV does, :func:`~lynn_kernels.triton_shared.norm_row`):
     x is ``rmsnorm(x + r) * (1 + nw)`` (2) or ``rmsnorm(x) * (1 + nw)`` (1); every program computes the rows'
     ``rstd`` and normalises the x tiles it loads, and program ``(0, 0)`` writes the normed rows to ``xo`` and
     ``x + r`` to ``ho``, which the expert kernels after it read.

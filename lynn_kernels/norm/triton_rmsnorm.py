@@ -13,64 +13,10 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..runtime import cast_output, kernel_view, pdl_enter, round_to_dtype, to_float32
+from ..runtime import cast_output, kernel_view, pdl_enter, to_float32
+from ..triton_shared import residual_rows, row_rstd
 from . import spec
 from .spec import MAX_D
-
-
-@triton.jit
-def residual_rows(x_ptr, r_ptr, offs, mask, X_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """``h = x`` or ``h = x + r`` at the offsets ``offs`` (both tensors addressed alike), as fp32 holding values
-    of x's dtype: torch's add in that dtype, the exact sum rounded once."""
-    h = to_float32(tl.load(x_ptr + offs, mask=mask, other=0), X_DTYPE, INTERPRET)
-    if HAS_RESIDUAL:
-        r = to_float32(tl.load(r_ptr + offs, mask=mask, other=0), X_DTYPE, INTERPRET)
-        h = round_to_dtype(h + r, X_DTYPE, INTERPRET)
-    return h
-
-
-@triton.jit
-def row_rstd(h, D, eps):
-    """``1 / sqrt(mean(h^2) + eps)`` of each row of ``h [BLOCK_R, BLOCK_D]`` (zeros past ``D``), fp32 ``[BLOCK_R]``:
-    IEEE square root and division, the sum of squares in one reduction over the row."""
-    ss = tl.sum(h * h, axis=1)
-    zero = tl.zeros_like(ss)
-    return tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(ss, zero + D) + eps))
-
-
-@triton.jit
-def norm_row(x_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, m, M, D, eps, stride_xm, stride_rm, stride_om, write,
-             NORM: tl.constexpr, NORM_D: tl.constexpr, X_DTYPE: tl.constexpr, NW_DTYPE: tl.constexpr,
-             INTERPRET: tl.constexpr):
-    """The norm prologue of a kernel whose input is ``rmsnorm(x + r) * (1 + w)`` (``NORM == 2``; ``NORM == 1``:
-    ``rmsnorm(x)``), for row ``m`` (zeros past ``M``; ``D`` contiguous values a row): the row's ``rstd`` (fp32
-    scalar), computed as :func:`_rmsnorm_kernel` computes it (one ``[1, NORM_D]`` reduction). With ``write`` (one
-    program of the grid) it also stores the normed row to ``xo`` and, with a residual, ``h = x + r`` to ``ho``
-    (row stride ``stride_om``): what the norm kernel would have written, for the kernels after."""
-    offs = tl.arange(0, NORM_D)[None, :]
-    mask = (offs < D) & (m < M)
-    mm = tl.full((), m, tl.int64)
-    h = residual_rows(x_ptr + mm * stride_xm, r_ptr + mm * stride_rm, offs, mask, X_DTYPE, NORM == 2, INTERPRET)
-    rstd = row_rstd(h, D, eps)                                                          # [1]
-    if write:
-        w1 = 1.0 + to_float32(tl.load(nw_ptr + offs, mask=offs < D, other=0), NW_DTYPE, INTERPRET)
-        tl.store(xo_ptr + mm * stride_om + offs, cast_output((h * rstd[:, None]) * w1, X_DTYPE, INTERPRET),
-                 mask=mask)
-        if NORM == 2:
-            tl.store(ho_ptr + mm * stride_om + offs, cast_output(h, X_DTYPE, INTERPRET), mask=mask)
-    return tl.sum(rstd, axis=0)
-
-
-@triton.jit
-def normed_at(x_ptr, r_ptr, nw_ptr, cols, rstd, mask, HAS_RESIDUAL: tl.constexpr, X_DTYPE: tl.constexpr,
-              NW_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """The normed input at columns ``cols`` (``x_ptr`` / ``r_ptr``: the rows' starts, broadcasting with ``cols``;
-    ``rstd`` from :func:`norm_row`, broadcasting likewise) in x's dtype, as a load of it returns it (raw bits under
-    the interpreter): the values :func:`_rmsnorm_kernel` would have stored there."""
-    h = residual_rows(x_ptr, r_ptr, cols, mask, X_DTYPE, HAS_RESIDUAL, INTERPRET)
-    w1 = 1.0 + to_float32(tl.load(nw_ptr + cols, mask=mask, other=0), NW_DTYPE, INTERPRET)
-    return cast_output((h * rstd) * w1, X_DTYPE, INTERPRET)
 
 
 @triton.jit

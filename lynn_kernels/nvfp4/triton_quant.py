@@ -4,11 +4,8 @@ Both are streaming kernels: one tile of rows x K columns per program, no reuse, 
 Scales are read and written as raw E4M3 bits and rounded with integer arithmetic, so the result does not depend on
 how a backend casts to fp8 (the interpreter drops the mantissa carry).
 
-Public Triton helper, shared with other families:
-
-* :func:`e4m3_decode`: an 8-bit E4M3FN scale code -> its fp32 value, in integer arithmetic (the dequantise kernel
-  here, and the matmul family's weight decode, :mod:`lynn_kernels.matmul.triton_matmul`, which the MoE experts
-  reuse).
+The E4M3 decode the dequantise kernel uses (``e4m3_decode``) is shared with the matmul and MoE weight decode, so it
+lives in :mod:`lynn_kernels.triton_shared`.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..runtime import cast_output, div_rn_by, kernel_view, min_nan_to_bound, round_to_bf16, to_float32
+from ..triton_shared import e4m3_decode
 from .spec import BLOCK, check_out_dtype, check_recipe, check_weight, recipe_globals, reciprocal
 from .tensor import NVFP4Tensor
 
@@ -43,24 +41,6 @@ def _e4m3_round(s):
     value = tl.where(is_normal, rb.to(tl.float32, bitcast=True), code_s.to(tl.float32) * 0.001953125)
     code = tl.where(is_normal, code_n, code_s)
     return value, code.to(tl.uint8)
-
-
-@triton.jit
-def e4m3_decode(code):
-    """8-bit E4M3FN code (any integer tile) -> fp32 value of the same shape (0x7F / 0xFF -> NaN, 0x80 -> -0.0).
-
-    Integer arithmetic only (exponent and mantissa moved into fp32 bits; subnormals ``m * 2^-9``), so the result
-    does not depend on a backend's fp8 cast. Used by :func:`launch_dequantize`'s kernel and by the matmul family's
-    weight-tile decode (``lynn_kernels.matmul.triton_matmul``: the GEMV / GEMM and, through :func:`w_tile
-    <lynn_kernels.matmul.triton_matmul.w_tile>`, the MoE experts)."""
-    c = code.to(tl.uint32)
-    e = (c >> 3) & 0xF
-    m = c & 7
-    normal = ((e + 120) << 23) | (m << 20)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
-    mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
-    # sign by bits, not negation: the GPU compiles -x as 0 - x, which turns 0x80 (-0.0) into +0.0
-    return (mag.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
