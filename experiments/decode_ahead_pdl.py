@@ -18,7 +18,7 @@ Writes ``$OUT/decode_ahead_pdl.json`` (rewritten after every part) and prints ta
     PYTHONPATH=. python3 experiments/decode_ahead_pdl.py
 
 Run once, at git 5e06e96 (``data/experiments/decode-ahead-pdl/5e06e96.json``). Two steps ahead lost on 20 of 22
-cells (docs/performance.md), and the ``AHEAD`` option was taken out of the kernels after it: parts 1, 2 and 4 run
+cells (docs/history/matmul.md), and the ``AHEAD`` option was taken out of the kernels after it: parts 1, 2 and 4 run
 at that commit (``git checkout 5e06e96``), part 3 on any.
 """
 

@@ -1,9 +1,9 @@
-"""A prototype, measured and rejected (docs/performance.md, "The prefill's host time"): kernel launches with
+"""A prototype, measured and rejected (docs/history/prefill.md, "The prefill's host time"): kernel launches with
 Triton's per-call bookkeeping done once per specialisation. Not part of the package; ``experiments/launch_cost.py``
 installs it to time it against Triton's own path.
 
 ``kernel[grid](...)`` on a compiled Triton (3.6 on the H200's host) spent 35-130 us of host time a call before the
-GPU sees anything (``experiments/prefill_host.py``, docs/performance.md): it reads its knobs from the environment,
+GPU sees anything (``experiments/prefill_host.py``, docs/history/prefill.md): it reads its knobs from the environment,
 binds and specialises every argument, builds a string key for its kernel cache, checks the globals the kernel used,
 and builds launch metadata for profiler hooks. A decode step replayed from a CUDA graph never pays this, but an
 eager prefill launches ~800 kernels, and at 2,048 tokens the host took longer than the GPU.

@@ -13,8 +13,8 @@ mixers at 80 tokens gave a different output in one of five runs (max difference 
 
 Outcome (H200, Triton 3.6): at 28ed237 only the packed GEMMs differed (``in_proj_qkv`` and ``in_proj_z`` once in 39
 runs each, up to 1.5e31), never with split-K off, and no run left tickets; ``split_k_race.py`` then showed the
-split-K reduce innocent and the cause a compiler fault (docs/performance.md, a compiler fault). At 88f5896, with
-the fix, no op differed in 19 runs (``data/experiments/gdn-determinism/*.txt``).
+split-K reduce innocent and the cause a compiler fault (docs/history/compiler-fault.md, a compiler fault). At
+88f5896, with the fix, no op differed in 19 runs (``data/experiments/gdn-determinism/*.txt``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """H200: the host cost of one kernel launch, through Triton's own path and through the launch cache of
-``experiments/fastlaunch_proto.py`` (rejected: docs/performance.md, "The prefill's host time").
+``experiments/fastlaunch_proto.py`` (rejected: docs/history/prefill.md, "The prefill's host time").
 
 Times 2,000 back-to-back launches of a small kernel (the RMSNorm of one 2,048-wide row, ~2 us on the GPU, so the
 host sets the pace) four ways: the public op, our launch function alone, each with Triton's path and the fast path;

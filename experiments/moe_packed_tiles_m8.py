@@ -1,7 +1,7 @@
 """Experiment (GPU only): the packed MoE decode kernels' tiles at batch 8, where they were never swept.
 
 ``PACKED_UP_CONFIGS[1]`` / ``PACKED_DOWN_CONFIGS[1]`` (the tiles of M > 2) ship as copies of the M = 1 optimum. At
-batch 8 the MoE block is 60% of the Qwen3.5 decode step (docs/performance.md, the batch-8 census), so its two
+batch 8 the MoE block is 60% of the Qwen3.5 decode step (docs/history/decode.md, the batch-8 census), so its two
 kernels' tiles are swept here at M = 8 on the Qwen3.5 shape (256 experts, top 8, the shared expert as a slot): each
 tile of one kernel with the other at its shipped tile, by CUDA-graph replay of 8 distinct blocks in a row
 (``moe_packed_decode.py``'s harness), each validated against the fp32 reference (cosine) and repeated for

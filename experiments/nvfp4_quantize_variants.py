@@ -2,7 +2,7 @@
 
 Run on a GPU: ``python3 experiments/nvfp4_quantize_variants.py [--out DIR]``. Each variant is the
 shipped kernel with one change; timings are medians over the same 16384 x 16384 bf16 input. Only ``exact`` variants
-can replace the shipped kernel; the others bound what a stage costs. Results go to docs/performance.md.
+can replace the shipped kernel; the others bound what a stage costs. Results go to docs/history/nvfp4.md.
 """
 
 from __future__ import annotations

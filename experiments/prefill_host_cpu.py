@@ -1,7 +1,7 @@
 """CPU: the host's own cost of a prefill, with every Triton kernel launch stubbed out (no interpreter run).
 
 On the H200's host a 2,048-token prefill of the Qwen3.5 model spends more time in Python than its kernels take on
-the GPU (``prefill_host.py``, docs/performance.md). This runs the same model code on the CPU with the layer
+the GPU (``prefill_host.py``, docs/history/prefill.md). This runs the same model code on the CPU with the layer
 structure of a real preset (its 40 layers, 256 experts, top 8) but narrow widths, and with
 ``InterpretedFunction.run`` replaced by a counter, so what is left is our Python, torch's operations on small
 tensors and the launches' argument handling on our side: a proxy for the host's share that needs no GPU. Prints the

@@ -2,7 +2,7 @@
 memory-bound kernel: registers and spills (``ptxas -v``), shared memory, the SASS instruction mix, and whether the
 TTGIR stages a tile through shared memory (``local_alloc`` / ``local_load``).
 
-Used to design the packed GEMV variants of issue 13 off-line (docs/performance.md cites its figures). Run::
+Used to design the packed GEMV variants of issue 13 off-line (docs/history/matmul.md cites its figures). Run::
 
     python experiments/sm90_compile.py            # the packed GEMV at the decoder's shapes, M = 1..8
 

@@ -211,10 +211,10 @@ def register_dot_hazard(capability: tuple[int, int] | None, triton_version: str)
     decoded in registers) the PTX rules forbid writing those registers until a ``wgmma.wait_group`` has covered that
     wgmma. Triton 3.6's software pipeliner (``num_stages >= 2``) leaves up to seven of a loop's wgmmas in flight
     while the next iteration already decodes into their registers (triton-lang/triton#9433; with 8 warps the wait
-    also fails to cover the other warpgroup, #11047). Measured on the H200 with Triton 3.6 (docs/performance.md, a
-    compiler fault): the packed GEMM at M = 80, 4 warps, 3 stages gave 8 weight rows of garbage (near 1e31) in
-    0.4-0.7% of calls, and at M = 2048 with 8 warps and 3 stages 42% of the output on every call; with one stage,
-    none in 1,000 and 250 calls."""
+    also fails to cover the other warpgroup, #11047). Measured on the H200 with Triton 3.6
+    (docs/history/compiler-fault.md, a compiler fault): the packed GEMM at M = 80, 4 warps, 3 stages gave 8 weight
+    rows of garbage (near 1e31) in 0.4-0.7% of calls, and at M = 2048 with 8 warps and 3 stages 42% of the output
+    on every call; with one stage, none in 1,000 and 250 calls."""
     if capability is None:
         return False
     major_minor = tuple(int(p) for p in triton_version.split("+")[0].split(".")[:2])
@@ -234,9 +234,9 @@ def register_dot_stages(stages: int, requested: bool = False) -> int:
     :func:`register_dot_hazard_here` says this Triton would pipeline it unsafely. Called at launch time by the
     packed and checkpoint-layout GEMM (its autotune configs, in the pruner) and tensor-core GEMV, the MoE prefill
     expert kernels and the router. Attention and the Gated DeltaNet kernels keep their stages: their loops rescale
-    or consume the accumulator every step (docs/performance.md says what is and is not known). ``requested``: the
-    caller asked for ``stages`` (a ``config=`` override); overriding it then warns, so a sweep does not time one
-    stage under another's name."""
+    or consume the accumulator every step (docs/history/compiler-fault.md says what is and is not known).
+    ``requested``: the caller asked for ``stages`` (a ``config=`` override); overriding it then warns, so a sweep
+    does not time one stage under another's name."""
     if not register_dot_hazard_here() or stages <= 1:
         return stages
     if requested:
@@ -265,7 +265,7 @@ def programmatic_launches(enabled: bool = True):
     step, the router's first chunk); where the kernel ahead releases its dependents only after its own wait (so
     everything before *it* has finished), what those earlier kernels wrote: the packed MoE down kernel's routing
     (gate_up ahead of it), the fused Gated DeltaNet step's own states (its layer's projection ahead of it). The results are the same bits; what changes is the gap between kernels (about 0.4 us of
-    1.1 a boundary on the H200, docs/performance.md). Launches made by anything else (torch, cuBLAS) keep their
+    1.1 a boundary on the H200, docs/history/decode.md). Launches made by anything else (torch, cuBLAS) keep their
     full ordering. ``enabled=False`` undoes an outer one. :class:`lynn_model.graphs.DecodeStep` captures its step
     inside it."""
     token = _pdl.set(bool(enabled) and pdl_supported())

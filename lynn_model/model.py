@@ -86,7 +86,7 @@ class Norm(nn.Module):
 
 
 #: Decode steps of at most this many sequences fold their norms (``Model.fuse_norms``). On the H200 at the
-#: Qwen3.5-35B-A3B shape (git 270e91a, docs/performance.md) folding took the fused batch-1 step from 2.116 to 2.093
+#: Qwen3.5-35B-A3B shape (git 270e91a, docs/history/decode.md) folding took the fused batch-1 step from 2.116 to 2.093
 #: ms, and made batch 8 slower, 5.635 -> 5.855 ms: from three rows on the mixers' products are not the FMA GEMV's
 #: (their norms stay kernels) and the router's eight-row prologue costs more than the launch it saves. Once the
 #: router loaded its weights before the PDL wait (b62c4f6) folding lost at batch 1 too (2.053 -> 2.099 ms): off by
@@ -438,7 +438,7 @@ class Model(nn.Module):
         operations and roundings; its sums run over a wider tile, so on a GPU the result may differ from the
         three-kernel chain's in the last bit (docs/decoder.md); where the gates' weights are float, the kernel
         projects them itself (one launch fewer). Off by default (the loaded model runs the chain); ``lynn generate``
-        turns it on with the input projections on a GPU, where it measured faster (docs/performance.md)."""
+        turns it on with the input projections on a GPU, where it measured faster (docs/history/decode.md)."""
         n = 0
         for layer in self.layers:
             if layer.kind != "full_attention":
@@ -453,7 +453,7 @@ class Model(nn.Module):
         The same operations and roundings as the norm kernel (bit-equal under the interpreter; docs/decoder.md);
         returns how many norms can fold (two a layer; the final norm stays). Only steps of at most
         :data:`FOLD_NORMS_MAX_ROWS` sequences fold. Off by default: on the H200 it measured no faster than the norm
-        kernels under PDL (docs/performance.md, "The norms folded")."""
+        kernels under PDL (docs/history/decode.md, "The norms folded")."""
         self.fused_norms = bool(enabled)
         return 2 * len(self.layers) if enabled else 0
 

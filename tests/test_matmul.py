@@ -753,7 +753,7 @@ def test_gpu_split_k_gemm_repeats_bit_for_bit_under_memory_churn(n, k, make_weig
     bit-equal to the first and the tickets back at zero. Written for the fault the decoder benchmark found on the H200
     at 83e42ff (a Qwen3-Next mixer at 80 tokens differing in ~2% of calls). On the H200 with Triton 3.6 it failed at
     28ed237 (two of the three shapes: the register-operand wgmma hazard of runtime.register_dot_hazard) and
-    passed at 88f5896, where those kernels compile with one stage (docs/performance.md)."""
+    passed at 88f5896, where those kernels compile with one stage (docs/history/compiler-fault.md)."""
     m = 80
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     assert triton_matmul._max_split(m, n, k, sms) > 1, "this shape no longer splits K: the test tests nothing"
@@ -984,7 +984,7 @@ def test_packed_fma_gemv_programs_take_tiles_in_turn(n, k, programs, pdl, make_w
 
 
 def test_fma_config_takes_the_measured_tiles():
-    """fma_config's choices from the H200 sweeps (docs/performance.md): 32 x 64 for one x row on 8,192+ rows at
+    """fma_config's choices from the H200 sweeps (docs/history/matmul.md): 32 x 64 for one x row on 8,192+ rows at
     K = 2048 (the only K that tile was measured at), the rows-per-SM rule elsewhere; never a streaming grid or an
     early PDL release by default."""
     from lynn_kernels.matmul.triton_matmul import fma_config

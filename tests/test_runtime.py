@@ -317,7 +317,7 @@ def test_gpu_no_compiled_decoder_kernel_pipelines_a_register_operand_wgmma(tmp_p
     """What the decoder compiles at the real shapes (one Gated DeltaNet and one attention layer of each family, prefill
     of 1 to 2,048 tokens, a few decode steps) into a fresh Triton cache, then its TTGIR read back: no kernel may
     pair a register-operand ``warp_group_dot`` with a wait that leaves wgmmas pending (experiments/rs_wgmma_scan.py;
-    docs/performance.md, a compiler fault). Passed on the H200 at 609ede4 (Triton 3.6, 170 s)."""
+    docs/history/compiler-fault.md, a compiler fault). Passed on the H200 at 609ede4 (Triton 3.6, 170 s)."""
     out = tmp_path / "scan.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["PYTHONPATH"] = str(REPO)

@@ -364,7 +364,7 @@ DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
 #: From this many rows of a 16-bit x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype (one
 #: kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel. H200, git 9130a4f:
 #: faster from M = 128 on three of the four decoder shapes (2048->12288: 34.9 against 32.4 us) and from 256 on all
-#: (docs/performance.md). Weights with more runs of rows under one global scale than DEQUANT_MAX_SHARDS stay on the
+#: (docs/history/matmul.md). Weights with more runs of rows under one global scale than DEQUANT_MAX_SHARDS stay on the
 #: packed GEMM (one cuBLAS call per run: a stack of projections is one run each).
 DEQUANT_MIN_M = 128
 DEQUANT_MAX_SHARDS = 4
@@ -427,10 +427,10 @@ def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
     a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
-    in docs/performance.md ranked them; one x row on 8,192 rows or more at K = 2048 (the only K measured; at 8,192
+    in docs/history/matmul.md ranked them; one x row on 8,192 rows or more at K = 2048 (the only K measured; at 8,192
     it lost) takes 32 rows of 64 words, four steps (7.35 against 8.95 us at 2048->8192, 9.66 against 10.89 at
     2048->12288 on the H200, git a906a61). ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off: the
-    H200 measured neither faster (docs/performance.md)."""
+    H200 measured neither faster (docs/history/matmul.md)."""
     if m == 1 and n >= 8192 and k == 2048:
         return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
     tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
@@ -511,7 +511,7 @@ def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, 
 
 
 def use_fma_gemv(m: int, n: int) -> bool:
-    """The decode dispatch for a packed weight, from the H200 sweeps in docs/performance.md: the FMA GEMV for one
+    """The decode dispatch for a packed weight, from the H200 sweeps in docs/history/matmul.md: the FMA GEMV for one
     row of x up to 65,536 output rows (faster than the tensor-core GEMV by up to 1.6x on the decoder's projections,
     slower on the LM head), and for two rows below 8,192 output rows; the tensor-core GEMV otherwise (its time is
     flat in M to 16)."""

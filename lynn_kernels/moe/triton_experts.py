@@ -36,7 +36,7 @@ DECODE_MAX_M = GEMV_MAX_M
 
 #: At M <= ROUTER_MAX_M, compute the shared expert's gate as one more row of the router's product (in its launch)
 #: instead of an fp32 GEMV and a sigmoid of their own (four launches). Both paths are exact up to the fp32 sum's
-#: order; the switch exists so the benchmark can time both (docs/performance.md, issue 16).
+#: order; the switch exists so the benchmark can time both (docs/history/decode.md, issue 16).
 FOLD_SHARED_GATE = True
 
 #: GPU tiles of the prefill GEMM kernels (starting points from the matmul's small-M GEMM configs).

@@ -1215,7 +1215,7 @@ print(render_table([{"call": k, "us": f"{v:.1f}"} for k, v in STREAM["host_us"].
 #   there through Triton's own path).
 #
 # A second experiment, an L2 prefetch of the weight rows in the tensor-core GEMV and GEMM, was slower in 27 of
-# 34 cells and is not in the code (`docs/performance.md` has it, and what the one-stage compile of Triton 3.6's
+# 34 cells and is not in the code (`docs/history/matmul.md` has it, and what the one-stage compile of Triton 3.6's
 # fault costs the GEMM: 0.36-0.47x cuBLAS at M = 512 and 4096).
 
 # %% [markdown]
@@ -1512,7 +1512,7 @@ print(render_table(goal_rows))
 # **The prefill path on the H200** (`experiments/dequant_gemm.py`, committed results, git 9130a4f): the packed GEMM
 # kernel against the prefill path (dequantise once, then cuBLAS: both launches timed together), each as a fraction of
 # cuBLAS bf16 on bf16 weights, by CUDA-graph replay on rotating weights. The kernel's one-stage compile (the Triton
-# 3.6 fault of docs/performance.md) holds it near 0.4x at every M; the two-launch path pays the dequantise kernel's
+# 3.6 fault of docs/history/compiler-fault.md) holds it near 0.4x at every M; the two-launch path pays the dequantise kernel's
 # 7-20 us once, so it climbs with M and passes the 0.8x goal from 1,024 rows. `nvfp4_linear` switches at 128:
 
 # %%

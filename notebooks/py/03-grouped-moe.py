@@ -977,7 +977,7 @@ print(render_table(goal_rows, ["shape", "M", "goal", "measured", "verdict"]))
 # * **In between** (no goal): by kernel time the block is 1.30-2.80x faster than the pipeline at M = 4 to 512, at
 #   both shapes.
 #
-# `docs/moe.md` section 4 and `docs/performance.md` keep the same record, with what was tried.
+# `docs/moe.md` section 4 and `docs/history/moe.md` keep the same record, with what was tried.
 
 # %% [markdown]
 # ### 6b. Packed experts, and the shared expert as one more slot

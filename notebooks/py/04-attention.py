@@ -1085,7 +1085,7 @@ else:
 
 
 # %% [markdown]
-# How to read it (`docs/performance.md` keeps the full record and what was tried):
+# How to read it (`docs/history/attention.md` keeps the full record and what was tried):
 #
 # * **Kernel time** is what the goals are judged on: a decoder captures its step in a CUDA graph, which replays
 #   the kernels without the Python around them. SDPA's prefill is still ahead of ours in TFLOP/s; the goal asks

@@ -1097,7 +1097,7 @@ else:
 
 
 # %% [markdown]
-# How to read it (`docs/performance.md` keeps the full record, the per-kernel profile and what was tried):
+# How to read it (`docs/history/deltanet.md` keeps the full record, the per-kernel profile and what was tried):
 #
 # * **Prefill, kernel time**: ours and fla's five-kernel pipelines are close. The first H200 run stored the
 #   intermediates that only ever enter a `tl.dot` (the inverse, `W`, the new values, the per-chunk states) in

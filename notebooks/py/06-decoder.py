@@ -713,7 +713,7 @@ for shape, doc in BENCH.items():
 # Qwen3.5 file is from dede295, the Qwen3-Next one from 609ede4: the experts packed, the shared expert a routed
 # slot, the step's kernels launched with programmatic dependent launch (the next cells), and a Triton 3.6 compiler
 # fault on Hopper worked around (a pipelined `tl.dot` on a register tile now and then multiplied garbage;
-# docs/performance.md, a compiler fault); 1adc9f2 added the q / k norm + RoPE launched on one token's row instead
+# docs/history/compiler-fault.md, a compiler fault); 1adc9f2 added the q / k norm + RoPE launched on one token's row instead
 # of 16 (13.0 -> 2.2 us a layer) and the fused Gated DeltaNet decode step, dede295 the step's prologue in one
 # launch (15.3 -> 1.2 us), the greedy epilogue straight into the token buffer and a prefill whose layers read no
 # value back to the host (2,048 tokens: 144 -> 118 ms). HF bf16 at 80B does not fit beside ours.
@@ -957,14 +957,14 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 # context, Qwen3.5-35B-A3B decodes 382 tok/s as loaded and 481 tok/s with each mixer's input projections in one
 # GEMV and each Gated DeltaNet decode step in one kernel (as `lynn generate` runs it on a GPU), Qwen3-Next-80B-A3B
 # 277 and 313 (input projections fused); the bytes of a step allow 1,527 and 1,441 tok/s at the measured read
-# bandwidth. The Triton 3.6 compiler fault on Hopper is worked around (`docs/performance.md`).
+# bandwidth. The Triton 3.6 compiler fault on Hopper is worked around (`docs/history/compiler-fault.md`).
 #
 # Of the fusions this notebook once listed as next, two are in (the input projections, the Gated DeltaNet decode
 # chain) and one was measured and left off: folding each norm into the next kernel (`Model.fuse_norms`: the
 # projection's prologue and the router's) saved its launches but slowed the kernels it entered, within noise at
 # batch 1 (-1.1% and +2.2% in two runs) and slower at batch 8, so it stays off, with its tests
-# (`docs/performance.md`, the norms folded). Not tried yet, in the order of the time they could win
-# (`docs/performance.md`): a persistent kernel that runs a layer's kernels back to back with its weights streamed
+# (`docs/history/decode.md`, the norms folded). Not tried yet, in the order of the time they could win
+# (`docs/history/decode.md`): a persistent kernel that runs a layer's kernels back to back with its weights streamed
 # ahead; the expert kernels grouped by expert at batch 8; the norm's statistic produced by the kernel that writes
 # the residual. `docs/decoder.md` has the model's math and dtypes, the loader's rules and what is not supported
 # yet; `docs/performance.md` the benchmark record.

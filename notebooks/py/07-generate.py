@@ -717,4 +717,4 @@ print("the H200's greedy run and this CPU's greedy 64 tokens (torch reference), 
 #
 # The demo model makes the cost of the format measurable: 1.6% in perplexity for the default NVFP4 targets.
 # `docs/quantization.md` has the whole record (corpus, tokenizer, training, the table); `docs/decoder.md` the
-# decoder the model runs on, and docs/performance.md the decode step as a CUDA graph on the H200.
+# decoder the model runs on, and docs/history/decode.md the decode step as a CUDA graph on the H200.
