@@ -34,9 +34,8 @@
 
 # %%
 # %matplotlib inline
-import dataclasses
 import inspect
-import math
+from functools import partial
 
 import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
@@ -46,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lynn_kernels import compare, moe, render_table
+from lynn_kernels import compare, moe, notebook, render_table
 from lynn_kernels.moe import SharedExpert, reference, spec, triton_experts
 from lynn_kernels.nvfp4 import reference as nvfp4_ref
 from lynn_kernels.runtime import DEVICE
@@ -54,21 +53,10 @@ from lynn_kernels.validate import bit_mismatches
 
 BF16, FP32 = torch.bfloat16, torch.float32
 FLOOR = 1e-5
-
-
-def r3(v, floor=FLOOR):
-    """3 significant digits; below `floor` shown as '< 1e-05'. fp32 round-off depends on the CPU's BLAS (and a
-    bf16 rounding can flip with it), and nbval compares the committed output as text, so it must not show."""
-    if v is None or isinstance(v, str) or v == 0 or not math.isfinite(v):
-        return v
-    return f"< {floor:g}" if abs(v) < floor else float(f"{v:.3g}")
-
-
-def rounded(rows):
-    """Table rows with their Metrics rounded: cosine to 6 decimals, the errors by r3."""
-    return [{k: dataclasses.replace(v, cosine=round(v.cosine, 6), max_abs=r3(v.max_abs), rel_l2=r3(v.rel_l2),
-                                    err_ratio=r3(v.err_ratio, 0)) if isinstance(v, lk.Metrics) else v
-             for k, v in row.items()} for row in rows]
+#: 3 significant digits, below FLOOR shown as '< 1e-05': fp32 round-off depends on the CPU's BLAS (and a bf16
+#: rounding can flip with it), and nbval compares the committed output as text, so it must not show
+r3 = partial(notebook.r3, floor=FLOOR)
+rounded = partial(notebook.rounded, cosine=notebook.decimals6, errors=r3, err_ratio=notebook.r3)
 
 
 def randn(*shape, seed, scale=1.0):
@@ -209,7 +197,7 @@ for t in range(len(logits)):
     print(f"token {t}: p = [{', '.join(f'{v:.3f}' for v in p[t].tolist())}] -> ids {ids[t].tolist()}, "
           f"weights [{', '.join(f'{v:.4f}' for v in w[t].tolist())}]")
 print("\nids equal the reference's:", torch.equal(ids, ids_ref),
-      "| weights max_abs:", r3(compare(w, w_ref).max_abs, 1e-6))
+      "| weights max_abs:", r3(compare(w, w_ref).max_abs, floor=1e-6))
 
 
 # %% [markdown]

@@ -33,9 +33,9 @@
 
 # %%
 # %matplotlib inline
-import dataclasses
 import inspect
 import math
+from functools import partial
 
 import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from matplotlib.colors import ListedColormap
 
-from lynn_kernels import compare, render_table
+from lynn_kernels import compare, notebook, render_table
 from lynn_kernels.attention import (decode_attention, flash_attention, paged_slots, qk_norm_rope, reference,
                                     split_q_gate)
 from lynn_kernels.attention.check import MAX_ERR_RATIO, MIN_COSINE
@@ -56,21 +56,10 @@ from lynn_kernels.validate import bit_mismatches
 LOG2E = math.log2(math.e)
 HQ, HKV, D = 16, 2, 256                  # Qwen3-Next / Qwen3.5 gated attention: 16 query heads, 2 KV heads
 FLOOR = 1e-5
-
-
-def r4(v, floor=FLOOR):
-    """4 significant digits; below `floor` shown as '< 1e-05'. fp32 rounding noise depends on the CPU's BLAS,
-    and nbval compares the committed output as text, so it must not show."""
-    if v is None or isinstance(v, str) or v == 0 or not math.isfinite(v):
-        return v
-    return f"< {floor:g}" if abs(v) < floor else float(f"{v:.4g}")
-
-
-def rounded(rows):
-    """Table rows with their Metrics rounded by r4 (cosine and err_ratio without the floor)."""
-    return [{k: dataclasses.replace(v, cosine=r4(v.cosine, 0), max_abs=r4(v.max_abs), rel_l2=r4(v.rel_l2),
-                                    err_ratio=r4(v.err_ratio, 0)) if isinstance(v, lk.Metrics) else v
-             for k, v in row.items()} for row in rows]
+#: 4 significant digits, below FLOOR shown as '< 1e-05': fp32 rounding noise depends on the CPU's BLAS, and nbval
+#: compares the committed output as text, so it must not show; the tables' cosine and err_ratio without the floor
+r4 = partial(notebook.r4, floor=FLOOR)
+rounded = partial(notebook.rounded, cosine=notebook.r4, errors=r4, err_ratio=notebook.r4)
 
 
 def vrow(op, case, got, want32, vs="reference"):
@@ -214,8 +203,8 @@ o_e, trace = online_softmax(scores, vals, 64, torch.exp)
 o_2, _ = online_softmax(scores * LOG2E, vals, 64, torch.exp2)             # log2(e) folded into the scores
 exact = torch.softmax(scores, 0) @ vals
 print(render_table(trace))
-print("\nonline (exp)  vs softmax(s) @ v, max_abs:", r4((o_e - exact).abs().max().item(), 1e-12))
-print("online (exp2) vs softmax(s) @ v, max_abs:", r4((o_2 - exact).abs().max().item(), 1e-12))
+print("\nonline (exp)  vs softmax(s) @ v, max_abs:", r4((o_e - exact).abs().max().item(), floor=1e-12))
+print("online (exp2) vs softmax(s) @ v, max_abs:", r4((o_2 - exact).abs().max().item(), floor=1e-12))
 p32 = torch.exp(scores.float())
 print(f"plain exp in fp32: {int(p32.isinf().sum())} of 200 scores overflow to inf, and softmax without the max "
       f"gives {int((p32 / p32.sum()).isnan().sum())} NaN")
@@ -604,7 +593,7 @@ print(render_table([{"split": s, "keys": keys, "lse (log2)": r4(lse),
                      "weight": r4(wi), "share": f"{wi / sum(w):.1%}"}
                     for s, ((_, lse, keys), wi) in enumerate(zip(parts, w))]))
 exact = torch.softmax(x / LOG2E, 0) @ vals
-print("\nmerged vs softmax over all 300 keys, max_abs:", r4((merged - exact).abs().max().item(), 1e-12))
+print("\nmerged vs softmax over all 300 keys, max_abs:", r4((merged - exact).abs().max().item(), floor=1e-12))
 
 # %% [markdown]
 # **The package's kernel**: `decode_attention(q, k_cache, v_cache, seq_lens, block_table=None, scale=None,
