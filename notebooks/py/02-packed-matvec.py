@@ -38,8 +38,7 @@
 # %%
 # %matplotlib inline
 import copy
-import dataclasses
-import math
+from functools import partial
 
 import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
@@ -48,36 +47,18 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from lynn_kernels import checks, compare, nvfp4, render_table
+from lynn_kernels import checks, compare, nvfp4, render_table, triton_shared
+from lynn_kernels import notebook
 from lynn_kernels.bench import load
 from lynn_kernels.bench.matmul import SHAPES
 from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_linear, quantize_linears,
                                  reference, triton_matmul)
+from lynn_kernels.notebook import bound, r4
 from lynn_kernels.runtime import DEVICE
 
-
-def r4(v):
-    """4 significant digits: enough to read, and float noise cannot change the committed output (nbval compares
-    it as text)."""
-    return v if v is None else float(f"{v:.4g}")
-
-
-def bound(v):
-    """The power of ten at or above ``v`` (0 stays 0). The digits of fp32 round-off depend on the order of the
-    sums (another CPU's BLAS, the GPU's tensor cores); its order of magnitude does not."""
-    if v is None or v == 0 or not math.isfinite(v):
-        return v
-    return 10.0 ** math.ceil(math.log10(v))
-
-
-def rounded(rows):
-    """Table rows with their Metrics made portable: cosine to 6 decimals, the error figures by ``bound``."""
-    def fix(m):
-        return dataclasses.replace(m, cosine=round(m.cosine, 6), max_abs=bound(m.max_abs),
-                                   rel_l2=bound(m.rel_l2), err_ratio=bound(m.err_ratio))
-
-    return [{k: fix(v) if isinstance(v, lk.Metrics) else v for k, v in row.items()} for row in rows]
-
+# cosine to 6 decimals, the error figures as the power of ten at or above them (``bound``): the digits of fp32
+# round-off depend on the machine, their order of magnitude does not
+rounded = partial(notebook.rounded, cosine=notebook.decimals6, errors=bound)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -403,7 +384,7 @@ for name, (x, w) in split_cases.items():
                      "bits differ from reference": compare(y, want, exact=True).mismatches if exact else None,
                      "rel_l2 vs reference": bound(compare(y, want).rel_l2)})
 print(render_table(rows))
-print("ticket counters back at zero:", all(int(c.abs().sum()) == 0 for c in triton_matmul._counters.values()))
+print("ticket counters back at zero:", all(int(c.abs().sum()) == 0 for c in triton_shared._counters.values()))
 
 # %% [markdown]
 # On the random case the splits add in different orders; how many fp32 results that moves depends on the machine
@@ -517,7 +498,7 @@ print("all 256 bytes decode to (low nibble, high nibble) x 2^-126:",
 # %%
 # NBVAL_IGNORE_OUTPUT
 # the PTX in the package (read from the source, so this stays true): the even elements of bytes 0 and 1
-src = inspect.getsource(triton_matmul._e2m1_bf16x2_scaled.fn).splitlines()
+src = inspect.getsource(triton_shared._e2m1_bf16x2_scaled.fn).splitlines()
 start = next(i for i, line in enumerate(src) if "prmt.b32 t01" in line)
 print("\n".join(src[start:start + 8]))
 
@@ -1145,78 +1126,9 @@ print(render_table(verdict))
 # On the LM head and 8192 x 8192, M = 1 reads at 1.6-2.2 TB/s, 47-50% of the same-bytes read.
 
 # %% [markdown]
-# ### A round of experiments (2026-12-02): tiles, streaming programs, PDL's release, the host
-#
-# `experiments/packed_gemv_stream.py` ran on the H200 (git a906a61) with every variant bit-checked against the
-# default launch first (168 of 168 equal). Its sweep gave the FMA GEMV 6 tiles (rows x words a step) and 5 grids:
-# one program per tile, as the dispatch runs it, or 1-4 programs per SM, each taking tiles `pid`, `pid + grid`, ...
-# as one stream of steps (`launch_packed_gemv(..., config={"PROGRAMS": n})`). The picture: the projection that
-# every Gated DeltaNet and attention layer runs, 2048->8192 at M = 1, in microseconds (lower is better); the old
-# default was 16 rows x 128 words, one program per tile.
-
-# %%
-import json
-
-from matplotlib.colors import LogNorm
-
-from lynn_kernels.bench.harness import DATA_DIR
-
-STREAM = json.loads((DATA_DIR.parent / "experiments" / "packed-gemv-stream" / "a906a61.json").read_text())
-SWEEP = {(r["shape"], r["M"], r["variant"]): r for r in STREAM["sweep"]}
-TILES = ["4x128", "8x128", "16x128", "8x64", "16x64", "32x64"]
-GRIDS = ["tiles", 132, 264, 396, 528]
-cell = [[SWEEP[("qkv 2048->8192", 1, f"{t} grid {g}")]["us"] for g in GRIDS] for t in TILES]
-fig, ax = plt.subplots(figsize=(7.5, 4.2))
-ax.imshow(cell, cmap="viridis_r", norm=LogNorm())
-for i, row in enumerate(cell):
-    for j, v in enumerate(row):
-        ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=9, color="w" if v > 12 else "k")
-ax.set_xticks(range(len(GRIDS)), ["one per\ntile"] + [f"{g // 132} per\nSM" for g in GRIDS[1:]])
-ax.set_yticks(range(len(TILES)), [f"{t.replace('x', ' rows x ')} words" for t in TILES])
-ax.set_xlabel("programs")
-ax.set_title("FMA GEMV 2048->8192, M = 1: us a call (graph replay; darker is slower)", fontsize=10)
-fig.tight_layout()
-plt.show()
-
-# %%
-rows = []
-for shape in dict.fromkeys(r["shape"] for r in STREAM["sweep"]):
-    for m in (1, 2):
-        cands = [r for (s_, m_, v), r in SWEEP.items() if s_ == shape and m_ == m and r["config"]]
-        if not cands:
-            continue
-        best = min(cands, key=lambda r: r["us"])
-        rows.append({"shape": shape, "M": m, "old default us": f"{SWEEP[shape, m, 'default']['us']:.2f}",
-                     "tensor-core GEMV us": f"{SWEEP[shape, m, 'tensor-core GEMV']['us']:.2f}",
-                     "best": best["variant"], "best us": f"{best['us']:.2f}",
-                     "pure read us": f"{best['read_us']:.2f}"})
-print(render_table(rows))
-print("\nthe 30-GEMV chain of 10 GDN layers (M = 1), one graph:")
-print(render_table([{"variant": r["variant"], "PDL": r["pdl"], "us": f"{r['us']:.1f}", "GB/s": f"{r['gbps']:,.0f}",
-                     "of copy (4,219 GB/s)": f"{r['gbps'] / 4219:.1%}"} for r in STREAM["chain"]]))
-print("\nhost cost of one call, back-to-back eager calls (4096 x 2048, M = 1):")
-print(render_table([{"call": k, "us": f"{v:.1f}"} for k, v in STREAM["host_us"].items()]))
-
-# %% [markdown]
-# What it says:
-#
-# * **More rows a program, shorter steps**: 32 rows of 64 words (four steps on K = 2048) took 2048->8192 from
-#   8.95 to 7.35 us and 2048->12288 from 10.89 to 9.66; `fma_config` now picks that tile for one x row there. The
-#   other shapes kept their tiles (within 1%), and the LM head stays on the tensor-core GEMV.
-# * **Fewer, longer-lived programs lose** where each keeps little in flight: one program per SM is up to 2.8x
-#   slower, because a program has one step of weights in flight and only more resident programs put more bytes in
-#   flight. Two per SM helps the 16 x 128 tile here (7.9 against 9.0 us) but not the 32 x 64 one, which is as fast
-#   one program per tile; `PROGRAMS` stays an option, not the default.
-# * **Releasing the next kernel early** under PDL (`EARLY_RELEASE`) makes the chain 14-22% slower: its programs
-#   take SM slots and wait while this kernel's later programs still need them. The best chain, 167 us, is 27% of
-#   the copy bandwidth; the goal is 75%.
-# * **The host**: `runtime.DirectLaunch` keeps the compiled kernel of a launch's first call and then calls its
-#   launcher straight away, so `nvfp4_linear` costs 20.6 us instead of 71.9 (an empty Triton kernel costs 15 us
-#   there through Triton's own path).
-#
-# A second experiment, an L2 prefetch of the weight rows in the tensor-core GEMV and GEMM, was slower in 27 of
-# 34 cells and is not in the code (`docs/history/matmul.md` has it, and what the one-stage compile of Triton 3.6's
-# fault costs the GEMM: 0.36-0.47x cuBLAS at M = 512 and 4096).
+# A round of experiments on the FMA GEMV (2026-12-02, H200: tiles and grids, programs streaming several tiles,
+# PDL's early release, the host's cost of a call; what it kept and rejected) is recorded, whole, in
+# [`docs/history/notebook-02-experiments.md`](../docs/history/notebook-02-experiments.md).
 
 # %% [markdown]
 # ## 5. Validation table
@@ -1640,14 +1552,15 @@ print(f"Goals met in {met} of {total} cells.")
 # prefill now dequantises each weight once and hands the product to cuBLAS: section 7's last figure); and in an
 # eager loop the host launch costs more than either kernel. `docs/matmul.md` records what was measured and rejected on the way (an
 # fp32 multiply-reduce GEMV without tensor cores, the textbook `x @ W^T` orientation, run-time autotuning of the
-# GEMV). Next to try, none of it measured yet:
+# GEMV). Measured since, each with its figure in `docs/history/matmul.md`: FMA GEMV tiles and grids, programs that
+# stream several tiles (persistent programs), an early PDL release, two steps of weights in registers, `x`
+# pre-ordered to the words' order and L2 prefetch, all rejected
+# ([`docs/history/notebook-02-experiments.md`](../docs/history/notebook-02-experiments.md) has the first three);
+# a launch that skips Triton's launcher after the first call (`runtime.DirectLaunch`: 20.7 us a call instead of
+# 71.9) and CUDA graphs for the decode loop (notebook 06), both in use. Not tried yet:
 #
-# * for the tensor-core GEMV, `x` kept in registers instead of staged through shared memory at every step, and a
-#   PDL form of it: section 4's layout, shuffled offline into the MMA's register-fragment order (as Marlin does),
-#   already lands the decoded weights in registers, and still the GEMV reads at about half the read ceiling at
-#   M = 1 on the LM head (`docs/matmul.md`, "Where it stands");
-# * a leaner epilogue and fewer masks; persistent programs for the small shapes;
-# * a leaner host path (a cached launcher, fewer arguments), and CUDA graphs for the decode loop, which pays the
-#   kernel time only.
+# * the tensor-core GEMV with `x` held in registers, and a PDL form of it;
+# * a shared-memory ring of weight steps filled by `cp.async` / TMA (more bytes in flight per program);
+# * a persistent kernel that runs a layer's projections back to back.
 #
 # Next notebook: `03-grouped-moe` runs the same decode over many experts at once, in a grouped GEMM.
