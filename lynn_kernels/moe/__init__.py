@@ -39,8 +39,8 @@ Example (a decode batch of 4 tokens over Qwen3.5's 256 experts)::
 
 from .. import runtime
 from . import reference, spec
-from .packed import PackedExperts, pack_experts
-from .spec import SharedExpert, fuse_w13, max_padded, stack_w13
+from .packed import PackedExperts, SharedExpert, pack_experts
+from .spec import fuse_w13, max_padded, stack_w13
 from .triton_align import align_triton
 from .triton_experts import moe_block_triton, moe_experts_triton, norm_moe_block_triton
 from .triton_route import route_triton

@@ -17,8 +17,8 @@ import torch
 from .. import runtime
 from ..nvfp4 import quantize
 from ..validate import compare
-from .packed import pack_experts, shared_slot
-from .spec import SharedExpert, fuse_w13, stack_w13
+from .packed import SharedExpert, pack_experts, shared_slot
+from .spec import fuse_w13, stack_w13
 
 
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).

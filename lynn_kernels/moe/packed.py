@@ -15,10 +15,30 @@ expert is one more slot of the routed stack, so it runs inside the routed launch
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..matmul.packed import CHUNK, PackedNVFP4, pack, unpack
 from ..nvfp4 import BLOCK, NVFP4Tensor
+
+
+class SharedExpert(NamedTuple):
+    """The shared expert of a Qwen3-Next / Qwen3.5 MoE block: ``sigmoid(x @ gate_weight^T) * down(silu(gate(x)) *
+    up(x))``.
+
+    * ``w13``: ``[2 Is, H]``, gate rows first, then up rows (HF ``shared_expert.gate_proj`` / ``up_proj`` stacked:
+      :func:`~.spec.fuse_w13`); NVFP4 with global scale ``()``, or ``[2 Is]`` (one per row: the gate rows hold gate_proj's
+      scale, the up rows up_proj's, when the two differ), or a float tensor of x's dtype;
+    * ``w2``: ``[H, Is]`` (HF ``shared_expert.down_proj``), of w13's kind; NVFP4 with global scale ``()``;
+    * ``gate_weight``: ``[1, H]`` float, unquantised (HF ``shared_expert_gate.weight``).
+
+    Its kind (NVFP4 or float) need not be the routed experts' (a checkpoint may leave the shared expert unquantised).
+    """
+
+    w13: NVFP4Tensor | torch.Tensor
+    w2: NVFP4Tensor | torch.Tensor
+    gate_weight: torch.Tensor
 
 
 class PackedExperts:
@@ -162,8 +182,6 @@ def pack_experts(w13: NVFP4Tensor, w2: NVFP4Tensor, shared=None):
         w13p, w2p, shared_p = pack_experts(mlp.w13, mlp.w2, mlp.shared)
         y = moe_block(x, router, w13p, w2p, shared_p, top_k=8)      # 3 launches per decode step
     """
-    from .spec import SharedExpert
-
     _check_stack("w13", w13, 3)
     _check_stack("w2", w2, 3)
     e, n13, h = w13.shape

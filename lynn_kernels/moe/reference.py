@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..nvfp4 import reference as nvfp4_reference
 from . import spec
-from .spec import SharedExpert
+from .packed import SharedExpert
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,39 +25,19 @@ Layouts:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..runtime import values_checkable
 from ..matmul.packed import PackedNVFP4
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.spec import reciprocal
-from .packed import PackedExperts
+from .packed import PackedExperts, SharedExpert
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 #: Smallest ``block_m`` of the align step (a ``tl.dot`` tile needs 16 rows).
 MIN_BLOCK_M = 16
 _INT32_MAX = 2**31 - 1
-
-
-class SharedExpert(NamedTuple):
-    """The shared expert of a Qwen3-Next / Qwen3.5 MoE block: ``sigmoid(x @ gate_weight^T) * down(silu(gate(x)) *
-    up(x))``.
-
-    * ``w13``: ``[2 Is, H]``, gate rows first, then up rows (HF ``shared_expert.gate_proj`` / ``up_proj`` stacked:
-      :func:`fuse_w13`); NVFP4 with global scale ``()``, or ``[2 Is]`` (one per row: the gate rows hold gate_proj's
-      scale, the up rows up_proj's, when the two differ), or a float tensor of x's dtype;
-    * ``w2``: ``[H, Is]`` (HF ``shared_expert.down_proj``), of w13's kind; NVFP4 with global scale ``()``;
-    * ``gate_weight``: ``[1, H]`` float, unquantised (HF ``shared_expert_gate.weight``).
-
-    Its kind (NVFP4 or float) need not be the routed experts' (a checkpoint may leave the shared expert unquantised).
-    """
-
-    w13: NVFP4Tensor | torch.Tensor
-    w2: NVFP4Tensor | torch.Tensor
-    gate_weight: torch.Tensor
 
 
 def max_padded(num_slots: int, num_experts: int, block_m: int) -> int:
