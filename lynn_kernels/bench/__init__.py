@@ -11,19 +11,8 @@ whole project's benchmarks (``lynn bench``, the tests) imports those modules fir
 
 from __future__ import annotations
 
-from typing import Callable
-
 from .harness import Ceilings, Result, load, measure_ceilings, result_table, save
-
-BENCHMARKS: dict[str, Callable[..., list[Result]]] = {}
-
-
-def register(op: str):
-    def deco(fn):
-        BENCHMARKS[op] = fn
-        return fn
-
-    return deco
+from .registry import BENCHMARKS, register
 
 
 def _load_families() -> None:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from ..attention import decode_attention, flash_attention, paged_slots, reference
 from ..attention.triton_decode import default_num_splits, launch_decode
 from ..validate import compare
-from . import register
 from .harness import Ceilings, Result, rotating, rotation, timed, validated
+from .registry import register
 
 HQ, HKV, D = 16, 2, 256
 PREFILL_T = [4096, 16384]

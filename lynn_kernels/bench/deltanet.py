@@ -32,8 +32,8 @@ from ..deltanet.spec import CHUNK, Dims
 from ..deltanet.triton_conv import launch_causal_conv1d_update
 from ..deltanet.triton_recurrent import launch_recurrent
 from ..validate import compare
-from . import register
 from .harness import Ceilings, Result, derive, rotating, rotation, timed, validated
+from .registry import register
 
 H, HV, D = 16, 32, 128                      #: Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B Gated DeltaNet heads
 CONV_C, CONV_W = 2 * H * D + HV * D, 4      #: conv channels q|k|v = 8192, kernel width 4

@@ -19,8 +19,8 @@ import torch
 from ..matmul import nvfp4_linear, reference
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
-from . import register
 from .harness import MAX_ERR_RATIO, Ceilings, Result, rotating, rotation, timed, validated
+from .registry import register
 
 #: (label, N, K): Qwen3.5-35B-A3B / Qwen3-Next projections (lynn_model presets) and two squares.
 SHAPES = [

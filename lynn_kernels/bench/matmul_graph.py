@@ -27,8 +27,8 @@ from ..matmul import nvfp4_linear, pack, reference
 from ..matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_gemv, launch_packed_gemv
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
-from . import register
 from .harness import Result, derive, l2_bytes, time_fn, validated
+from .registry import register
 
 #: (label, N, K): the decoder's projection shapes (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B) and two squares.
 SHAPES = [

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from ..moe import moe_block, reference
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
-from . import register
 from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, timed, validated
+from .registry import register
 
 #: (label, experts, top_k, hidden, expert intermediate): the published configs (lynn_model presets, docs/decoder.md)
 SHAPES = [("Qwen3.5-35B-A3B", 256, 8, 2048, 512), ("Qwen3-Next-80B-A3B", 512, 10, 2048, 512)]

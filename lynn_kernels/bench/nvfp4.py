@@ -7,8 +7,8 @@ import torch
 from ..nvfp4 import NVFP4Tensor, dequantize, quantize, reference
 from ..nvfp4.triton_quant import launch_dequantize, launch_quantize, quantize_triton
 from ..validate import compare
-from . import register
 from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
+from .registry import register
 
 #: (label, shape): plain projections, a square 16k, and a stacked MoE gate_up [E, 2I, H] (Qwen3.5-35B-A3B)
 SHAPES = [
