@@ -85,12 +85,9 @@ class Norm(nn.Module):
         return rmsnorm(x, self.weight, self.eps, residual=residual)
 
 
-#: Decode steps of at most this many sequences fold their norms (``Model.fuse_norms``). On the H200 at the
-#: Qwen3.5-35B-A3B shape (git 270e91a, docs/history/decode.md) folding took the fused batch-1 step from 2.116 to 2.093
-#: ms, and made batch 8 slower, 5.635 -> 5.855 ms: from three rows on the mixers' products are not the FMA GEMV's
-#: (their norms stay kernels) and the router's eight-row prologue costs more than the launch it saves. Once the
-#: router loaded its weights before the PDL wait (b62c4f6) folding lost at batch 1 too (2.053 -> 2.099 ms): off by
-#: default, and ``lynn generate`` does not turn it on.
+#: Decode steps of at most this many sequences fold their norms (``Model.fuse_norms``): from three rows on the
+#: router's prologue costs more than the launch it saves, and measured at batch 1 folding is within noise of the
+#: unfolded step, so it is off by default and ``lynn generate`` does not turn it on (docs/history/decode.md).
 FOLD_NORMS_MAX_ROWS = 2
 
 

@@ -149,8 +149,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
     vv = v if v is not None else k
     slots = slot_mapping if write else positions
     # tokens a program: at most 4096 values of a tile on the GPU, and never past the tokens there are (a decode
-    # step has one a sequence; with 16 rows a program, 15 of them masked, the launch took 13.0 us at batch 1 on the
-    # H200: the census of b1d3bf9)
+    # step has one a sequence, and 15 masked rows a program cost time: docs/history/decode.md, the census)
     block_t = min(max(1, min(16, 4096 // d)) if not runtime.INTERPRET else 64, runtime.next_power_of_2(t))
     _qk_norm_rope_kernel[(runtime.cdiv(t, block_t), hq + hkv)](
         kernel_view(q), kernel_view(k), kernel_view(vv), q_weight, k_weight, positions,

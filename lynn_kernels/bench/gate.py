@@ -31,8 +31,8 @@ def _key(bench: str, row: dict) -> str:
     return f"{bench} | {row['op']} | {row['provider']} | {row.get('shape', '')} | {dims}"
 
 
-#: Shortest gated prefill: a shorter one is bound by the host's launches (2,048 tokens at 8c40726 on the H200: 94 ms
-#: against 70 ms of kernels, and 87-133 ms over runs of the same code), a 16,384-token one by the GPU (98% kernels).
+#: Shortest gated prefill: a shorter one is bound by the host's launches and too noisy to gate; a 16,384-token one
+#: is bound by the GPU (docs/history/prefill.md).
 PREFILL_MIN_TOKENS = 8192
 
 

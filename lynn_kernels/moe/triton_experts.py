@@ -49,11 +49,8 @@ DECODE_UP_CONFIGS = ({"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages
 DECODE_DOWN_CONFIGS = ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
                        {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})
 #: GPU tiles of the packed decode kernels (FMA on the packed layout, :mod:`.packed`), ``(M <= 2, M > 2)``:
-#: ``BLOCK_N`` rows per program, ``TW`` words of K per step. The best of the H200 sweep at M = 1 (Qwen3.5 shape, the
-#: 3-launch block by graph replay over 8 layers: gate_up 10 tiles in run 1, down 10 in run 2 at d34949b; docs/moe.md,
-#: section 6). At M > 2 the best of 10 tiles each at M = 8 (``experiments/moe_packed_tiles_m8.py``, git 791cf51):
-#: gate_up keeps the M = 1 tile, the down kernel takes 4 rows, 16 words, 2 warps (the block 88.8 -> 83.0 us at
-#: M = 8, 50.6 -> 47.6 at M = 4, 165.6 -> 152.6 at M = 16).
+#: ``BLOCK_N`` rows per program, ``TW`` words of K per step: the best tiles of the GPU sweeps at M = 1 and M = 8
+#: (docs/moe.md, section 6; ``experiments/moe_packed_tiles_m8.py``).
 PACKED_UP_CONFIGS = ({"BLOCK_N": 8, "TW": 64, "num_warps": 4}, {"BLOCK_N": 8, "TW": 64, "num_warps": 4})
 PACKED_DOWN_CONFIGS = ({"BLOCK_N": 8, "TW": 32, "num_warps": 8}, {"BLOCK_N": 4, "TW": 16, "num_warps": 2})
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
