@@ -1,8 +1,8 @@
-"""H200: more weight bytes in flight per program (``AHEAD`` = 2) in the FMA GEMV and the MoE gate_up kernel, and
+"""H200: more weight bytes in flight per program (``AHEAD`` = 2) in the packed GEMV and the MoE gate_up kernel, and
 what programmatic dependent launch saves at each kernel boundary of a decode step. Each part against today's
 default in one process, by CUDA-graph replay (the way the decoder runs them).
 
-1. FMA GEMV, M = 1 and 2, on the decoder's projection shapes (Qwen3.5 fused and unfused, Qwen3-Next): the shipped
+1. packed GEMV, M = 1 and 2, on the decoder's projection shapes (Qwen3.5 fused and unfused, Qwen3-Next): the shipped
    tile with one and two steps ahead, and four other tiles with two; every variant's output first compared bit for
    bit with the shipped launch; a pure read of the same bytes beside them. Rotating weight sets past 3x the L2.
 2. MoE decode (router, gate_up, down; the shared expert as a slot) at M = 1, 2, 4, 8 on both Qwen shapes, with
@@ -34,7 +34,7 @@ import triton.language as tl
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack, reference
-from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_config
 from lynn_kernels.moe import moe_block, triton_experts
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches, compare
@@ -53,7 +53,7 @@ def save():
 
 
 
-# 1. the FMA GEMV
+# 1. the packed GEMV
 SHAPES = [("GDN qkv|z fused / Qwen3-Next qkvz 2048->12288", 12288, 2048),
           ("attention q|k|v fused 2048->9216", 9216, 2048),
           ("attn q+gate / GDN qkv 2048->8192", 8192, 2048),
@@ -73,7 +73,7 @@ for label, n, k in SHAPES:
     for m in (1, 2):
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         y = torch.empty(m, n, device="cuda", dtype=BF16)
-        ship = fma_config(n, k, SMS, m)
+        ship = packed_gemv_config(n, k, SMS, m)
         want = launch_packed_gemv(x, sets[0], None, torch.empty_like(y))
         rel = compare(want, reference.nvfp4_linear(x, qs[0])).rel_l2
         variants = [("shipped", {}), ("shipped, AHEAD 2", {"AHEAD": 2})]
@@ -182,7 +182,7 @@ for name, cfg, pdl in [("shipped", None, False), ("shipped + PDL", None, True), 
     print(f"chain {name:20s} {us:8.1f} us  {nbytes / us / 1e3:7.0f} GB/s", flush=True)
 save()
 
-print("\nFMA GEMV (us, graph replay)")
+print("\npacked GEMV (us, graph replay)")
 print(f"{'shape':46s} {'M':>2} {'shipped':>8} {'AHEAD 2':>8} {'best':>8}  best variant      read")
 for label, n, k in SHAPES:
     for m in (1, 2):

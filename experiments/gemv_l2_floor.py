@@ -1,4 +1,4 @@
-"""H200: the FMA GEMV with its weights in L2 and loads that let them stay there: its compute floor.
+"""H200: the packed GEMV with its weights in L2 and loads that let them stay there: its compute floor.
 
 ``experiments/l2_prefetch.py``'s "warm" GEMV (the same weight every call) read its weights with ``evict_first``, which
 may keep them out of L2 (``experiments/l2_read_warm.py`` checks that on a pure read). Here the shipped kernel is
@@ -26,7 +26,7 @@ from lynn_kernels import runtime
 from lynn_kernels.bench.harness import l2_bytes, provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.matmul import pack
-from lynn_kernels.matmul.triton_matmul import _fma_constexprs, fma_config, launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import _packed_gemv_constexprs, launch_packed_gemv, packed_gemv_config
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches
 
@@ -51,12 +51,12 @@ def launch_normal(x2, w, y):
     m, k = x2.shape
     n = w.shape[0]
     kw = w.words.shape[1]
-    meta = fma_config(n, k, SMS, m)
+    meta = packed_gemv_config(n, k, SMS, m)
     spec_ = (x2.dtype, None, y.dtype, runtime.next_power_of_2(m), meta["BLOCK_N"], meta["TW"], n % meta["BLOCK_N"] == 0,
              kw % meta["TW"] == 0 and 8 * kw == k, True, False)
     grid = (runtime.cdiv(n, meta["BLOCK_N"]),)
     normal.packed_gemv_kernel[grid](x2, w.words, w.scales, w.global_scale, y, y, m, n, k, kw, x2.stride(0),
-                                    x2.stride(1), y.stride(0), w.rows_per_global(), **_fma_constexprs(*spec_),
+                                    x2.stride(1), y.stride(0), w.rows_per_global(), **_packed_gemv_constexprs(*spec_),
                                     num_warps=meta["num_warps"], num_stages=1, launch_pdl=True)
     return y
 

@@ -1,6 +1,6 @@
-"""H200: the FMA GEMV's warps per program, swept with its tile (``BLOCK_N`` rows x ``TW`` words).
+"""H200: the packed GEMV's warps per program, swept with its tile (``BLOCK_N`` rows x ``TW`` words).
 
-``experiments/l2_prefetch.py`` found the FMA GEMV as fast with its weights in L2 as from DRAM (2048->8192, M = 1:
+``experiments/l2_prefetch.py`` found the packed GEMV as fast with its weights in L2 as from DRAM (2048->8192, M = 1:
 6.70 against 6.90 us): it is bound by its own instruction stream, not by the bytes. Its SASS (``sm90_compile.py``,
 32 x 64 tile, 4 warps) has four ``BAR.SYNC`` a step (x is reordered through shared memory) and 168 registers, and
 the grid puts about two 4-warp programs on an SM: two warps a scheduler to hide every latency. Earlier sweeps varied
@@ -24,7 +24,7 @@ import torch
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack
-from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_config
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches, compare
 from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
@@ -58,7 +58,7 @@ for label, n, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         ys = [torch.empty(m, n, device="cuda", dtype=BF16) for _ in sets]
         want = launch_packed_gemv(x, sets[0], None, torch.empty(m, n, device="cuda", dtype=BF16))
-        ship = fma_config(n, k, SMS, m)
+        ship = packed_gemv_config(n, k, SMS, m)
         base = graph_us([lambda p=p, y=y: launch_packed_gemv(x, p, None, y, pdl=True) for p, y in zip(sets, ys)])
         cfgs = CONFIGS if m == 1 else sorted(
             [r for r in res["sweep"] if r["N"] == n and r["M"] == 1 and r["config"]], key=lambda r: r["us"])[:6]

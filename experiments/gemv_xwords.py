@@ -1,4 +1,4 @@
-"""H200: the FMA GEMV reading x already in word order (``X_WORDS``: :func:`lynn_kernels.matmul.packed.x_words`).
+"""H200: the packed GEMV reading x already in word order (``X_WORDS``: :func:`lynn_kernels.matmul.packed.x_words`).
 
 The shipped GEMV loads x contiguous and reorders it through shared memory every step (four ``BAR.SYNC`` a step,
 168 registers at 32 x 64); with x given in the words' order each thread reads its x with 16-byte loads and nothing
@@ -26,7 +26,7 @@ from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.packed import x_words
-from lynn_kernels.matmul.triton_matmul import fma_config, launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_config
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches
 from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
@@ -69,7 +69,7 @@ for label, n, k in SHAPES:
         want = launch_packed_gemv(x, sets[0], None, torch.empty(m, n, device="cuda", dtype=BF16))
         base = graph_us([lambda p=p, y=y: launch_packed_gemv(x, p, None, y, pdl=True) for p, y in zip(sets, ys)])
         rows = [{"shape": label, "N": n, "K": k, "M": m, "variant": "shipped", "config": None, "us": base,
-                 "read_us": read_us, "shipped": fma_config(n, k, SMS, m)}]
+                 "read_us": read_us, "shipped": packed_gemv_config(n, k, SMS, m)}]
         for cfg in TILES:
             if cfg is not None and cfg["TW"] > max(16, kw):
                 continue

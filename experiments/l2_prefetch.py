@@ -6,7 +6,7 @@ CUDA graph issues ``cp.async.bulk.prefetch.L2`` (one instruction a chunk; sm_90)
 kernel ``i`` starts (an event recorded on the main stream before it), while the main stream runs the GEMVs with
 programmatic dependent launch as the decoder does.
 
-1. One GEMV shape at a time (M = 1, FMA GEMV + PDL) on rotating weight sets past 3x the L2: plain, prefetched one call
+1. One GEMV shape at a time (M = 1, packed GEMV + PDL) on rotating weight sets past 3x the L2: plain, prefetched one call
    ahead (two chunk sizes), and "warm" (the same weight every call: it stays in L2, the upper bound of the idea);
    a pure read of the same bytes beside them. Every variant's output compared bit for bit with the plain launch.
 2. ``matmul.chain``'s 30 GEMVs (10 Gated DeltaNet layers' qkv, z, out_proj, M = 1, PDL): prefetch 1, 2 and 3
@@ -27,7 +27,7 @@ import triton.language as tl
 from lynn_kernels.bench.harness import l2_bytes, provenance
 from lynn_kernels.bench.matmul_graph import n_sets, pure_read
 from lynn_kernels.matmul import pack
-from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches
 from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
@@ -187,7 +187,7 @@ crow["warm_us"] = graph_us(warm_calls) * len(warm_calls)
 res["chain"].append(crow)
 save()
 
-print(f"\n{'shape':32s} {'plain':>7s} {'pf16K':>7s} {'pf4K':>7s} {'warm':>7s} {'read':>7s}  us, M = 1, FMA GEMV + PDL")
+print(f"\n{'shape':32s} {'plain':>7s} {'pf16K':>7s} {'pf4K':>7s} {'warm':>7s} {'read':>7s}  us, M = 1, packed GEMV + PDL")
 for r in res["single"]:
     print(f"{r['shape']:32s} {r['plain_us']:7.2f} {r['prefetch1_chunk16384_us']:7.2f} {r['prefetch1_chunk4096_us']:7.2f}"
           f" {r['warm_us']:7.2f} {r['pure_read_us']:7.2f}  mism {r['bit_mismatches_plain']}"

@@ -6,7 +6,7 @@ got 70% slower. Here the request is a node of the chain itself: before each GEMV
 the kernel before it (programmatic dependent launch: it starts while the GEMV before it still runs, so the weights
 stream in during that GEMV's tail). Nothing is read before the wait but the (static) weights' addresses.
 
-The 30-GEMV chain of ``matmul.chain`` (10 Gated DeltaNet layers' qkv, z, out_proj, M = 1, FMA GEMV + PDL): shipped,
+The 30-GEMV chain of ``matmul.chain`` (10 Gated DeltaNet layers' qkv, z, out_proj, M = 1, packed GEMV + PDL): shipped,
 with a prefetch node before every GEMV (16 KB and 64 KB chunks), and with one before every layer's first GEMV for
 the whole layer; outputs compared bit for bit with the shipped chain.
 
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us
-from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.validate import bit_mismatches
 from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 

@@ -1,6 +1,6 @@
 """H200: is a warm-L2 measurement of a decode-sized read valid when the loads carry ``evict_first``?
 
-``experiments/l2_prefetch.py`` timed the FMA GEMV on the same weight every call ("warm": 14 MB stays in the 50 MB
+``experiments/l2_prefetch.py`` timed the packed GEMV on the same weight every call ("warm": 14 MB stays in the 50 MB
 L2) and found it no faster than on rotating weights. Its weight loads are ``evict_first``. This checks the premise on
 the simplest kernel: a pure read of 4.7 / 9.4 / 14.2 MB (the decoder's projection sizes), cold (rotating buffers past
 3x the L2) and warm (one buffer), with ``evict_first`` and with the default policy, by CUDA-graph replay.

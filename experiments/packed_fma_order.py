@@ -1,11 +1,11 @@
-"""H200: which words a thread of the packed FMA GEMV owns, timed at M = 1, 2 on the decoder's shapes by CUDA-graph
+"""H200: which words a thread of the packed GEMV owns, timed at M = 1, 2 on the decoder's shapes by CUDA-graph
 replay: ``STRIDED`` (four words at a stride of 4, whose x is 32 contiguous elements) against 16-byte runs (whose x
 is exchanged between threads), each over a few tiles, beside the tensor-core GEMV and cuBLAS bf16; exactness of
 both on awkward shapes first. Writes $OUT/packed_fma_order.json and prints a table.
 
     PYTHONPATH=. python3 experiments/packed_fma_order.py
 
-It ran at git 4825ed7, where the FMA GEMV took the ``STRIDED`` flag; the flag went once it had measured (the
+It ran at git 4825ed7, where the packed GEMV took the ``STRIDED`` flag; the flag went once it had measured (the
 stride-4 form lost everywhere), so run it at that commit to repeat it.
 """
 
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import n_sets, graph_us
 from lynn_kernels.matmul import pack, reference
-from lynn_kernels.matmul.triton_matmul import launch_gemv, launch_packed_gemv
+from lynn_kernels.matmul.triton_matmul import launch_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import dequantize, quantize
 from lynn_kernels.validate import compare
 

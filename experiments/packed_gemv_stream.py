@@ -1,4 +1,4 @@
-"""H200: the FMA GEMV's programs streaming several row tiles (``PROGRAMS``), programmatic dependent launch with the
+"""H200: the packed GEMV's programs streaming several row tiles (``PROGRAMS``), programmatic dependent launch with the
 early release (``EARLY_RELEASE``), and the direct launch's host cost, all against today's default in one process.
 
 1. exactness: every variant bit-equal to the default launch on decoder shapes (M = 1, 2), the direct launch
@@ -8,7 +8,7 @@ early release (``EARLY_RELEASE``), and the direct launch's host cost, all agains
    same bytes beside them;
 3. the chain of 10 Gated DeltaNet layers' projections (``matmul.chain``'s): the default, with PDL (late and early
    release), and the best streaming grid per shape with and without PDL;
-4. host cost: back-to-back eager calls of the FMA GEMV launch and ``nvfp4_linear``, through the direct launch and
+4. host cost: back-to-back eager calls of the packed GEMV launch and ``nvfp4_linear``, through the direct launch and
    through Triton's ``kernel[grid](...)`` path, beside an empty kernel and cuBLAS.
 
 Writes ``$OUT/packed_gemv_stream.json`` (rewritten after every part) and prints tables.
@@ -25,7 +25,8 @@ from lynn_kernels import runtime
 from lynn_kernels.bench.harness import host_us, provenance
 from lynn_kernels.bench.matmul_graph import empty_launch, graph_us, n_sets, pure_read
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
-from lynn_kernels.matmul.triton_matmul import _FMA_GEMV, fma_config, launch_gemv, launch_packed_gemv
+from lynn_kernels.matmul.triton_matmul import launch_gemv
+from lynn_kernels.matmul.triton_packed import _PACKED_GEMV, launch_packed_gemv, packed_gemv_config
 from lynn_kernels.nvfp4 import dequantize, quantize
 from lynn_kernels.validate import bit_mismatches, compare
 
@@ -70,7 +71,7 @@ for n, k in [(8192, 2048), (2048, 4096), (4097, 2064), (37, 208)]:
             res["exact"].append({"N": n, "K": k, "M": m, "variant": name, "mismatches": mism})
         # the direct launch against Triton's path, eager and in a graph
         runtime.DIRECT_LAUNCH = False
-        _FMA_GEMV.compiled.clear()
+        _PACKED_GEMV.compiled.clear()
         slow = nvfp4_linear(x, p)
         runtime.DIRECT_LAUNCH = True
         nvfp4_linear(x, p)                                          # first call: compiles, keeps the kernel
@@ -177,7 +178,7 @@ hc = res["host_us"]
 hc["empty Triton kernel, 1 argument"] = host_us(lambda: empty_launch(x))
 for direct in (False, True):
     runtime.DIRECT_LAUNCH = direct
-    _FMA_GEMV.compiled.clear()
+    _PACKED_GEMV.compiled.clear()
     tag = "direct launch" if direct else "Triton's launch path"
     hc[f"launch_packed_gemv, {tag}"] = host_us(lambda: launch_packed_gemv(x, p, None, y))
     hc[f"nvfp4_linear, {tag}"] = host_us(lambda: nvfp4_linear(x, p))
@@ -186,4 +187,4 @@ hc["torch.empty(1, 4096)"] = host_us(lambda: torch.empty(1, n, device="cuda", dt
 save()
 for name, us in hc.items():
     print(f"host {us:8.2f} us  {name}")
-print("default fma_config for the chain:", {f"{n}x{k}": fma_config(n, k, SMS) for n, k in shapes})
+print("default packed_gemv_config for the chain:", {f"{n}x{k}": packed_gemv_config(n, k, SMS) for n, k in shapes})

@@ -1,4 +1,4 @@
-"""H200: the packed FMA GEMV's tile sweep at M = 1 (BLOCK_N, warps, TW) by CUDA-graph replay, and its exactness on
+"""H200: the packed GEMV's tile sweep at M = 1 (BLOCK_N, warps, TW) by CUDA-graph replay, and its exactness on
 awkward shapes for every M and dtype against the fp32 reference (``SWEEP=0``: the exactness part only). Writes
 JSON to $OUT (or ./out) and prints a table.
 
@@ -14,7 +14,7 @@ import torch
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import n_sets, graph_us
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
-from lynn_kernels.matmul.triton_matmul import launch_packed_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import compare
 

@@ -1,4 +1,4 @@
-"""H200: the packed tensor-core GEMV (fragment-order layout, decoded in registers) against the FMA GEMV and cuBLAS
+"""H200: the packed tensor-core GEMV (fragment-order layout, decoded in registers) against the packed GEMV and cuBLAS
 bf16, M = 1..16 on the decoder's projection shapes, by CUDA-graph replay of rotating weight sets; tile configs
 swept; the GEMM at M = 512 and 4096 on three shapes (autotuned) against cuBLAS; exactness first on awkward shapes
 for every dtype. Writes $OUT/packed_mma_sweep.json as it goes (a timeout keeps what was measured) and prints a
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import n_sets, graph_us
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
-from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv, launch_packed_gemv
+from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import dequantize, quantize
 from lynn_kernels.validate import compare
 
@@ -60,7 +61,7 @@ for (n, k) in [(1, 16), (37, 208), (65, 1040), (130, 48), (4097, 2064), (2048, 4
 save()
 print(f"exactness: {len(res['exact']) - bad}/{len(res['exact'])} within bounds ({time.time() - T0:.0f} s)", flush=True)
 
-# 2. GEMV M = 1..16: tensor-core configs, FMA GEMV (M <= 2), cuBLAS
+# 2. GEMV M = 1..16: tensor-core configs, packed GEMV (M <= 2), cuBLAS
 SHAPES = [(8192, 2048), (4096, 2048), (2048, 4096), (2048, 512), (12288, 2048), (248320, 2048), (8192, 8192)]
 CFGS = [None, {"BLOCK_M": 8}, {"num_stages": 2}, {"num_stages": 4}, {"BLOCK_K": 512},
         {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_N": 128, "num_warps": 4}, {"BLOCK_N": 32, "num_warps": 2},

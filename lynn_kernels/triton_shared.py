@@ -13,12 +13,12 @@ NVFP4 weight decode in registers, exact (docs/matmul.md derives it):
 * :func:`packed_w_tile`: the packed layout's tile for the tensor cores (via :func:`w_tile`).
 * :func:`decode_word`, :func:`fma_scales`, :func:`load_words`, :func:`fma_row_step`, :func:`split8`, with
   :data:`X_PRESCALE` and :data:`FMA_UNIT` (:data:`MMA_UNIT` for the tensor-core tile): the packed layout's words
-  decoded on the FMA units. Used by the matmul FMA GEMV (``packed_gemv_kernel``) and the MoE decode kernels.
+  decoded on the FMA units. Used by the matmul packed GEMV (``packed_gemv_kernel``) and the MoE decode kernels.
 
 RMSNorm rows folded into a kernel's prologue:
 
 * :func:`norm_row` (a row's ``rstd``, and the normed row stored for the kernels after) and :func:`normed_at` (the
-  normed input at given columns): used by the matmul FMA GEMV with its norm folded in and the MoE router
+  normed input at given columns): used by the matmul packed GEMV with its norm folded in and the MoE router
   (``moe/triton_route.py``). Both stand on :func:`residual_rows` and :func:`row_rstd`, which the norm kernel
   (``norm/triton_rmsnorm.py``) uses too, so the folded norm computes exactly what the norm kernel does.
 

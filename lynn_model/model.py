@@ -292,7 +292,7 @@ class GatedDeltaNet(nn.Module):
             o = deltanet.gated_delta_decode(qkv, z.view(t, self.nv, self.dv), a, b, conv, self.conv_weight,
                                             self.A_log, self.dt_bias, state, self.norm_weight, self.nk, eps=self.eps,
                                             states_early=True, **proj)   # norm: one launch; the projection just
-            # before it is the packed FMA GEMV (releases after its wait) or a launch without PDL, and this layer's
+            # before it is the packed GEMV (releases after its wait) or a launch without PDL, and this layer's
             # last step came before it: the kernel may load its states before its PDL wait
             if not isinstance(batch.rows, slice):             # gathered rows: write the new states back
                 cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state

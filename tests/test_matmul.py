@@ -26,7 +26,8 @@ from lynn_kernels import triton_shared
 from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_linear, quantize_linears,
                                  reference)
 from lynn_kernels.matmul import PackedNVFP4, pack, packed, triton_matmul, unpack
-from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv, launch_packed_gemv
+from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.triton_shared import _counters, packed_w_tile, split_k_for
@@ -802,7 +803,7 @@ def test_packed_word_order_is_the_mma_fragment_order():
 def test_concat_rows_is_the_stacked_product(m, make_nvfp4, device):
     """Three weights of one K (37, 64 and 5 rows, each its own global scale) stacked by concat_rows: the stacked
     weight dequantises to the three stacked bit for bit, and one product through it equals the three products
-    side by side, bit for bit where the kernel's per-row reduction does not depend on N (the FMA GEMV, M = 1, 2)
+    side by side, bit for bit where the kernel's per-row reduction does not depend on N (the packed GEMV, M = 1, 2)
     and within the one-rounding bound where a split-K GEMV / GEMM may group a row's partials otherwise."""
     k = 208
     parts = [pack(make_nvfp4(n, k, seed=s, scale=sc)).to(device) for n, s, sc in ((37, 1, 0.05), (64, 2, 0.5),
@@ -814,7 +815,7 @@ def test_concat_rows_is_the_stacked_product(m, make_nvfp4, device):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 0.5).to(BF16).to(device)
     got = nvfp4_linear(x, cat)
     want = torch.cat([nvfp4_linear(x, p) for p in parts], dim=-1)
-    if m <= 2 and triton_matmul.use_fma_gemv(m, 106) and all(triton_matmul.use_fma_gemv(m, p.shape[0]) for p in parts):
+    if m <= 2 and triton_matmul.use_packed_gemv(m, 106) and all(triton_matmul.use_packed_gemv(m, p.shape[0]) for p in parts):
         assert_bit_equal(got, want, f"M={m}")
     assert_close_to_reference(got, reference.nvfp4_linear(x, cat.unpack()), f"M={m}")
     assert_close_to_reference(torch.cat([reference.nvfp4_linear(x, p.unpack()) for p in parts], -1),
@@ -905,7 +906,7 @@ def test_packed_every_code_and_scale_exact(m, dtype, device, poison_empty):
     if m <= 16:                                     # both decode kernels, whichever the dispatch picks
         outs["tensor-core GEMV"] = launch_gemv(x, p, None, torch.empty_like(want))
     if m <= 2:
-        outs["FMA GEMV"] = launch_packed_gemv(x, p, None, torch.empty_like(want))
+        outs["packed GEMV"] = launch_packed_gemv(x, p, None, torch.empty_like(want))
     for kernel, y in outs.items():
         for name, rows in groups:
             assert_bit_equal(y[:, rows], want[:, rows], f"{kernel}, rows of {name}")
@@ -918,8 +919,8 @@ PACKED_SHAPES = [_mnk(1, 1, 16), _mnk(1, 37, 1040), _mnk(2, 65, 208), _mnk(2, 13
 @pytest.mark.parametrize("dtype,bias_dtype", DTYPE_BIAS)
 @pytest.mark.parametrize("mnk", PACKED_SHAPES)
 def test_packed_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, make_nvfp4, device, poison_empty):
-    """M <= 16: the FMA GEMV or the tensor-core GEMV (use_fma_gemv); 17 up: the GEMM; all reading the packed
-    layout (test_packed_fma_gemv_configs runs the FMA GEMV on its own)."""
+    """M <= 16: the packed GEMV or the tensor-core GEMV (use_packed_gemv); 17 up: the GEMM; all reading the packed
+    layout (test_packed_fma_gemv_configs runs the packed GEMV on its own)."""
     m, n, k = mnk
     x = make_weight((m, k), dtype, seed=m * 7 + k)
     w = make_nvfp4(n, k, seed=n)
@@ -931,7 +932,7 @@ def test_packed_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, ma
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_decode_kernels_every_m(dtype, make_weight, make_nvfp4, device, poison_empty):
     """M = 1..17 on an odd N and a K that is a multiple of 16 but not of 64 (so the last 128-column chunk is padded):
-    the dispatch, the tensor-core GEMV (M <= 16) and the FMA GEMV (M <= 2), with a bias, against the reference."""
+    the dispatch, the tensor-core GEMV (M <= 16) and the packed GEMV (M <= 2), with a bias, against the reference."""
     n, k = 37, 208
     w = make_nvfp4(n, k, seed=11)
     p = pack(w)
@@ -945,7 +946,7 @@ def test_packed_decode_kernels_every_m(dtype, make_weight, make_nvfp4, device, p
             assert_close_to_reference(y, want, f"tensor-core GEMV M={m}")
         if m <= 2:
             y = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=device))
-            assert_close_to_reference(y, want, f"FMA GEMV M={m}")
+            assert_close_to_reference(y, want, f"packed GEMV M={m}")
 
 
 @pytest.mark.parametrize("config", [pytest.param({"BLOCK_N": 16, "TW": 128, "num_warps": 4}, id="gpu-16x128"),
@@ -955,7 +956,7 @@ def test_packed_decode_kernels_every_m(dtype, make_weight, make_nvfp4, device, p
                                                  id="8x64-2-programs")])
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_packed_fma_gemv_configs(config, m, make_weight, make_nvfp4, device, poison_empty):
-    """The FMA GEMV under the GPU's tiles: 2064 = 2 x 1024 + 16, so a full unmasked step, a masked tail, and rows
+    """The packed GEMV under the GPU's tiles: 2064 = 2 x 1024 + 16, so a full unmasked step, a masked tail, and rows
     that do not fill the last program; x a strided view."""
     n, k = 37, 2064
     w = make_nvfp4(n, k, seed=9)
@@ -983,25 +984,25 @@ def test_packed_fma_gemv_programs_take_tiles_in_turn(n, k, programs, pdl, make_w
         assert_bit_equal(got, want, f"{programs} programs, early release {early}")
 
 
-def test_fma_config_takes_the_measured_tiles():
-    """fma_config's choices from the H200 sweeps (docs/history/matmul.md): 32 x 64 for one x row on 8,192+ rows at
+def test_packed_gemv_config_takes_the_measured_tiles():
+    """packed_gemv_config's choices from the H200 sweeps (docs/history/matmul.md): 32 x 64 for one x row on 8,192+ rows at
     K = 2048 (the only K that tile was measured at), the rows-per-SM rule elsewhere; never a streaming grid or an
     early PDL release by default."""
-    from lynn_kernels.matmul.triton_matmul import fma_config
+    from lynn_kernels.matmul.triton_packed import packed_gemv_config
 
-    assert fma_config(8192, 2048, 132) == {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0,
+    assert packed_gemv_config(8192, 2048, 132) == {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0,
                                            "EARLY_RELEASE": False}
-    assert fma_config(12288, 2048, 132)["BLOCK_N"] == 32
-    assert (fma_config(8192, 8192, 132)["BLOCK_N"], fma_config(8192, 8192, 132)["TW"]) == (32, 128)
-    assert (fma_config(8192, 2048, 132, m=2)["BLOCK_N"], fma_config(8192, 2048, 132, m=2)["TW"]) == (16, 128)
-    assert (fma_config(4096, 2048, 132)["BLOCK_N"], fma_config(2048, 4096, 132)["BLOCK_N"]) == (16, 8)
-    assert all(fma_config(n, k, 132, m)["PROGRAMS"] == 0 and not fma_config(n, k, 132, m)["EARLY_RELEASE"]
+    assert packed_gemv_config(12288, 2048, 132)["BLOCK_N"] == 32
+    assert (packed_gemv_config(8192, 8192, 132)["BLOCK_N"], packed_gemv_config(8192, 8192, 132)["TW"]) == (32, 128)
+    assert (packed_gemv_config(8192, 2048, 132, m=2)["BLOCK_N"], packed_gemv_config(8192, 2048, 132, m=2)["TW"]) == (16, 128)
+    assert (packed_gemv_config(4096, 2048, 132)["BLOCK_N"], packed_gemv_config(2048, 4096, 132)["BLOCK_N"]) == (16, 8)
+    assert all(packed_gemv_config(n, k, 132, m)["PROGRAMS"] == 0 and not packed_gemv_config(n, k, 132, m)["EARLY_RELEASE"]
                for n, k, m in [(8192, 2048, 1), (37, 208, 2), (248320, 2048, 1)])
 
 
 def test_packed_fma_gemv_refuses_unknown_config_keys(make_weight, make_nvfp4, device):
     w = pack(make_nvfp4(8, 32))
-    with pytest.raises(ValueError, match="not FMA GEMV settings"):
+    with pytest.raises(ValueError, match="not packed GEMV settings"):
         launch_packed_gemv(make_weight((1, 32), BF16), w, None, torch.empty(1, 8, dtype=BF16, device=device),
                            {"BLOCK_K": 64})
 
@@ -1013,7 +1014,7 @@ def test_packed_fma_gemv_refuses_more_than_4_rows(make_weight, make_nvfp4, devic
 
 
 def test_packed_x_range(make_nvfp4, device, poison_empty):
-    """The FMA GEMV scales x by 2^64 internally: inputs from 1e-15 to 1e15 keep fp32 precision (docs/matmul.md)."""
+    """The packed GEMV scales x by 2^64 internally: inputs from 1e-15 to 1e15 keep fp32 precision (docs/matmul.md)."""
     w = make_nvfp4(33, 64, seed=4)
     for scale in (1e-15, 1.0, 1e15):
         x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(1)) * scale).to(device)
@@ -1025,7 +1026,7 @@ def test_packed_x_range(make_nvfp4, device, poison_empty):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 300])
 def test_gpu_packed_matches_reference_with_pdl_and_graphs(m, dtype, make_weight, make_nvfp4, device):
-    """The H200: the packed kernels on decoder-sized shapes; the FMA GEMV with programmatic dependent launch gives
+    """The H200: the packed kernels on decoder-sized shapes; the packed GEMV with programmatic dependent launch gives
     the same bits, and so does a CUDA-graph replay (captured, then replayed after a larger call)."""
     n, k = 4096, 2064
     w = make_nvfp4(n, k, seed=2, scale=0.02)
@@ -1052,11 +1053,11 @@ def test_gpu_packed_matches_reference_with_pdl_and_graphs(m, dtype, make_weight,
 
 @pytest.mark.gpu
 def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
-    """The H200: the FMA GEMV's direct launch (runtime.DirectLaunch) gives the bits of Triton's own launch path,
+    """The H200: the packed GEMV's direct launch (runtime.DirectLaunch) gives the bits of Triton's own launch path,
     eager and in a CUDA graph; an x view that is not 16-byte aligned gets its own compiled kernel (the alignment is
     part of the key), and so do a bias, PDL and two x rows, each then launched directly with the same bits."""
     from lynn_kernels import runtime
-    from lynn_kernels.matmul.triton_matmul import _FMA_GEMV
+    from lynn_kernels.matmul.triton_packed import _PACKED_GEMV
 
     n, k = 4096, 2048
     w = make_nvfp4(n, k, seed=5, scale=0.02)
@@ -1065,15 +1066,15 @@ def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
     xs = {"aligned": big[:, :k], "x 2 bytes off 16": big[:, 1:k + 1]}
     runtime.DIRECT_LAUNCH = False
     try:
-        _FMA_GEMV.compiled.clear()
+        _PACKED_GEMV.compiled.clear()
         want = {name: nvfp4_linear(x, p) for name, x in xs.items()}
     finally:
         runtime.DIRECT_LAUNCH = True
-    assert not _FMA_GEMV.compiled, "nothing is kept with the direct launch off"
+    assert not _PACKED_GEMV.compiled, "nothing is kept with the direct launch off"
     for name, x in xs.items():
         nvfp4_linear(x, p)                                      # the first call of a key goes through Triton
         assert_bit_equal(nvfp4_linear(x, p), want[name], f"direct launch, {name}")
-    assert len(_FMA_GEMV.compiled) == 2, "the misaligned view must not reuse the aligned kernel"
+    assert len(_PACKED_GEMV.compiled) == 2, "the misaligned view must not reuse the aligned kernel"
     # kept kernels with a bias, with PDL, and with two x rows: each key's second call runs directly
     bias = make_weight((n,), BF16, seed=6)
     x2 = make_weight((2, k), BF16, seed=8)
@@ -1088,7 +1089,7 @@ def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
         for _ in range(2):
             y = launch_packed_gemv(x, p, b, torch.empty(x.shape[0], n, dtype=BF16, device=device), pdl=pdl)
             assert_bit_equal(y, slow[name], f"direct launch, {name}")
-    assert len(_FMA_GEMV.compiled) == 5, "bias, PDL and M = 2 each keep their own kernel"
+    assert len(_PACKED_GEMV.compiled) == 5, "bias, PDL and M = 2 each keep their own kernel"
     x = xs["aligned"]
     out = torch.empty_like(want["aligned"])
     g = torch.cuda.CUDAGraph()

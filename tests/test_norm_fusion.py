@@ -1,4 +1,4 @@
-"""The RMSNorm folded into the launch of the kernel after it: ``matmul.norm_linear`` (the FMA GEMV),
+"""The RMSNorm folded into the launch of the kernel after it: ``matmul.norm_linear`` (the packed GEMV),
 ``moe.norm_moe_block`` (the router) and ``Model.fuse_norms`` (a decode step without the norm kernels).
 
 * each op against its torch reference (fresh random inputs, awkward shapes: odd N, K a multiple of 16 but not of
@@ -46,7 +46,7 @@ def _unfused_linear(x, nw, w, eps, residual):
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
 def test_norm_linear_equals_the_norm_then_the_product(m, n, k, dtype, with_residual, device, poison_empty,
                                                       monkeypatch):
-    """One launch (counted) with the norm in the FMA GEMV: the product, the normed rows and the residual sum are
+    """One launch (counted) with the norm in the packed GEMV: the product, the normed rows and the residual sum are
     the two kernels' bits, and the reference's within the product's rounding."""
     w = pack(quantize(_randn((n, k), torch.float32, device, 1)))
     nw = _randn((k,), torch.bfloat16, device, 2, 0.2)
@@ -57,7 +57,7 @@ def test_norm_linear_equals_the_norm_then_the_product(m, n, k, dtype, with_resid
     monkeypatch.setattr(triton_matmul, "launch_packed_gemv", lambda *a, **kw: launches.append(kw.get("norm"))
                         or real(*a, **kw))
     got = norm_linear(x, nw, w, 1e-6, residual=res)
-    assert len(launches) == 1 and launches[0] is not None, "the norm did not fold into the FMA GEMV"
+    assert len(launches) == 1 and launches[0] is not None, "the norm did not fold into the packed GEMV"
     assert len(got) == (3 if with_residual else 2)
     monkeypatch.setattr(triton_matmul, "launch_packed_gemv", real)
     want = _unfused_linear(x, nw, w, 1e-6, res)
@@ -75,7 +75,7 @@ def test_norm_linear_equals_the_norm_then_the_product(m, n, k, dtype, with_resid
 
 
 def test_norm_linear_three_rows_runs_the_two_kernels(device, poison_empty, monkeypatch):
-    """M = 3 is not the FMA GEMV's: the norm kernel runs, then the product's own dispatch; the same values."""
+    """M = 3 is not the packed GEMV's: the norm kernel runs, then the product's own dispatch; the same values."""
     w = pack(quantize(_randn((24, 128), torch.float32, device, 1)))
     nw = _randn((128,), torch.bfloat16, device, 2, 0.2)
     x, res = _randn((3, 128), torch.bfloat16, device, 3), _randn((3, 128), torch.bfloat16, device, 4)

@@ -343,12 +343,12 @@ def test_direct_launch_key_and_interpreter():
     assert runtime.DirectLaunch.key_of((t.float(), 3, None))[0][0] == torch.float32
     if runtime.INTERPRET:
         from lynn_kernels.matmul import nvfp4_linear, pack
-        from lynn_kernels.matmul.triton_matmul import _FMA_GEMV
+        from lynn_kernels.matmul.triton_packed import _PACKED_GEMV
         from lynn_kernels.nvfp4 import quantize
 
         p = pack(quantize(torch.randn(8, 32, dtype=torch.bfloat16)))
         nvfp4_linear(torch.randn(1, 32, dtype=torch.bfloat16), p)
-        assert not _FMA_GEMV.compiled
+        assert not _PACKED_GEMV.compiled
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,7 +373,7 @@ def _pdl_kernels():
 
 def test_every_pdl_kernel_waits_before_it_touches_memory():
     """A kernel launched with programmatic dependent launch runs beside the kernel before it until it waits: each
-    kernel that takes ``USE_PDL`` waits (``pdl_enter`` as its first statement, or the FMA GEMV's own ``gdc_wait``
+    kernel that takes ``USE_PDL`` waits (``pdl_enter`` as its first statement, or the packed GEMV's own ``gdc_wait``
     after its first weight loads, the router's ``pdl_enter`` after loads of its weights alone, the fused Gated
     DeltaNet step's after loads of its layer's own states and constants, the packed MoE down kernel's after the
     routing and its first words, which the gate_up kernel before it makes safe by releasing it only after its own

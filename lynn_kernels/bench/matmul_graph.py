@@ -1,8 +1,8 @@
 """Packed W4A16 matmul timed the way a decoder runs it: kernel time from CUDA-graph replay.
 
 For each decoder projection shape and M, in one process: ours on the packed layout (:func:`lynn_kernels.matmul.pack`
-weights; the FMA GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above, dequantise-then-cuBLAS from 128 rows;
-and the decode kernels each on its own, the FMA GEMV for M <= 2 and the tensor-core GEMV for M <= 16, and the two
+weights; the packed GEMV for M <= 2, the tensor-core GEMV to 16, the GEMM above, dequantise-then-cuBLAS from 128 rows;
+and the decode kernels each on its own, the packed GEMV for M <= 2 and the tensor-core GEMV for M <= 16, and the two
 prefill paths, the packed GEMM kernel and dequantise-then-cuBLAS, from M = 64), ours on the checkpoint layout
 (the previous kernels), cuBLAS bf16 ``F.linear`` on the dequantised weights, and a pure-read Triton kernel of the
 packed weight's bytes (the per-shape ceiling). Each is captured as one graph of ``S`` consecutive calls on ``S``
@@ -11,7 +11,7 @@ rotating weight sets (together past 3x the L2), replayed, and divided by ``S``; 
 reference of the same weights.
 
 ``matmul.chain`` replays the projections of decoder layers (the Qwen3.5-35B-A3B Gated DeltaNet layer's
-``in_proj_qkv``, ``in_proj_z``, ``out_proj``) as one graph: on the FMA GEMV with and without programmatic
+``in_proj_qkv``, ``in_proj_z``, ``out_proj``) as one graph: on the packed GEMV with and without programmatic
 dependent launch, and on the tensor-core GEMV, against the copy bandwidth.
 """
 
@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from ..matmul import nvfp4_linear, pack, reference
-from ..matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_gemv, launch_packed_gemv
+from ..matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_gemv
+from ..matmul.triton_packed import launch_packed_gemv
 from ..nvfp4 import dequantize, quantize
 from ..validate import compare
 from .harness import Result, derive, l2_bytes, time_fn, validated

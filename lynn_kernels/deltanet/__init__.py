@@ -243,7 +243,7 @@ def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, st
             gates' projection is not a launch of its own.
         states_early: under :func:`lynn_kernels.programmatic_launches` only: load ``state``, ``conv_state`` and
             the constants before waiting for the kernels ahead (they overlap the kernel before). A promise by the
-            caller: the launch right before this one is the layer's input projection through the packed FMA GEMV
+            caller: the launch right before this one is the layer's input projection through the packed GEMV
             (which releases its dependents only after its own wait) or a launch made without PDL, and no kernel
             since the one before that has written these states. The decoder's step keeps it (docs/deltanet.md).
 

@@ -64,7 +64,7 @@ def _gdn_decode_kernel(
     ``STATE_EARLY`` too it first loads what none of them writes: the head's recurrent state and its channels' conv
     state, the conv weights, the gates' constants and the gate projections' rows (their first chunk). The
     states are written only by this layer's decode step (this kernel, one step earlier); the caller promises that
-    the kernel launched right before this one releases its dependents only after its own wait (the FMA GEMV of the
+    the kernel launched right before this one releases its dependents only after its own wait (the packed GEMV of the
     layer's input projection) or is launched without PDL, and that the previous step on these states came before
     that kernel: it has finished, then. The states load through L2 (``.cg``). Nothing is written before the wait.
     After it, everything the kernels before wrote loads at once, and a shared key head's ticket is taken then and

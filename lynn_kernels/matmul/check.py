@@ -1,5 +1,5 @@
 """``lynn check`` rows for the packed W4A16 matmul: the GEMV, the GEMM and ``nvfp4_linear``'s dispatch, on the
-checkpoint layout and on the packed one, and the packed layout's two decode kernels (the FMA GEMV, the tensor-core
+checkpoint layout and on the packed one, and the packed layout's two decode kernels (the packed GEMV, the tensor-core
 GEMV) and its prefill path (dequantise, then cuBLAS) each on its own, against the fp32 reference.
 
 Rows are ``{"op", "case", "metrics": Metrics, "passed": bool}``; the baseline of ``err_ratio`` is the same product
@@ -27,7 +27,7 @@ MATMUL_MAX_REL_L2 = {torch.float32: 2e-6, torch.float16: 5e-5, torch.bfloat16: 1
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = (
     "matmul.nvfp4_gemv", "matmul.nvfp4_gemv packed", "matmul.nvfp4_gemm", "matmul.nvfp4_gemm packed",
-    "matmul.nvfp4_linear", "matmul.nvfp4_linear packed", "matmul.tensor-core gemv packed", "matmul.fma gemv packed",
+    "matmul.nvfp4_linear", "matmul.nvfp4_linear packed", "matmul.tensor-core gemv packed", "matmul.packed gemv",
     "matmul.dequantise + cuBLAS packed", "matmul.norm_linear packed",
 )
 
@@ -57,14 +57,15 @@ def iter_rows() -> Iterator[dict]:
                 yield _row(f"matmul.{name}{layout}", label, got, want, base, dtype)
         if m <= 16 and runtime.backend() != "reference":
             # the two decode kernels of the packed layout on their own, whichever the dispatch picks
-            from .triton_matmul import launch_gemv, launch_packed_gemv
+            from .triton_matmul import launch_gemv
+            from .triton_packed import launch_packed_gemv
 
             p = pack(w)
             got = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
             yield _row("matmul.tensor-core gemv packed", label, got, want, base, dtype)
             if m <= 2:
                 got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
-                yield _row("matmul.fma gemv packed", label, got, want, base, dtype)
+                yield _row("matmul.packed gemv", label, got, want, base, dtype)
                 yield _norm_row(label, x, p, gen, dtype)
         if m > 16 and runtime.backend() != "reference":
             # the prefill path (nvfp4_linear's from DEQUANT_MIN_M rows) on its own: dequantise once, then cuBLAS
@@ -75,7 +76,7 @@ def iter_rows() -> Iterator[dict]:
 
 
 def _norm_row(label: str, x: torch.Tensor, w, gen: torch.Generator, dtype) -> dict:
-    """``norm_linear`` (the norm with the residual add in the FMA GEMV's launch): its product against the reference
+    """``norm_linear`` (the norm with the residual add in the packed GEMV's launch): its product against the reference
     product of its own normed rows (the product's bound), its normed rows within one rounding of the norm's
     reference, its residual sum exact."""
     from ..norm import reference as norm_reference

@@ -45,7 +45,7 @@ SIGN_BIT = tuple(pos for s, _ in PAIR_SHIFTS for pos in (15 - s, 31 - s))
 MAG_BIT = tuple(pos for _, m in PAIR_SHIFTS for pos in (6 - m, 22 - m))
 
 #: The re-encoded scale byte ``b`` (its nibbles swapped back) decodes as ``float32 bits (b << 20) | SCALE_OR[kind]``:
-#: ``s * 2^75`` (FMA GEMV) or ``s * 2^107`` (tensor-core kernels).
+#: ``s * 2^75`` (packed GEMV) or ``s * 2^107`` (tensor-core kernels).
 SCALE_OR = {"fma": 0x60000000, "mma": 0x70000000}
 SCALE_EXP = {"fma": 75, "mma": 107}
 SCALE_BIAS = 10          # the byte's exponent field is e + 10, 1..18 for E4M3's 2^-9 .. 2^8

@@ -11,9 +11,9 @@ from .packed import PackedNVFP4
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The GEMV kernel's row limit (decode batches); larger M goes to the GEMM.
 GEMV_MAX_M = 16
-#: The most x rows the dispatch sends a packed weight's FMA GEMV (``use_fma_gemv`` decides by N too); up to
+#: The most x rows the dispatch sends the packed GEMV (``use_packed_gemv`` decides by N too); up to
 #: GEMV_MAX_M rows go to the tensor-core GEMV.
-FMA_MAX_M = 2
+PACKED_GEMV_MAX_M = 2
 
 
 def check_linear_args(x, w, bias=None) -> None:

@@ -45,7 +45,7 @@ from ..runtime import cast_output, kernel_view, to_float32
 from ..triton_shared import MMA_UNIT, kernel_constexprs, packed_w_tile, split_k_counter, split_k_for, w_tile
 from .packed import CHUNK, PackedNVFP4
 from .spec import GEMV_MAX_M, check_linear_args
-from .triton_packed import packed_gemv_kernel
+from .triton_packed import NORM_MAX_K, _bias_arg, _sm_count, launch_packed_gemv
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,14 +215,6 @@ def _nvfp4_gemm_kernel(
 # host side
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; the interpreter pretends to have 4 so small tests exercise split-K."""
-    if runtime.INTERPRET:
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)
 def _max_split(m: int, n: int, k: int, sms: int) -> int:
     """The largest split any GEMM config can choose for this shape: sizes the partial-sum workspace."""
@@ -258,10 +250,6 @@ def _check_packed_block_k(w, meta: dict) -> None:
     if isinstance(w, PackedNVFP4) and meta["BLOCK_K"] % CHUNK:
         raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: a packed weight's tile covers whole chunks of "
                          f"{CHUNK} columns (BLOCK_K a multiple of {CHUNK})")
-
-
-def _bias_arg(bias, y):
-    return y if bias is None else kernel_view(bias.contiguous())     # y is never read when HAS_BIAS=False
 
 
 def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
@@ -422,96 +410,8 @@ def launch_dequant_gemm(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor,
     return y
 
 
-@functools.lru_cache(maxsize=4096)
-def fma_config(n: int, k: int, sms: int, m: int = 1) -> dict:
-    """The FMA GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
-    of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
-    a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
-    in docs/history/matmul.md ranked them; one x row on 8,192 rows or more at K = 2048 (the only K measured; at 8,192
-    it lost) takes 32 rows of 64 words, four steps (7.35 against 8.95 us at 2048->8192, 9.66 against 10.89 at
-    2048->12288 on the H200, git a906a61). ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off: the
-    H200 measured neither faster (docs/history/matmul.md)."""
-    if m == 1 and n >= 8192 and k == 2048:
-        return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
-    tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
-    block_n, most = 4, 16 if m > 1 or k < 8192 else 32
-    while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
-        block_n *= 2
-    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
-
-
-def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
-                       pdl: bool = False, norm: tuple | None = None) -> torch.Tensor:
-    """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``FMA_MAX_M``) times a packed
-    weight into ``y [M, N]`` on the FMA GEMV. ``config`` replaces keys of :func:`fma_config`: ``BLOCK_N``, ``TW``,
-    ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at most that many
-    programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
-    program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
-    the wait on the kernel before). ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the RMSNorm
-    in front (:func:`lynn_kernels.matmul.norm_linear`): the product is of ``rmsnorm(x2 + residual) * (1 +
-    norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), whose rows go to ``x_out`` and ``x2 + residual`` to
-    ``residual_out`` (contiguous ``[M, K]``); ``x2`` and ``residual`` unit stride along K, ``K <= NORM_MAX_K``."""
-    m, k = x2.shape
-    n = w.shape[0]
-    kw = w.words.shape[1]
-    if m > 4:
-        raise ValueError(f"the FMA GEMV takes at most 4 rows of x, got M = {m}")
-    meta = fma_config(n, k, _sm_count(x2.device), m)            # cached: read, never changed
-    if config:
-        meta = {**meta, **config}
-        unknown = set(meta) - {"BLOCK_N", "TW", "num_warps", "PROGRAMS", "EARLY_RELEASE"}
-        if unknown:
-            raise ValueError(f"config keys {sorted(unknown)} are not FMA GEMV settings (BLOCK_N, TW, num_warps, "
-                             f"PROGRAMS, EARLY_RELEASE)")
-    block_n, tw, warps = meta["BLOCK_N"], meta["TW"], meta["num_warps"]
-    tiles = runtime.cdiv(n, block_n)
-    programs = min(tiles, meta["PROGRAMS"]) if meta["PROGRAMS"] > 0 else tiles
-    if norm is None:
-        r = nw = xo = ho = y
-        eps, stride_rm, stride_om, norm_spec = 0.0, 0, 0, (0, 16, None)
-    else:
-        r, nw, eps, xo, ho = norm
-        if k > NORM_MAX_K:
-            raise ValueError(f"the norm folded into the FMA GEMV holds a row of x in registers: K <= {NORM_MAX_K}, "
-                             f"got K = {k}")
-        if r is None:
-            r = ho = x2
-        stride_rm, stride_om = r.stride(0), xo.stride(0)
-        norm_spec = (1 if norm[0] is None else 2, runtime.next_power_of_2(k), nw.dtype)
-    spec = (x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.next_power_of_2(m), block_n, tw,
-            n % block_n == 0, kw % tw == 0 and 8 * kw == k, bool(pdl) and not runtime.INTERPRET,
-            bool(meta["EARLY_RELEASE"])) + norm_spec
-    args = (kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
-            m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
-            kernel_view(r), kernel_view(nw), kernel_view(xo), kernel_view(ho), eps, stride_rm, stride_om)
-    key = (spec, warps, m, n, k, kw, args[10], args[11], args[12], args[13], args[0].data_ptr() & 15,
-           w.words.data_ptr() & 15, w.scales.data_ptr() & 15, w.global_scale.data_ptr() & 15,
-           args[4].data_ptr() & 15, args[5].data_ptr() & 15, stride_rm, stride_om, args[14].data_ptr() & 15,
-           args[15].data_ptr() & 15, args[16].data_ptr() & 15, args[17].data_ptr() & 15)
-    _FMA_GEMV((programs,), key, args, _fma_constexprs(*spec), warps, 1, spec[8])
-    return y
-
-
-#: Largest K the norm folded into the FMA GEMV takes (it reduces a row of x at once, as the norm kernel does).
-NORM_MAX_K = 8192
-
-
-_FMA_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
-
-
-@functools.lru_cache(maxsize=1024)
-def _fma_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early,
-                    norm=0, norm_d=16, nw_dtype=None) -> dict:
-    """The FMA GEMV's constexprs for one specialisation (cached: built once, not per call)."""
-    flags = kernel_constexprs(x_dtype, bias_dtype, y_dtype, runtime.INTERPRET, True)
-    return dict(HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
-                OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=block_m, BLOCK_N=block_n, TW=tw, EVEN_N=even_n, EVEN_K=even_k,
-                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET, NORM=norm, NORM_D=norm_d,
-                NW_DTYPE=runtime.TORCH_TO_TL[nw_dtype] if nw_dtype is not None else tl.float32)
-
-
-def use_fma_gemv(m: int, n: int) -> bool:
-    """The decode dispatch for a packed weight, from the H200 sweeps in docs/history/matmul.md: the FMA GEMV for one
+def use_packed_gemv(m: int, n: int) -> bool:
+    """The decode dispatch for a packed weight, from the H200 sweeps in docs/history/matmul.md: the packed GEMV for one
     row of x up to 65,536 output rows (faster than the tensor-core GEMV by up to 1.6x on the decoder's projections,
     slower on the LM head), and for two rows below 8,192 output rows; the tensor-core GEMV otherwise (its time is
     flat in M to 16)."""
@@ -519,9 +419,9 @@ def use_fma_gemv(m: int, n: int) -> bool:
 
 
 def _launch_small(x2, w, bias, y):
-    """M <= GEMV_MAX_M: the FMA GEMV or the tensor-core GEMV for a packed weight (:func:`use_fma_gemv`), the
+    """M <= GEMV_MAX_M: the packed GEMV or the tensor-core GEMV for a packed weight (:func:`use_packed_gemv`), the
     tensor-core GEMV for the checkpoint layout."""
-    if isinstance(w, PackedNVFP4) and use_fma_gemv(x2.shape[0], w.shape[0]):
+    if isinstance(w, PackedNVFP4) and use_packed_gemv(x2.shape[0], w.shape[0]):
         return launch_packed_gemv(x2, w, bias, y, pdl=runtime.pdl())
     return launch_gemv(x2, w, bias, y)
 
@@ -563,8 +463,8 @@ def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | No
 
 def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float = 1e-6, *,
                        residual: torch.Tensor | None = None) -> tuple:
-    """Host side of :func:`lynn_kernels.matmul.norm_linear`: one launch of the FMA GEMV with the norm folded in
-    where the FMA GEMV takes the product (a packed ``w``, :func:`use_fma_gemv`, ``K <= NORM_MAX_K``, a norm weight
+    """Host side of :func:`lynn_kernels.matmul.norm_linear`: one launch of the packed GEMV with the norm folded in
+    where the packed GEMV takes the product (a packed ``w``, :func:`use_packed_gemv`, ``K <= NORM_MAX_K``, a norm weight
     the kernels read); otherwise the norm kernel, then :func:`nvfp4_linear`'s dispatch (two launches, the same
     values)."""
     from ..norm import rmsnorm
@@ -576,7 +476,7 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float
     n, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not (isinstance(w, PackedNVFP4) and m > 0 and use_fma_gemv(m, n) and k <= NORM_MAX_K
+    if not (isinstance(w, PackedNVFP4) and m > 0 and use_packed_gemv(m, n) and k <= NORM_MAX_K
             and norm_weight.dtype in runtime.TORCH_TO_TL):
         return norm_spec.norm_then(rmsnorm, lambda xn: nvfp4_linear_triton(xn, w), x, norm_weight, eps, residual)
     norm_spec.check_devices(x=x, norm_weight=norm_weight, residual=residual)

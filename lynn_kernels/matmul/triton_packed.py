@@ -1,6 +1,6 @@
-"""Packed-layout W4A16 kernels: the decode GEMV on the FMA units (the packed weight tile for the tensor-core kernels
-of :mod:`.triton_matmul` is in :mod:`lynn_kernels.triton_shared`). The layout is :mod:`.packed`'s; the design and its
-measurements are in docs/matmul.md.
+"""Packed-layout W4A16 kernels: the packed GEMV (decode rows on the FMA units) and its launch (the packed weight
+tile for the tensor-core kernels of :mod:`.triton_matmul` is in :mod:`lynn_kernels.triton_shared`). The layout is
+:mod:`.packed`'s; the design and its measurements are in docs/matmul.md.
 
 The decode of one int32 word (8 codes) is 13 integer operations in all: five shifts shared by the four bf16 pairs,
 an AND and an AND-OR per pair (``triton_shared.decode_word``). Each pair becomes two fp32 values ``e2m1 * 2^-126`` by a
@@ -16,7 +16,8 @@ decoded registers to the tensor cores with no shared-memory round trip (docs/mat
 The word decode (:func:`~lynn_kernels.triton_shared.decode_word`, :func:`~lynn_kernels.triton_shared.fma_scales`,
 :func:`~lynn_kernels.triton_shared.load_words`, :func:`~lynn_kernels.triton_shared.fma_row_step`), the tensor-core
 tile (:func:`~lynn_kernels.triton_shared.packed_w_tile`) and the folded norm's rows are shared with the MoE decode
-kernels, so they live in :mod:`lynn_kernels.triton_shared`; this file keeps the FMA GEMV kernel.
+kernels, so they live in :mod:`lynn_kernels.triton_shared`; this file keeps the packed GEMV kernel and its host side
+(:func:`launch_packed_gemv`, :func:`packed_gemv_config`).
 
 The range this buys: ``|x|`` below ``2^64`` (``x * 2^64`` stays finite) and products above ``2^-64`` stay normal;
 beyond, fp32 itself would be the limit of the reference too (``e2m1 * scale * x`` near fp32's ends).
@@ -24,11 +25,16 @@ beyond, fp32 itself would be the limit of the reference too (``e2m1 * scale * x`
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
-from ..runtime import cast_output, to_float32
-from ..triton_shared import FMA_UNIT, decode_word, fma_row_step, fma_scales, load_words, norm_row
+from .. import runtime
+from ..runtime import cast_output, kernel_view, to_float32
+from ..triton_shared import FMA_UNIT, decode_word, fma_row_step, fma_scales, kernel_constexprs, load_words, norm_row
+from .packed import PackedNVFP4
 
 
 @triton.jit
@@ -58,7 +64,7 @@ def packed_gemv_kernel(
     USE_PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, INTERPRET: tl.constexpr,
     NORM: tl.constexpr = 0, NORM_D: tl.constexpr = 16, NW_DTYPE: tl.constexpr = tl.float32,
 ):
-    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_fma_gemv``, sends
+    """``y[:M] = x[:M] @ W^T`` for ``M <= BLOCK_M <= 4`` (a few decode rows; the dispatch, ``use_packed_gemv``, sends
     it M = 1 and 2 where it beats the tensor-core GEMV; more rows spill registers) on the FMA units, no split of K:
     the ``BLOCK_N``-row tiles go to the programs in turn (tile ``pid``, ``pid + num_programs``, ...; a grid of one
     program per tile gives each one tile), each tile in steps of ``TW`` words (``8 TW`` weights, ``TW`` a multiple
@@ -154,3 +160,107 @@ def packed_gemv_kernel(
                          INTERPRET)
                 acc2 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
                 acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host side
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; the interpreter pretends to have 4 so small tests exercise split-K."""
+    if runtime.INTERPRET:
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _bias_arg(bias, y):
+    return y if bias is None else kernel_view(bias.contiguous())     # y is never read when HAS_BIAS=False
+
+
+@functools.lru_cache(maxsize=4096)
+def packed_gemv_config(n: int, k: int, sms: int, m: int = 1) -> dict:
+    """The packed GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
+    of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
+    a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
+    in docs/history/matmul.md ranked them; one x row on 8,192 rows or more at K = 2048 (the only K measured; at 8,192
+    it lost) takes 32 rows of 64 words, four steps (7.35 against 8.95 us at 2048->8192, 9.66 against 10.89 at
+    2048->12288 on the H200, git a906a61). ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off: the
+    H200 measured neither faster (docs/history/matmul.md)."""
+    if m == 1 and n >= 8192 and k == 2048:
+        return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
+    tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
+    block_n, most = 4, 16 if m > 1 or k < 8192 else 32
+    while block_n < most and runtime.cdiv(n, 2 * block_n) >= sms:
+        block_n *= 2
+    return {"BLOCK_N": block_n, "TW": tw, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
+
+
+def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
+                       pdl: bool = False, norm: tuple | None = None) -> torch.Tensor:
+    """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``PACKED_GEMV_MAX_M``) times a
+    packed weight into ``y [M, N]`` on the packed GEMV. ``config`` replaces keys of :func:`packed_gemv_config`:
+    ``BLOCK_N``, ``TW``, ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at
+    most that many programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
+    program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
+    the wait on the kernel before). ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the RMSNorm
+    in front (:func:`lynn_kernels.matmul.norm_linear`): the product is of ``rmsnorm(x2 + residual) * (1 +
+    norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), whose rows go to ``x_out`` and ``x2 + residual`` to
+    ``residual_out`` (contiguous ``[M, K]``); ``x2`` and ``residual`` unit stride along K, ``K <= NORM_MAX_K``."""
+    m, k = x2.shape
+    n = w.shape[0]
+    kw = w.words.shape[1]
+    if m > 4:
+        raise ValueError(f"the packed GEMV takes at most 4 rows of x, got M = {m}")
+    meta = packed_gemv_config(n, k, _sm_count(x2.device), m)            # cached: read, never changed
+    if config:
+        meta = {**meta, **config}
+        unknown = set(meta) - {"BLOCK_N", "TW", "num_warps", "PROGRAMS", "EARLY_RELEASE"}
+        if unknown:
+            raise ValueError(f"config keys {sorted(unknown)} are not packed GEMV settings (BLOCK_N, TW, num_warps, "
+                             f"PROGRAMS, EARLY_RELEASE)")
+    block_n, tw, warps = meta["BLOCK_N"], meta["TW"], meta["num_warps"]
+    tiles = runtime.cdiv(n, block_n)
+    programs = min(tiles, meta["PROGRAMS"]) if meta["PROGRAMS"] > 0 else tiles
+    if norm is None:
+        r = nw = xo = ho = y
+        eps, stride_rm, stride_om, norm_spec = 0.0, 0, 0, (0, 16, None)
+    else:
+        r, nw, eps, xo, ho = norm
+        if k > NORM_MAX_K:
+            raise ValueError(f"the norm folded into the packed GEMV holds a row of x in registers: K <= {NORM_MAX_K}, "
+                             f"got K = {k}")
+        if r is None:
+            r = ho = x2
+        stride_rm, stride_om = r.stride(0), xo.stride(0)
+        norm_spec = (1 if norm[0] is None else 2, runtime.next_power_of_2(k), nw.dtype)
+    spec = (x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.next_power_of_2(m), block_n, tw,
+            n % block_n == 0, kw % tw == 0 and 8 * kw == k, bool(pdl) and not runtime.INTERPRET,
+            bool(meta["EARLY_RELEASE"])) + norm_spec
+    args = (kernel_view(x2), w.words, w.scales, w.global_scale, _bias_arg(bias, y), kernel_view(y),
+            m, n, k, kw, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
+            kernel_view(r), kernel_view(nw), kernel_view(xo), kernel_view(ho), eps, stride_rm, stride_om)
+    key = (spec, warps, m, n, k, kw, args[10], args[11], args[12], args[13], args[0].data_ptr() & 15,
+           w.words.data_ptr() & 15, w.scales.data_ptr() & 15, w.global_scale.data_ptr() & 15,
+           args[4].data_ptr() & 15, args[5].data_ptr() & 15, stride_rm, stride_om, args[14].data_ptr() & 15,
+           args[15].data_ptr() & 15, args[16].data_ptr() & 15, args[17].data_ptr() & 15)
+    _PACKED_GEMV((programs,), key, args, _packed_gemv_constexprs(*spec), warps, 1, spec[8])
+    return y
+
+
+#: Largest K the norm folded into the packed GEMV takes (it reduces a row of x at once, as the norm kernel does).
+NORM_MAX_K = 8192
+
+
+_PACKED_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_gemv_constexprs(x_dtype, bias_dtype, y_dtype, block_m, block_n, tw, even_n, even_k, use_pdl, early,
+                    norm=0, norm_d=16, nw_dtype=None) -> dict:
+    """The packed GEMV's constexprs for one specialisation (cached: built once, not per call)."""
+    flags = kernel_constexprs(x_dtype, bias_dtype, y_dtype, runtime.INTERPRET, True)
+    return dict(HAS_BIAS=flags["HAS_BIAS"], X_DTYPE=flags["X_DTYPE"], BIAS_DTYPE=flags["BIAS_DTYPE"],
+                OUT_DTYPE=flags["OUT_DTYPE"], BLOCK_M=block_m, BLOCK_N=block_n, TW=tw, EVEN_N=even_n, EVEN_K=even_k,
+                USE_PDL=use_pdl, EARLY_RELEASE=early, INTERPRET=runtime.INTERPRET, NORM=norm, NORM_D=norm_d,
+                NW_DTYPE=runtime.TORCH_TO_TL[nw_dtype] if nw_dtype is not None else tl.float32)

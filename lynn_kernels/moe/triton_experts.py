@@ -325,7 +325,7 @@ def _moe_packed_gate_up_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """Decode gate_up on packed experts (the FMA GEMV's word decode): program ``(slot, n)`` computes ``h[slot, n
+    """Decode gate_up on packed experts (the packed GEMV's word decode): program ``(slot, n)`` computes ``h[slot, n
     * BLOCK_N : (n + 1) * BLOCK_N]`` of expert ``ids[slot]`` from token ``slot // SLOTS``, its gate and up rows in
     steps of ``TW`` words, the next step's words loading while this one is multiplied.
 
@@ -380,7 +380,7 @@ def _slots_step(acc, q, v, h_rows, mask_j, k0, I, SLOTS_P2: tl.constexpr, BLOCK_
                 TW: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
     """One step of the down kernel: ``acc [SLOTS_P2, BLOCK_N, TW] +=`` the products of the words ``q`` (rows of
     every slot's expert, ``[SLOTS_P2 * BLOCK_N, TW]``) with each slot's own ``h`` row (``h_rows`` ``[SLOTS_P2]``
-    pointers), in the FMA GEMV's order: per half word a sum of four products, then one FMA by its block scale."""
+    pointers), in the packed GEMV's order: per half word a sum of four products, then one FMA by its block scale."""
     e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(q)
     sa, sb = fma_scales(v, INTERPRET)
     kx = 8 * k0 + tl.arange(0, 8 * TW)                                          # the step's h columns

@@ -140,7 +140,7 @@ def _router_kernel(
     routing, ``weights[t, TOP_K]``, its id ``ids[t, TOP_K] = E`` (the shared expert as the stack's expert ``E``;
     the routing's rows are then ``TOP_K + 1`` long).
 
-    ``NORM`` folds the block's RMSNorm in front (as the FMA GEMV does, :func:`~lynn_kernels.triton_shared.norm_row`):
+    ``NORM`` folds the block's RMSNorm in front (as the packed GEMV does, :func:`~lynn_kernels.triton_shared.norm_row`):
     x is ``rmsnorm(x + r) * (1 + nw)`` (2) or ``rmsnorm(x) * (1 + nw)`` (1); every program computes the rows'
     ``rstd`` and normalises the x tiles it loads, and program ``(0, 0)`` writes the normed rows to ``xo`` and
     ``x + r`` to ``ho``, which the expert kernels after it read.
