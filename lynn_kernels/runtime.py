@@ -147,12 +147,23 @@ def host_ints(t: torch.Tensor) -> tuple[int, ...]:
     return values
 
 
-def op(reference):
-    """Decorate a host function so that it runs ``reference`` instead when the reference backend is on.
+def op(reference, *, docs="host"):
+    """Decorate a host function (check, allocate, launch) so that it runs ``reference`` instead when the reference
+    backend is on: the one way a public op is declared.
 
-    The host function and the reference take the same arguments and return the same thing;
-    the decorator only picks one, it never falls back silently.
+    The host function and the reference take the same arguments and return the same thing; the decorator only picks
+    one, it never falls back silently. The op keeps both as ``op.host`` and ``op.reference``.
+
+    ``docs`` says whose name, signature and docstring the op shows (what ``help()`` shows):
+
+    * ``"host"``: the host's, for a host written as the public function in the family's ``__init__.py``
+      (``@runtime.op(reference=reference.rmsnorm)`` above ``def rmsnorm(...)``);
+    * ``"reference"``: the reference's, with a line saying which runs when, for a host that lives beside its kernel
+      in a ``triton_*.py`` file (``quantize = runtime.op(reference=reference.quantize,
+      docs="reference")(quantize_triton)``).
     """
+    if docs not in ("host", "reference"):
+        raise ValueError(f"docs={docs!r}: expected 'host' or 'reference'")
 
     def wrap(host):
         @functools.wraps(host)
@@ -161,22 +172,16 @@ def op(reference):
                 return reference(*args, **kwargs)
             return host(*args, **kwargs)
 
+        if docs == "reference":
+            functools.update_wrapper(public, reference)
+            public.__doc__ = ((reference.__doc__ or "").rstrip() + f"\n\nRuns the Triton kernels through "
+                              f"``{host.__module__}.{host.__name__}``; under ``use_reference()``, this torch "
+                              f"reference.")
         public.reference = reference
         public.host = host
         return public
 
     return wrap
-
-
-def public_op(reference, host):
-    """The public op for a ``host`` function (check, allocate, launch) whose spec is ``reference``: :func:`op`, with
-    the reference's name, signature and docstring (what ``help()`` shows), and a line saying which runs when."""
-    public = op(reference)(host)
-    functools.update_wrapper(public, reference)
-    public.__doc__ = ((reference.__doc__ or "").rstrip() + f"\n\nRuns the Triton kernels through "
-                      f"``{host.__module__}.{host.__name__}``; under ``use_reference()``, this torch reference.")
-    public.reference, public.host = reference, host
-    return public
 
 
 def autotune(configs, key, prune_configs_by=None, **kwargs):

@@ -172,7 +172,7 @@ def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True
     return moe_block_triton(x, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
 
 
-norm_moe_block = runtime.public_op(reference.norm_moe_block, norm_moe_block_triton)
+norm_moe_block = runtime.op(reference=reference.norm_moe_block, docs="reference")(norm_moe_block_triton)
 
 __all__ = ["route", "align", "moe_experts", "moe_block", "norm_moe_block", "SharedExpert", "stack_w13", "fuse_w13", "max_padded",
            "reference", "spec"]

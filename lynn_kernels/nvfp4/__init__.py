@@ -16,8 +16,8 @@ from .spec import BLOCK, E2M1_MAGNITUDES, E4M3_MAX, RECIPES, e2m1_table
 from .tensor import NVFP4Tensor
 from .triton_quant import dequantize_triton, quantize_triton
 
-quantize = runtime.public_op(reference.quantize, quantize_triton)
-dequantize = runtime.public_op(reference.dequantize, dequantize_triton)
+quantize = runtime.op(reference=reference.quantize, docs="reference")(quantize_triton)
+dequantize = runtime.op(reference=reference.dequantize, docs="reference")(dequantize_triton)
 
 __all__ = ["NVFP4Tensor", "quantize", "dequantize", "reference", "spec", "BLOCK", "E2M1_MAGNITUDES", "E4M3_MAX",
            "RECIPES", "e2m1_table"]
