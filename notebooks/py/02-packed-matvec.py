@@ -522,11 +522,11 @@ print("\n".join(src[start:start + 8]))
 #   holds of the tensor cores' operand, so that the decoded pairs already are the registers the MMA reads;
 # * **scales**: uint8 `[N, Kp/16]`, each E4M3 scale `s = 2^e (1 + m/8)` re-encoded as the byte `(e + 10) << 3 | m`
 #   and stored with its two nibbles swapped (zero in the padding). A byte-permute and an AND-OR turn it into a bf16
-#   pair `s x 2^107` (for the tensor-core kernels) or an fp32 `s x 2^75` (for the FMA GEMV): no table, no shift
+#   pair `s x 2^107` (for the tensor-core kernels) or an fp32 `s x 2^75` (for the packed GEMV): no table, no shift
 #   and no subnormal case;
 # * **global scale**: unchanged, applied once per output in the epilogue, with the powers of two folded in.
 #
-# Which kernel decodes a packed weight is `triton_matmul.use_fma_gemv(m, n)`'s choice, made from the H200
+# Which kernel decodes a packed weight is `triton_matmul.use_packed_gemv(m, n)`'s choice, made from the H200
 # measurements at the end of this section: a GEMV on the FMA units (`packed_gemv_kernel` in `triton_packed.py`) for
 # one row of `x` up to 65,536 output rows and for two rows below 8,192; otherwise the tensor-core GEMV of section 3
 # up to M = 16 and the GEMM above, both of which decode the words through `packed_w_tile`.
@@ -780,7 +780,7 @@ print(f"all {p.words.numel()} words ({every.numel()} elements, put back in K ord
 # copies one byte into all four bytes of a register, and there the low nibble of each copy sits just above the high
 # nibble of the copy below, so bits 20..27 of the register, and bits 4..11 of each of its 16-bit halves, hold `b`
 # the right way round. One AND-OR (`lop3`) with the exponent's constant top bits then makes the fp32
-# `(b << 20) | 0x60000000 = s x 2^75` (the FMA GEMV) or, with `(b << 4) | 0x7000` in each half, the bf16 pair
+# `(b << 20) | 0x60000000 = s x 2^75` (the packed GEMV) or, with `(b << 4) | 0x7000` in each half, the bf16 pair
 # `s x 2^107` (the tensor-core tile's operand for `mul.rn.bf16x2`): two instructions a scale, no shift. In torch the
 # permute is a multiply by `0x01010101`. Three scales step by step (E4M3's smallest, the subnormal `2^-9`; 1.5; its
 # largest, 448), then every positive finite one, each packed as a block of its own:
@@ -820,7 +820,7 @@ print(f"  fp32 = s x 2^{packed.SCALE_EXP['fma']}:", bool((fp32 == s * 2.0 ** pac
 # %% [markdown]
 # A word reads its two scales as one 16-bit value, the pair at byte `2i` of its chunk's 8: block `2i` in the low
 # byte (the permute's selector `0x0000` copies it), block `2i + 1` in the high one (selector `0x1111`). With (d),
-# the whole weight of (a) by hand, the way the FMA GEMV decodes it: words and scale pairs to `e2m1 x s`, put back in
+# the whole weight of (a) by hand, the way the packed GEMV decodes it: words and scale pairs to `e2m1 x s`, put back in
 # K order, against `e2m1 x s` from the checkpoint's codes and E4M3 scales:
 
 # %%
@@ -838,7 +838,7 @@ print(f"words + scale pairs -> e2m1 x s, all {p.k * p.words.shape[0]} weights eq
       bool((by_hand[:, :p.k] == ckpt).all()), "| the padding zero:", bool((by_hand[:, p.k:] == 0).all()))
 
 # %% [markdown]
-# The FMA GEMV multiplies the decoded `e2m1 * 2^-126` by `x * 2^64`, so every product `e2m1 * x * 2^-62` is a
+# The packed GEMV multiplies the decoded `e2m1 * 2^-126` by `x * 2^64`, so every product `e2m1 * x * 2^-62` is a
 # normal fp32 and exact; each half word's 4 products are one FMA chain, scaled by its block's `s * 2^75` with one
 # more FMA, and the epilogue multiplies by `g * 2^-13`. Its `x` must follow the words' order: it loads a step's `x`
 # contiguous and reorders it to the words' K positions with a reshape and a permute (on the GPU through shared
@@ -848,7 +848,7 @@ print(f"words + scale pairs -> e2m1 x s, all {p.k * p.words.shape[0]} weights eq
 # the GPU that is a relabelling of registers, since each thread already holds its part of the operand. The epilogue
 # undoes the `2^-19`. Every step is exact but the fp32 additions, as in the reference.
 #
-# **(f) The three kernels on the packed layout.** `nvfp4_linear(x, pack(w))` at M = 1 and 2 (the FMA GEMV, on
+# **(f) The three kernels on the packed layout.** `nvfp4_linear(x, pack(w))` at M = 1 and 2 (the packed GEMV, on
 # these 48 rows), M = 8 (the tensor-core GEMV) and M = 40 (the GEMM), on the grid data of section 3 (bf16: every
 # order of the sums is exact, so the output must match the reference bit for bit, and the checkpoint layout's too)
 # and on random data in fp32 (round-off, shown against a bound). `traced` watches the three launch functions of
@@ -858,7 +858,7 @@ print(f"words + scale pairs -> e2m1 x s, all {p.k * p.words.shape[0]} weights eq
 import contextlib
 from unittest import mock
 
-LAUNCHES = {"launch_packed_gemv": "FMA GEMV", "launch_gemv": "tensor-core GEMV", "launch_gemm": "GEMM"}
+LAUNCHES = {"launch_packed_gemv": "packed GEMV", "launch_gemv": "tensor-core GEMV", "launch_gemm": "GEMM"}
 
 
 def traced(fn, *args):
@@ -898,14 +898,14 @@ rows = []
 for m in (1, 2):
     x, w = grid_case(m, 37, 208, seed=30 + m, dtype=torch.bfloat16)
     want_y = reference.nvfp4_linear(x, w)
-    for label, launch in (("FMA GEMV", triton_matmul.launch_packed_gemv),
+    for label, launch in (("packed GEMV", triton_matmul.launch_packed_gemv),
                           ("tensor-core GEMV", triton_matmul.launch_gemv)):
         y = launch(x, pack(w), None, torch.full((m, 37), float("nan"), dtype=x.dtype, device=x.device))  # poisoned
         rows.append({"M": m, "kernel": label, "case": "grid bf16 37x208",
                      "mismatches vs reference": compare(y, want_y, exact=True).mismatches})
 print(render_table(rows))
-print("\nuse_fma_gemv(m, n): the decode kernel for a packed weight")
-print(render_table([{"M": m, **{f"N={n:,}": "FMA" if triton_matmul.use_fma_gemv(m, n) else "tensor-core"
+print("\nuse_packed_gemv(m, n): the decode kernel for a packed weight")
+print(render_table([{"M": m, **{f"N={n:,}": "FMA" if triton_matmul.use_packed_gemv(m, n) else "tensor-core"
                                 for n in (2048, 8191, 8192, 65536, 65537, 248320)}} for m in (1, 2, 3, 16)]))
 
 # %% [markdown]
@@ -934,7 +934,7 @@ print(render_table(rows))
 
 # %% [markdown]
 # Section 5's `lynn check matmul` runs every one of its rows on both layouts, and the two decode kernels on their own.
-# Two paths are not run here: on the GPU the FMA GEMV decodes its scales in inline PTX (`_decode_scales_asm`: the
+# Two paths are not run here: on the GPU the packed GEMV decodes its scales in inline PTX (`_decode_scales_asm`: the
 # `prmt` and `lop3` of (e)), and with bf16 activations the tensor-core tile decodes a word in inline PTX
 # (`_decode_word_bf16`: the scale pair by the same two instructions, the two masks of (d) per pair, then one
 # `mul.rn.bf16x2` by its block's scale); the interpreter cannot run them, so here both take the portable decode
@@ -945,7 +945,7 @@ print(render_table(rows))
 # `lynn bench matmul.graph` times each decoder projection shape the way a decoder runs it: captured in a **CUDA
 # graph** of 8 to 64 consecutive calls on rotating weight sets (together past 3x the L2), replayed, divided by the
 # calls. In one process: ours on the packed layout as `nvfp4_linear` dispatches it ("packed"), the packed layout's
-# two decode kernels on their own (the FMA GEMV at M = 1 and 2, the tensor-core GEMV at M = 1 to 16), ours on the
+# two decode kernels on their own (the packed GEMV at M = 1 and 2, the tensor-core GEMV at M = 1 to 16), ours on the
 # checkpoint layout (section 3's kernels), cuBLAS bf16 `F.linear` on the dequantised weights, and a plain Triton
 # kernel that only **reads the packed weight's bytes** (the same bytes: a per-shape floor for a simple kernel, not a
 # hard limit). The results are committed in `data/bench/h200/matmul.graph.json` and `matmul.chain.json`, read
@@ -978,8 +978,8 @@ def short(shape):
 
 
 def decode_kernel(shape, m):
-    """The decode kernel ``nvfp4_linear`` takes for the packed weight of this cell (``use_fma_gemv``)."""
-    return "FMA" if triton_matmul.use_fma_gemv(m, G[shape, m][PACKED]["dims"]["N"]) else "tensor-core"
+    """The decode kernel ``nvfp4_linear`` takes for the packed weight of this cell (``use_packed_gemv``)."""
+    return "FMA" if triton_matmul.use_packed_gemv(m, G[shape, m][PACKED]["dims"]["N"]) else "tensor-core"
 
 
 for d in (GRAPH, CHAIN):
@@ -991,7 +991,7 @@ print(f"ceilings: read {GRAPH['ceilings']['read_gbps']:,.0f} GB/s, copy {GRAPH['
 print("M = 1, kernel time (us); x cuBLAS = cuBLAS time / packed time; of pure read = pure-read time / packed time")
 print(render_table([{"shape": s, "kernel": decode_kernel(s, 1),
                      **{col: f"{t_us(s, 1, prov):.1f}" for col, prov in
-                        (("packed", PACKED), ("FMA GEMV", FMA), ("tensor-core GEMV", TC), ("checkpoint", CKPT),
+                        (("packed", PACKED), ("packed GEMV", FMA), ("tensor-core GEMV", TC), ("checkpoint", CKPT),
                          ("cuBLAS bf16", CUBLAS_G), ("pure read", READ))},
                      "x cuBLAS": f"{x_cublas(s, 1):.2f}",
                      "of pure read": f"{t_us(s, 1, READ) / t_us(s, 1, PACKED):.0%}",
@@ -1006,7 +1006,7 @@ print(render_table([{"shape": s, "kernel": decode_kernel(s, 1),
 # NBVAL_IGNORE_OUTPUT
 from matplotlib.patches import Patch
 
-SERIES = ((FMA, "lynn packed, FMA GEMV", "tab:blue"), (TC, "lynn packed, tensor-core GEMV", "tab:purple"),
+SERIES = ((FMA, "lynn packed GEMV", "tab:blue"), (TC, "lynn packed, tensor-core GEMV", "tab:purple"),
           (CKPT, "lynn checkpoint layout", "tab:cyan"), (CUBLAS_G, "cuBLAS bf16", "tab:orange"),
           (READ, "pure read, same bytes", "0.6"))
 fig, ax = plt.subplots(figsize=(9.5, 4.2))
@@ -1030,7 +1030,7 @@ plt.show()
 
 # %% [markdown]
 # From M = 1 to 16, the packed layout's speed-up over cuBLAS bf16. The tensor-core GEMV's time is flat in M, now
-# that its tile no longer passes through shared memory; the FMA GEMV does each row's FMAs, so its time grows with
+# that its tile no longer passes through shared memory; the packed GEMV does each row's FMAs, so its time grows with
 # M. The two decode kernels on their own at M = 1 and 2 say where each wins, and whether the dispatch takes the
 # faster one:
 
@@ -1067,10 +1067,10 @@ print(render_table([{"shape": s, "M": m, **{f"{col} us": f"{t_us(s, m, prov):.1f
                     for s in G_SHAPES for m in GEMM_MS if (s, m) in G]))
 
 # %% [markdown]
-# **Programmatic dependent launch** (PDL, Hopper: `launch_packed_gemv(..., pdl=True)`, the FMA GEMV only) lets a
+# **Programmatic dependent launch** (PDL, Hopper: `launch_packed_gemv(..., pdl=True)`, the packed GEMV only) lets a
 # GEMV start loading its weights while the kernel before it finishes, and wait for it only to read `x`.
 # `lynn bench matmul.chain` replays the projections of 10 Gated DeltaNet layers (qkv, z, out_proj: 30 GEMVs at
-# M = 1) as one graph, on the FMA GEMV with and without PDL and on the tensor-core GEMV, against the copy bandwidth:
+# M = 1) as one graph, on the packed GEMV with and without PDL and on the tensor-core GEMV, against the copy bandwidth:
 
 # %%
 chain = CHAIN["results"]
@@ -1117,7 +1117,7 @@ print(render_table(verdict))
 # layout, where the first packed layout made 0.72-1.25x of cuBLAS (`docs/matmul.md`: 2048->8192 at M = 4 went from
 # 14.5 to 10.1 us, the LM head from 203 to 135). At M = 1 the packed layout is 1.33-1.77x faster than cuBLAS and
 # 1.29-2.26x faster than the checkpoint layout; 1.77x on the LM head and 1.45x on 8192 x 8192 fall short of 3.2x.
-# There the FMA GEMV is 1.04-2.02x faster than the tensor-core GEMV below 65,536 rows, yet slower than the first
+# There the packed GEMV is 1.04-2.02x faster than the tensor-core GEMV below 65,536 rows, yet slower than the first
 # layout's on the large shapes (2048->8192: 6.7 -> 8.3 us): those words held 8 neighbours along K, whose `x` a
 # thread loaded itself, and now `x` is exchanged between threads. At M = 2 it wins only below 8,192 rows. The
 # GEMM reaches 0.49-0.86x of cuBLAS (0.49-0.57x at M = 512 and 4096; goal 0.8x) and 1.00-1.50x the checkpoint
@@ -1126,7 +1126,7 @@ print(render_table(verdict))
 # On the LM head and 8192 x 8192, M = 1 reads at 1.6-2.2 TB/s, 47-50% of the same-bytes read.
 
 # %% [markdown]
-# A round of experiments on the FMA GEMV (2026-12-02, H200: tiles and grids, programs streaming several tiles,
+# A round of experiments on the packed GEMV (2026-12-02, H200: tiles and grids, programs streaming several tiles,
 # PDL's early release, the host's cost of a call; what it kept and rejected) is recorded, whole, in
 # [`docs/history/notebook-02-experiments.md`](../docs/history/notebook-02-experiments.md).
 
@@ -1136,7 +1136,7 @@ print(render_table(verdict))
 # `lynn check matmul` runs the three entry points on awkward shapes (M = 1, 2, 3, 17, 129; K = 208, 400, 1040,
 # 2064; bf16, fp16 and fp32; with bias) against the reference, each on the checkpoint layout and on the packed one
 # of section 4 (the `packed` rows), and up to M = 16 the packed layout's two decode kernels on their own (the
-# `gemv packed` rows), and at M = 1 and 2 `norm_linear`, the RMSNorm run inside the FMA GEMV's launch (its product
+# `gemv packed` rows), and at M = 1 and 2 `norm_linear`, the RMSNorm run inside the packed GEMV's launch (its product
 # against the reference product of its own normed rows, the normed rows within one rounding of the norm's
 # reference, the residual sum exact). Its random data puts its error figures at round-off level, where an fp16 or bf16 output can
 # flip by one unit in the last place on another machine, so its table is shown but not checked; the pass count is:
@@ -1552,7 +1552,7 @@ print(f"Goals met in {met} of {total} cells.")
 # prefill now dequantises each weight once and hands the product to cuBLAS: section 7's last figure); and in an
 # eager loop the host launch costs more than either kernel. `docs/matmul.md` records what was measured and rejected on the way (an
 # fp32 multiply-reduce GEMV without tensor cores, the textbook `x @ W^T` orientation, run-time autotuning of the
-# GEMV). Measured since, each with its figure in `docs/history/matmul.md`: FMA GEMV tiles and grids, programs that
+# GEMV). Measured since, each with its figure in `docs/history/matmul.md`: packed GEMV tiles and grids, programs that
 # stream several tiles (persistent programs), an early PDL release, two steps of weights in registers, `x`
 # pre-ordered to the words' order and L2 prefetch, all rejected
 # ([`docs/history/notebook-02-experiments.md`](../docs/history/notebook-02-experiments.md) has the first three);

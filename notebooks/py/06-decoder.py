@@ -779,7 +779,7 @@ for shape, doc in BENCH.items():
 # launched with the attribute, its programs run up to a `gdc_wait`, which returns once the kernels before it have
 # finished and their memory is visible; the kernel before it may call `gdc_launch_dependents` to let it start even
 # sooner. So each decode-path kernel of ours begins with `pdl_enter`: release the next kernel, then wait, then
-# touch memory (the FMA GEMV loads its first weights before its wait: they do not depend on anything earlier).
+# touch memory (the packed GEMV loads its first weights before its wait: they do not depend on anything earlier).
 # The arithmetic is the same, so are the bits; `lynn_model.DecodeStep` captures its step inside
 # `lynn_kernels.programmatic_launches()`.
 #
