@@ -266,7 +266,7 @@ def programmatic_launches(enabled: bool = True):
     """Launch the decode-path kernels with programmatic dependent launch inside the block (a no-op where
     :func:`pdl_supported` is false). Each such kernel starts before the kernel ahead of it on the stream has
     finished, waits in ``gdc_wait`` before it touches memory anything before it may write, and lets the kernel
-    behind it start early in turn (:func:`pdl_enter`). What loads before the wait: weights (the FMA GEMV's first
+    behind it start early in turn (:func:`pdl_enter`). What loads before the wait: weights (the packed GEMV's first
     step, the router's first chunk); where the kernel ahead releases its dependents only after its own wait (so
     everything before *it* has finished), what those earlier kernels wrote: the packed MoE down kernel's routing
     (gate_up ahead of it), the fused Gated DeltaNet step's own states (its layer's projection ahead of it). The results are the same bits; what changes is the gap between kernels (about 0.4 us of

@@ -127,6 +127,24 @@ def test_op_decorator_calls_reference_on_request():
     assert toy.__name__ == "toy" and toy.__doc__ == "The toy host function."
 
 
+def test_op_can_show_the_reference_instead_of_the_host():
+    """``docs="reference"``: an op whose host lives beside its kernel shows the reference's name, signature and doc,
+    and still dispatches as the host one does; any other ``docs`` is refused."""
+    import inspect
+
+    def _toy_host(x, scale=2.0):
+        return ("host", x * scale)
+
+    shown = runtime.op(reference=_toy_reference, docs="reference")(_toy_host)
+    assert shown.__name__ == "_toy_reference" and inspect.signature(shown) == inspect.signature(_toy_reference)
+    assert "Runs the Triton kernels through" in shown.__doc__ and shown.host is _toy_host
+    assert shown(1) == ("host", 2.0)
+    with lynn_kernels.use_reference():
+        assert shown(1) == ("reference", 2.0)
+    with pytest.raises(ValueError, match="docs='both': expected 'host' or 'reference'"):
+        runtime.op(reference=_toy_reference, docs="both")
+
+
 def test_nvfp4_ops_run_their_reference_without_launching(monkeypatch):
     from lynn_kernels.nvfp4 import triton_quant
 

@@ -182,11 +182,9 @@ def _bias_arg(bias, y):
 def packed_gemv_config(n: int, k: int, sms: int, m: int = 1) -> dict:
     """The packed GEMV's tile for an ``[N, K]`` weight and ``m`` rows of x: ``TW`` words of K per step (all 32 lanes
     of a warp along K, 4 words each, fewer when K is short) and the most rows per program that still gives every SM
-    a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there), as the H200 sweep
-    in docs/history/matmul.md ranked them; one x row on 8,192 rows or more at K = 2048 (the only K measured; at 8,192
-    it lost) takes 32 rows of 64 words, four steps (7.35 against 8.95 us at 2048->8192, 9.66 against 10.89 at
-    2048->12288 on the H200, git a906a61). ``PROGRAMS`` 0 (one program per tile) and ``EARLY_RELEASE`` off: the
-    H200 measured neither faster (docs/history/matmul.md)."""
+    a program, at most 16 (32 from K = 8192 on for one x row; two rows spill registers there); one x row on 8,192
+    rows or more at K = 2048 takes 32 rows of 64 words, four steps. ``PROGRAMS`` 0 (one program per tile) and
+    ``EARLY_RELEASE`` off. Each choice is the fastest of the GPU sweeps in docs/history/matmul.md."""
     if m == 1 and n >= 8192 and k == 2048:
         return {"BLOCK_N": 32, "TW": 64, "num_warps": 4, "PROGRAMS": 0, "EARLY_RELEASE": False}
     tw = min(128, runtime.next_power_of_2(max(k // 8, 16)))    # words of the padded row: a multiple of 16
