@@ -710,13 +710,10 @@ for shape, doc in BENCH.items():
 # %% [markdown]
 # The decode figures as bars (log scale): HF bf16 eager, ours eager, ours with bf16 weights and with NVFP4 weights
 # replayed as a CUDA graph, and the bound that the bytes of one step set at the measured read bandwidth. The
-# Qwen3.5 file is from dede295, the Qwen3-Next one from 609ede4: the experts packed, the shared expert a routed
-# slot, the step's kernels launched with programmatic dependent launch (the next cells), and a Triton 3.6 compiler
-# fault on Hopper worked around (a pipelined `tl.dot` on a register tile now and then multiplied garbage;
-# docs/history/compiler-fault.md, a compiler fault); 1adc9f2 added the q / k norm + RoPE launched on one token's row instead
-# of 16 (13.0 -> 2.2 us a layer) and the fused Gated DeltaNet decode step, dede295 the step's prologue in one
-# launch (15.3 -> 1.2 us), the greedy epilogue straight into the token buffer and a prefill whose layers read no
-# value back to the host (2,048 tokens: 144 -> 118 ms). HF bf16 at 80B does not fit beside ours.
+# Qwen3.5 file is from 1347e47 (2026-12-03), the Qwen3-Next one from 609ede4: the experts packed, the shared expert a
+# routed slot, the step's kernels launched with programmatic dependent launch (the next cells), and a Triton 3.6
+# compiler fault on Hopper worked around (docs/history/compiler-fault.md); how each part got there is in
+# docs/history/decode.md. HF bf16 at 80B does not fit beside ours.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -822,16 +819,16 @@ for shape, doc in BENCH.items():
 #   census; 366 fused); each costs the host more, in Python, argument checks and Triton's launcher, than its kernel
 #   costs the GPU (notebook 02 shows the same for one projection). From the host a step takes 49-95 ms (it moves
 #   with the host; 82 ms in the last run) against 2.9 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.73 ms, 366 tok/s at
-#   Qwen3.5-35B-A3B, 1,172 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
-#   projections fused into one GEMV 2.36 ms (425 tok/s), and with each Gated DeltaNet decode step in one kernel
-#   as well (as `lynn generate` runs on a GPU) 2.23 ms, 449 tok/s. Its kernels launch with programmatic dependent
-#   launch: each starts while the one before it finishes (2.87 ms with plain launches).
-# * **Then the bytes and the launches**: the fused step is still 3.8 times what its 2.63 GB need at the read
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.62 ms, 382 tok/s at
+#   Qwen3.5-35B-A3B, 1,268 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
+#   projections fused into one GEMV 2.25 ms (445 tok/s), and with each Gated DeltaNet decode step in one kernel
+#   as well (as `lynn generate` runs on a GPU) 2.08 ms, 481 tok/s (1,424 tok/s at batch 8). Its kernels launch with
+#   programmatic dependent launch: each starts while the one before it finishes (2.86 ms with plain launches).
+# * **Then the bytes and the launches**: the fused step is still 3.2 times what its 2.64 GB need at the read
 #   bandwidth. The MoE blocks are now the largest part (20.9 us per layer for ~16 MB of experts: the router 6.5,
 #   gate_up 8.3, down 6.1; notebook 03, section 6b), then the Gated DeltaNet layers (22.2 us each for ~23 MB, three
 #   launches fused) and the LM head (243 us, bf16 at the read ceiling). With bf16 weights the same graph takes
-#   4.42 ms: 4-bit weights buy 1.62x as loaded, 1.98x fused, not the 2.3x their bytes allow, because the step is
+#   4.30 ms: 4-bit weights buy 1.64x as loaded, 2.07x fused, not the 2.3x their bytes allow, because the step is
 #   not yet bound by its bytes.
 # * **Prefill** is less host-bound: 2,048 tokens per call ran at 10,800-24,000 tok/s on Qwen3.5-35B-A3B across
 #   runs (144 ms against 72 ms of kernels in the last: the host's share moves between runs), 16,384 tokens at
