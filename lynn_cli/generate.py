@@ -121,11 +121,6 @@ def run(args) -> int:
     if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":   # chosen when lynn_kernels loaded
         raise CommandError("--backend interpreter: this process compiles the kernels for the GPU; start it with "
                            "TRITON_INTERPRET=1 to run them through the interpreter", code=2)
-    try:                                             # the library's own rules, before anything is loaded
-        lynn_model.check_generate_args(args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                       top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens, flags=True)
-    except ValueError as err:
-        raise CommandError(str(err), code=2) from None
     model_dir = _model_dir(args)
     prompt = _prompt(args)
     backend = args.backend

@@ -63,23 +63,19 @@ class NonFiniteError(ValueError):
     """:func:`generate` met logits that are not finite (NaN or inf): the weights or the inputs are likely damaged."""
 
 
-def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, seed=None, max_tokens=None,
-                        flags: bool = False) -> None:
+def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, seed=None,
+                        max_tokens=None) -> None:
     """Raise a ValueError naming the first bad argument of :func:`generate`, what it expects and what it got; needs
-    no model, so a command can check its flags before loading one.
+    no model, so it runs before the model is touched.
 
     ``max_new_tokens``: an int >= 0; ``max_tokens``: None or an int >= 1; the sampling settings as
-    :func:`lynn_model.sampling.check_sampling_args` takes them (``top_k`` 0 or None: no limit). ``flags``: name the
-    arguments as ``lynn generate``'s flags (``--max-new-tokens``) rather than as Python arguments.
+    :func:`lynn_model.sampling.check_sampling_args` takes them (``top_k`` 0 or None: no limit).
     """
-    def name(arg: str) -> str:
-        return "--" + arg.replace("_", "-") if flags else arg
-
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"{name('max_new_tokens')} = {max_new_tokens!r}: expected an int >= 0")
+        raise ValueError(f"max_new_tokens = {max_new_tokens!r}: expected an int >= 0")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise ValueError(f"{name('max_tokens')} = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
-    check_sampling_args(temperature, top_k, top_p, seed, flags=flags)
+        raise ValueError(f"max_tokens = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
+    check_sampling_args(temperature, top_k, top_p, seed)
 
 
 def _prompts(input_ids) -> list[list[int]]:

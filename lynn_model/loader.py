@@ -46,7 +46,7 @@ PUBLISHED_KEEP = DEFAULT_KEEP + (r"\.linear_attn\.",)
 NVFP4_SUFFIXES = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
                   "modelopt": ("weight", "weight_scale", "weight_scale_2")}
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool}
 
@@ -164,7 +164,7 @@ class QuantConfig:
         qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
         hf_quant = folder / "hf_quant_config.json"
         if hf_quant.is_file():
-            q = _read_json(hf_quant).get("quantization", {})
+            q = read_json(hf_quant).get("quantization", {})
             _check_modelopt_algo(q, hf_quant.name)
             return QuantConfig("modelopt", [("glob", p) for p in q.get("exclude_modules") or []])
         if not qc:
@@ -205,7 +205,7 @@ class Entry:
     shape: tuple
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -238,10 +238,10 @@ def shard_path(folder: Path, name, where: str) -> Path:
     return path
 
 
-def _shard_files(folder: Path) -> list[Path]:
+def shard_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise LoadError(f"{index}: no weight_map (expected an object of tensor name -> shard file name)")
         files = {}
@@ -263,10 +263,6 @@ def _shard_files(folder: Path) -> list[Path]:
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     hint = f" (found {pickles}: only safetensors is read, never pickle)" if pickles else ""
     raise LoadError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
-
-
-_ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1,
-             "F8_E5M2": 1, "BOOL": 1}
 
 
 def read_header(f: Path) -> tuple[dict, int]:
@@ -294,9 +290,9 @@ def read_header(f: Path) -> tuple[dict, int]:
             raise LoadError(f"{name} in {f.name}: corrupt safetensors header (an entry needs dtype, shape and "
                             f"data_offsets)")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise LoadError(f"{name} in {f.name} has dtype {dtype!r}, which the loader does not read (it reads "
-                            f"{', '.join(_ST_DTYPES)})")
+                            f"{', '.join(SAFETENSORS_DTYPES)})")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise LoadError(f"{name} in {f.name}: corrupt safetensors header (shape {shape!r}: expected a list of "
                             f"non-negative ints)")
@@ -304,9 +300,10 @@ def read_header(f: Path) -> tuple[dict, int]:
                 and 0 <= offsets[0] <= offsets[1]):
             raise LoadError(f"{name} in {f.name}: corrupt safetensors header (data_offsets {offsets!r}: expected "
                             f"[begin, end] with 0 <= begin <= end)")
-        if offsets[1] - offsets[0] != _numel(shape) * _ST_BYTES[dtype]:
-            raise LoadError(f"{name} in {f.name}: corrupt safetensors header ({dtype} {shape} needs "
-                            f"{_numel(shape) * _ST_BYTES[dtype]} bytes, data_offsets span {offsets[1] - offsets[0]})")
+        need = _numel(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != need:
+            raise LoadError(f"{name} in {f.name}: corrupt safetensors header ({dtype} {shape} needs {need} bytes, "
+                            f"data_offsets span {offsets[1] - offsets[0]})")
         spans.append((offsets[1], name))
     end, last = max(spans, default=(0, ""))
     if 8 + n + end > size:
@@ -318,9 +315,9 @@ def read_header(f: Path) -> tuple[dict, int]:
 def read_headers(folder: Path) -> list[Entry]:
     """Name, dtype and shape of every tensor of every shard, from the safetensors headers (no data read)."""
     entries = []
-    for f in _shard_files(Path(folder)):
+    for f in shard_files(Path(folder)):
         header, _ = read_header(f)
-        entries += [Entry(name, f, _ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+        entries += [Entry(name, f, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
                     for name, info in header.items() if name != "__metadata__"]
     return entries
 
@@ -742,7 +739,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise LoadError(f"no config.json in {folder}")
-    raw = _read_json(cfg_path)
+    raw = read_json(cfg_path)
     entries = read_headers(folder)
     check_counts(raw, entries, cfg_path)
     config = read_config(raw, cfg_path)

@@ -31,6 +31,7 @@ moved into place at the end, so a failed run leaves no half-written DST.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -63,8 +64,6 @@ MODELOPT_QUANT_ALGO = "W4A16_NVFP4"   #: ModelOpt's weight-only NVFP4 ("NVFP4" m
 REFERENCE_ON_CPU = True
 
 _FLOAT_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 # -- which modules --------------------------------------------------------------------------------------------------
 _LAYER = r"^model\.(?:language_model\.)?layers\.\d+\."       # decoder layers only: never mtp.* or model.visual.*
@@ -343,7 +342,7 @@ def _alive(pid: int) -> bool:
 
 
 def _read_config(src: Path) -> dict:
-    config = loader._read_json(src / "config.json")
+    config = loader.read_json(src / "config.json")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     types = {config.get("model_type"), text.get("model_type")} - {None}
     if not types & set(FAMILIES):
@@ -355,31 +354,15 @@ def _read_config(src: Path) -> dict:
 
 
 def _weight_files(src: Path) -> tuple[list, bool]:
-    """Shard file names in order, and whether SRC has an index; each name a plain file inside SRC
-    (:func:`lynn_model.loader.shard_path`), as the loader requires."""
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = loader._read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: no weight_map (expected an object of tensor name -> shard file name)")
-        for tensor, shard in weight_map.items():
-            loader.shard_path(src, shard, f"{index.name}, weight_map[{tensor!r}]")
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (src / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
-        return shards, True
-    if (src / "model.safetensors").is_file():
-        loader.shard_path(src, "model.safetensors", str(src))
-        return ["model.safetensors"], False
-    raise FileNotFoundError(f"SRC {src} has neither model.safetensors nor model.safetensors.index.json "
-                            f"(lynn quantize reads safetensors only)")
+    """Shard file names in order, and whether SRC has an index: the shards the loader reads
+    (:func:`lynn_model.loader.shard_files`: each a plain file inside SRC)."""
+    return sorted(f.name for f in loader.shard_files(src)), (src / "model.safetensors.index.json").is_file()
 
 
-def _read_headers(src: Path, shards: list) -> tuple[dict, dict]:
-    """``{tensor: (shard, shape, dtype)}`` shard by shard, and each shard's metadata, without reading any data
-    (each header checked as the loader checks it)."""
-    headers, metadata = {}, {}
+def _read_headers(src: Path, shards: list) -> tuple[dict, dict, list]:
+    """``{tensor: (shard, shape, dtype)}`` shard by shard, each shard's metadata, and the loader's entries, without
+    reading any data (each header checked as the loader checks it)."""
+    headers, metadata, entries = {}, {}, []
     for shard in shards:
         header, _ = loader.read_header(src / shard)
         meta = header.get("__metadata__")
@@ -392,14 +375,13 @@ def _read_headers(src: Path, shards: list) -> tuple[dict, dict]:
             if name in headers:
                 raise ValueError(f"tensor {name} is in both {headers[name][0]} and {shard}")
             headers[name] = (shard, tuple(info["shape"]), info["dtype"])
-    return headers, metadata
+            entries.append(loader.Entry(name, src / shard, loader.SAFETENSORS_DTYPES[info["dtype"]],
+                                        tuple(info["shape"])))
+    return headers, metadata, entries
 
 
 def _tensor_bytes(shape, dtype: str) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * _DTYPE_BYTES.get(dtype, 0)
+    return math.prod(shape) * loader.SAFETENSORS_DTYPES[dtype].itemsize
 
 
 # -- the writer -----------------------------------------------------------------------------------------------------
@@ -581,8 +563,8 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
     _check_paths(src, dst, overwrite)
     config = _read_config(src)
     shards, has_index = _weight_files(src)
-    headers, metadata = _read_headers(src, shards)
-    _check_loadable(src, config)
+    headers, metadata, entries = _read_headers(src, shards)
+    _check_loadable(src, config, entries)
     plan = _plan(headers, patterns, quantize_linear_attn)
     if progress:
         for note in plan.notes:
@@ -680,10 +662,9 @@ def _umask() -> int:
     return mask
 
 
-def _check_loadable(src: Path, raw: dict) -> None:
+def _check_loadable(src: Path, raw: dict, entries: list) -> None:
     """Refuse, before anything is written, a SRC that ``lynn_model.from_pretrained`` would refuse (its config
-    and its headers; no data is read)."""
-    entries = loader.read_headers(src)
+    and its headers' ``entries``; no data is read)."""
     loader.check_counts(raw, entries, src / "config.json")
     loader.plan(loader.read_config(raw, src / "config.json"), entries, loader.QuantConfig())
 

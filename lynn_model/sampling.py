@@ -29,25 +29,21 @@ _M32 = 0xFFFFFFFF
 SEED_LIMIT = 2**63
 
 
-def check_sampling_args(temperature=0.0, top_k=None, top_p=None, seed=None, *, flags: bool = False) -> None:
+def check_sampling_args(temperature=0.0, top_k=None, top_p=None, seed=None) -> None:
     """Raise a ValueError naming the first bad sampling setting, what it expects and what it got.
 
     ``temperature``: a finite number >= 0 (0 is greedy); ``top_k``: an int >= 1, or 0 or None for no limit (as HF
     and llama.cpp read 0); ``top_p``: a number in (0, 1] (1 or None: no limit); ``seed``: an int in [0, 2**63) or
-    None (a seed drawn at random). Bools are not numbers here. ``flags``: name the settings as ``lynn generate``'s
-    flags (``--top-k``) rather than as Python arguments (``top_k``).
+    None (a seed drawn at random). Bools are not numbers here.
     """
-    def name(arg: str) -> str:
-        return "--" + arg.replace("_", "-") if flags else arg
-
     if not _is_real(temperature) or not _finite(temperature) or temperature < 0:
-        raise ValueError(f"{name('temperature')} = {temperature!r}: expected a finite number >= 0 (0 is greedy)")
+        raise ValueError(f"temperature = {temperature!r}: expected a finite number >= 0 (0 is greedy)")
     if top_k is not None and (not _is_int(top_k) or not 0 <= top_k < SEED_LIMIT):
-        raise ValueError(f"{name('top_k')} = {top_k!r}: expected an int in [1, 2**63), or 0 for no top-k limit")
+        raise ValueError(f"top_k = {top_k!r}: expected an int in [1, 2**63), or 0 for no top-k limit")
     if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):         # NaN fails the comparison too
-        raise ValueError(f"{name('top_p')} = {top_p!r}: expected a number in (0, 1] (1: no top-p limit)")
+        raise ValueError(f"top_p = {top_p!r}: expected a number in (0, 1] (1: no top-p limit)")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
-        raise ValueError(f"{name('seed')} = {seed!r}: expected an int in [0, 2**63) (the sampler's seeds are int64)")
+        raise ValueError(f"seed = {seed!r}: expected an int in [0, 2**63) (the sampler's seeds are int64)")
 
 
 def _is_int(x) -> bool:

@@ -391,15 +391,12 @@ BAD_ARGS = [                 # (arguments, the name the message starts with (as 
 @pytest.mark.parametrize("kw, name, expected", BAD_ARGS, ids=[f"{k}={v!r}" for kw, *_ in BAD_ARGS
                                                                  for k, v in kw.items()])
 def test_generate_arguments_are_checked_by_name(kw, name, expected):
-    """check_generate_args names the argument (or, for the command line, its flag), what it expected and what it
-    got; generate calls it before touching the model."""
+    """check_generate_args names the argument, what it expected and what it got; generate calls it before touching
+    the model."""
     args = {"max_new_tokens": 4, **kw}
     value = repr(next(iter(kw.values())))
     with pytest.raises(ValueError, match=rf"^{name} = {re.escape(value)}: expected {expected}"):
         lynn_model.check_generate_args(**args)
-    flag = "--" + name.replace("_", "-")
-    with pytest.raises(ValueError, match=rf"^{flag} = {re.escape(value)}: expected {expected}"):
-        lynn_model.check_generate_args(**args, flags=True)
     with pytest.raises(ValueError, match=rf"^{name} = "):
         lynn_model.generate(None, [[1, 2]], **args)                   # no model needed to refuse it
     lynn_model.check_generate_args(0, temperature=0.7, top_k=0, top_p=1.0, seed=2**63 - 1, max_tokens=1)
