@@ -30,6 +30,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
@@ -38,7 +39,6 @@ from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_co
 from lynn_kernels.moe import moe_block, triton_experts
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches, compare
-from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

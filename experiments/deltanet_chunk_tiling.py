@@ -5,13 +5,19 @@ Recorded run: commit 42d1008f5fbb, H200, torch 2.11 / triton 3.6, 2026-11-29, re
 ``data/experiments/deltanet-chunk-tiling/results.json``. The two output-block overrides (32, 128) ended in an illegal memory
 access on that run, not investigated (the shipped 64 validates). Run: ``PYTHONPATH=. python3 experiments/deltanet_chunk_tiling.py``.
 """
-import collections, itertools, json, os
+import collections
+import itertools
+import json
+import os
+
 import torch
+
+from lynn_kernels.bench.deltanet import _prefill_inputs
 from lynn_kernels.deltanet import reference as dref
 from lynn_kernels.deltanet.spec import Dims
 from lynn_kernels.deltanet.triton_chunk import launch_chunk
-from lynn_kernels.bench.deltanet import _prefill_inputs
 from lynn_kernels.validate import compare
+
 
 def per_kernel(fn, n=10):
     fn(); torch.cuda.synchronize()

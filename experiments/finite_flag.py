@@ -1,8 +1,12 @@
 """What a finite flag adds to a decode step's epilogue (``lynn_model.graphs.DecodeStep``): CUDA-graph replay of the
 argmax alone, with a flag from a reduction over the vocabulary, and with a flag from the chosen token's logit, on
 Qwen3.5-35B-A3B's logits (vocab 248,320, bf16), batch 1 and 8. Results: ``data/experiments/finite-flag/``."""
-import json, os, torch
+import json
+import os
 from pathlib import Path
+
+import torch
+
 res = {}
 for rows in (1, 8):
     logits = torch.randn(rows, 248320, device="cuda", dtype=torch.bfloat16)

@@ -20,6 +20,7 @@ import json
 import os
 
 import torch
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
@@ -27,7 +28,6 @@ from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_config
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches, compare
-from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

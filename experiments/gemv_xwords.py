@@ -21,6 +21,7 @@ import json
 import os
 
 import torch
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
@@ -29,7 +30,6 @@ from lynn_kernels.matmul.packed import x_words
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_config
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.validate import bit_mismatches
-from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

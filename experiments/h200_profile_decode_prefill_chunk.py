@@ -8,15 +8,22 @@
 Recorded run: commit 4c21c1d5b8c5, H200, torch 2.11 / triton 3.6, fla 0.6.0, 2026-11-29, result in
 ``data/experiments/h200-profile-decode-prefill-chunk/results.json``. Run: ``PYTHONPATH=. python3 experiments/h200_profile_decode_prefill_chunk.py`` (fla importable for its rows; JSON under $OUT).
 """
-import collections, json, os, sys, time
-import torch, triton.testing
-from lynn_kernels.attention import flash_attention, reference as aref
-from lynn_kernels.attention.triton_decode import launch_decode, default_num_splits
-from lynn_kernels.bench.harness import kernel_ms
-from lynn_kernels.deltanet import chunk_gated_delta_rule, reference as dref
-from lynn_kernels.validate import compare
-from lynn_kernels.bench.deltanet import _prefill_inputs
+import collections
+import json
+import os
+
+import torch
+import triton.testing
+
+from lynn_kernels.attention import flash_attention
+from lynn_kernels.attention import reference as aref
+from lynn_kernels.attention.triton_decode import default_num_splits, launch_decode
 from lynn_kernels.bench.attention import _paged_copy
+from lynn_kernels.bench.deltanet import _prefill_inputs
+from lynn_kernels.bench.harness import kernel_ms
+from lynn_kernels.deltanet import chunk_gated_delta_rule
+from lynn_kernels.deltanet import reference as dref
+from lynn_kernels.validate import compare
 
 out = {}
 def per_kernel(fn, n=20):

@@ -13,11 +13,9 @@ import torch
 from lynn_kernels.bench.harness import host_us, provenance
 from lynn_kernels.bench.matmul_graph import empty_launch
 from lynn_kernels.matmul import nvfp4_linear, pack
-from lynn_kernels.matmul.triton_packed import launch_packed_gemv
-from lynn_kernels.matmul.triton_packed import packed_gemv_kernel
+from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_kernel
 from lynn_kernels.nvfp4 import dequantize, quantize
 from lynn_kernels.triton_shared import kernel_constexprs
-
 
 n, k = 4096, 2048
 q = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))

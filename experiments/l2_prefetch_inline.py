@@ -21,12 +21,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.validate import bit_mismatches
-from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when run as a script)
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

@@ -14,10 +14,10 @@ import json
 import os
 import time
 
+import fastlaunch_proto as fastlaunch  # experiments/fastlaunch_proto.py (not part of the package: rejected)
 import torch
 import triton
 
-import fastlaunch_proto as fastlaunch   # experiments/fastlaunch_proto.py (not part of the package: rejected)
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.norm import rmsnorm
 from lynn_kernels.norm.triton_rmsnorm import _rmsnorm_kernel, launch_rmsnorm
@@ -90,8 +90,8 @@ for k, v in micro.items():
     print(f"  {k:48s} {v:6.1f} us a call (median of 7 x 2,000)")
 
 # the 2,048-token prefill of the random Qwen3.5 model, the two paths interleaved, its logits compared bit for bit
-import lynn_model                                      # noqa: E402
-from lynn_model.loader import random_model             # noqa: E402
+import lynn_model  # noqa: E402
+from lynn_model.loader import random_model  # noqa: E402
 
 T = 2048
 model = random_model(lynn_model.preset("qwen3.5-35b-a3b"), weights="nvfp4", device="cuda", seed=0)

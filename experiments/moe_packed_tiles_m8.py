@@ -20,11 +20,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import moe_packed_decode as mpd                          # noqa: E402
+import moe_packed_decode as mpd  # noqa: E402
 
-from lynn_kernels.bench.harness import provenance          # noqa: E402
-from lynn_kernels.bench.matmul_graph import graph_us       # noqa: E402
-from lynn_kernels.moe import moe_block, reference, triton_experts   # noqa: E402
+from lynn_kernels.bench.harness import provenance  # noqa: E402
+from lynn_kernels.bench.matmul_graph import graph_us  # noqa: E402
+from lynn_kernels.moe import moe_block, reference, triton_experts  # noqa: E402
 from lynn_kernels.validate import bit_mismatches, compare  # noqa: E402
 
 H = mpd.H

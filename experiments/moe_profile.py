@@ -5,9 +5,13 @@ Recorded run: commit c2c8d10 (the FMA decode kernels and the fused router; the f
 ``docs/moe.md`` section 4), H200, torch 2.11 / triton 3.6, 2026-11-29, output in
 ``data/experiments/moe-profile/results.txt`` (us per call, by kernel). Run: ``PYTHONPATH=. python3 experiments/moe_profile.py``.
 """
-import collections, torch
+import collections
+
+import torch
+
 from lynn_kernels.moe import moe_block
 from lynn_kernels.nvfp4 import quantize
+
 E,k,H,I=256,8,2048,512
 g=torch.Generator(device="cuda").manual_seed(0)
 w13=quantize(torch.randn(E,2*I,H,device="cuda",dtype=torch.bfloat16,generator=g)*0.05)

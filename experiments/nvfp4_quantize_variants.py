@@ -17,8 +17,8 @@ import triton.language as tl
 
 from lynn_kernels.bench.harness import provenance, time_fn
 from lynn_kernels.nvfp4 import reference
-from lynn_kernels.runtime import div_rn_by
 from lynn_kernels.nvfp4.triton_quant import _e2m1_encode, _e4m3_round
+from lynn_kernels.runtime import div_rn_by
 
 
 @triton.jit

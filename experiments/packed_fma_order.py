@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels.bench.harness import provenance
-from lynn_kernels.bench.matmul_graph import n_sets, graph_us
+from lynn_kernels.bench.matmul_graph import graph_us, n_sets
 from lynn_kernels.matmul import pack, reference
 from lynn_kernels.matmul.triton_matmul import launch_gemv
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from lynn_kernels.bench.harness import provenance
-from lynn_kernels.bench.matmul_graph import n_sets, graph_us
+from lynn_kernels.bench.matmul_graph import graph_us, n_sets
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import quantize

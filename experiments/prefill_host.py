@@ -127,8 +127,8 @@ for key in ("tottime", "cumulative"):
     res[f"cprofile_{key}"] = buf.getvalue()
 
 # 4. each Triton launch's host time, by kernel
-from triton.runtime.autotuner import Autotuner          # noqa: E402
-from triton.runtime.jit import JITFunction               # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 _depth = [0]
 

@@ -8,11 +8,15 @@ Written when `lynn bench decoder.qwen3-next-80b-a3b` stopped at its validation g
 logits: cosine 0.707, rel_l2 0.707): this looks for the module that disagrees. Its output at 3182a39 is
 `data/experiments/qwen3-next-validation-diag/results.txt`.
 """
-import torch, lynn_kernels, lynn_model
+import torch
+
+import lynn_kernels
+import lynn_model
 from lynn_kernels import moe
-from lynn_model.loader import random_model
-from lynn_model.cache import Batch
 from lynn_kernels.validate import compare
+from lynn_model.cache import Batch
+from lynn_model.loader import random_model
+
 torch.manual_seed(0)
 cfg = lynn_model.preset("qwen3-next-80b-a3b")
 m = random_model(cfg, weights="nvfp4", device="cuda", seed=0)

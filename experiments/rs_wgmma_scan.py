@@ -87,8 +87,8 @@ def main() -> int:
     exposed = [r for r in rows if r["exposed"]]
     rec = {"git_sha": os.environ.get("LYNN_GIT_SHA"), "kernels": rows, "exposed": len(exposed)}
     try:
-        import triton
         import torch
+        import triton
         rec["triton"], rec["torch"] = triton.__version__, torch.__version__
     except ImportError:
         pass

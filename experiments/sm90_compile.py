@@ -73,8 +73,9 @@ def _packed_gemv(m: int, n: int, k: int, block_n: int, tw: int, warps: int) -> d
     sig = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*u8", "g_ptr": "*fp32", "bias_ptr": "*bf16",
            "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_ym": "i32",
            "ROWS_PER_G": "i32"}
-    from lynn_kernels.triton_shared import kernel_constexprs
     import torch
+
+    from lynn_kernels.triton_shared import kernel_constexprs
     f = kernel_constexprs(torch.bfloat16, None, torch.bfloat16, False, True)
     ce = {"stride_xk": 1, "HAS_BIAS": False, "X_DTYPE": f["X_DTYPE"], "BIAS_DTYPE": f["BIAS_DTYPE"], "OUT_DTYPE": f["OUT_DTYPE"],
           "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": block_n, "TW": tw, "EVEN_N": n % block_n == 0,

@@ -2,10 +2,13 @@
 model's tensors cut as a checkpoint stores them (per expert and projection: 92,873 tensors), checked with a
 verify every 1/40 of them (a shard), beside the host-to-device copy a load makes of the same bytes. Results:
 ``data/experiments/weight-check/``; discussed in docs/decoder.md, section 4."""
-import json, os, sys, time
+import json
+import os
+import time
 from pathlib import Path
+
 import torch
-import lynn_kernels
+
 from lynn_kernels import NVFP4Tensor
 from lynn_model import loader, preset
 from lynn_model.loader import Entry, WeightCheck
@@ -25,7 +28,8 @@ def nvfp4(name, codes, scales, g):
     add(name + ".weight_packed", codes); add(name + ".weight_scale", scales)
     add(name + ".weight_global_scale", g.reshape(1))
 
-from lynn_model.model import Linear, SparseMoE, GatedDeltaNet
+from lynn_model.model import GatedDeltaNet, Linear, SparseMoE
+
 add("model.embed_tokens.weight", model.embed_tokens)
 for name, m in model.named_modules():
     if isinstance(m, Linear):

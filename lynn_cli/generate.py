@@ -54,6 +54,7 @@ def add(sub):
 def _weights(model):
     """Every weight tensor of ``model`` once (NVFP4 ones as their objects)."""
     import torch
+
     from lynn_model.model import Linear, SparseMoE
 
     seen = [model.embed_tokens]

@@ -42,7 +42,6 @@ import triton.language as tl
 from . import runtime
 from .runtime import cast_output, round_to_dtype, to_float32
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # E4M3 scale decode
 
@@ -99,7 +98,8 @@ def _decode_nibbles(c, s, INTERPRET: tl.constexpr):
 @triton.jit
 def _load_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, K,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """W[offs_n, k0:k0+BLOCK_K] as (E2M1 values * 2^-14 [BLOCK_N, BLOCK_K], block scales * 2^14 [BLOCK_N, BLOCK_K/16])."""
+    """W[offs_n, k0:k0+BLOCK_K] as (E2M1 values * 2^-14 [BLOCK_N, BLOCK_K],
+    block scales * 2^14 [BLOCK_N, BLOCK_K/16])."""
     c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
     even, odd, s = _decode_nibbles(c, s, INTERPRET)
     return tl.interleave(even, odd), s
@@ -435,7 +435,8 @@ def fma_row_step(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0
                        NW_DTYPE, INTERPRET)
     else:
         xt = tl.load(x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk, mask=mask, other=0)
-    # K order -> word order: k = 128 c + 32 i + 16 j2 + 8 j1 + 2 q + j0 is element j0 + 2 j1 + 4 j2 of word 16 c + 4 q + i
+    # K order -> word order: k = 128 c + 32 i + 16 j2 + 8 j1 + 2 q + j0
+    # is element j0 + 2 j1 + 4 j2 of word 16 c + 4 q + i
     xt = tl.reshape(xt, (TW // 16, 4, 2, 2, 4, 2))                           # [c, i, j2, j1, q, j0]
     xt = tl.reshape(tl.permute(xt, (0, 4, 1, 2, 3, 5)), (TW, 8))              # [c, q, i, j2, j1, j0]: the words
     xt = to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE

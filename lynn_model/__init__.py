@@ -25,5 +25,6 @@ from .model import Model
 from .sampling import Sampling, SamplingParams, check_sampling_args, sample, sample_rows
 
 __all__ = ["Batch", "Cache", "CacheFull", "Config", "ConfigError", "PRESETS", "preset", "Model", "from_pretrained",
-           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "PrefillStep", "BUCKETS",
-           "Stats", "Tokenizer", "TextStream", "NonFiniteError", "check_generate_args", "check_sampling_args"]
+           "LoadError", "generate", "sample", "sample_rows", "Sampling", "SamplingParams", "DecodeStep", "PrefillStep",
+           "BUCKETS", "Stats", "Tokenizer", "TextStream", "NonFiniteError", "check_generate_args",
+           "check_sampling_args"]

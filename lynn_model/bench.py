@@ -212,7 +212,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     info.update(peak_gb=torch.cuda.max_memory_allocated() / 1e9, bytes_per_token=nbytes,
                 cache_gb=cache.nbytes() / 1e9)
     _log(f"{name}: decode at {CONTEXT}: {med:.2f} ms/token host, {k_ms:.2f} ms kernels")
-    del cache
+    cache = None
     torch.cuda.empty_cache()
     for batch, context in GRAPH_CASES:
         grows, ginfo = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph)",
@@ -287,7 +287,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
             _log(f"norms folded, batch {batch}: {err!r}")
         finally:
             model.fuse_norms(False)
-    del model
+    model = None
     torch.cuda.empty_cache()
     return rows, info
 
@@ -344,9 +344,9 @@ def graph_prefill(model, ids, n: int, size: int, ceilings: Ceilings, val: dict) 
                ceiling="bf16_tflops", note=note, validation={**val, "graph_vs_eager": checks})
     _log(f"{cfg.name}: prefill graph {n} in {size}: {med:.1f} ms ({n * 1e3 / med:,.0f} tok/s), capture "
          f"{capture_s:.1f} s, {checks}")
-    info = {"ms": med, "tok_s": n * 1e3 / med, "capture_s": capture_s, "host_ms_per_call": statistics.median(host) * 1e3,
-            "checks": checks}
-    del step, cache
+    info = {"ms": med, "tok_s": n * 1e3 / med, "capture_s": capture_s,
+            "host_ms_per_call": statistics.median(host) * 1e3, "checks": checks}
+    step = cache = None
     torch.cuda.empty_cache()
     return row, info
 
@@ -394,11 +394,11 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
                     f"CUDA events over {GRAPH_STEPS // 5} replays, median of 5; host "
                     f"{statistics.median(host) * 1e6:.0f} us per replay() call; graph tokens = eager tokens over 8 "
                     f"steps; {'PDL launches' if pdl else 'plain launches'}", validation=val)
-    _log(f"{cfg.name}: graph decode, batch {batch}, context {context}: {med:.3f} ms/step ({batch * 1e3 / med:,.1f} tok/s), capture "
-         f"{capture_s:.1f} s")
+    _log(f"{cfg.name}: graph decode, batch {batch}, context {context}: {med:.3f} ms/step "
+         f"({batch * 1e3 / med:,.1f} tok/s), capture {capture_s:.1f} s")
     info = {"ms_per_step": med, "tok_s": batch * 1e3 / med, "capture_s": capture_s,
             "host_us_per_replay": statistics.median(host) * 1e6}
-    del step, runs
+    step = runs = None
     torch.cuda.empty_cache()
     return [row], info
 
@@ -427,10 +427,10 @@ def census(model, batch: int = 1) -> dict:
     :class:`lynn_model.DecodeStep`'s static buffers; ``per_step`` adds them up by the layer counts, ``whole_step``
     profiles the whole step as a check."""
     import torch.nn.functional as F
-    from lynn_model import DecodeStep, Sampling, SamplingParams
-    from lynn_model.model import PreNorm
 
     import lynn_kernels
+    from lynn_model import DecodeStep, Sampling, SamplingParams
+    from lynn_model.model import PreNorm
 
     cfg = model.config
     cache = model.new_cache(max_batch=batch, max_tokens=batch * (CONTEXT + 64))
@@ -486,7 +486,7 @@ def census(model, batch: int = 1) -> dict:
                                                                              and name != "per_step" else ""))
         if len(v.get("detail", ())) > 1:
             _log("    " + ", ".join(f"{k} {t:.1f}" for k, t in v["detail"]))
-    del step, cache
+    step = cache = None
     return out
 
 
@@ -574,15 +574,16 @@ def _bf16_graph(name: str, ceilings: Ceilings) -> list[Result]:
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (CONTEXT + STEPS + 8,), device="cuda", generator=gen)
     rows, _ = graph_decode(model, ids, 1, ceilings, "lynn bf16 weights, cuBLAS (graph)", decode_bytes(model, CONTEXT))
-    del model
+    model = None
     torch.cuda.empty_cache()
     return rows
 
 
 def _hf(name: str, ceilings: Ceilings) -> list[Result]:
-    import lynn_model
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    import lynn_model
 
     cfg = lynn_model.preset(name)
     hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf().items() if k != "model_type"})
@@ -628,7 +629,7 @@ def _hf(name: str, ceilings: Ceilings) -> list[Result]:
                      times, ceilings, bytes_=nbytes, ceiling="read_gbps",
                      note=f"{1e3 / statistics.median(times):.1f} tok/s; host-timed step"))
     _log(f"HF {name}: decode {statistics.median(times):.1f} ms/token")
-    del model, cache
+    model = cache = None
     torch.cuda.empty_cache()
     return rows
 

@@ -130,9 +130,9 @@ class DecodeStep:
 
     def epilogue(self, logits: torch.Tensor) -> None:
         """Sample each row's next token into ``tokens``; set ``finite`` (0 where the chosen token's logit is NaN or
-        inf, which it is whenever the row holds a NaN or +inf, or only -inf); advance the active rows' ``lengths``. When every row is
-        greedy, the argmax goes straight into ``tokens`` (of the logits as they are: the same index as of their
-        fp32 copy, which :func:`sample_rows` takes)."""
+        inf, which it is whenever the row holds a NaN or +inf, or only -inf); advance the active rows' ``lengths``. When
+        every row is greedy, the argmax goes straight into ``tokens`` (of the logits as they are: the same index as of
+        their fp32 copy, which :func:`sample_rows` takes)."""
         if self.params.greedy:
             torch.argmax(logits, -1, out=self.tokens)
         else:
@@ -202,10 +202,10 @@ class PrefillStep:
     and replayed for every prompt that fits (on a GPU with the compiled kernels; eagerly elsewhere).
 
     A prefill's kernels depend on its token count alone, except where the sequence ends: a prompt of ``n <= tokens``
-    runs in all ``tokens`` rows, the last ``tokens - n`` of them padding (the prompt's tokens again). Causal attention keeps the real
-    rows from seeing the padding; padding rows write no key (slot -1); their Gated DeltaNet gates are set to decay 1
-    and write 0, so the recurrent state after them is the state after the last real token, and the conv state is
-    taken at the real end (``Batch.valid``). Everything else (projections, norms, MoE) works row by row, so no real
+    runs in all ``tokens`` rows, the last ``tokens - n`` of them padding (the prompt's tokens again). Causal attention
+    keeps the real rows from seeing the padding; padding rows write no key (slot -1); their Gated DeltaNet gates are set
+    to decay 1 and write 0, so the recurrent state after them is the state after the last real token, and the conv state
+    is taken at the real end (``Batch.valid``). Everything else (projections, norms, MoE) works row by row, so no real
     row's arithmetic changes; a float matmul's library may still pick another kernel for another row count (cuBLAS,
     CPU BLAS) and sum in another order, so a padded prompt matches ``model.step`` of it to rounding, and bit for bit
     where the count is the graph's own or every kernel's tiles are fixed (the NVFP4 ones). What a replay takes from

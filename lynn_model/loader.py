@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 
 import lynn_kernels
-from lynn_kernels import NVFP4Tensor, moe
+from lynn_kernels import NVFP4Tensor, moe, runtime
 from lynn_kernels.matmul import PackedNVFP4, pack
-from lynn_kernels import runtime
 
 from .config import Config, ConfigError
 from .model import Model
@@ -952,9 +951,9 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
                  seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", layout: str = "packed") -> Model:
     """A model of ``config`` with random weights drawn on ``device`` (benchmarks, shapes without a checkpoint):
     projections ``N(0, 1 / in_features)`` (those that write into the residual stream also times ``1 / sqrt(2 L)``,
-    so the net is stable: bf16 rounding is not amplified layer after layer), norms near their identity, decays as HF initialises them; quantised on the
-    device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float), the projections in ``layout``
-    as :func:`from_pretrained` puts them."""
+    so the net is stable: bf16 rounding is not amplified layer after layer), norms near their identity, decays as HF
+    initialises them; quantised on the device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float),
+    the projections in ``layout`` as :func:`from_pretrained` puts them."""
     if weights not in ("nvfp4", "bf16"):
         raise ValueError(f"weights = {weights!r}: expected 'nvfp4' or 'bf16'")
     if layout not in ("packed", "checkpoint"):
@@ -970,7 +969,8 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
         elif name.endswith(".dt_bias"):
             value = torch.ones(t.shape, device=device)
         elif t.kind == "tensor" and len(t.shape) == 1:
-            value = torch.randn(t.shape, generator=gen, device=device) * 0.1 + (1.0 if name.endswith("linear_attn.norm") else 0)
+            value = (torch.randn(t.shape, generator=gen, device=device) * 0.1
+                     + (1.0 if name.endswith("linear_attn.norm") else 0))
         else:
             std = t.shape[-1] ** -0.5 if t.kind == "linear" else 1.0
             if name.endswith(("o_proj", "out_proj", "down_proj")):       # what each block adds to the residual

@@ -18,8 +18,8 @@ from torch import nn
 
 import lynn_kernels
 from lynn_kernels import NVFP4Tensor, deltanet, moe, nvfp4_linear, rmsnorm
-from lynn_kernels.matmul import PackedNVFP4, concat_rows, norm_linear
 from lynn_kernels.attention import decode_attention, flash_attention, qk_norm_rope, split_q_gate
+from lynn_kernels.matmul import PackedNVFP4, concat_rows, norm_linear
 
 from .cache import Batch, Cache
 from .config import Config

@@ -543,8 +543,9 @@ def quantize_checkpoint(src, dst, *, format: str = "compressed-tensors", recipe:
 
     Returns a summary: ``format``, ``recipe``, ``src``, ``dst``, ``shards``, ``quantized`` / ``kept`` (module names),
     ``n_quantized``, ``n_kept``, ``tensors_copied``, ``bytes_before`` / ``bytes_after`` (tensor bytes),
-    ``files_copied``, ``notes`` and ``seconds``. Raises ``ValueError`` / ``FileExistsError`` / ``FileNotFoundError`` naming the path or
-    tensor at fault (DST equal to, inside or containing SRC, an existing DST, an unknown model, a quantised SRC).
+    ``files_copied``, ``notes`` and ``seconds``. Raises ``ValueError`` / ``FileExistsError`` / ``FileNotFoundError``
+    naming the path or tensor at fault (DST equal to, inside or containing SRC, an existing DST, an unknown model, a
+    quantised SRC).
     """
     t0 = time.perf_counter()
     if format not in FORMATS:

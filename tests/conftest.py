@@ -6,9 +6,6 @@ CPU) before anything else imports triton.
 
 from __future__ import annotations
 
-import lynn_kernels  # noqa: F401, I001  (must come first: it chooses the Triton backend)
-from lynn_kernels import runtime
-
 import importlib
 import math
 from collections import Counter
@@ -16,6 +13,8 @@ from collections import Counter
 import pytest
 import torch
 
+import lynn_kernels  # noqa: F401, I001  (must come first: it chooses the Triton backend)
+from lynn_kernels import runtime
 
 
 # -- interpreter speed ----------------------------------------------------------------------------------------------

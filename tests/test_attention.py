@@ -11,13 +11,20 @@ import math
 
 import pytest
 import torch
-from conftest import oracle
 import torch.nn.functional as F
+from conftest import oracle
 
 import lynn_kernels
 from lynn_kernels import runtime
-from lynn_kernels.attention import (contiguous_slots, decode_attention, flash_attention, paged_slots, qk_norm_rope,
-                                    reference, split_q_gate)
+from lynn_kernels.attention import (
+    contiguous_slots,
+    decode_attention,
+    flash_attention,
+    paged_slots,
+    qk_norm_rope,
+    reference,
+    split_q_gate,
+)
 from lynn_kernels.attention import triton_decode as decode_mod
 from lynn_kernels.attention import triton_prefill as prefill_mod
 from lynn_kernels.attention import triton_rope as rope_mod

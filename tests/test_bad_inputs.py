@@ -195,7 +195,8 @@ def args_delta_gates():
 
 
 def args_gates():
-    return {"A_log": rand(2, seed=8), "a": rand(1, 3, 2, seed=9), "dt_bias": rand(2, seed=10), "b": rand(1, 3, 2, seed=11)}
+    return {"A_log": rand(2, seed=8), "a": rand(1, 3, 2, seed=9), "dt_bias": rand(2, seed=10),
+            "b": rand(1, 3, 2, seed=11)}
 
 
 def args_conv():
@@ -267,7 +268,8 @@ def args_experts_nvfp4():
 def args_block(nvfp4_weights: bool = False):
     w13, w2 = _experts(nvfp4_weights)
     shared = SharedExpert(rand(2 * I, H, seed=5, scale=0.1), rand(H, I, seed=6, scale=0.1), rand(1, H, seed=7))
-    return {"x": rand(1, 3, H, seed=1), "router_weight": rand(E, H, seed=4), "w13": w13, "w2": w2, "shared": shared, "top_k": 2}
+    return {"x": rand(1, 3, H, seed=1), "router_weight": rand(E, H, seed=4), "w13": w13, "w2": w2, "shared": shared,
+            "top_k": 2}
 
 
 def args_block_nvfp4():
@@ -534,8 +536,8 @@ CASES: list[Case] = [
     c("attention.flash_attention", "shape", "v-heads", V_, "v", lambda a: {"v": rand(5, 2, 16)}),
     c("attention.flash_attention", "shape", "k-rows", V_, "k",
       lambda a: {"k": rand(4, 1, 16), "v": rand(4, 1, 16)}),
-    c("attention.flash_attention", "shape", "gqa-heads", V_, "q", lambda a: {"q": rand(5, 3, 16), "gate": None,
-                                                                              "k": rand(5, 2, 16), "v": rand(5, 2, 16)}),
+    c("attention.flash_attention", "shape", "gqa-heads", V_, "q",
+      lambda a: {"q": rand(5, 3, 16), "gate": None, "k": rand(5, 2, 16), "v": rand(5, 2, 16)}),
     c("attention.flash_attention", "shape", "gate", V_, "gate", lambda a: {"gate": a["gate"][:4]}),
     c("attention.flash_attention", "k16", "head-dim-24", V_, "q",
       lambda a: {"q": rand(5, 2, 24), "k": rand(5, 1, 24), "v": rand(5, 1, 24), "gate": None}),
@@ -828,7 +830,7 @@ CASES: list[Case] = [
     c("deltanet.gates", "shape", "b", V_, "b", lambda a: {"b": a["b"][:, :2]}, R_ONLY),
     c("deltanet.gates", "rank", "a-0d", V_, "a", lambda a: {"a": a["a"][0, 0, 0]}, R_ONLY),
     c("deltanet.gates", "device", "dt_bias-meta", V_, "dt_bias", lambda a: {"dt_bias": meta(a["dt_bias"])}, R_ONLY),
-    # -- deltanet: conv --------------------------------------------------------------------------------------------------
+    # -- deltanet: conv ------------------------------------------------------------------------------------------------
     c("deltanet.causal_conv1d", "type", "x-list", T_, "x", lambda a: {"x": a["x"].tolist()}),
     c("deltanet.causal_conv1d", "dtype", "x-int", T_, "x", lambda a: {"x": a["x"].int()}),
     c("deltanet.causal_conv1d", "dtype", "weight-fp64", T_, "weight", lambda a: {"weight": a["weight"].double()}),
@@ -869,7 +871,7 @@ CASES: list[Case] = [
       lambda a: {"conv_state": meta(a["conv_state"])}),
     c("deltanet.causal_conv1d_update", "device", "weight-meta", V_, "weight", lambda a: {"weight": meta(a["weight"])}),
     c("deltanet.causal_conv1d_update", "cuda", "all", V_, "x", cuda("x"), N_ONLY),
-    # -- deltanet: gated RMSNorm -------------------------------------------------------------------------------------------
+    # -- deltanet: gated RMSNorm ---------------------------------------------------------------------------------------
     c("deltanet.gated_rmsnorm", "type", "z-list", T_, "z", lambda a: {"z": a["z"].tolist()}),
     c("deltanet.gated_rmsnorm", "dtype", "x-int", T_, "x", lambda a: {"x": a["x"].int()}),
     c("deltanet.gated_rmsnorm", "dtype", "weight-int", T_, "weight", lambda a: {"weight": a["weight"].int()}),
@@ -885,7 +887,7 @@ CASES: list[Case] = [
     c("deltanet.gated_rmsnorm", "range", "eps-zero", V_, "eps", lambda a: {"eps": 0.0}),
     c("deltanet.gated_rmsnorm", "device", "z-meta", V_, "z", lambda a: {"z": meta(a["z"])}),
     c("deltanet.gated_rmsnorm", "cuda", "all", V_, "x", cuda("x"), N_ONLY),
-    # -- deltanet: the fused decode step ---------------------------------------------------------------------------------
+    # -- deltanet: the fused decode step -------------------------------------------------------------------------------
     c("deltanet.gated_delta_decode", "type", "qkv-list", T_, "qkv", lambda a: {"qkv": a["qkv"].tolist()}),
     c("deltanet.gated_delta_decode", "type", "state-none", T_, "state", lambda a: {"state": None}),
     c("deltanet.gated_delta_decode", "type", "num_k_heads-float", T_, "num_k_heads", lambda a: {"num_k_heads": 1.0}),
@@ -942,7 +944,7 @@ CASES: list[Case] = [
     c("attention.decode_plan", "range", "page_size-zero", V_, "page_size", lambda a: {"page_size": 0}),
     c("attention.decode_plan", "device", "kv_slots-meta", V_, "kv_slots", lambda a: {"kv_slots": meta(a["kv_slots"])}),
     c("attention.decode_plan", "cuda", "all", V_, "lengths", cuda("lengths"), N_ONLY),
-    # -- moe ---------------------------------------------------------------------------------------------------------------
+    # -- moe -----------------------------------------------------------------------------------------------------------
     c("moe.route", "type", "logits-list", T_, "logits", lambda a: {"logits": a["logits"].tolist()}),
     c("moe.route", "dtype", "logits-int", T_, "logits", lambda a: {"logits": a["logits"].int()}),
     c("moe.route", "rank", "logits-3d", V_, "logits", lambda a: {"logits": a["logits"][None]}),
@@ -1081,7 +1083,7 @@ CASES: list[Case] = [
     )],
     c("matmul.norm_linear", "type", "w-tensor", T_, "w", lambda a: {"w": rand(8, 32)}),
     c("moe.norm_moe_block", "range", "top_k-0", V_, "top_k", lambda a: {"top_k": 0}),
-    # -- norm ----------------------------------------------------------------------------------------------------------------
+    # -- norm ----------------------------------------------------------------------------------------------------------
     c("norm.rmsnorm", "type", "x-list", T_, "x", lambda a: {"x": a["x"].tolist()}),
     c("norm.rmsnorm", "type", "weight-none", T_, "weight", lambda a: {"weight": None}),
     c("norm.rmsnorm", "dtype", "x-int", T_, "x", lambda a: {"x": a["x"].int()}),

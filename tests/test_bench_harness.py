@@ -203,7 +203,8 @@ def test_bench_registry_lists_every_family():
 
     assert bench.available() == ["attention.decode", "attention.prefill", "decoder.qwen3-next-80b-a3b",
                                  "decoder.qwen3.5-35b-a3b", "deltanet.chunk", "deltanet.conv",
-                                 "deltanet.recurrent", "matmul.chain", "matmul.graph", "matmul.linear", "moe.block", "nvfp4.dequantize", "nvfp4.quantize"]
+                                 "deltanet.recurrent", "matmul.chain", "matmul.graph", "matmul.linear", "moe.block",
+                                 "nvfp4.dequantize", "nvfp4.quantize"]
 
 
 def test_plots_draw_the_committed_results():

@@ -12,9 +12,11 @@ import pytest
 import tomllib
 import torch
 
-import lynn_kernels
 import lynn_cli
-from lynn_cli import check as check_cmd, lab as lab_cmd, main
+import lynn_kernels
+from lynn_cli import check as check_cmd
+from lynn_cli import lab as lab_cmd
+from lynn_cli import main
 from lynn_kernels import checks, compare
 
 ON_GPU = torch.cuda.is_available()
@@ -230,7 +232,6 @@ def test_lynn_backend_triton_without_a_gpu_is_a_usage_error():
 
 
 def test_lynn_cli_main_runs_the_command(capsys):
-    import lynn_cli
 
     assert lynn_cli.main(["info"]) == 0
     assert "backend: " in capsys.readouterr().out

@@ -13,14 +13,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import tiny_hf
 import torch
 
 import lynn_kernels
 import lynn_model
 from lynn_cli import main
 from lynn_model.loader import random_model
-
-import tiny_hf
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

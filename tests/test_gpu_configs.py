@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from lynn_kernels import runtime
-from lynn_kernels.attention import triton_decode as decode_mod
 from lynn_kernels.attention import paged_slots
-from lynn_kernels.attention import triton_prefill as prefill_mod
 from lynn_kernels.attention import reference as attn_reference
+from lynn_kernels.attention import triton_decode as decode_mod
+from lynn_kernels.attention import triton_prefill as prefill_mod
 from lynn_kernels.attention.spec import check_prefill
 from lynn_kernels.deltanet import reference as dn_reference
 from lynn_kernels.deltanet import spec as dn_spec

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tiny_hf
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -40,8 +41,6 @@ from lynn_kernels.nvfp4.spec import reciprocal
 from lynn_model import LoadError, loader
 from lynn_model.model import SparseMoE
 from lynn_model.quantize import quantize_checkpoint
-
-import tiny_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:transformers .* is not tested with current version of modelopt")
 

@@ -23,9 +23,19 @@ from torch import nn
 
 import lynn_kernels
 from lynn_kernels import triton_shared
-from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_linear, quantize_linears,
-                                 reference)
-from lynn_kernels.matmul import PackedNVFP4, pack, packed, triton_matmul, unpack
+from lynn_kernels.matmul import (
+    NVFP4Linear,
+    PackedNVFP4,
+    nvfp4_gemm,
+    nvfp4_gemv,
+    nvfp4_linear,
+    pack,
+    packed,
+    quantize_linears,
+    reference,
+    triton_matmul,
+    unpack,
+)
 from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
 from lynn_kernels.nvfp4 import NVFP4Tensor
@@ -815,7 +825,8 @@ def test_concat_rows_is_the_stacked_product(m, make_nvfp4, device):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 0.5).to(BF16).to(device)
     got = nvfp4_linear(x, cat)
     want = torch.cat([nvfp4_linear(x, p) for p in parts], dim=-1)
-    if m <= 2 and triton_matmul.use_packed_gemv(m, 106) and all(triton_matmul.use_packed_gemv(m, p.shape[0]) for p in parts):
+    if m <= 2 and triton_matmul.use_packed_gemv(m, 106) and all(triton_matmul.use_packed_gemv(m, p.shape[0])
+                                                                for p in parts):
         assert_bit_equal(got, want, f"M={m}")
     assert_close_to_reference(got, reference.nvfp4_linear(x, cat.unpack()), f"M={m}")
     assert_close_to_reference(torch.cat([reference.nvfp4_linear(x, p.unpack()) for p in parts], -1),
@@ -985,8 +996,8 @@ def test_packed_fma_gemv_programs_take_tiles_in_turn(n, k, programs, pdl, make_w
 
 
 def test_packed_gemv_config_takes_the_measured_tiles():
-    """packed_gemv_config's choices from the H200 sweeps (docs/history/matmul.md): 32 x 64 for one x row on 8,192+ rows at
-    K = 2048 (the only K that tile was measured at), the rows-per-SM rule elsewhere; never a streaming grid or an
+    """packed_gemv_config's choices from the H200 sweeps (docs/history/matmul.md): 32 x 64 for one x row on 8,192+ rows
+    at K = 2048 (the only K that tile was measured at), the rows-per-SM rule elsewhere; never a streaming grid or an
     early PDL release by default."""
     from lynn_kernels.matmul.triton_packed import packed_gemv_config
 
@@ -994,9 +1005,11 @@ def test_packed_gemv_config_takes_the_measured_tiles():
                                            "EARLY_RELEASE": False}
     assert packed_gemv_config(12288, 2048, 132)["BLOCK_N"] == 32
     assert (packed_gemv_config(8192, 8192, 132)["BLOCK_N"], packed_gemv_config(8192, 8192, 132)["TW"]) == (32, 128)
-    assert (packed_gemv_config(8192, 2048, 132, m=2)["BLOCK_N"], packed_gemv_config(8192, 2048, 132, m=2)["TW"]) == (16, 128)
+    assert (packed_gemv_config(8192, 2048, 132, m=2)["BLOCK_N"],
+            packed_gemv_config(8192, 2048, 132, m=2)["TW"]) == (16, 128)
     assert (packed_gemv_config(4096, 2048, 132)["BLOCK_N"], packed_gemv_config(2048, 4096, 132)["BLOCK_N"]) == (16, 8)
-    assert all(packed_gemv_config(n, k, 132, m)["PROGRAMS"] == 0 and not packed_gemv_config(n, k, 132, m)["EARLY_RELEASE"]
+    assert all(packed_gemv_config(n, k, 132, m)["PROGRAMS"] == 0
+               and not packed_gemv_config(n, k, 132, m)["EARLY_RELEASE"]
                for n, k, m in [(8192, 2048, 1), (37, 208, 2), (248320, 2048, 1)])
 
 
@@ -1211,8 +1224,10 @@ def test_dequant_gemm_every_code_and_scale_exact(dtype, device, poison_empty):
         assert_bit_equal(y[:, rows], want[:, rows], f"rows of {name}")
 
 
-@pytest.mark.parametrize("dtype,bias", [pytest.param(BF16, False, id="bf16-nobias"), pytest.param(BF16, True, id="bf16-bias"),
-                                        pytest.param(FP16, True, id="fp16-bias"), pytest.param(FP32, False, id="fp32-nobias")])
+@pytest.mark.parametrize("dtype,bias", [pytest.param(BF16, False, id="bf16-nobias"),
+                                        pytest.param(BF16, True, id="bf16-bias"),
+                                        pytest.param(FP16, True, id="fp16-bias"),
+                                        pytest.param(FP32, False, id="fp32-nobias")])
 @pytest.mark.parametrize("mnk", [_mnk(17, 37, 208), _mnk(40, 130, 1040), _mnk(3, 65, 48)])
 def test_dequant_gemm_matches_reference(mnk, dtype, bias, make_weight, make_nvfp4, device, poison_empty):
     """``launch_dequant_gemm`` on its own at awkward shapes (odd N, K a multiple of 16 but not of 64, x a strided
@@ -1229,7 +1244,8 @@ def test_dequant_gemm_per_shard_global_scales(make_weight, device, poison_empty)
     """Projections of very different magnitude stacked by ``concat_rows`` (one global scale per shard): each shard's
     columns match the product with that projection alone; a bias of another dtype than x is refused by name."""
     sizes, mags = (64, 32, 96), (1e-3, 1.0, 300.0)
-    qs = [nvfp4_reference.quantize(make_weight((r, 208), FP32, seed=i, scale=s)) for i, (r, s) in enumerate(zip(sizes, mags))]
+    qs = [nvfp4_reference.quantize(make_weight((r, 208), FP32, seed=i, scale=s))
+          for i, (r, s) in enumerate(zip(sizes, mags))]
     p = packed.concat_rows([pack(q) for q in qs])
     assert [r[:2] for r in p.scale_runs()] == [(0, 64), (64, 96), (96, 192)]
     x = make_weight((20, 208), BF16, seed=5)

@@ -16,6 +16,7 @@ import shutil
 import time
 
 import pytest
+import tiny_hf
 import torch
 
 import lynn_kernels
@@ -23,8 +24,6 @@ import lynn_model
 from lynn_kernels import validate
 from lynn_model import loader
 from lynn_model.config import MAX_EXPERTS
-
-import tiny_hf
 
 ON_GPU = torch.cuda.is_available()
 PROMPT = 70                      # more than one 64-token chunk of the Gated DeltaNet prefill
@@ -407,7 +406,8 @@ def test_hf_tester_configs_load_and_match_hf(testers, name):
         with lynn_kernels.use_reference():
             model = lynn_model.from_pretrained(folder, device="cpu")
             c = model.config
-            assert any(v % 16 for v in (c.intermediate_size, c.moe_intermediate_size, c.shared_expert_intermediate_size))
+            assert any(v % 16 for v in (c.intermediate_size, c.moe_intermediate_size,
+                                        c.shared_expert_intermediate_size))
             ref = model.forward(ids).float()
         fp32 = lynn_model.from_pretrained(folder, dtype=torch.float32)
         got32 = fp32.forward(ids.to(fp32.device)).float().cpu()

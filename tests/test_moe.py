@@ -24,10 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels import runtime, use_reference
-from lynn_kernels.moe import SharedExpert, fuse_w13, moe_block, moe_experts, reference, route, stack_w13
-from lynn_kernels.moe import triton_experts
-from lynn_kernels.moe.triton_experts import (DECODE_MAX_M, block_m_for, launch_moe_experts, moe_block_triton,
-                                             moe_experts_triton, moe_workspace)
+from lynn_kernels.moe import SharedExpert, fuse_w13, moe_block, moe_experts, reference, route, stack_w13, triton_experts
+from lynn_kernels.moe.triton_experts import (
+    DECODE_MAX_M,
+    block_m_for,
+    launch_moe_experts,
+    moe_block_triton,
+    moe_experts_triton,
+    moe_workspace,
+)
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import bit_mismatches, compare

@@ -16,21 +16,41 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe import (
+    BF16,
+    DEV,
+    FP32,
+    _experts,
+    _gen,
+    _quantized,
+    _routing,
+    _shards,
+    _x,
+    assert_block_close,
+    assert_experts_close,
+)
+from test_moe import _shared as _nvfp4_shared
 
 from lynn_kernels import use_reference
 from lynn_kernels.matmul import PackedNVFP4, pack
-from lynn_kernels.moe import (PackedExperts, SharedExpert, fuse_w13, moe_block, moe_experts, pack_experts,
-                              reference, spec, stack_w13)
-from lynn_kernels.moe import triton_experts
+from lynn_kernels.moe import (
+    PackedExperts,
+    SharedExpert,
+    fuse_w13,
+    moe_block,
+    moe_experts,
+    pack_experts,
+    reference,
+    spec,
+    stack_w13,
+    triton_experts,
+)
 from lynn_kernels.moe.packed import shared_slot
 from lynn_kernels.moe.triton_experts import DECODE_MAX_M, block_m_for, launch_moe_experts, moe_workspace
 from lynn_kernels.moe.triton_route import launch_router
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.validate import bit_mismatches, compare
-from test_moe import (BF16, DEV, FP32, _experts, _gen, _quantized, _routing, _shards, _x, assert_block_close,
-                      assert_experts_close)
-from test_moe import _shared as _nvfp4_shared
 
 
 def _fp32(w) -> torch.Tensor:

@@ -15,16 +15,15 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tiny_hf
 import torch
 
 import lynn_kernels
 import lynn_model
 from lynn_kernels import moe, rmsnorm, validate
-from lynn_kernels.matmul import nvfp4_linear, norm_linear, pack, triton_matmul
+from lynn_kernels.matmul import norm_linear, nvfp4_linear, pack, triton_matmul
 from lynn_kernels.moe import SharedExpert, pack_experts, triton_experts
 from lynn_kernels.nvfp4 import quantize
-
-import tiny_hf
 
 ON_GPU = torch.cuda.is_available()
 ORACLE_FIXTURES = {"ckpts": "transformers"}
@@ -216,9 +215,9 @@ def test_gpu_graph_decode_with_norms_folded_equals_eager(preset, batch):
     """The step as ``lynn generate`` runs it with the norms folded too: captured and eager give the same tokens,
     greedy and sampled, over 24 steps (batch 8: more rows than ``FOLD_NORMS_MAX_ROWS``, the norm kernels run);
     and the greedy tokens are those of the same model with the norm kernels."""
-    from lynn_model.loader import random_model
-
     from test_graphs import _gen, _graph_equals_eager
+
+    from lynn_model.loader import random_model
 
     model = random_model(lynn_model.preset(preset), weights="nvfp4", device="cuda", seed=6)
     model.fuse_input_projections()

@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lynn_kernels import nvfp4, runtime
 from lynn_cli import main
+from lynn_kernels import nvfp4, runtime
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.validate import bit_mismatches
 from lynn_model import quantize as lq
@@ -45,15 +45,20 @@ ORACLE_FIXTURES = {"tiny": "transformers", "ct": "compressed_tensors", "modelopt
 
 
 def _build(root: Path) -> dict:
+    from tiny_hf import COMMON as common
+    from tiny_hf import MM_IDS as mm_ids
+    from tiny_hf import MOE as moe
+    from tiny_hf import MROPE as mrope
+    from tiny_hf import ROPE as rope
+    from tiny_hf import VISION as vis
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeForCausalLM,
-                                                                      Qwen3_5MoeForConditionalGeneration)
-
-    from tiny_hf import COMMON as common, MM_IDS as mm_ids, MOE as moe, MROPE as mrope, ROPE as rope, \
-        VISION as vis
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     models = {

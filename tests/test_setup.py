@@ -1,8 +1,9 @@
 """The README's set-up commands are the ones CI runs, and the package metadata does not pull a CUDA torch by itself."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,10 +47,20 @@ def test_performance_tables_are_the_committed_results():
     assert sorted(named) == sorted(report.ALL_OPS), f"generated blocks name {named}, the report has {report.ALL_OPS}"
 
 
+def test_the_code_passes_the_linter():
+    """ruff, as pyproject.toml configures it (120 columns; pyflakes, pycodestyle, import order), over the whole
+    tree: CI runs it through this test."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_a_missing_oracle_fails_instead_of_skipping():
     """tests/conftest.py's ``oracle`` import: a missing oracle package is a failure, never a skip."""
     import pytest
-
     from conftest import oracle
 
     with pytest.raises(pytest.fail.Exception, match="never skip"):

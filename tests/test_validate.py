@@ -9,7 +9,6 @@ import torch
 
 from lynn_kernels.validate import Metrics, bit_mismatches, compare, render_table
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # compare
 

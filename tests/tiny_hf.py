@@ -45,11 +45,12 @@ def build(name: str, seed: int = 0, **next_config):
     Qwen3-Next config (e.g. ``decoder_sparse_step``)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5ForCausalLM,
-                                                              Qwen3_5ForConditionalGeneration)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeForCausalLM,
-                                                                      Qwen3_5MoeForConditionalGeneration)
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
     torch.manual_seed(seed)
     if name == "next":

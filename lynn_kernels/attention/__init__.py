@@ -26,8 +26,8 @@ from .. import runtime
 from . import reference, spec
 from .spec import HEAD_DIMS, contiguous_slots, paged_slots, split_q_gate
 from .triton_decode import decode_attention_triton, default_num_splits
-from .triton_prefill import flash_attention_triton
 from .triton_plan import decode_plan_triton
+from .triton_prefill import flash_attention_triton
 from .triton_rope import qk_norm_rope_triton
 
 

@@ -26,8 +26,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, reference,
-                        recurrent_gated_delta_rule_gates)
+from ..deltanet import (
+    causal_conv1d,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule_gates,
+    reference,
+)
 from ..deltanet.spec import CHUNK, Dims
 from ..deltanet.triton_conv import launch_causal_conv1d_update
 from ..deltanet.triton_recurrent import launch_recurrent

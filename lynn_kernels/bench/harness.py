@@ -27,7 +27,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import runtime
 from ..validate import Metrics
 
 SCHEMA = "lynn-bench/1"
@@ -290,11 +289,11 @@ def measure_ceilings(size_bytes: int = 1 << 30, mm: int = 8192) -> Ceilings:
     dst = torch.empty_like(src)
     copy_ms, _, _ = time_fn(lambda: dst.copy_(src))
     read_ms, _, _ = time_fn(lambda: src.sum(dtype=torch.float32))
-    del dst
+    dst = None
     a = torch.randn(mm, mm, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(mm, mm, device="cuda", dtype=torch.bfloat16)
     mm_ms, _, _ = time_fn(lambda: a @ b)
-    del src, a, b
+    src = a = b = None
     torch.cuda.empty_cache()
     return Ceilings(copy_gbps=2 * size_bytes / (copy_ms * 1e-3) / 1e9,
                     read_gbps=size_bytes / (read_ms * 1e-3) / 1e9,

@@ -171,8 +171,8 @@ def bench_graph(ceilings, quick: bool = False) -> list[Result]:
                     med, _, _ = time_fn(one)
                     rows.append(_row(f"{provider} (call)", label, dims, med * 1e3, nbytes, 2 * m * n * k, check,
                                      "do_bench of one eager Python call", ceilings))
-            del y
-        del sets, bsets, flat
+            y = None
+        sets = bsets = flat = None
         torch.cuda.empty_cache()
     return rows
 

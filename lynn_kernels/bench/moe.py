@@ -126,9 +126,9 @@ def bench_block(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                     base.provider, base.note = f"{name} (call)", f"{base.note}; no kernel time: {exc}"
                     base.median_ms, base.p20_ms, base.p80_ms = med, p20, p80
                     rows.append(derive(base, ceilings))
-            del sets
+            sets = None
             print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        del w13, w2, w13_b, w2_b, w13_t, w2_t
+        w13 = w2 = w13_b = w2_b = w13_t = w2_t = None
         torch.cuda.empty_cache()
     return rows
 

@@ -55,7 +55,7 @@ def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         rows.append(derive(Result("nvfp4.dequantize", "torch copy of the same bytes", label, _dims(shape), med, p20,
                                   p80, bytes=nbytes, ceiling="copy_gbps",
                                   note="what a plain copy reaches at this size"), ceilings))
-        del src, dst
+        src = dst = None
         outs = [torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda") for _ in sets]
         prealloc_sets = [(q, o) for (q,), o in zip(sets, outs)]
         providers = (("lynn kernel launch (preallocated output)", launch_dequantize, True),
@@ -74,7 +74,7 @@ def bench_dequantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
         post = compare(dequantize(q0), want, exact=True)          # timing must not have disturbed anything
         if post.mismatches:
             raise AssertionError(f"dequantize differs from the reference after timing {label}: {post}")
-        del sets, outs, prealloc_sets
+        sets = outs = prealloc_sets = None
         torch.cuda.empty_cache()
     return rows
 
@@ -123,7 +123,7 @@ def bench_quantize(ceilings: Ceilings, quick: bool = False) -> list[Result]:
                                       bytes=nbytes, ceiling="copy_gbps", validation=check,
                                       note=f"{len(sets)} rotating input sets; bytes = one read of w + codes + "
                                            f"scales (the amax pass reads w again, uncounted)"), ceilings))
-        del sets, outs, prealloc_sets
+        sets = outs = prealloc_sets = None
         torch.cuda.empty_cache()
     return rows
 

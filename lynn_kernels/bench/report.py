@@ -45,7 +45,8 @@ def _head(op: str, doc: dict) -> str:
     p, c = doc["provenance"], doc["ceilings"]
     return (f"`{op}` on {p['gpu']}, {p['date']}, {git_label(p)}, torch {p['torch']}, triton {p['triton']}, "
             f"CUDA {p.get('cuda')}; command `{p['command']}`. Ceilings measured in the same process: copy "
-            f"{c['copy_gbps']:,.0f} GB/s, read {c['read_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_tflops']:,.0f} TFLOP/s.")
+            f"{c['copy_gbps']:,.0f} GB/s, read {c['read_gbps']:,.0f} GB/s, "
+            f"bf16 matmul {c['bf16_tflops']:,.0f} TFLOP/s.")
 
 
 def matmul_cells(doc: dict) -> list[dict]:
@@ -188,7 +189,8 @@ def markdown_timed(op: str, gpu: str = "h200") -> str:
     ceiling the row is held against, all from the kernel time (the call time where no kernel time was taken)."""
     doc = load(op, gpu)
     flops = any(r.get("flops") for r in doc["results"])
-    head = "| shape | provider | kernel us | call us | GB/s | " + ("TFLOP/s | " if flops else "") + "of ceiling | validated |"
+    head = ("| shape | provider | kernel us | call us | GB/s | " + ("TFLOP/s | " if flops else "")
+            + "of ceiling | validated |")
     lines = [_head(op, doc), "", head, "|" + "---|" * (head.count("|") - 1)]
     for p in timed_pairs(doc):
         r, k = p["row"], p.get("kernel")

@@ -108,8 +108,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                use_qk_l2norm=False, *, out_state=None):
     """The gated delta rule token by token, in one kernel: decode (T = 1) or any T, sequentially.
 
-    Same arguments (but no ``cu_seqlens``) and result as :func:`chunk_gated_delta_rule`. Each program keeps its slice of the fp32 state in
-    registers over the tokens (read once, written once per call); all arithmetic is fp32, no ``tl.dot``.
+    Same arguments (but no ``cu_seqlens``) and result as :func:`chunk_gated_delta_rule`. Each program keeps its slice of
+    the fp32 state in registers over the tokens (read once, written once per call); all arithmetic is fp32, no
+    ``tl.dot``.
 
     Example (one decode step after a prefill, the state updated in place)::
 

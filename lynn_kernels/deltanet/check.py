@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from .. import runtime
 from ..validate import compare
 
-
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = (
     "deltanet.chunk", "deltanet.chunk state", "deltanet.recurrent", "deltanet.recurrent state", "deltanet.conv",
@@ -76,8 +75,15 @@ def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, dtype: torch
 
 
 def iter_rows() -> Iterator[dict]:
-    from . import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_decode, gated_rmsnorm,
-                   reference, recurrent_gated_delta_rule_gates)
+    from . import (
+        causal_conv1d,
+        causal_conv1d_update,
+        chunk_gated_delta_rule,
+        gated_delta_decode,
+        gated_rmsnorm,
+        recurrent_gated_delta_rule_gates,
+        reference,
+    )
 
     for dtype in (torch.bfloat16, torch.float32):
         label = str(dtype).replace("torch.", "")

@@ -16,7 +16,7 @@ from .. import runtime
 from ..runtime import kernel_view, pdl_enter
 from . import spec
 from .spec import TL_L2NORM_EPS as _EPS
-from .spec import TL_SUM as _SUM                   # tl.sum costs ~2 ms a call under the interpreter, every token here
+from .spec import TL_SUM as _SUM  # tl.sum costs ~2 ms a call under the interpreter, every token here
 from .spec import check_devices, last_dim_contiguous
 
 

@@ -9,14 +9,14 @@ Public ops (names and argument order are a contract):
   the residual add) in front of the product, folded into the packed GEMV's launch where that kernel takes the shape;
 * ``NVFP4Linear`` (``from_linear``), ``quantize_linears(module, skip=...)``;
 * ``pack(w) -> PackedNVFP4`` (the kernel layout, made once per weight at load time) and ``unpack``: every op takes
-  either form of ``w``; the packed one reaches the packed GEMV for ``M = 1, 2`` where ``use_packed_gemv`` says, the tensor-core GEMV for the
-  rest of ``M <= 16``, and from ``DEQUANT_MIN_M`` rows of a 16-bit x a dequantise-once-then-cuBLAS product
-  (``use_dequant_gemm``; docs/matmul.md); ``concat_rows(ws)`` stacks packed weights of one ``K`` along N, each row
-  keeping its global scale (one GEMV for several projections of the same input).
+  either form of ``w``; the packed one reaches the packed GEMV for ``M = 1, 2`` where ``use_packed_gemv`` says, the
+  tensor-core GEMV for the rest of ``M <= 16``, and from ``DEQUANT_MIN_M`` rows of a 16-bit x a
+  dequantise-once-then-cuBLAS product (``use_dequant_gemm``; docs/matmul.md); ``concat_rows(ws)`` stacks packed weights
+  of one ``K`` along N, each row keeping its global scale (one GEMV for several projections of the same input).
 
 Each op has a same-signature torch reference in :mod:`.reference`; argument checks and the dispatch limits
-(``GEMV_MAX_M``, ``PACKED_GEMV_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (checkpoint layout) and
-:mod:`.triton_packed` (packed layout), the ``lynn check`` rows in :mod:`.check`.
+(``GEMV_MAX_M``, ``PACKED_GEMV_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (checkpoint layout)
+and :mod:`.triton_packed` (packed layout), the ``lynn check`` rows in :mod:`.check`.
 """
 
 from .. import runtime
@@ -30,5 +30,5 @@ nvfp4_gemv = runtime.op(reference=reference.nvfp4_gemv, docs="reference")(nvfp4_
 nvfp4_gemm = runtime.op(reference=reference.nvfp4_gemm, docs="reference")(nvfp4_gemm_triton)
 norm_linear = runtime.op(reference=reference.norm_linear, docs="reference")(norm_linear_triton)
 
-__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "norm_linear", "NVFP4Linear", "quantize_linears", "reference", "spec",
-           "PackedNVFP4", "pack", "unpack", "concat_rows"]
+__all__ = ["nvfp4_linear", "nvfp4_gemv", "nvfp4_gemm", "norm_linear", "NVFP4Linear", "quantize_linears", "reference",
+           "spec", "PackedNVFP4", "pack", "unpack", "concat_rows"]

@@ -47,7 +47,6 @@ from .packed import CHUNK, PackedNVFP4
 from .spec import GEMV_MAX_M, check_linear_args
 from .triton_packed import NORM_MAX_K, _bias_arg, _sm_count, launch_packed_gemv
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # the split-K epilogue
 
@@ -349,10 +348,11 @@ def _packed_dequantize_kernel(
 #: The dequantise kernel's tile (a multiple of a chunk along K): within 3% of the best of 16 tiles on each of three
 #: decoder shapes on the GPU (experiments/dequant_gemm.py, docs/history/matmul.md).
 DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
-#: From this many rows of a 16-bit x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype (one
-#: kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel: faster from
-#: M = 128 on three of the four decoder shapes and from 256 on all (docs/history/matmul.md). Weights with more runs of rows under one global scale than DEQUANT_MAX_SHARDS stay on the
-#: packed GEMM (one cuBLAS call per run: a stack of projections is one run each).
+#: From this many rows of a 16-bit x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype
+#: (one kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel: faster from
+#: M = 128 on three of the four decoder shapes and from 256 on all (docs/history/matmul.md). Weights with more runs of
+#: rows under one global scale than DEQUANT_MAX_SHARDS stay on the packed GEMM (one cuBLAS call per run: a stack of
+#: projections is one run each).
 DEQUANT_MIN_M = 128
 DEQUANT_MAX_SHARDS = 4
 

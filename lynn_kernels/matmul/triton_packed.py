@@ -43,7 +43,8 @@ def _row_out(acc, m, M, rows, mask_n, g, bias_ptr, y_ptr, stride_ym, HAS_BIAS: t
     out = tl.sum(acc, axis=1) * g
     if HAS_BIAS:
         out += to_float32(tl.load(bias_ptr + rows, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)
-    tl.store(y_ptr + (tl.full((), m, tl.int64) * stride_ym) + rows, cast_output(out, OUT_DTYPE, INTERPRET), mask=mask_n & (m < M))
+    tl.store(y_ptr + (tl.full((), m, tl.int64) * stride_ym) + rows, cast_output(out, OUT_DTYPE, INTERPRET),
+             mask=mask_n & (m < M))
 
 
 @triton.jit
@@ -199,10 +200,10 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``PACKED_GEMV_MAX_M``) times a
     packed weight into ``y [M, N]`` on the packed GEMV. ``config`` replaces keys of :func:`packed_gemv_config`:
     ``BLOCK_N``, ``TW``, ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at
-    most that many programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch once every
-    program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load before
-    the wait on the kernel before). ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the RMSNorm
-    in front (:func:`lynn_kernels.matmul.norm_linear`): the product is of ``rmsnorm(x2 + residual) * (1 +
+    most that many programs taking the tiles in turn) and ``EARLY_RELEASE`` (with ``pdl``: the next kernel may launch
+    once every program has started). ``pdl`` launches it with programmatic dependent launch (Hopper: the weights load
+    before the wait on the kernel before). ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the
+    RMSNorm in front (:func:`lynn_kernels.matmul.norm_linear`): the product is of ``rmsnorm(x2 + residual) * (1 +
     norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), whose rows go to ``x_out`` and ``x2 + residual`` to
     ``residual_out`` (contiguous ``[M, K]``); ``x2`` and ``residual`` unit stride along K, ``K <= NORM_MAX_K``."""
     m, k = x2.shape

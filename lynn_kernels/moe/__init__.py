@@ -51,8 +51,9 @@ def route(logits, top_k, renormalize=True):
     """Softmax top-k routing, one Triton program per block of tokens.
 
     ``p = softmax(logits)`` in fp32 over the experts; the ``top_k`` largest probabilities in descending order
-    (chosen on the logits, which order them exactly), ties to the lowest expert id; with ``renormalize`` (Qwen3.5 always, Qwen3-Next ``norm_topk_prob``) the k weights
-    divided by their sum. As HF's router up to the weights' dtype: HF then casts them to x's dtype, this keeps fp32.
+    (chosen on the logits, which order them exactly), ties to the lowest expert id; with ``renormalize`` (Qwen3.5
+    always, Qwen3-Next ``norm_topk_prob``) the k weights divided by their sum. As HF's router up to the weights' dtype:
+    HF then casts them to x's dtype, this keeps fp32.
 
     Args:
         logits: ``[M, E]`` bf16 / fp16 / fp32 router logits (unit stride along E), finite; ``E <= 1024``.
@@ -174,5 +175,5 @@ def moe_block(x, router_weight, w13, w2, shared=None, *, top_k, renormalize=True
 
 norm_moe_block = runtime.op(reference=reference.norm_moe_block, docs="reference")(norm_moe_block_triton)
 
-__all__ = ["route", "align", "moe_experts", "moe_block", "norm_moe_block", "SharedExpert", "stack_w13", "fuse_w13", "max_padded",
-           "reference", "spec"]
+__all__ = ["route", "align", "moe_experts", "moe_block", "norm_moe_block", "SharedExpert", "PackedExperts",
+           "pack_experts", "stack_w13", "fuse_w13", "max_padded", "reference", "spec"]

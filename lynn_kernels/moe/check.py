@@ -20,7 +20,6 @@ from ..validate import compare
 from .packed import SharedExpert, pack_experts, shared_slot
 from .spec import fuse_w13, stack_w13
 
-
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = ("moe.route", "moe.align", "moe.moe_experts", "moe.moe_block", "moe.norm_moe_block")
 

@@ -28,8 +28,8 @@ class SharedExpert(NamedTuple):
     up(x))``.
 
     * ``w13``: ``[2 Is, H]``, gate rows first, then up rows (HF ``shared_expert.gate_proj`` / ``up_proj`` stacked:
-      :func:`~.spec.fuse_w13`); NVFP4 with global scale ``()``, or ``[2 Is]`` (one per row: the gate rows hold gate_proj's
-      scale, the up rows up_proj's, when the two differ), or a float tensor of x's dtype;
+      :func:`~.spec.fuse_w13`); NVFP4 with global scale ``()``, or ``[2 Is]`` (one per row: the gate rows hold
+      gate_proj's scale, the up rows up_proj's, when the two differ), or a float tensor of x's dtype;
     * ``w2``: ``[H, Is]`` (HF ``shared_expert.down_proj``), of w13's kind; NVFP4 with global scale ``()``;
     * ``gate_weight``: ``[1, H]`` float, unquantised (HF ``shared_expert_gate.weight``).
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import values_checkable
 from ..matmul.packed import PackedNVFP4
 from ..nvfp4 import NVFP4Tensor
 from ..nvfp4.spec import reciprocal
+from ..runtime import values_checkable
 from .packed import PackedExperts, SharedExpert
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

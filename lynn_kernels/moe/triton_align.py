@@ -13,8 +13,8 @@ slots are cut into chunks of ``CHUNK`` (1024 on the GPU, 128 under the interpret
    ``block_expert`` (grid-stride, a binary search over the group ends).
 
 With a single chunk (``M * top_k <= CHUNK``: decode and small batches) ``_align_one_program_kernel`` does all three in
-one launch. Measured on the H200 (``data/experiments/moe-profile/results.txt``): 13.8 us for 32,768 slots over 256 experts
-(count 2.1, offsets 3.7, scatter 8.0 us).
+one launch. Measured on the H200 (``data/experiments/moe-profile/results.txt``): 13.8 us for 32,768 slots over 256
+experts (count 2.1, offsets 3.7, scatter 8.0 us).
 
 Ids outside ``[0, E)`` are not checked here (no host sync): their slots are placed nowhere. The public
 :func:`lynn_kernels.moe.align` raises on them.

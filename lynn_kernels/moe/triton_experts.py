@@ -23,8 +23,18 @@ import triton.language as tl
 from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
 from ..runtime import cast_output, kernel_view, round_to_dtype, to_float32
-from ..triton_shared import (FMA_UNIT, X_PRESCALE, decode_word, fma_row_step, fma_scales, kernel_constexprs, load_words,
-                             split8, w_halves, w_tile)
+from ..triton_shared import (
+    FMA_UNIT,
+    X_PRESCALE,
+    decode_word,
+    fma_row_step,
+    fma_scales,
+    kernel_constexprs,
+    load_words,
+    split8,
+    w_halves,
+    w_tile,
+)
 from . import spec
 from .packed import shared_slot
 from .spec import SharedExpert

@@ -2,9 +2,9 @@
 
 Per token: fp32 softmax over the E experts (any E up to :data:`MAX_EXPERTS`, masked to a power of two), then top_k
 rounds of "take the largest logit, ties to the lowest id" (one max over int64 keys that pack the logit's order above
-the id's complement), each taking its probability as the weight, then the optional renormalisation. Selecting on the logits rather than
-on ``p`` gives softmax's order exactly: two fp32 logits one ulp apart can round to the same ``p``. The ids equal the
-reference's exactly; the weights agree to a few fp32 ulps (the exponential and the sum order differ).
+the id's complement), each taking its probability as the weight, then the optional renormalisation. Selecting on the
+logits rather than on ``p`` gives softmax's order exactly: two fp32 logits one ulp apart can round to the same ``p``.
+The ids equal the reference's exactly; the weights agree to a few fp32 ulps (the exponential and the sum order differ).
 
 For a decode batch (``M <= ROUTER_MAX_M``) ``_router_kernel`` also computes the logits: programs over blocks of
 experts and slices of H write fp32 partial logits, and the last program to take a ticket adds them in slice order,

@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from .spec import (BLOCK, E2M1_MAX, E4M3_MAX, E4M3_MIN, check_out_dtype, check_recipe, check_weight,
-                     e2m1_table, recipe_globals)
+from .spec import (
+    BLOCK,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN,
+    check_out_dtype,
+    check_recipe,
+    check_weight,
+    e2m1_table,
+    recipe_globals,
+)
 from .tensor import NVFP4Tensor
 
 

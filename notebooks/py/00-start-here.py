@@ -52,10 +52,10 @@ from pathlib import Path
 
 import torch
 
-import lynn_kernels                      # first: it picks the backend before any kernel is defined
+import lynn_kernels  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import checks, compare, render_table
 from lynn_kernels.bench import load, result_table
-from lynn_kernels.notebook import rounded   # metrics to 4 significant digits, so nbval's text comparison holds
+from lynn_kernels.notebook import rounded  # metrics to 4 significant digits, so nbval's text comparison holds
 from lynn_kernels.runtime import DEVICE
 
 # %% [markdown]

@@ -35,15 +35,15 @@
 # %matplotlib inline
 import math
 
-import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import checks, compare, nvfp4, render_table
-from lynn_kernels.notebook import r4, rounded   # 4 significant digits, so nbval's text comparison holds
+from lynn_kernels.notebook import r4, rounded  # 4 significant digits, so nbval's text comparison holds
 from lynn_kernels.nvfp4 import reference
 from lynn_kernels.runtime import DEVICE
 

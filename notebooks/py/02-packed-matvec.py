@@ -40,19 +40,24 @@
 import copy
 from functools import partial
 
-import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from lynn_kernels import checks, compare, nvfp4, render_table, triton_shared
-from lynn_kernels import notebook
+import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
+from lynn_kernels import checks, compare, notebook, nvfp4, render_table, triton_shared
 from lynn_kernels.bench import load
 from lynn_kernels.bench.matmul import SHAPES
-from lynn_kernels.matmul import (NVFP4Linear, nvfp4_gemm, nvfp4_gemv, nvfp4_linear, quantize_linears,
-                                 reference, triton_matmul)
+from lynn_kernels.matmul import (
+    nvfp4_gemm,
+    nvfp4_gemv,
+    nvfp4_linear,
+    quantize_linears,
+    reference,
+    triton_matmul,
+)
 from lynn_kernels.notebook import bound, r4
 from lynn_kernels.runtime import DEVICE
 

@@ -37,7 +37,6 @@
 import inspect
 from functools import partial
 
-import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import compare, moe, notebook, render_table
 from lynn_kernels.moe import SharedExpert, reference, spec, triton_experts
 from lynn_kernels.nvfp4 import reference as nvfp4_ref
@@ -325,6 +325,7 @@ for name, ids_, E_, bm in (("M5 E6 top2, BLOCK_M 16", ids_s, E_S, 16), ("M37 E60
 # %%
 # NBVAL_IGNORE_OUTPUT
 from matplotlib.colors import ListedColormap
+
 
 def plot_sorted_slots(ax, sorted_slots, block_expert, S, top_k, block_m, E):
     """One cell per entry of sorted_slots, a row per row block, coloured by the block's expert; grey: padding."""
@@ -926,7 +927,8 @@ else:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from lynn_kernels.bench.moe import MS as BENCH_MS, SHAPES as BENCH_SHAPES
+from lynn_kernels.bench.moe import MS as BENCH_MS
+from lynn_kernels.bench.moe import SHAPES as BENCH_SHAPES
 
 GOALS = {1: (">= 5x the _grouped_mm pipeline", 5.0), 4096: (">= 0.8x its throughput", 0.8)}
 BASE, OURS = "torch._grouped_mm bf16 pipeline", "lynn moe_block (NVFP4)"

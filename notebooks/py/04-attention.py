@@ -37,7 +37,6 @@ import inspect
 import math
 from functools import partial
 
-import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -46,9 +45,9 @@ import triton
 import triton.language as tl
 from matplotlib.colors import ListedColormap
 
+import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import compare, notebook, render_table
-from lynn_kernels.attention import (decode_attention, flash_attention, paged_slots, qk_norm_rope, reference,
-                                    split_q_gate)
+from lynn_kernels.attention import decode_attention, flash_attention, paged_slots, qk_norm_rope, reference, split_q_gate
 from lynn_kernels.attention.check import MAX_ERR_RATIO, MIN_COSINE
 from lynn_kernels.runtime import DEVICE
 from lynn_kernels.validate import bit_mismatches
@@ -542,7 +541,7 @@ print(f"\n{sum(r['passed'] for r in prefill_rows)}/{len(prefill_rows)} passed (c
 # for a given SM count; for the benchmark's cases on the H200's 132 SMs:
 
 # %%
-from lynn_kernels.attention.triton_decode import splits_for     # default_num_splits' rule, for a given SM count
+from lynn_kernels.attention.triton_decode import splits_for  # default_num_splits' rule, for a given SM count
 
 split_rows = []
 for b, length in ((1, 4096), (8, 4096), (1, 32768), (8, 32768)):

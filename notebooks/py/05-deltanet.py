@@ -35,16 +35,16 @@
 
 # %%
 # %matplotlib inline
-import dataclasses
 import inspect
 import math
 
-import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_next import modeling_qwen3_next as hf   # the parity oracle (pip extra "test")
+from transformers.models.qwen3_next import modeling_qwen3_next as hf  # the parity oracle (pip extra "test")
 from transformers.utils import logging as hf_logging
+
+import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 
 hf_logging.set_verbosity_error()         # not its notice that fla / causal-conv1d are absent (they need a GPU)
 

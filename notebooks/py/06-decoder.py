@@ -43,18 +43,18 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import lynn_kernels as lk                # first: it picks the backend before any kernel is defined
-import lynn_model
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
+import lynn_model
 from lynn_kernels import compare, render_table
 from lynn_model import Config, ConfigError, loader
 from lynn_model.cache import Batch
-from lynn_model.notebook import OPS, count_ops   # wraps the ops lynn_model.model calls, and counts the calls
+from lynn_model.notebook import OPS, count_ops  # wraps the ops lynn_model.model calls, and counts the calls
 
 hf_logging.set_verbosity_error()         # not its notices that fla / causal-conv1d are absent (they need a GPU)
 hf_logging.disable_progress_bar()        # nor its progress bars when saving and loading
@@ -688,7 +688,7 @@ print("  top_p = 0.5            ->", kept(temperature=1.0, top_p=0.5), "(the bes
 # %%
 # NBVAL_IGNORE_OUTPUT
 from lynn_kernels.bench import load
-from lynn_model.notebook import pick, print_profile   # a row of a committed result; its tables, printed
+from lynn_model.notebook import pick, print_profile  # a row of a committed result; its tables, printed
 
 SHAPES = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
 if torch.cuda.is_available():

@@ -51,8 +51,8 @@ from IPython.display import HTML, display
 
 import lynn_kernels as lk  # first of ours: it picks the backend before any kernel is defined
 import lynn_model
-from lynn_kernels import render_table
 from lynn_cli.generate import DEMO_MODEL, DEMO_PROMPT
+from lynn_kernels import render_table
 from lynn_model import loader
 
 plt.rcParams.update({"figure.dpi": 90, "font.size": 8})
