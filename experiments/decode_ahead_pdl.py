@@ -36,9 +36,9 @@ from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets, pure_read
 from lynn_kernels.matmul import pack, reference
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv, packed_gemv_config
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import moe_block, triton_experts
 from lynn_kernels.nvfp4 import quantize
-from lynn_kernels.validate import bit_mismatches, compare
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

@@ -16,7 +16,7 @@ from lynn_kernels.bench.deltanet import _prefill_inputs
 from lynn_kernels.deltanet import reference as dref
 from lynn_kernels.deltanet.spec import Dims
 from lynn_kernels.deltanet.triton_chunk import launch_chunk
-from lynn_kernels.validate import compare
+from lynn_kernels.metrics import compare
 
 
 def per_kernel(fn, n=10):

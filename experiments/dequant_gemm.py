@@ -27,8 +27,8 @@ from lynn_kernels.bench.harness import kernel_ms, l2_bytes, provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets
 from lynn_kernels.matmul import pack, reference, triton_matmul
 from lynn_kernels.matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_packed_dequantize
+from lynn_kernels.metrics import compare
 from lynn_kernels.nvfp4 import NVFP4Tensor, dequantize, quantize
-from lynn_kernels.validate import compare
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

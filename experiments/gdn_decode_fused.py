@@ -27,7 +27,7 @@ from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.deltanet import spec
 from lynn_kernels.deltanet.triton_decode_step import decode_step_config, launch_gated_delta_decode
-from lynn_kernels.validate import bit_mismatches, compare
+from lynn_kernels.metrics import bit_mismatches, compare
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

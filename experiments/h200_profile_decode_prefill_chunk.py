@@ -23,7 +23,7 @@ from lynn_kernels.bench.deltanet import _prefill_inputs
 from lynn_kernels.bench.harness import kernel_ms
 from lynn_kernels.deltanet import chunk_gated_delta_rule
 from lynn_kernels.deltanet import reference as dref
-from lynn_kernels.validate import compare
+from lynn_kernels.metrics import compare
 
 out = {}
 def per_kernel(fn, n=20):

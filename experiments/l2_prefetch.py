@@ -29,8 +29,8 @@ from lynn_kernels.bench.harness import l2_bytes, provenance
 from lynn_kernels.bench.matmul_graph import n_sets, pure_read
 from lynn_kernels.matmul import pack
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
+from lynn_kernels.metrics import bit_mismatches
 from lynn_kernels.nvfp4 import quantize
-from lynn_kernels.validate import bit_mismatches
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

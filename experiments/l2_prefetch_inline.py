@@ -26,7 +26,7 @@ from gdn_chain import gdn_chain  # noqa: E402  (experiments/, on the path when r
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
-from lynn_kernels.validate import bit_mismatches
+from lynn_kernels.metrics import bit_mismatches
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

@@ -25,8 +25,8 @@ from lynn_kernels import triton_shared as ts
 from lynn_kernels.bench.harness import kernel_ms, measure_ceilings, provenance, rotating, rotation, time_fn
 from lynn_kernels.matmul import nvfp4_linear, reference
 from lynn_kernels.matmul import triton_matmul as tm
+from lynn_kernels.metrics import compare
 from lynn_kernels.runtime import cast_output, to_float32
-from lynn_kernels.validate import compare
 
 #: The GEMV configs compared (BLOCK_M 1 = an fp32 multiply-reduce path, since removed; 16 = tl.dot on padded rows).
 GEMV_SWEEP = ([{"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}

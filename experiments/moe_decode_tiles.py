@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels.bench.harness import kernel_ms
+from lynn_kernels.metrics import compare
 from lynn_kernels.moe import moe_block, reference, triton_experts
 from lynn_kernels.moe.triton_experts import launch_moe_experts, moe_workspace
 from lynn_kernels.nvfp4 import quantize
-from lynn_kernels.validate import compare
 
 H, I = 2048, 512
 #: run 1 (commit c08e11a) swept configs 0-9 at M = 1, 4, 16; run 2 adds 10-15 (fewer warps, taller tiles: each

@@ -31,10 +31,10 @@ import torch
 from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.matmul import pack
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import SharedExpert, moe_block, pack_experts, reference, triton_experts
 from lynn_kernels.moe.packed import shared_slot
 from lynn_kernels.nvfp4 import quantize
-from lynn_kernels.validate import bit_mismatches, compare
 
 H, I = 2048, 512
 LAYERS = 8

@@ -24,8 +24,8 @@ import moe_packed_decode as mpd  # noqa: E402
 
 from lynn_kernels.bench.harness import provenance  # noqa: E402
 from lynn_kernels.bench.matmul_graph import graph_us  # noqa: E402
+from lynn_kernels.metrics import bit_mismatches, compare  # noqa: E402
 from lynn_kernels.moe import moe_block, reference, triton_experts  # noqa: E402
-from lynn_kernels.validate import bit_mismatches, compare  # noqa: E402
 
 H = mpd.H
 UP = [dict(BLOCK_N=n, TW=w, num_warps=nw) for n, w, nw in

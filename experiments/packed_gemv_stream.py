@@ -27,8 +27,8 @@ from lynn_kernels.bench.matmul_graph import empty_launch, graph_us, n_sets, pure
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import launch_gemv
 from lynn_kernels.matmul.triton_packed import _PACKED_GEMV, launch_packed_gemv, packed_gemv_config
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.nvfp4 import dequantize, quantize
-from lynn_kernels.validate import bit_mismatches, compare
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

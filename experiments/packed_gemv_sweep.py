@@ -15,8 +15,8 @@ from lynn_kernels.bench.harness import provenance
 from lynn_kernels.bench.matmul_graph import graph_us, n_sets
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
+from lynn_kernels.metrics import compare
 from lynn_kernels.nvfp4 import quantize
-from lynn_kernels.validate import compare
 
 out_dir = os.environ.get("OUT", "out")
 os.makedirs(out_dir, exist_ok=True)

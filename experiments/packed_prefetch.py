@@ -23,8 +23,8 @@ from lynn_kernels.bench.harness import l2_bytes, provenance
 from lynn_kernels.bench.matmul_graph import graph_us
 from lynn_kernels.matmul import nvfp4_linear, pack, reference
 from lynn_kernels.matmul.triton_matmul import _GEMM_SHAPES, launch_gemm, launch_gemv
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.nvfp4 import dequantize, quantize
-from lynn_kernels.validate import bit_mismatches, compare
 
 OUT = os.environ.get("OUT", "out")
 os.makedirs(OUT, exist_ok=True)

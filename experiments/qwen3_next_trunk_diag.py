@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import lynn_kernels
 import lynn_model
-from lynn_kernels.validate import compare
+from lynn_kernels.metrics import compare
 from lynn_model.cache import Batch
 from lynn_model.loader import random_model
 

@@ -59,10 +59,10 @@ def main() -> int:
         import torch
 
         import lynn_model
-        from lynn_kernels import checks, runtime
+        from lynn_kernels import check, runtime
         from lynn_model.loader import random_model
         if not args.skip_checks:
-            rows, secs = checks.run_checks()
+            rows, secs = check.run_checks()
             bad = [r for r in rows if not r.get("ok", True)]
             print(f"lynn check: {len(rows)} rows in {secs:.0f} s, {len(bad)} not ok", flush=True)
         dev = runtime.DEVICE

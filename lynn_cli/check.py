@@ -22,7 +22,7 @@ def run(args) -> int:
     import textwrap
     import time
 
-    from lynn_kernels import checks, device_summary
+    from lynn_kernels import check, device_summary
 
     from . import CommandError
 
@@ -30,7 +30,7 @@ def run(args) -> int:
     print(f"lynn check on {info['device']} (backend {info['backend']}, torch {info['torch']}, "
           f"triton {info['triton']})", flush=True)
     if info["backend"] == "reference":
-        print(textwrap.fill(REFERENCE_NOTICE, checks.WIDTH), flush=True)
+        print(textwrap.fill(REFERENCE_NOTICE, check.WIDTH), flush=True)
     tty = sys.stderr.isatty()
     t0 = time.perf_counter()
     state = {"table": None, "family": 0, "families": 0, "rows": 0, "progress": False}
@@ -43,7 +43,7 @@ def run(args) -> int:
 
     def on_family(family, i, n):
         if state["table"] is None:
-            state["table"] = checks.StreamTable(n)
+            state["table"] = check.StreamTable(n)
             print(state["table"].header(), flush=True)
         state["family"], state["families"] = i, n
         if tty:                                        # a line that the next rows overwrite
@@ -60,7 +60,7 @@ def run(args) -> int:
         print(state["table"].row(row, state["family"], state["families"]), flush=True)
 
     try:
-        rows, seconds = checks.run_checks(args.family or None, on_family=on_family, on_row=on_row)
+        rows, seconds = check.run_checks(args.family or None, on_family=on_family, on_row=on_row)
     except ValueError as err:
         raise CommandError(str(err), code=2) from None
     finally:

@@ -6,7 +6,7 @@ kernel module below is defined under the right backend.
 
 from . import runtime  # noqa: I001  (must come first: it chooses the Triton backend)
 from .runtime import backend, device_summary, programmatic_launches, trusted, use_reference
-from .validate import Metrics, compare, render_table
+from .metrics import Metrics, compare, render_table
 from . import nvfp4
 from .nvfp4 import NVFP4Tensor, dequantize, quantize
 from . import matmul

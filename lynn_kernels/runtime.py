@@ -168,6 +168,9 @@ def op(reference, *, docs="host"):
     def wrap(host):
         @functools.wraps(host)
         def public(*args, **kwargs):
+            routes = _routes.get()
+            if routes and public in routes:
+                return _routed(routes, public, args, kwargs)
             if _force_reference.get():
                 return reference(*args, **kwargs)
             return host(*args, **kwargs)
@@ -182,6 +185,82 @@ def op(reference, *, docs="host"):
         return public
 
     return wrap
+
+
+# --- routing: what lynn_kernels.lab.using(...) changes --------------------------------------------------------------
+
+#: Routes in force: a public op -> the callable that answers for it, a kernel's name -> the ``@triton.jit`` kernel
+#: its launcher runs. Empty (the shipped code) unless :func:`routed` is on.
+_routes: contextvars.ContextVar[dict] = contextvars.ContextVar("lynn_routes", default={})
+
+
+#: The routes' key of a ``collections.Counter`` of how often each route was taken (absent: nothing counted).
+HITS = "lynn.hits"
+
+
+def _routed(routes: dict, public, args, kwargs):
+    """Call the variant routed for ``public``; inside it, ``public`` is the shipped op again (a variant may call it)."""
+    hits = routes.get(HITS)
+    if hits is not None:
+        hits[public] += 1
+    token = _routes.set({k: v for k, v in routes.items() if k is not public})
+    try:
+        return routes[public](*args, **kwargs)
+    finally:
+        _routes.reset(token)
+
+
+@contextlib.contextmanager
+def routed(routes: dict):
+    """Inside the block, a call of each public op in ``routes`` goes to its callable, and each launcher whose
+    :class:`Kernel` name is in ``routes`` launches that kernel instead (``lynn_kernels.lab.using`` builds the dict
+    and checks each variant; this only installs it). Nested blocks add to the outer routes."""
+    token = _routes.set({**_routes.get(), **routes})
+    try:
+        yield
+    finally:
+        _routes.reset(token)
+
+
+#: Every launcher's kernel by name (``"norm.rmsnorm"``): the kernels a variant may stand in for.
+KERNELS: dict[str, "Kernel"] = {}
+
+
+class Kernel:
+    """A ``@triton.jit`` kernel as its launcher sees it: the shipped one unless a route names it.
+
+    The launcher asks :meth:`current` (or :meth:`launch`, for a :class:`DirectLaunch`) on every call, so a variant
+    routed by name reaches every call site, the decoder's included, with nothing else changed: same grid, same
+    arguments, same constexprs. A variant must take the shipped kernel's parameters, by name and in order.
+    """
+
+    __slots__ = ("name", "shipped", "_direct")
+
+    def __init__(self, name: str, fn):
+        if name in KERNELS:
+            raise ValueError(f"kernel name {name!r} is taken")
+        self.name, self.shipped, self._direct = name, fn, {}
+        KERNELS[name] = self
+
+    def current(self, kernel=None):
+        """``kernel`` when given (a launcher's ``kernel=`` argument), else the routed variant, else the shipped one."""
+        if kernel is not None:
+            return kernel
+        routes = _routes.get()
+        if not routes or self.name not in routes:
+            return self.shipped
+        hits = routes.get(HITS)
+        if hits is not None:
+            hits[self.name] += 1
+        return routes[self.name]
+
+    def launch(self, kernel=None) -> "DirectLaunch":
+        """The :class:`DirectLaunch` of :meth:`current` (one per kernel object, so each keeps its compiled cache)."""
+        fn = self.current(kernel)
+        direct = self._direct.get(fn)
+        if direct is None:
+            direct = self._direct[fn] = DirectLaunch(fn)
+        return direct
 
 
 def autotune(configs, key, prune_configs_by=None, **kwargs):
@@ -269,10 +348,10 @@ def programmatic_launches(enabled: bool = True):
     behind it start early in turn (:func:`pdl_enter`). What loads before the wait: weights (the packed GEMV's first
     step, the router's first chunk); where the kernel ahead releases its dependents only after its own wait (so
     everything before *it* has finished), what those earlier kernels wrote: the packed MoE down kernel's routing
-    (gate_up ahead of it), the fused Gated DeltaNet step's own states (its layer's projection ahead of it). The results are the same bits; what changes is the gap between kernels (about 0.4 us of
-    1.1 a boundary on the H200, docs/history/decode.md). Launches made by anything else (torch, cuBLAS) keep their
-    full ordering. ``enabled=False`` undoes an outer one. :class:`lynn_model.graphs.DecodeStep` captures its step
-    inside it."""
+    (gate_up ahead of it), the fused Gated DeltaNet step's own states (its layer's projection ahead of it). The results
+    are the same bits; what changes is the gap between kernels (about 0.4 us of 1.1 a boundary on the H200,
+    docs/history/decode.md). Launches made by anything else (torch, cuBLAS) keep their full ordering. ``enabled=False``
+    undoes an outer one. :class:`lynn_model.graphs.DecodeStep` captures its step inside it."""
     token = _pdl.set(bool(enabled) and pdl_supported())
     try:
         yield

@@ -129,7 +129,7 @@ def _row(op, provider, shape, dims, times, ceilings, bytes_=0, flops=0, ceiling=
 def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     import lynn_kernels
     import lynn_model
-    from lynn_kernels.validate import compare
+    from lynn_kernels.metrics import compare
     from lynn_model.loader import random_model
 
     cfg = lynn_model.preset(name)
@@ -301,7 +301,7 @@ def graph_prefill(model, ids, n: int, size: int, ceilings: Ceilings, val: dict) 
     reservation and the replay: what a caller waits for), median of 5, the host's time per call beside it. Checked
     first: its logits against the eager ``model.step`` of the same prompt (cosine; bit-equality recorded), and a
     second prompt through the same graph against its eager prefill."""
-    from lynn_kernels.validate import compare
+    from lynn_kernels.metrics import compare
     from lynn_model import PrefillStep
 
     cfg = model.config

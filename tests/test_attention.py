@@ -29,7 +29,7 @@ from lynn_kernels.attention import triton_decode as decode_mod
 from lynn_kernels.attention import triton_prefill as prefill_mod
 from lynn_kernels.attention import triton_rope as rope_mod
 from lynn_kernels.attention.spec import check_prefill
-from lynn_kernels.validate import bit_mismatches
+from lynn_kernels.metrics import bit_mismatches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32

@@ -11,7 +11,7 @@ import lynn_kernels
 from lynn_kernels import bench
 from lynn_kernels.bench import harness
 from lynn_kernels.bench.harness import Ceilings, Result
-from lynn_kernels.validate import compare
+from lynn_kernels.metrics import compare
 
 ON_GPU = torch.cuda.is_available()
 PROVENANCE_KEYS = {"date", "git_sha", "gpu", "torch", "triton", "cuda", "python", "command"}

@@ -17,7 +17,7 @@ import lynn_kernels
 from lynn_cli import check as check_cmd
 from lynn_cli import lab as lab_cmd
 from lynn_cli import main
-from lynn_kernels import checks, compare
+from lynn_kernels import check, compare
 
 ON_GPU = torch.cuda.is_available()
 
@@ -28,7 +28,7 @@ def test_check_prints_a_passing_table(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("lynn check on ") and "backend " in lines[0]
     header = lines[1].split()
-    assert header == ["fam", *checks.PORTABLE_COLUMNS]
+    assert header == ["fam", *check.PORTABLE_COLUMNS]
     assert all(len(line) <= 120 for line in lines), max(lines, key=len)
     every = [line for line in lines[3:] if re.match(r"\[\d/6\]  ", line)]
     rows = [line.split()[1] for line in every if line.split()[1].startswith("nvfp4")]
@@ -42,7 +42,7 @@ def test_check_prints_a_passing_table(capsys):
 
 
 def test_check_rows_all_pass():
-    rows, seconds = checks.run_checks(["nvfp4"])
+    rows, seconds = check.run_checks(["nvfp4"])
     assert rows and seconds >= 0
     assert all(r["passed"] is True for r in rows), [r["case"] for r in rows if not r["passed"]]
     assert {r["backend"] for r in rows} == {"triton" if ON_GPU else "interpreter"}
@@ -61,9 +61,9 @@ def test_check_unknown_names_are_usage_errors(capsys):
 
 
 def test_check_takes_op_names_as_the_table_prints_them():
-    rows, _ = checks.run_checks(["nvfp4.quantize"])
+    rows, _ = check.run_checks(["nvfp4.quantize"])
     assert rows and {r["op"] for r in rows} == {"nvfp4.quantize"}
-    rows, _ = checks.run_checks(["nvfp4 round trip"])                 # printed without a dot
+    rows, _ = check.run_checks(["nvfp4 round trip"])                 # printed without a dot
     assert rows and {r["op"] for r in rows} == {"nvfp4 round trip"}
 
 
@@ -72,9 +72,9 @@ def test_check_refuses_a_bad_op_before_running_anything(monkeypatch, capsys):
     def boom():
         raise AssertionError("a check ran before the bad name was refused")
 
-    monkeypatch.setitem(checks.CHECKS, "matmul", boom)
+    monkeypatch.setitem(check.CHECKS, "matmul", boom)
     with pytest.raises(ValueError, match="no check of op matmul.bogus; the ops of matmul: matmul.nvfp4_gemv"):
-        checks.run_checks(["matmul.bogus"])
+        check.run_checks(["matmul.bogus"])
     assert main(["check", "matmul.bogus"]) == 2
     assert "no check of op matmul.bogus" in capsys.readouterr().err
 
@@ -83,18 +83,18 @@ def test_check_refuses_an_op_without_rows_on_this_backend(monkeypatch):
     """A real op whose checks need another backend (the packed decode kernels under the reference) is an error,
     not an empty table that passes."""
     rows = [{"op": "nvfp4.quantize", "case": "c", "mismatches": 0, "passed": True}]
-    monkeypatch.setitem(checks.CHECKS, "nvfp4", lambda: iter(rows))
+    monkeypatch.setitem(check.CHECKS, "nvfp4", lambda: iter(rows))
     with pytest.raises(ValueError, match="nvfp4.dequantize: no rows on backend"):
-        checks.run_checks(["nvfp4.dequantize"])
-    assert checks.run_checks(["nvfp4.quantize"])[0] == [{"backend": lynn_kernels.runtime.backend(), **rows[0]}]
+        check.run_checks(["nvfp4.dequantize"])
+    assert check.run_checks(["nvfp4.quantize"])[0] == [{"backend": lynn_kernels.runtime.backend(), **rows[0]}]
 
 
 def test_every_family_lists_its_ops():
     """Each family's check.OPS: the op names its rows carry (run_checks raises on a row outside it)."""
-    for fam in checks.CHECKS:
-        ops = checks.family_ops(fam)
+    for fam in check.CHECKS:
+        ops = check.family_ops(fam)
         assert ops and len(set(ops)) == len(ops)
-        assert all(checks._family(op) == fam for op in ops), (fam, ops)
+        assert all(check._family(op) == fam for op in ops), (fam, ops)
 
 
 def test_version(capsys):
@@ -253,7 +253,7 @@ def test_check_norm_streams_a_table_of_120_columns(capsys):
     assert main(["check", "norm"]) == 0
     lines, rows = check_lines(capsys.readouterr().out)
     assert lines[0].startswith("lynn check on ") and "note:" not in "\n".join(lines)
-    assert lines[1].split() == ["fam", *checks.PORTABLE_COLUMNS] and set(lines[2]) == {"-", " "}
+    assert lines[1].split() == ["fam", *check.PORTABLE_COLUMNS] and set(lines[2]) == {"-", " "}
     assert max(len(line) for line in lines) <= 120
     assert len(rows) == 9 and all(r.startswith("[1/1]  norm.rmsnorm") and r.endswith(" yes") for r in rows)
     done = SUMMARY.search("\n".join(lines))
@@ -275,7 +275,7 @@ def test_check_prints_each_row_as_it_comes(capsys, monkeypatch):
     seen = []
     rows = [{"op": "fake.op", "case": f"case {i}", "metrics": compare(torch.ones(4), torch.ones(4)), "passed": True}
             for i in range(3)]
-    monkeypatch.setattr(checks, "CHECKS", {"fake": fake_family(capsys, seen, rows),
+    monkeypatch.setattr(check, "CHECKS", {"fake": fake_family(capsys, seen, rows),
                                            "other": fake_family(capsys, seen, rows[:1])})
     assert main(["check"]) == 0
     seen.append(capsys.readouterr().out)
@@ -286,13 +286,13 @@ def test_check_prints_each_row_as_it_comes(capsys, monkeypatch):
 
 
 def test_check_wraps_long_names_and_fits_odd_numbers(capsys, monkeypatch):
-    from lynn_kernels.validate import Metrics
+    from lynn_kernels.metrics import Metrics
 
     odd = Metrics(cosine=-0.123456789, max_abs=123456.7, rel_l2=0.00123456789, err_ratio=99999.9, mismatches=None)
     long_case = "a case name far longer than its column, in several words, so that it wraps onto further lines"
     rows = [{"op": "fake.an_op_name_longer_than_the_column", "case": long_case, "metrics": odd, "passed": False},
             {"op": "fake.op", "case": "short", "mismatches": 123456, "passed": True}]
-    monkeypatch.setattr(checks, "CHECKS", {"fake": lambda: rows})
+    monkeypatch.setattr(check, "CHECKS", {"fake": lambda: rows})
     assert main(["check"]) == 1                                          # a failed row: exit status 1
     lines, starts = check_lines(capsys.readouterr().out)
     assert max(len(line) for line in lines) <= 120
@@ -336,7 +336,7 @@ def test_check_shows_a_progress_line_on_a_terminal(capsys, monkeypatch):
     err = Terminal()
     monkeypatch.setattr(check_cmd.sys, "stderr", err)
     row = {"op": "fake.op", "case": "one", "mismatches": 0, "passed": True}
-    monkeypatch.setattr(checks, "CHECKS", {"fake": lambda: [row], "other": lambda: [row]})
+    monkeypatch.setattr(check, "CHECKS", {"fake": lambda: [row], "other": lambda: [row]})
     assert main(["check"]) == 0
     assert re.fullmatch(r"\[1/2\] running the fake checks \.\.\. \(0 rows so far, \d+ s\)\r\033\[K"
                         r"\[2/2\] running the other checks \.\.\. \(1 row so far, \d+ s\)\r\033\[K", err.getvalue())

@@ -16,7 +16,7 @@ from conftest import oracle
 from lynn_kernels import deltanet, runtime, use_reference
 from lynn_kernels.deltanet import reference, triton_chunk, triton_recurrent
 from lynn_kernels.deltanet.check import check_deltanet
-from lynn_kernels.validate import compare
+from lynn_kernels.metrics import compare
 
 BF16, FP32 = torch.bfloat16, torch.float32
 DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")]

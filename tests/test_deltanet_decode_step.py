@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lynn_kernels import deltanet, runtime, use_reference
-from lynn_kernels.validate import bit_mismatches, compare
+from lynn_kernels.metrics import bit_mismatches, compare
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DEV = runtime.DEVICE

@@ -8,7 +8,7 @@ that differ only there run once). What stays untested on the CPU: the GPU's bf16
 (``runtime.DOT_DTYPE`` is fp32 here, the interpreter's bf16 dot is wrong) and the compiled code itself; the ``gpu``
 tests in each family's file cover those on the H200. The matmul kernels' configs are tested in ``test_matmul.py``.
 
-Every fresh output is poisoned (``poison_empty``); results are compared with :func:`lynn_kernels.validate.compare`
+Every fresh output is poisoned (``poison_empty``); results are compared with :func:`lynn_kernels.metrics.compare`
 against the torch references: bits where the op is exact, else the error ratio over one rounding of the fp32 answer
 (the interpreter computes in fp32 and rounds once: 1.0 measured, 1.05 allowed; the MoE experts round their
 intermediate to bf16 as well: 1.33-1.35 measured, 2 allowed, as ``lynn check``).
@@ -30,10 +30,10 @@ from lynn_kernels.attention.spec import check_prefill
 from lynn_kernels.deltanet import reference as dn_reference
 from lynn_kernels.deltanet import spec as dn_spec
 from lynn_kernels.deltanet import triton_chunk, triton_recurrent
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import reference as moe_reference
 from lynn_kernels.moe import triton_align, triton_experts, triton_route
 from lynn_kernels.nvfp4 import quantize
-from lynn_kernels.validate import bit_mismatches, compare
 
 pytestmark = pytest.mark.skipif(not runtime.INTERPRET, reason="the GPU runs these configs itself (gpu tests)")
 

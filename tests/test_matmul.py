@@ -38,10 +38,10 @@ from lynn_kernels.matmul import (
 )
 from lynn_kernels.matmul.triton_matmul import launch_gemm, launch_gemv
 from lynn_kernels.matmul.triton_packed import launch_packed_gemv
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.triton_shared import _counters, packed_w_tile, split_k_for
-from lynn_kernels.validate import bit_mismatches, compare
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

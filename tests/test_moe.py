@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lynn_kernels import runtime, use_reference
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import SharedExpert, fuse_w13, moe_block, moe_experts, reference, route, stack_w13, triton_experts
 from lynn_kernels.moe.triton_experts import (
     DECODE_MAX_M,
@@ -35,7 +36,6 @@ from lynn_kernels.moe.triton_experts import (
 )
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
-from lynn_kernels.validate import bit_mismatches, compare
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DEV = runtime.DEVICE

@@ -33,6 +33,7 @@ from test_moe import _shared as _nvfp4_shared
 
 from lynn_kernels import use_reference
 from lynn_kernels.matmul import PackedNVFP4, pack
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import (
     PackedExperts,
     SharedExpert,
@@ -50,7 +51,6 @@ from lynn_kernels.moe.triton_experts import DECODE_MAX_M, block_m_for, launch_mo
 from lynn_kernels.moe.triton_route import launch_router
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
-from lynn_kernels.validate import bit_mismatches, compare
 
 
 def _fp32(w) -> torch.Tensor:

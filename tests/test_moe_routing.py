@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from lynn_kernels import runtime, use_reference
+from lynn_kernels.metrics import compare
 from lynn_kernels.moe import SharedExpert, align, max_padded, reference, route
 from lynn_kernels.moe.triton_align import align_triton, launch_align
 from lynn_kernels.moe.triton_route import MAX_EXPERTS, launch_router, route_triton
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.triton_shared import split_k_counter
-from lynn_kernels.validate import compare
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -16,8 +16,8 @@ from conftest import oracle
 
 import lynn_kernels
 from lynn_kernels import nvfp4
+from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.nvfp4 import NVFP4Tensor, dequantize, quantize, reference
-from lynn_kernels.validate import bit_mismatches, compare
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from lynn_cli import main
 from lynn_kernels import nvfp4, runtime
+from lynn_kernels.metrics import bit_mismatches
 from lynn_kernels.nvfp4 import NVFP4Tensor
-from lynn_kernels.validate import bit_mismatches
 from lynn_model import quantize as lq
 from lynn_model.quantize import quantize_checkpoint
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 import lynn_kernels
 from lynn_kernels import nvfp4, runtime
-from lynn_kernels.validate import bit_mismatches
+from lynn_kernels.metrics import bit_mismatches
 
 REPO = Path(__file__).resolve().parents[1]
 ON_GPU = torch.cuda.is_available()

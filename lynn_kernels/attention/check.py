@@ -1,6 +1,6 @@
 """``lynn check`` rows for the attention family: each kernel against its fp32 reference on small cases.
 
-Metrics come from :func:`lynn_kernels.validate.compare` against the reference run on fp32 copies of the inputs;
+Metrics come from :func:`lynn_kernels.metrics.compare` against the reference run on fp32 copies of the inputs;
 the baseline is that same result rounded to the input dtype, so ``err_ratio`` about 1 means "as accurate as rounding
 the exact answer once" (bf16 tensor-core products of the probabilities add a little on the GPU).
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import runtime
-from ..validate import compare
+from ..metrics import compare
 from . import decode_attention, flash_attention, qk_norm_rope, reference
 from .spec import paged_slots
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..attention import decode_attention, flash_attention, paged_slots, reference
 from ..attention.triton_decode import default_num_splits, launch_decode
-from ..validate import compare
+from ..metrics import compare
 from .harness import Ceilings, Result, rotating, rotation, timed, validated
 from .registry import register
 

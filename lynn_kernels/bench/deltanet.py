@@ -36,7 +36,7 @@ from ..deltanet import (
 from ..deltanet.spec import CHUNK, Dims
 from ..deltanet.triton_conv import launch_causal_conv1d_update
 from ..deltanet.triton_recurrent import launch_recurrent
-from ..validate import compare
+from ..metrics import compare
 from .harness import Ceilings, Result, derive, rotating, rotation, timed, validated
 from .registry import register
 

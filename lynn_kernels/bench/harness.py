@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..validate import Metrics
+from ..metrics import Metrics
 
 SCHEMA = "lynn-bench/1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -336,7 +336,7 @@ def load(op: str, gpu: str = "h200", root: Path | None = None) -> dict:
 
 def result_table(doc: dict, columns: Sequence[str] | None = None) -> str:
     """Render a results document as a text table (the same renderer as validation tables)."""
-    from ..validate import render_table
+    from ..metrics import render_table
 
     columns = columns or ["provider", "shape", "median_ms", "gbps", "tflops", "frac_of_ceiling"]
     rows = [{c: r.get(c) for c in columns} for r in doc["results"]]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..matmul import nvfp4_linear, reference
+from ..metrics import compare
 from ..nvfp4 import dequantize, quantize
-from ..validate import compare
 from .harness import MAX_ERR_RATIO, Ceilings, Result, rotating, rotation, timed, validated
 from .registry import register
 

@@ -26,8 +26,8 @@ import triton.language as tl
 from ..matmul import nvfp4_linear, pack, reference
 from ..matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_gemv
 from ..matmul.triton_packed import launch_packed_gemv
+from ..metrics import compare
 from ..nvfp4 import dequantize, quantize
-from ..validate import compare
 from .harness import Result, derive, l2_bytes, time_fn, validated
 from .registry import register
 

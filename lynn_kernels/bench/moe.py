@@ -27,9 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..metrics import compare
 from ..moe import moe_block, reference
 from ..nvfp4 import dequantize, quantize
-from ..validate import compare
 from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, timed, validated
 from .registry import register
 

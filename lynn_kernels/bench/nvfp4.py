@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..metrics import compare
 from ..nvfp4 import NVFP4Tensor, dequantize, quantize, reference
 from ..nvfp4.triton_quant import launch_dequantize, launch_quantize, quantize_triton
-from ..validate import compare
 from .harness import Ceilings, Result, derive, rotating, rotation, time_fn, validated
 from .registry import register
 

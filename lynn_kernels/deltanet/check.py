@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime
-from ..validate import compare
+from ..metrics import compare
 
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = (

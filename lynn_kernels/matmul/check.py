@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import runtime
-from ..validate import compare
+from ..metrics import compare
 
 #: The matmul rows' bound per output dtype: the kernels add the same fp32 products as the reference in another
 #: order, so an output element differs at most by a flipped last rounding, and only a few do. Measured rel_l2:

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import torch
 
 from .. import runtime
+from ..metrics import compare
 from ..nvfp4 import quantize
-from ..validate import compare
 from .packed import SharedExpert, pack_experts, shared_slot
 from .spec import fuse_w13, stack_w13
 

@@ -49,6 +49,9 @@ def _rmsnorm_kernel(
     tl.store(y_ptr + rows * stride_yr + offs_d[None, :], cast_output(y, X_DTYPE, INTERPRET), mask=mask)
 
 
+RMSNORM = runtime.Kernel("norm.rmsnorm", _rmsnorm_kernel)
+
+
 def rmsnorm_triton(x, weight, eps=1e-6, *, residual=None, out=None, residual_out=None):
     """Host side of :func:`lynn_kernels.norm.rmsnorm`: checks, allocates the missing outputs, launches."""
     spec.check_devices(x=x)             # first: the overlap checks read the others' addresses once on x's device
@@ -77,8 +80,9 @@ def block_sizes(D: int) -> tuple[int, int, int]:
     return BLOCK_R, BLOCK_D, min(16, max(4, BLOCK_R * BLOCK_D // 512))
 
 
-def launch_rmsnorm(x, weight, eps: float, residual, out: torch.Tensor, residual_out) -> None:
-    """Launch only, into contiguous ``out`` (and ``residual_out`` when ``residual`` is given) of x's shape."""
+def launch_rmsnorm(x, weight, eps: float, residual, out: torch.Tensor, residual_out, *, kernel=None) -> None:
+    """Launch only, into contiguous ``out`` (and ``residual_out`` when ``residual`` is given) of x's shape; ``kernel``
+    (a ``@triton.jit`` function with ``_rmsnorm_kernel``'s parameters) replaces the shipped kernel."""
     D = x.shape[-1]
     xr = _rows(x, D)
     R = xr.shape[0]
@@ -93,7 +97,7 @@ def launch_rmsnorm(x, weight, eps: float, residual, out: torch.Tensor, residual_
     else:
         rr, hr = xr, yr                                 # not read, not written (HAS_RESIDUAL=False)
     BLOCK_R, BLOCK_D, num_warps = block_sizes(D)
-    _rmsnorm_kernel[(runtime.cdiv(R, BLOCK_R),)](
+    RMSNORM.current(kernel)[(runtime.cdiv(R, BLOCK_R),)](
         kernel_view(xr), kernel_view(rr), kernel_view(weight), kernel_view(yr), kernel_view(hr), R, D, eps,
         xr.stride(0), rr.stride(0), yr.stride(0), hr.stride(0),
         X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],

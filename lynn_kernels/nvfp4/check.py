@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import runtime
-from ..validate import bit_mismatches, compare
+from ..metrics import bit_mismatches, compare
 
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = ("nvfp4.quantize", "nvfp4.dequantize", "nvfp4 round trip")

@@ -24,7 +24,7 @@
 # |---|---|
 # | `lynn_kernels/<family>/` | one subpackage per kernel family: `reference.py` (pure torch, fp32 math, short), one module per Triton implementation, the public ops in `__init__.py` |
 # | `lynn_kernels/runtime.py` | the one place that decides how kernels run (compiled, interpreter, reference) |
-# | `lynn_kernels/validate.py` | one comparison helper (`compare`) and one table renderer, shared by tests, notebooks and the CLI |
+# | `lynn_kernels/metrics.py` | one comparison helper (`compare`) and one table renderer, shared by tests, notebooks and the CLI |
 # | `notebooks/` | the tour, in learning order; outputs are committed and checked in CI by nbval |
 # | `data/bench/<gpu>/` | benchmark results with provenance, written by `lynn bench` on a GPU, read by the notebooks |
 #
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 import lynn_kernels  # picks the backend (on a CPU, the interpreter) before any kernel is defined
-from lynn_kernels import checks, compare, render_table
+from lynn_kernels import check, compare, render_table
 from lynn_kernels.bench import load, result_table
 from lynn_kernels.notebook import rounded  # metrics to 4 significant digits, so nbval's text comparison holds
 from lynn_kernels.runtime import DEVICE
@@ -128,8 +128,8 @@ print("LYNN_BACKEND=reference ->", out.stdout.strip())
 # digits, as everywhere in these notebooks):
 
 # %%
-rows, seconds = checks.run_checks(["nvfp4"])
-print(checks.table(rounded(rows), columns=checks.PORTABLE_COLUMNS))   # backend: in the cell below
+rows, seconds = check.run_checks(["nvfp4"])
+print(check.table(rounded(rows), columns=check.PORTABLE_COLUMNS))   # backend: in the cell below
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -308,5 +308,5 @@ print(f"n {x.numel()}, BLOCK {BLOCK}, grid {grid}: vs torch's x + 0.5 * y, "
 import lynn_model.bench  # noqa: F401  (registers the whole decoder's benchmarks)
 from lynn_kernels import bench
 
-print("check families:", ", ".join(checks.CHECKS))
+print("check families:", ", ".join(check.CHECKS))
 print("benchmarks:    ", ", ".join(bench.available()))

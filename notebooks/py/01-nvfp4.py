@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
-from lynn_kernels import checks, compare, nvfp4, render_table
+from lynn_kernels import check, compare, nvfp4, render_table
 from lynn_kernels.notebook import r4, rounded  # 4 significant digits, so nbval's text comparison holds
 from lynn_kernels.nvfp4 import reference
 from lynn_kernels.runtime import DEVICE
@@ -580,9 +580,9 @@ m = compare(nvfp4.dequantize(stacked), reference.dequantize(stacked), exact=True
 extra.append({"op": "nvfp4.dequantize", "case": "NVFP4Tensor.stack 4x32x64 -> bfloat16", "metrics": m,
               "passed": m.mismatches == 0})
 
-base, _ = checks.run_checks(["nvfp4"])
+base, _ = check.run_checks(["nvfp4"])
 all_rows = base + [{"backend": lk.backend(), **r} for r in extra]
-print(checks.table(rounded(all_rows), columns=checks.PORTABLE_COLUMNS))
+print(check.table(rounded(all_rows), columns=check.PORTABLE_COLUMNS))
 print(f"\n{sum(r['passed'] for r in all_rows)}/{len(all_rows)} passed")
 
 # %% [markdown]

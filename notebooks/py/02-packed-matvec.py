@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import nn
 
 import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
-from lynn_kernels import checks, compare, notebook, nvfp4, render_table, triton_shared
+from lynn_kernels import check, compare, notebook, nvfp4, render_table, triton_shared
 from lynn_kernels.bench import load
 from lynn_kernels.bench.matmul import SHAPES
 from lynn_kernels.matmul import (
@@ -1148,8 +1148,8 @@ print(render_table(verdict))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-check_out, seconds = checks.run_checks(["matmul"])
-print(checks.table(rounded(check_out), columns=checks.PORTABLE_COLUMNS))
+check_out, seconds = check.run_checks(["matmul"])
+print(check.table(rounded(check_out), columns=check.PORTABLE_COLUMNS))
 print(f"\n{seconds:.1f} s on backend {lk.backend()!r}")
 
 # %%
@@ -1190,7 +1190,7 @@ val += [exact_row("nvfp4_linear", nvfp4_linear, f"strided x[:, :256], stride {x.
 x, w = grid_case(33, 48, 256, seed=7)
 val += [exact_row("nvfp4_gemm", nvfp4_gemm, "M=33 fp32 48x256 +bias", x, w, grid_bias(48, torch.float32))]
 val += [exact_row(op, fn, "M=0", x[:0], w) for op, fn in OPS.items()]
-print(checks.table(rounded(val), columns=checks.PORTABLE_COLUMNS))
+print(check.table(rounded(val), columns=check.PORTABLE_COLUMNS))
 print(f"\n{sum(r['passed'] for r in val)}/{len(val)} passed")
 
 # %% [markdown]

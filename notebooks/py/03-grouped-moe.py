@@ -46,10 +46,10 @@ import triton.language as tl
 
 import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import compare, moe, notebook, render_table
+from lynn_kernels.metrics import bit_mismatches
 from lynn_kernels.moe import SharedExpert, reference, spec, triton_experts
 from lynn_kernels.nvfp4 import reference as nvfp4_ref
 from lynn_kernels.runtime import DEVICE
-from lynn_kernels.validate import bit_mismatches
 
 BF16, FP32 = torch.bfloat16, torch.float32
 FLOOR = 1e-5
@@ -727,10 +727,10 @@ print(f"\n{sum(r['passed'] for r in val_rows)}/{len(val_rows)} passed")
 # 0.4. Here, under this machine's backend:
 
 # %%
-from lynn_kernels import checks
+from lynn_kernels import check
 
-check_rows, check_seconds = checks.run_checks(["moe"])
-print(checks.table(rounded(check_rows), columns=checks.PORTABLE_COLUMNS))
+check_rows, check_seconds = check.run_checks(["moe"])
+print(check.table(rounded(check_rows), columns=check.PORTABLE_COLUMNS))
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -49,8 +49,8 @@ import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) befor
 from lynn_kernels import compare, notebook, render_table
 from lynn_kernels.attention import decode_attention, flash_attention, paged_slots, qk_norm_rope, reference, split_q_gate
 from lynn_kernels.attention.check import MAX_ERR_RATIO, MIN_COSINE
+from lynn_kernels.metrics import bit_mismatches
 from lynn_kernels.runtime import DEVICE
-from lynn_kernels.validate import bit_mismatches
 
 LOG2E = math.log2(math.e)
 HQ, HKV, D = 16, 2, 256                  # Qwen3-Next / Qwen3.5 gated attention: 16 query heads, 2 KV heads
@@ -745,10 +745,10 @@ if hf is not None:
 # same gates; its table, rounded as everywhere in this notebook:
 
 # %%
-from lynn_kernels import checks
+from lynn_kernels import check
 
-check_rows, check_seconds = checks.run_checks(["attention"])
-print(checks.table(rounded(check_rows), columns=checks.PORTABLE_COLUMNS))
+check_rows, check_seconds = check.run_checks(["attention"])
+print(check.table(rounded(check_rows), columns=check.PORTABLE_COLUMNS))
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -48,7 +48,7 @@ import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) befor
 
 hf_logging.set_verbosity_error()         # not its notice that fla / causal-conv1d are absent (they need a GPU)
 
-from lynn_kernels import checks, compare, deltanet, render_table
+from lynn_kernels import check, compare, deltanet, render_table
 from lynn_kernels.deltanet import reference
 from lynn_kernels.runtime import DEVICE
 
@@ -732,7 +732,7 @@ show_raw(norm_rows)
 # Two steps of a small layer (2 key heads, 4 value heads), against the chain it replaces:
 
 # %%
-from lynn_kernels.validate import bit_mismatches
+from lynn_kernels.metrics import bit_mismatches
 
 gen = torch.Generator().manual_seed(40)
 B_, H_, HV_, K_, V_ = 2, 2, 4, 32, 32
@@ -770,13 +770,13 @@ print("(under the interpreter the same bits; compiled, a sum over the wider [K, 
 # in bf16 and fp32; the figures are in the cell after it):
 
 # %%
-check_rows, check_seconds = checks.run_checks(["deltanet"])
+check_rows, check_seconds = check.run_checks(["deltanet"])
 print(render_table(check_rows, ["op", "case", "passed"]))
 print(f"\n{sum(r['passed'] for r in check_rows)}/{len(check_rows)} passed")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(checks.table(check_rows, digits=3))
+print(check.table(check_rows, digits=3))
 print(f"\n{check_seconds:.1f} s on backend {lk.backend()!r}")
 
 # %% [markdown]

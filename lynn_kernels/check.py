@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from . import runtime
-from .validate import flat_row, format_value, is_number, render_table
+from .metrics import flat_row, format_value, is_number, render_table
 
 CHECKS: dict[str, Callable[[], list[dict]]] = {}
 
@@ -156,7 +156,7 @@ _TEXT = ("op", "case", "passed")                 # left-aligned; the others are 
 
 
 def _fit(value, width: int) -> str:
-    """``value`` as the tables write it (:func:`~lynn_kernels.validate.format_value`), in at most ``width``
+    """``value`` as the tables write it (:func:`~lynn_kernels.metrics.format_value`), in at most ``width``
     characters if it is a float: the most significant digits (up to 6) that fit, then scientific notation."""
     text = format_value(value)
     if not isinstance(value, float):

@@ -1,4 +1,4 @@
-"""The one comparison helper and table renderer (lynn_kernels.validate), on tensors whose answers are known."""
+"""The one comparison helper and table renderer (lynn_kernels.metrics), on tensors whose answers are known."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lynn_kernels.validate import Metrics, bit_mismatches, compare, render_table
+from lynn_kernels.metrics import Metrics, bit_mismatches, compare, render_table
 
 # ---------------------------------------------------------------------------------------------------------------
 # compare

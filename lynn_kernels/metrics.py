@@ -12,10 +12,21 @@ All metrics are measured against an fp32 (or better) reference, in float64:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case of a family's check matrix: ``run()`` computes it and returns its rows (``{"op", "case", ...,
+    "passed"}``). ``lynn check``, the tests and :func:`lynn_kernels.lab.check` all run the same cases; a case is
+    named before it runs, so whatever it raises can be reported against it."""
+
+    op: str                              #: the op its rows carry (the first, where it yields several)
+    label: str                           #: the case, as the table prints it
+    run: Callable[[], list[dict]]
 
 
 @dataclass(frozen=True)
