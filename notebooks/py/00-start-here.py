@@ -45,6 +45,7 @@
 # per second**, against the bandwidth the GPU reaches on a plain copy.
 
 # %%
+import lynn_kernels  # noqa: I001  (first: it picks the backend before triton is imported)
 import os
 import subprocess
 import sys
@@ -52,7 +53,6 @@ from pathlib import Path
 
 import torch
 
-import lynn_kernels  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import check, compare, render_table
 from lynn_kernels.bench import load, result_table
 from lynn_kernels.notebook import rounded  # metrics to 4 significant digits, so nbval's text comparison holds

@@ -33,6 +33,7 @@
 
 # %%
 # %matplotlib inline
+import lynn_kernels as lk  # noqa: I001  (first: it picks the backend before triton is imported)
 import math
 
 import matplotlib.pyplot as plt
@@ -41,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import check, compare, nvfp4, render_table
 from lynn_kernels.notebook import r4, rounded  # 4 significant digits, so nbval's text comparison holds
 from lynn_kernels.nvfp4 import reference

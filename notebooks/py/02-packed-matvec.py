@@ -37,6 +37,7 @@
 
 # %%
 # %matplotlib inline
+import lynn_kernels as lk  # noqa: I001  (first: it picks the backend before triton is imported)
 import copy
 from functools import partial
 
@@ -46,7 +47,6 @@ import triton
 import triton.language as tl
 from torch import nn
 
-import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import check, compare, notebook, nvfp4, render_table, triton_shared
 from lynn_kernels.bench import load
 from lynn_kernels.bench.matmul import SHAPES

@@ -34,6 +34,7 @@
 
 # %%
 # %matplotlib inline
+import lynn_kernels as lk  # noqa: I001  (first: it picks the backend before triton is imported)
 import inspect
 from functools import partial
 
@@ -44,7 +45,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import compare, moe, notebook, render_table
 from lynn_kernels.metrics import bit_mismatches
 from lynn_kernels.moe import SharedExpert, reference, spec, triton_experts

@@ -33,6 +33,7 @@
 
 # %%
 # %matplotlib inline
+import lynn_kernels as lk  # noqa: I001  (first: it picks the backend before triton is imported)
 import inspect
 import math
 from functools import partial
@@ -45,7 +46,6 @@ import triton
 import triton.language as tl
 from matplotlib.colors import ListedColormap
 
-import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 from lynn_kernels import compare, notebook, render_table
 from lynn_kernels.attention import decode_attention, flash_attention, paged_slots, qk_norm_rope, reference, split_q_gate
 from lynn_kernels.attention.check import MAX_ERR_RATIO, MIN_COSINE

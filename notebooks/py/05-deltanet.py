@@ -35,6 +35,7 @@
 
 # %%
 # %matplotlib inline
+import lynn_kernels as lk  # noqa: I001  (first: it picks the backend before triton is imported)
 import inspect
 import math
 
@@ -44,7 +45,6 @@ import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf  # the parity oracle (pip extra "test")
 from transformers.utils import logging as hf_logging
 
-import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 
 hf_logging.set_verbosity_error()         # not its notice that fla / causal-conv1d are absent (they need a GPU)
 

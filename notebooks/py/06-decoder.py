@@ -37,6 +37,7 @@
 
 # %%
 # %matplotlib inline
+import lynn_kernels as lk  # noqa: I001  (first: it picks the backend before triton is imported)
 import dataclasses
 import json
 import tempfile
@@ -49,7 +50,6 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-import lynn_kernels as lk  # picks the backend (on a CPU, the interpreter) before any kernel is defined
 import lynn_model
 from lynn_kernels import compare, render_table
 from lynn_model import Config, ConfigError, loader
