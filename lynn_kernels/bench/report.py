@@ -1,5 +1,9 @@
 """Markdown tables for docs/performance.md from committed results: ``python -m lynn_kernels.bench.report OP...`` prints
-them; ``python -m lynn_kernels.bench.report --update docs/performance.md`` rewrites every generated block there."""
+them; ``python -m lynn_kernels.bench.report --update docs/performance.md`` rewrites every generated block there.
+
+The doc's tables are compact (``markdown``): the matmuls at the M a decoder runs, the other kernels one row per shape
+with the providers side by side; each names its JSON file, which holds every row. ``markdown_timed``,
+``markdown_rows_plain`` and ``markdown_matmul``/``markdown_matmul_graph`` without ``only_m`` render every row."""
 
 from __future__ import annotations
 
@@ -82,13 +86,27 @@ def matmul_goal(cell: dict) -> str:
     return "-"
 
 
-def markdown_matmul(op: str, gpu: str = "h200") -> str:
+#: The M of the matmul rows docs/performance.md shows: for the packed layout a decode step at batch 1 and 8 and a
+#: prefill's 512 and 4096 rows; for the checkpoint layout, which the decoder no longer runs, one row and 4096.
+DOC_M = {"matmul.graph": (1, 8, 512, 4096), "matmul.linear": (1, 4096)}
+
+
+def _only_m(op: str, gpu: str, only_m) -> str:
+    """The sentence after a matmul table's head that says which M it shows and where every M is."""
+    return (f"Rows at M = {', '.join(map(str, only_m[:-1]))} and {only_m[-1]}; every M of the run: "
+            f"`data/bench/{gpu}/{op}.json`.")
+
+
+def markdown_matmul(op: str, gpu: str = "h200", only_m=None) -> str:
+    """One row per (shape, M): ours against cuBLAS, kernel and call time; only the M in ``only_m``, if given."""
     doc = load(op, gpu)
-    lines = [_head(op, doc), "",
+    lines = [_head(op, doc) + (" " + _only_m(op, gpu, only_m) if only_m else ""), "",
              "| shape | M | ours kernel us | cuBLAS kernel us | speed-up (kernel) | of read BW | ours TFLOP/s | "
              "ours call us | cuBLAS call us | speed-up (call) | goal (kernel time) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in matmul_cells(doc):
+        if only_m and c["M"] not in only_m:
+            continue
         lines.append(f"| {c['shape']} | {c['M']} | {c['lynn_kernel_us']:,.1f} | {c['cublas_kernel_us']:,.1f} | "
                      f"{c['speedup_kernel']:.2f}x | {100 * c['read_frac']:.1f}% | {c['tflops']:,.1f} | "
                      f"{c['lynn_call_us']:,.1f} | {c['cublas_call_us']:,.1f} | {c['speedup_call']:.2f}x | "
@@ -131,9 +149,9 @@ def graph_goal(c: dict) -> str:
     return "-"
 
 
-def markdown_matmul_graph(op: str, gpu: str = "h200") -> str:
+def markdown_matmul_graph(op: str, gpu: str = "h200", only_m=None) -> str:
     """Kernel time by graph replay per provider and cell, the dispatch against cuBLAS and the pure read, and a
-    second table of call times."""
+    second table of call times; only the M in ``only_m``, if given."""
     doc = load(op, gpu)
     p, c0 = doc["provenance"], doc["ceilings"]
     head = (f"`{op}` on {p['gpu']}, {p['date']}, {git_label(p)}, torch {p['torch']}, triton {p['triton']}; command "
@@ -141,9 +159,11 @@ def markdown_matmul_graph(op: str, gpu: str = "h200") -> str:
             f"{c0['read_gbps']:,.0f} GB/s. Microseconds a call by graph replay; \"packed\" is what `nvfp4_linear` "
             f"dispatches to.")
     names = [label for _, label in _GRAPH_COLS]
+    if only_m:
+        head += " " + _only_m(op, gpu, only_m)
     lines = [head, "", "| shape | M | " + " us | ".join(names) + " us | packed vs cuBLAS | packed of pure read | "
              "packed GB/s | goal |", "|" + "---|" * (len(names) + 6)]
-    cells = graph_cells(doc)
+    cells = [c for c in graph_cells(doc) if not only_m or c["M"] in only_m]
     for c in cells:
         g = c["graph"]
         vals = " | ".join(f"{g[k]:,.2f}" if k in g else "-" for k, _ in _GRAPH_COLS)
@@ -212,6 +232,78 @@ def markdown_timed(op: str, gpu: str = "h200") -> str:
     return "\n".join(lines)
 
 
+def _checks(rows: list) -> str:
+    """One word for the checks of a table row's providers: ``exact`` (every check bit-exact), ``passed``, ``-`` (none
+    checked) or ``FAILED`` with the providers that failed."""
+    vs = [(r["provider"], r.get("validation")) for r in rows if r.get("validation")]
+    failed = [p for p, v in vs if not v.get("passed")]
+    if failed:
+        return "FAILED: " + ", ".join(failed)
+    if not vs:
+        return "-"
+    exact = all(v.get("mismatches", v.get("code_or_scale_mismatches")) == 0 for _, v in vs)
+    return "exact" if exact else "passed"
+
+
+def _side_by_side(head: str, rows: dict, providers: list, cell_note: str) -> str:
+    """``rows``: shape -> {"cells": {provider: text}, "ceiling": name, "checked": [result rows]}."""
+    lines = [f"{head} {cell_note}", "", "| shape | " + " | ".join(providers) + " | ceiling | validated |",
+             "|" + "---|" * (len(providers) + 3)]
+    for shape, row in rows.items():
+        cells = " | ".join(row["cells"].get(name, "-") for name in providers)
+        lines.append(f"| {shape} | {cells} | {row['ceiling'] or '-'} | {_checks(row['checked'])} |")
+    return "\n".join(lines)
+
+
+def _share(r: dict | None) -> str:
+    f = None if r is None else r.get("frac_of_ceiling")
+    return "" if f is None or f != f else f" ({100 * f:.1f}%)"
+
+
+def markdown_timed_side_by_side(op: str, gpu: str = "h200") -> str:
+    """docs/performance.md's form of a file written by ``harness.timed``: one row per shape, one column per provider,
+    each cell ``kernel us / call us (share of the row's ceiling, from the kernel time)``. Every row as recorded, with
+    GB/s and TFLOP/s: ``markdown_timed``."""
+    doc = load(op, gpu)
+    rows: dict = {}
+    providers: list = []
+    for p in timed_pairs(doc):
+        shape = p["shape"]
+        if "M" in p["dims"] and f"M{p['dims']['M']}" not in shape:
+            shape = f"{shape}, M={p['dims']['M']}"
+        row = rows.setdefault(shape, {"cells": {}, "ceiling": None, "checked": []})
+        if p["provider"] not in providers:
+            providers.append(p["provider"])
+        k, c = p.get("kernel"), p.get("call") or p.get("other")
+        kernel, call = _ms(k), _ms(c)
+        main = k if kernel != "-" else c if call != "-" else None
+        row["cells"][p["provider"]] = "not timed" if main is None else f"{kernel} / {call}{_share(main)}"
+        if main is not None:
+            row["ceiling"] = row["ceiling"] or _CEILING_NAMES.get(main.get("ceiling"), main.get("ceiling"))
+            row["checked"].append(main)
+    rates = "GB/s and TFLOP/s" if any(r.get("flops") for r in doc["results"]) else "GB/s"
+    note = ("Each cell: kernel us / call us (the kernel time's share of the row's ceiling; the call time's where "
+            f"there is no kernel time). Every row with its {rates}: `data/bench/{gpu}/{op}.json`.")
+    return _side_by_side(_head(op, doc), rows, providers, note)
+
+
+def markdown_side_by_side(op: str, gpu: str = "h200") -> str:
+    """docs/performance.md's form of an NVFP4 results file: one row per shape, one column per provider, each cell
+    ``median ms (share of the copy ceiling)``. Every row as recorded: ``markdown_rows_plain``."""
+    doc = load(op, gpu)
+    rows: dict = {}
+    providers: list = []
+    for r in doc["results"]:
+        row = rows.setdefault(r["shape"], {"cells": {}, "ceiling": "copy", "checked": []})
+        if r["provider"] not in providers:
+            providers.append(r["provider"])
+        row["cells"][r["provider"]] = f"{r['median_ms']:.4f}{_share(r)}"
+        row["checked"].append(r)
+    note = ("Each cell: median ms (its share of the copy ceiling, bytes read + written). Every row with its p20-p80 "
+            f"and GB/s: `data/bench/{gpu}/{op}.json`.")
+    return _side_by_side(_head(op, doc), rows, providers, note)
+
+
 #: A generated block in a markdown file: ``<!-- generated by python -m lynn_kernels.bench.report OP... -->``, the
 #: ops' tables, ``<!-- end generated -->``. ``update`` rewrites every such block from the committed JSON.
 BLOCK = re.compile(r"(?P<open><!-- generated by python -m lynn_kernels\.bench\.report (?P<ops>[\w.\- ]+?) -->\n)"
@@ -270,14 +362,21 @@ ALL_OPS = ("nvfp4.dequantize", "nvfp4.quantize", "matmul.linear", "matmul.graph"
 
 
 def markdown(op: str, gpu: str = "h200") -> str:
+    """The table docs/performance.md shows for an op: the matmuls at their ``DOC_M``, the other kernels side by side
+    (one row per shape), the decoder and the chain one row per result."""
     if op == "matmul.linear":
-        return markdown_matmul(op, gpu)
+        return markdown_matmul(op, gpu, DOC_M[op])
     if op == "matmul.graph":
-        return markdown_matmul_graph(op, gpu)
+        return markdown_matmul_graph(op, gpu, DOC_M[op])
     if op in TIMED_OPS:
-        return markdown_timed(op, gpu)
+        return markdown_timed_side_by_side(op, gpu)
     if op in ROW_OPS:
         return markdown_rows(op, gpu)
+    return markdown_side_by_side(op, gpu)
+
+
+def markdown_rows_plain(op: str, gpu: str = "h200") -> str:
+    """One line per result row of an NVFP4 results file: median and spread, GB/s, share of the copy ceiling, check."""
     doc = load(op, gpu)
     lines = [
         _head(op, doc),
