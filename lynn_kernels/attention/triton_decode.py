@@ -119,6 +119,9 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + rows_p[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_g[:, None])
 
 
+DECODE = runtime.Kernel("attention.decode", _decode_split_kernel)
+
+
 @triton.jit
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, gate_ptr, out_ptr, HQ,
@@ -146,6 +149,9 @@ def _decode_merge_kernel(
         out = out * tl.sigmoid(to_float32(g, IN_DTYPE, INTERPRET))
     tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_d,
              cast_output(out, OUT_DTYPE, INTERPRET))
+
+
+DECODE_MERGE = runtime.Kernel("attention.decode_merge", _decode_merge_kernel)
 
 
 def _floor_pow2(n: int) -> int:
@@ -209,8 +215,10 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, num_spl
     table = block_table if paged else seq_lens             # a valid pointer; never read without PAGED
     g = gate if gate is not None else q
     in_dtype, out_dtype = runtime.TORCH_TO_TL[q.dtype], runtime.TORCH_TO_TL[out.dtype]
-    kernel = _decode_split_kernel if config is None else _decode_split_kernel.fn
-    kernel[(b, hkv, num_splits)](
+    split = DECODE.current()
+    if config is not None and hasattr(split, "configs"):
+        split = split.fn                                   # past the autotuner
+    split[(b, hkv, num_splits)](
         kernel_view(q), kernel_view(k_cache), kernel_view(v_cache), seq_lens, table, kernel_view(g),
         kernel_view(out), part_o, part_lse,
         float(scale) * LOG2E, hkv,
@@ -224,7 +232,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, num_spl
     )
     if num_splits > 1:
         block_d = min(d, 64)
-        _decode_merge_kernel[(b, hq, d // block_d)](
+        DECODE_MERGE.current()[(b, hq, d // block_d)](
             part_o, part_lse, kernel_view(g), kernel_view(out), hq,
             g.stride(0), g.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=runtime.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=block_d,

@@ -33,6 +33,9 @@ def _decode_plan_kernel(lengths_ptr, active_ptr, table_ptr, pos_ptr, slot_ptr, s
     tl.store(seq_ptr + r, tl.where(act, pos + 1, 0).to(seq_ptr.dtype.element_ty), mask=m)
 
 
+DECODE_PLAN = runtime.Kernel("attention.decode_plan", _decode_plan_kernel)
+
+
 def decode_plan_triton(lengths, active, block_table, page_size, positions, kv_slots, seq_lens) -> None:
     """Host side of :func:`lynn_kernels.attention.decode_plan`: checks, one launch."""
     spec.check_decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens)
@@ -41,12 +44,14 @@ def decode_plan_triton(lengths, active, block_table, page_size, positions, kv_sl
     launch_decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens)
 
 
-def launch_decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens) -> None:
-    """Launch only (no checks): the arguments as :func:`.spec.check_decode_plan` accepts them."""
+def launch_decode_plan(lengths, active, block_table, page_size, positions, kv_slots, seq_lens, *,
+                       kernel=None) -> None:
+    """Launch only (no checks): the arguments as :func:`.spec.check_decode_plan` accepts them; ``kernel`` (a
+    ``@triton.jit`` function with ``_decode_plan_kernel``'s parameters) replaces the shipped kernel."""
     R = lengths.shape[0]
     if R == 0:
         return
-    _decode_plan_kernel[(1,)](
+    DECODE_PLAN.current(kernel)[(1,)](
         lengths, active.view(torch.uint8), block_table, positions, kv_slots, seq_lens, R, block_table.shape[1],
         int(page_size), block_table.stride(0), BLOCK_R=max(2, runtime.next_power_of_2(R)), num_warps=1,
         **runtime.kernel_flags(), **runtime.pdl_flags())

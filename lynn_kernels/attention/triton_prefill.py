@@ -136,6 +136,9 @@ def _flash_prefill_kernel(
     tl.store(out_ptr + rows_o[:, None] + offs_d[None, :], cast_output(out, OUT_DTYPE, INTERPRET), mask=row_ok)
 
 
+PREFILL = runtime.Kernel("attention.prefill", _flash_prefill_kernel)
+
+
 def flash_attention_triton(q, k, v, causal=True, scale=None, gate=None, cu_seqlens=None, prefix_lens=None):
     """Host side of :func:`lynn_kernels.attention.flash_attention`: check, allocate, launch."""
     check_devices(q=q, k=k, v=v, gate=gate, cu_seqlens=cu_seqlens, prefix_lens=prefix_lens)
@@ -149,10 +152,11 @@ def flash_attention_triton(q, k, v, causal=True, scale=None, gate=None, cu_seqle
 
 
 def launch_prefill(q, k, v, gate, out, cu_q, cu_k, max_q: int, causal: bool, scale: float,
-                   config: dict | None = None) -> torch.Tensor:
+                   config: dict | None = None, *, kernel=None) -> torch.Tensor:
     """Launch only (no checks, no host sync): ``cu_q`` / ``cu_k`` int32 ``[B+1]`` on the device, ``max_q`` the
     longest query run (it sizes the grid). ``config`` (``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}``)
-    bypasses the autotuner, for tests of one tiling."""
+    bypasses the autotuner, for tests of one tiling. ``kernel`` (a ``@triton.jit`` function with
+    ``_flash_prefill_kernel``'s parameters) replaces the shipped kernel."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     group, batch = hq // hkv, cu_q.numel() - 1
     g = gate if gate is not None else q                   # a valid pointer; never read without HAS_GATE
@@ -162,8 +166,10 @@ def launch_prefill(q, k, v, gate, out, cu_q, cu_k, max_q: int, causal: bool, sca
         tokens = meta["BLOCK_M"] // heads
         return (runtime.cdiv(max_q, tokens), batch * hkv * runtime.cdiv(group, heads))
 
-    kernel = _flash_prefill_kernel if config is None else _flash_prefill_kernel.fn      # .fn: the heuristics
-    kernel[grid](
+    launched = PREFILL.current(kernel)
+    if config is not None and hasattr(launched, "configs"):
+        launched = launched.fn                            # past the autotuner; the shipped one's .fn: the heuristics
+    launched[grid](
         kernel_view(q), kernel_view(k), kernel_view(v), kernel_view(g), kernel_view(out), cu_q, cu_k,
         float(scale) * LOG2E, hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),

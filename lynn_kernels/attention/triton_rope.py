@@ -113,6 +113,9 @@ def _qk_norm_rope_kernel(
                      v, mask=mask_s)
 
 
+QK_NORM_ROPE = runtime.Kernel("attention.qk_norm_rope", _qk_norm_rope_kernel)
+
+
 _INV_FREQ: dict = {}
 
 
@@ -124,8 +127,9 @@ def _inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
 
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_dim=64, rope_theta=None, eps=1e-6,
-                        cos=None, sin=None, k_cache=None, v_cache=None, slot_mapping=None):
-    """Host side of :func:`lynn_kernels.attention.qk_norm_rope`: check, allocate, launch."""
+                        cos=None, sin=None, k_cache=None, v_cache=None, slot_mapping=None, kernel=None):
+    """Host side of :func:`lynn_kernels.attention.qk_norm_rope`: check, allocate, launch; ``kernel`` (a
+    ``@triton.jit`` function with ``_qk_norm_rope_kernel``'s parameters) replaces the shipped kernel."""
     check_devices(q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, positions=positions, cos=cos, sin=sin,
                   k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     check_rope(q, k, q_weight, k_weight, positions, v, rotary_dim, rope_theta, cos, sin, k_cache, v_cache,
@@ -151,7 +155,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
     # tokens a program: at most 4096 values of a tile on the GPU, and never past the tokens there are (a decode
     # step has one a sequence, and 15 masked rows a program cost time: docs/history/decode.md, the census)
     block_t = min(max(1, min(16, 4096 // d)) if not runtime.INTERPRET else 64, runtime.next_power_of_2(t))
-    _qk_norm_rope_kernel[(runtime.cdiv(t, block_t), hq + hkv)](
+    QK_NORM_ROPE.current(kernel)[(runtime.cdiv(t, block_t), hq + hkv)](
         kernel_view(q), kernel_view(k), kernel_view(vv), q_weight, k_weight, positions,
         inv_freq, kernel_view(cos_t), kernel_view(sin_t), kernel_view(q_out), kernel_view(k_out),
         kernel_view(kc), kernel_view(vc), slots,

@@ -123,6 +123,9 @@ def _chunk_kkt_kernel(
     tl.store(a_ptr + row[:, None] * BT + offs_j[None, :], a)
 
 
+CHUNK_KKT = runtime.Kernel("deltanet.chunk_kkt", _chunk_kkt_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. (I + A)^-1, A strictly lower, by 16x16 blocks
 
@@ -189,6 +192,9 @@ def _chunk_solve_kernel(a_ptr, ai_ptr, T_PAD, BT: tl.constexpr):
     tl.store(ai_ptr + blk + 3 * R1 + 48, ai33.to(AI_T))
 
 
+CHUNK_SOLVE = runtime.Kernel("deltanet.chunk_solve", _chunk_solve_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. the WY representation: w and u
 
@@ -233,6 +239,9 @@ def _chunk_wu_kernel(
     v = _load_rows(v_base, offs_t, mask_t, stride_vt, offs_v, mask_v, IN_DTYPE, INTERPRET)      # [BT, BLOCK_V]
     u = _dot(ai, v * beta[:, None], DOT)                            # the deltas if the start state were zero
     tl.store(u_ptr + row[:, None] * V + offs_v[None, :], u, mask=mask_v[None, :])
+
+
+CHUNK_WU = runtime.Kernel("deltanet.chunk_wu", _chunk_wu_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,6 +308,9 @@ def _chunk_state_kernel(
         tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
 
 
+CHUNK_STATE = runtime.Kernel("deltanet.chunk_state", _chunk_state_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 5. the output
 
@@ -349,6 +361,9 @@ def _chunk_output_kernel(
     o_base = o_ptr + pid_b.to(tl.int64) * stride_ob + pid_hv * stride_oh
     tl.store(o_base + offs_t[:, None].to(tl.int64) * stride_ot + offs_v[None, :], cast_output(o, OUT_DTYPE, INTERPRET),
              mask=mask_t[:, None] & mask_v[None, :])
+
+
+CHUNK_OUTPUT = runtime.Kernel("deltanet.chunk_output", _chunk_output_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -450,23 +465,23 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, IS_VARLEN=packed, BT=BT, BLOCK_K=BLOCK_K,
                   **flags)
 
-    _chunk_kkt_kernel[(NT, BH)](
+    CHUNK_KKT.current()[(NT, BH)](
         kv, gv, bv, gcum, a, cu_t, chunks, T, T_PAD, HV, dims.group,
         k.stride(0), k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], **common)
-    _chunk_solve_kernel[(NT, BH)](a, ai, T_PAD, BT=BT)
-    _chunk_wu_kernel[(NT, BH)](
+    CHUNK_SOLVE.current()[(NT, BH)](a, ai, T_PAD, BT=BT)
+    CHUNK_WU.current()[(NT, BH)](
         kv, vv, bv, gcum, ai, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
-    _chunk_state_kernel[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
+    CHUNK_STATE.current()[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
         kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t, first,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
         V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
         **state_launch, **common)                         # w, k [64, K] and the state tile in registers
-    _chunk_output_kernel[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
+    CHUNK_OUTPUT.current()[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
         qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2),

@@ -87,6 +87,9 @@ def _causal_conv1d_kernel(
                      mask=mask_c[:, None] & mask_s[None, :])
 
 
+CONV = runtime.Kernel("deltanet.conv", _causal_conv1d_kernel)
+
+
 @triton.jit
 def conv_state_sum(state_row, w_ptr, chan, mask, stride_sc, stride_ss, stride_wc, stride_ww, S,
                    W: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -158,6 +161,9 @@ def _causal_conv1d_update_kernel(
     tl.store(state_base + (S - 1) * stride_ss, x_raw, mask=mask_c)
 
 
+CONV_UPDATE = runtime.Kernel("deltanet.conv_update", _causal_conv1d_update_kernel)
+
+
 def _conv_blocks(C: int) -> int:
     return min(256, max(16, runtime.next_power_of_2(C)))
 
@@ -174,10 +180,11 @@ def causal_conv1d_triton(x, weight, initial_state=None, *, cu_seqlens=None):
 
 
 def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch.Tensor | None,
-                         cu: tuple[int, ...] | None = None) -> torch.Tensor:
+                         cu: tuple[int, ...] | None = None, *, kernel=None) -> torch.Tensor:
     """Launch only, into contiguous ``y [B, T, C]`` and ``final [B, C, S]`` (or none). ``cu``: the offsets of packed
     sequences as host ints (x ``[1, T, C]``, states ``[N, C, S]``), or None; their block table is built once per
-    layout (:func:`.spec.packed_blocks`)."""
+    layout (:func:`.spec.packed_blocks`). ``kernel`` (a ``@triton.jit`` function with ``_causal_conv1d_kernel``'s
+    parameters) replaces the shipped kernel."""
     B, T, C = x.shape
     W = weight.shape[1]
     x = spec.last_dim_contiguous(x)
@@ -193,7 +200,7 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
     else:                                                    # every sequence, even an empty one, gets a block
         cu_t, index, _ = spec.packed_blocks(cu, BLOCK_T, x.device, empty_block=True)
         grid = (index.shape[0], runtime.cdiv(C, BLOCK_C), 1)
-    _causal_conv1d_kernel[grid](
+    CONV.current(kernel)[grid](
         xv, kernel_view(weight), kernel_view(h0), kernel_view(y), kernel_view(final) if final is not None else xv,
         cu_t, index, T, C, S0, S1,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), h0.stride(0), h0.stride(1), h0.stride(2),
@@ -212,13 +219,14 @@ def causal_conv1d_update_triton(x, conv_state, weight):
     return launch_causal_conv1d_update(x, conv_state, weight, y)
 
 
-def launch_causal_conv1d_update(x, conv_state, weight, y: torch.Tensor) -> torch.Tensor:
-    """Launch only, into a contiguous ``y [B, C]``; ``conv_state`` is rolled in place."""
+def launch_causal_conv1d_update(x, conv_state, weight, y: torch.Tensor, *, kernel=None) -> torch.Tensor:
+    """Launch only, into a contiguous ``y [B, C]``; ``conv_state`` is rolled in place. ``kernel`` (a ``@triton.jit``
+    function with ``_causal_conv1d_update_kernel``'s parameters) replaces the shipped kernel."""
     B, C = x.shape
     S = conv_state.shape[2]
     x = spec.last_dim_contiguous(x)
     BLOCK_C = _conv_blocks(C)
-    _causal_conv1d_update_kernel[(runtime.cdiv(C, BLOCK_C), B)](
+    CONV_UPDATE.current(kernel)[(runtime.cdiv(C, BLOCK_C), B)](
         kernel_view(x), kernel_view(conv_state), kernel_view(weight), kernel_view(y), C, S,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1),

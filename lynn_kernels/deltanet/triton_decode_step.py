@@ -183,6 +183,9 @@ def _gdn_decode_kernel(
             tl.atomic_xchg(count_ptr + pid_b * H + pid_hq, 0)              # ready for the next call
 
 
+DECODE_STEP = runtime.Kernel("deltanet.decode_step", _gdn_decode_kernel)
+
+
 #: ``num_warps`` of the fused step on the GPU (one program holds a head's K x V fp32 state: 64 KB at 128 x 128).
 #: Measured on the H200 at the Qwen3.5 head shape (``experiments/gdn_decode_fused.py``): 4 warps fastest at every
 #: batch from 1 to 32; 8 and 16 were 1.8-2.8x slower, 2 about 7x slower. Splitting a head's V columns over
@@ -216,14 +219,15 @@ def gated_delta_decode_triton(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
 
 def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
                               dims: spec.Dims, eps: float, out: torch.Tensor, num_warps: int | None = None,
-                              x=None, a_weight=None, b_weight=None, states_early: bool = False):
+                              x=None, a_weight=None, b_weight=None, states_early: bool = False, *, kernel=None):
     """Launch only (no checks, no host sync), into a contiguous ``out [B, HV, V]``: ``A_log`` / ``dt_bias`` fp32
     contiguous, ``state`` contiguous; the conv state is rolled and ``state`` updated in place. With ``x`` (and
     ``a_weight`` / ``b_weight`` ``[HV, HD]`` of its dtype, unit stride along HD; ``a`` / ``b`` unused) the gates'
     projections run in the kernel. ``states_early``: the kernel's ``STATE_EARLY`` under PDL (the caller's promise,
     :func:`lynn_kernels.deltanet.gated_delta_decode`). The tickets of shared
     key heads use the matmul's zeroed per-stream buffer (one stream at a time), one per sequence and key head: at
-    most :data:`~lynn_kernels.triton_shared.COUNTER_SLOTS` of them."""
+    most :data:`~lynn_kernels.triton_shared.COUNTER_SLOTS` of them. ``kernel`` (a ``@triton.jit`` function with
+    ``_gdn_decode_kernel``'s parameters) replaces the shipped kernel."""
     B, H, HV, K, V = dims.B, dims.H, dims.HV, dims.K, dims.V
     if B == 0:
         return out
@@ -244,7 +248,7 @@ def launch_gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_b
     counter = split_k_counter(qkv.device, B * H if group > 1 else 0)
     wx = torch.promote_types(norm_weight.dtype, qkv.dtype)
     S = conv_state.shape[2]
-    _gdn_decode_kernel[(B * HV,)](
+    DECODE_STEP.current(kernel)[(B * HV,)](
         kernel_view(qkv), kernel_view(conv_state), kernel_view(conv_weight), kernel_view(a), kernel_view(b), A_log,
         dt_bias, state, kernel_view(z), kernel_view(norm_weight.contiguous()), kernel_view(out), counter,
         kernel_view(x), kernel_view(a_weight), kernel_view(b_weight),

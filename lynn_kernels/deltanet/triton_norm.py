@@ -51,6 +51,9 @@ def _gated_rmsnorm_kernel(
              mask=mask)
 
 
+GATED_RMSNORM = runtime.Kernel("deltanet.gated_rmsnorm", _gated_rmsnorm_kernel)
+
+
 def gated_rmsnorm_triton(x, z, weight, eps=1e-6):
     """Host side of :func:`lynn_kernels.deltanet.gated_rmsnorm`."""
     D = spec.check_gated_rmsnorm(x, z, weight, eps)
@@ -68,15 +71,16 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return spec.last_dim_contiguous(t.reshape(-1, h, d))
 
 
-def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor) -> torch.Tensor:
-    """Launch only, into a contiguous ``y`` of x's shape."""
+def launch_gated_rmsnorm(x, z, weight, eps: float, y: torch.Tensor, *, kernel=None) -> torch.Tensor:
+    """Launch only, into a contiguous ``y`` of x's shape; ``kernel`` (a ``@triton.jit`` function with
+    ``_gated_rmsnorm_kernel``'s parameters) replaces the shipped kernel."""
     D = x.shape[-1]
     xr, zr = _rows(x, D), _rows(z, D)
     R, H = xr.shape[0] * xr.shape[1], xr.shape[1]
     BLOCK_D = max(16, runtime.next_power_of_2(D))
     BLOCK_R = max(1, min(64, 4096 // BLOCK_D)) if runtime.INTERPRET else max(1, min(16, 2048 // BLOCK_D))
     wx_dtype = torch.promote_types(weight.dtype, x.dtype)
-    _gated_rmsnorm_kernel[(runtime.cdiv(R, BLOCK_R),)](
+    GATED_RMSNORM.current(kernel)[(runtime.cdiv(R, BLOCK_R),)](
         kernel_view(xr), kernel_view(zr), kernel_view(weight.contiguous()), kernel_view(y), R, D, H, eps,
         xr.stride(0), xr.stride(1), zr.stride(0), zr.stride(1),
         X_DTYPE=runtime.TORCH_TO_TL[x.dtype], Z_DTYPE=runtime.TORCH_TO_TL[z.dtype],

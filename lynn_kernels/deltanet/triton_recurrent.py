@@ -110,6 +110,9 @@ def _recurrent_kernel(
         tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
 
 
+RECURRENT = runtime.Kernel("deltanet.recurrent", _recurrent_kernel)
+
+
 def recurrent_config(K: int, V: int, interpret: bool = runtime.INTERPRET) -> tuple[int, int]:
     """(BLOCK_V, num_warps). Under the interpreter one program per head (fewer programs run faster); on the GPU
     narrow value blocks and one warp, as fla's fused recurrent kernel: B=1, 32 heads, V=128 gives 512 programs whose
@@ -153,9 +156,10 @@ def _run(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale, initial_state
 
 
 def launch_recurrent(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale: float, initial_state,
-                     use_qk_l2norm: bool, o: torch.Tensor, final: torch.Tensor | None) -> None:
+                     use_qk_l2norm: bool, o: torch.Tensor, final: torch.Tensor | None, *, kernel=None) -> None:
     """Launch only (no checks). ``A_log``/``dt_bias`` given: ``g``/``beta`` are the raw ``a``/``b``. ``final`` may be
-    ``initial_state`` itself (each program reads its slice of the state before it writes it)."""
+    ``initial_state`` itself (each program reads its slice of the state before it writes it). ``kernel`` (a
+    ``@triton.jit`` function with ``_recurrent_kernel``'s parameters) replaces the shipped kernel."""
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     h0 = initial_state
     if h0 is not None and not h0.is_contiguous():
@@ -168,7 +172,7 @@ def launch_recurrent(q, k, v, g, beta, A_log, dt_bias, dims: spec.Dims, scale: f
     BLOCK_V, num_warps = recurrent_config(dims.K, dims.V)
     grid = (runtime.cdiv(dims.V, BLOCK_V), dims.B * dims.HV)
     dummy = o
-    _recurrent_kernel[grid](
+    RECURRENT.current(kernel)[grid](
         kernel_view(q), kernel_view(k), kernel_view(v), kernel_view(g), kernel_view(beta),
         A_log if fused else dummy, dt_bias if fused else dummy, h0 if h0 is not None else dummy, kernel_view(o),
         final if final is not None else dummy,

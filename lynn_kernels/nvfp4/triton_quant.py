@@ -135,6 +135,9 @@ def _nvfp4_quantize_kernel(
     tl.atomic_max(flag_ptr, bad.to(tl.int32))
 
 
+QUANTIZE = runtime.Kernel("nvfp4.quantize", _nvfp4_quantize_kernel)
+
+
 def _as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     rows = x.reshape(-1, k)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -154,11 +157,12 @@ def quantize_triton(w: torch.Tensor, global_scale=None, recipe: str = "modelopt"
 
 
 def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Tensor | None = None,
-                    flag: torch.Tensor | None = None, big_g: torch.Tensor | None = None
+                    flag: torch.Tensor | None = None, big_g: torch.Tensor | None = None, *, kernel=None
                     ) -> tuple[NVFP4Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync), into ``out`` if given: returns the tensor and the NaN/Inf flag.
 
-    ``g`` is the multiply-convention global scale; compressed-tensors' ``G`` is ``big_g`` (``1/g`` if omitted)."""
+    ``g`` is the multiply-convention global scale; compressed-tensors' ``G`` is ``big_g`` (``1/g`` if omitted).
+    ``kernel`` (a ``@triton.jit`` function with ``_nvfp4_quantize_kernel``'s parameters) replaces the shipped kernel."""
     if recipe == "compressed-tensors" and big_g is None:
         big_g = reciprocal(g)
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
@@ -174,7 +178,7 @@ def launch_quantize(w: torch.Tensor, g: torch.Tensor, recipe: str, out: NVFP4Ten
     def grid(meta):
         return (runtime.cdiv(n_rows, meta["BLOCK_R"]), runtime.cdiv(k, meta["BLOCK_K"]))
 
-    _nvfp4_quantize_kernel[grid](
+    QUANTIZE.current(kernel)[grid](
         kernel_view(rows), codes, scales.view(torch.uint8), g if big_g is None else big_g, flag,
         n_rows, k, rows.stride(0), n_rows // max(1, g.numel()),
         RECIPE_CT=recipe == "compressed-tensors", IN_DTYPE=runtime.TORCH_TO_TL[w.dtype],
@@ -231,6 +235,9 @@ def _nvfp4_dequantize_kernel(
     tl.store(out_ptr + offs_r[:, None].to(tl.int64) * K + offs_k[None, :], out, mask=mask)
 
 
+DEQUANTIZE = runtime.Kernel("nvfp4.dequantize", _nvfp4_dequantize_kernel)
+
+
 def dequantize_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Host side of :func:`lynn_kernels.nvfp4.dequantize`."""
     if not isinstance(q, NVFP4Tensor):
@@ -240,15 +247,16 @@ def dequantize_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> to
     return launch_dequantize(q, torch.empty(q.shape, dtype=dtype, device=q.device))
 
 
-def launch_dequantize(q: NVFP4Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Launch only, into a contiguous ``out`` of ``q.shape`` (no checks)."""
+def launch_dequantize(q: NVFP4Tensor, out: torch.Tensor, *, kernel=None) -> torch.Tensor:
+    """Launch only, into a contiguous ``out`` of ``q.shape`` (no checks); ``kernel`` (a ``@triton.jit`` function with
+    ``_nvfp4_dequantize_kernel``'s parameters) replaces the shipped kernel."""
     k = q.shape[-1]
     n_rows = q.codes.numel() // (k // 2)
 
     def grid(meta):
         return (runtime.cdiv(n_rows, meta["BLOCK_R"]), runtime.cdiv(k, meta["BLOCK_K"]))
 
-    _nvfp4_dequantize_kernel[grid](
+    DEQUANTIZE.current(kernel)[grid](
         q.codes, q.scales.view(torch.uint8), q.global_scale, kernel_view(out),
         n_rows, k, q.rows_per_global(),
         OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **runtime.kernel_flags(),
