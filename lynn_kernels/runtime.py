@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import sys
 import warnings
 
 import torch
@@ -42,6 +43,11 @@ def _cuda_visible() -> bool:
 # Decide before triton is imported by anything else: TRITON_INTERPRET is read when a kernel is decorated.
 if "TRITON_INTERPRET" not in os.environ and not _cuda_visible():
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules:       # its own jit functions (tl.sum, tl.max) were made compiled-only
+        warnings.warn("triton was imported before lynn_kernels on a machine without a GPU: kernels that call "
+                      "tl.sum, tl.max and the like will fail under the interpreter ('Cannot call @triton.jit'd "
+                      "outside of the scope of a kernel'). Import lynn_kernels first, or set TRITON_INTERPRET=1 "
+                      "before starting Python.", RuntimeWarning, stacklevel=2)
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -89,9 +89,9 @@ class _NoLaunch:
 
 
 def test_poison_catches_an_unwritten_output(monkeypatch, poison_empty):
-    monkeypatch.setattr(prefill_mod, "_flash_prefill_kernel", _NoLaunch())
-    monkeypatch.setattr(decode_mod, "_decode_split_kernel", _NoLaunch())
-    monkeypatch.setattr(rope_mod, "_qk_norm_rope_kernel", _NoLaunch())
+    monkeypatch.setattr(prefill_mod.PREFILL, "shipped", _NoLaunch())
+    monkeypatch.setattr(decode_mod.DECODE, "shipped", _NoLaunch())
+    monkeypatch.setattr(rope_mod.QK_NORM_ROPE, "shipped", _NoLaunch())
     q, k = randn((5, 2, 16)), randn((5, 1, 16))
     assert torch.isnan(flash_attention(q, k, k)).all()
     kc = randn((1, 8, 1, 16))

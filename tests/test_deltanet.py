@@ -291,7 +291,7 @@ class _NoLaunch:
 
 def test_poison_reaches_the_outputs(monkeypatch, poison_empty):
     """If the output kernel wrote nothing, the poisoned allocation would show: the tests above would catch it."""
-    monkeypatch.setattr(triton_chunk, "_chunk_output_kernel", _NoLaunch())
+    monkeypatch.setattr(triton_chunk.CHUNK_OUTPUT, "shipped", _NoLaunch())
     q, k, v, g, beta, _ = make_inputs(1, 3, 1, 2, 32, 32)
     o, _ = deltanet.chunk_gated_delta_rule(q, k, v, g, beta)
     assert torch.isnan(o).all()

@@ -88,8 +88,8 @@ def test_poison_catches_an_unwritten_output(monkeypatch, make_weight, poison_emp
     assert torch.empty(4, dtype=torch.uint8).tolist() == [0xFF] * 4
     assert torch.empty(2, dtype=torch.float8_e4m3fn).view(torch.uint8).tolist() == [0xFF] * 2   # E4M3 NaN
     q = reference.quantize(make_weight((3, 48)))
-    monkeypatch.setattr(triton_quant, "_nvfp4_dequantize_kernel", _NoLaunch())
-    monkeypatch.setattr(triton_quant, "_nvfp4_quantize_kernel", _NoLaunch())
+    monkeypatch.setattr(triton_quant.DEQUANTIZE, "shipped", _NoLaunch())
+    monkeypatch.setattr(triton_quant.QUANTIZE, "shipped", _NoLaunch())
     assert torch.isnan(dequantize(q, FP32)).all()
     skipped = triton_quant.launch_quantize(make_weight((3, 48)), q.global_scale, "modelopt")[0]
     assert (skipped.codes == 0xFF).all() and torch.isnan(skipped.scales.float()).all()

@@ -17,6 +17,8 @@ class Op:
     name: str                   #: ``family.function``
     family: str                 #: its ``lynn check`` family (``lynn_kernels/<family>/check.py``)
     kernels: tuple[str, ...]    #: the kernels its launchers run, the one a kernel variant replaces by default first
+    rows: tuple[str, ...]       #: the ``lynn check`` rows that call the op (a row's ``op`` field)
+    bench: str | None = None    #: its committed ``lynn bench`` results (``data/bench/<gpu>/<bench>.json``), if any
 
     @property
     def fn(self):
@@ -26,30 +28,51 @@ class Op:
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    Op("nvfp4.quantize", "nvfp4", ("nvfp4.quantize",)),
-    Op("nvfp4.dequantize", "nvfp4", ("nvfp4.dequantize",)),
-    Op("matmul.nvfp4_linear", "matmul", ("matmul.packed_gemv", "matmul.gemv", "matmul.gemm", "matmul.dequantize")),
-    Op("matmul.nvfp4_gemv", "matmul", ("matmul.gemv",)),
-    Op("matmul.nvfp4_gemm", "matmul", ("matmul.gemm",)),
-    Op("matmul.norm_linear", "matmul", ("matmul.packed_gemv", "matmul.gemv")),
-    Op("moe.route", "moe", ("moe.route",)),
-    Op("moe.align", "moe", ("moe.align_count", "moe.align_offsets", "moe.align_scatter", "moe.align_one_program")),
-    Op("moe.moe_experts", "moe", ("moe.gate_up", "moe.down", "moe.combine")),
+    Op("nvfp4.quantize", "nvfp4", ("nvfp4.quantize",),
+       ("nvfp4.quantize", "nvfp4 round trip"), "nvfp4.quantize"),
+    Op("nvfp4.dequantize", "nvfp4", ("nvfp4.dequantize",),
+       ("nvfp4.dequantize", "nvfp4 round trip"), "nvfp4.dequantize"),
+    Op("matmul.nvfp4_linear", "matmul", ("matmul.packed_gemv", "matmul.gemv", "matmul.gemm", "matmul.dequantize"),
+       ("matmul.nvfp4_linear", "matmul.nvfp4_linear packed", "matmul.packed gemv"), "matmul.graph"),
+    Op("matmul.nvfp4_gemv", "matmul", ("matmul.gemv",),
+       ("matmul.nvfp4_gemv", "matmul.nvfp4_gemv packed")),
+    Op("matmul.nvfp4_gemm", "matmul", ("matmul.gemm",),
+       ("matmul.nvfp4_gemm", "matmul.nvfp4_gemm packed")),
+    Op("matmul.norm_linear", "matmul", ("matmul.packed_gemv", "matmul.gemv"),
+       ("matmul.norm_linear packed",)),
+    Op("moe.route", "moe", ("moe.route",),
+       ("moe.route",)),
+    Op("moe.align", "moe", ("moe.align_count", "moe.align_offsets", "moe.align_scatter", "moe.align_one_program"),
+       ("moe.align",)),
+    Op("moe.moe_experts", "moe", ("moe.gate_up", "moe.down", "moe.combine"),
+       ("moe.moe_experts",)),
     Op("moe.moe_block", "moe", ("moe.decode_gate_up", "moe.decode_down", "moe.packed_gate_up", "moe.packed_down",
-                                "moe.gate_up", "moe.down", "moe.combine", "moe.router")),
-    Op("moe.norm_moe_block", "moe", ("moe.router", "moe.decode_gate_up", "moe.decode_down")),
-    Op("attention.flash_attention", "attention", ("attention.prefill",)),
-    Op("attention.decode_attention", "attention", ("attention.decode", "attention.decode_merge")),
-    Op("attention.qk_norm_rope", "attention", ("attention.qk_norm_rope",)),
+                                "moe.gate_up", "moe.down", "moe.combine", "moe.router"),
+       ("moe.moe_block",), "moe.block"),
+    Op("moe.norm_moe_block", "moe", ("moe.router", "moe.decode_gate_up", "moe.decode_down"),
+       ("moe.norm_moe_block",)),
+    Op("attention.flash_attention", "attention", ("attention.prefill",),
+       ("attention.prefill",), "attention.prefill"),
+    Op("attention.decode_attention", "attention", ("attention.decode", "attention.decode_merge"),
+       ("attention.decode",), "attention.decode"),
+    Op("attention.qk_norm_rope", "attention", ("attention.qk_norm_rope",),
+       ("attention.qk_norm_rope",)),
     Op("deltanet.chunk_gated_delta_rule", "deltanet", ("deltanet.chunk_kkt", "deltanet.chunk_solve",
                                                        "deltanet.chunk_wu", "deltanet.chunk_state",
-                                                       "deltanet.chunk_output")),
-    Op("deltanet.recurrent_gated_delta_rule", "deltanet", ("deltanet.recurrent",)),
-    Op("deltanet.causal_conv1d", "deltanet", ("deltanet.conv",)),
-    Op("deltanet.causal_conv1d_update", "deltanet", ("deltanet.conv_update",)),
-    Op("deltanet.gated_rmsnorm", "deltanet", ("deltanet.gated_rmsnorm",)),
-    Op("deltanet.gated_delta_decode", "deltanet", ("deltanet.decode_step",)),
-    Op("norm.rmsnorm", "norm", ("norm.rmsnorm",)),
+                                                       "deltanet.chunk_output"),
+       ("deltanet.chunk", "deltanet.chunk state"), "deltanet.chunk"),
+    Op("deltanet.recurrent_gated_delta_rule", "deltanet", ("deltanet.recurrent",),
+       ("deltanet.recurrent", "deltanet.recurrent state"), "deltanet.recurrent"),
+    Op("deltanet.causal_conv1d", "deltanet", ("deltanet.conv",),
+       ("deltanet.conv", "deltanet.conv state"), "deltanet.conv"),
+    Op("deltanet.causal_conv1d_update", "deltanet", ("deltanet.conv_update",),
+       ("deltanet.conv update",)),
+    Op("deltanet.gated_rmsnorm", "deltanet", ("deltanet.gated_rmsnorm",),
+       ("deltanet.gated_rmsnorm",)),
+    Op("deltanet.gated_delta_decode", "deltanet", ("deltanet.decode_step",),
+       ("deltanet.decode step", "deltanet.decode step state")),
+    Op("norm.rmsnorm", "norm", ("norm.rmsnorm",),
+       ("norm.rmsnorm", "norm.rmsnorm residual")),
 )}
 
 

@@ -1,0 +1,240 @@
+"""``race(variant, shapes=...)``: the variant against the shipped op and the vendor baseline, each checked first.
+
+On a GPU, per shape: every provider's output is compared with the op's torch reference on the same inputs (a
+provider that fails is reported, not timed); then each is timed by CUDA-graph replay (``S`` calls on ``S`` rotating
+input sets, together past three times the L2, in one graph, replayed; the median per call), in alternating rounds
+(variant, shipped, baseline, then the reverse), beside the read ceiling measured in the same process. Results are
+rows of the benchmark schema (:class:`lynn_kernels.bench.Result`), saved with provenance and the variant's source
+hash when asked.
+
+On a CPU there is nothing to time: the report says so and shows the shipped kernel's committed GPU figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from ..bench.harness import Ceilings, Result, derive, l2_bytes, load, measure_ceilings, provenance, result_table
+from ..metrics import compare, render_table
+from .check import CheckReport, check
+from .shapes import Shape, shapes_for
+from .variant import Variant, shipped, using, variant
+
+#: A provider passes validation with a relative L2 error within this factor of the shipped op's own on the same
+#: inputs (the shipped op's error is the rounding of its output dtype), or within 1e-6 when the shipped op is exact.
+MAX_ERROR_FACTOR = 1.5
+
+
+def can_time() -> bool:
+    return torch.cuda.is_available() and not runtime.INTERPRET
+
+
+def _tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every distinct tensor reachable from ``obj`` (tuples, lists, dicts, dataclass-like objects)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), obj.numel())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o, seen) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o, seen) for o in obj.values())
+    if hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) + list(getattr(obj, "__slots__", ()))
+        return sum(_tensor_bytes(getattr(obj, n, None), seen) for n in names)
+    return 0
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def graph_us(calls: list, reps: int = 20) -> float:
+    """Median microseconds per call of ``calls`` (zero-argument callables) captured as one CUDA graph."""
+    from ..bench.matmul_graph import graph_us as replay
+
+    return replay(calls, reps)
+
+
+@dataclass
+class RaceReport:
+    variant: Variant
+    check: CheckReport
+    rows: list[Result] = field(default_factory=list)
+    ceilings: Ceilings | None = None
+    note: str = ""
+    committed: str = ""                 #: on a CPU: the shipped op's committed GPU figures, as a table
+    saved: Path | None = None
+
+    @property
+    def passed(self) -> bool:
+        """The variant passed its check and every shape's validation."""
+        return self.check.passed and all(r.validation is None or r.validation.get("passed", True)
+                                         for r in self.rows if r.provider == self.variant.label)
+
+    def table(self) -> str:
+        if not self.rows:
+            return "(nothing timed)"
+        flat = [{"shape": r.shape, "provider": r.provider, "us": r.median_ms * 1e3,
+                 "GB/s": r.gbps, "of read ceiling": r.frac_of_ceiling,
+                 "validated": "yes" if (r.validation or {}).get("passed") else "NO"} for r in self.rows]
+        return render_table(flat, digits=4)
+
+    def plot(self, ax=None):
+        """Microseconds per call by shape, one bar per provider (matplotlib)."""
+        import matplotlib.pyplot as plt
+
+        shapes = list(dict.fromkeys(r.shape for r in self.rows))
+        providers = list(dict.fromkeys(r.provider for r in self.rows))
+        if ax is None:
+            _, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 3.5))
+        width = 0.8 / max(1, len(providers))
+        for i, p in enumerate(providers):
+            us = [next((r.median_ms * 1e3 for r in self.rows if r.shape == s and r.provider == p), math.nan)
+                  for s in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], us, width, label=p)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=20, ha="right")
+        ax.set_ylabel("us per call (graph replay)")
+        ax.set_title(f"{self.variant.op.name}: {self.variant.label}")
+        ax.legend(fontsize=8)
+        return ax
+
+    def __str__(self) -> str:
+        parts = [self.check.summary()]
+        if self.rows:
+            parts.append(self.table())
+        if self.note:
+            parts.append(self.note)
+        if self.committed:
+            parts.append(self.committed)
+        if self.saved:
+            parts.append(f"saved: {self.saved}")
+        return "\n".join(parts)
+
+    __repr__ = __str__
+
+
+def committed_figures(v: Variant, gpu: str = "h200", limit: int = 12) -> str:
+    """The shipped op's committed ``lynn bench`` figures (``data/bench/<gpu>/<bench>.json``), a short table."""
+    if not v.op.bench:
+        return f"(no committed GPU figures for {v.op.name}: it has no `lynn bench` of its own)"
+    try:
+        doc = load(v.op.bench, gpu)
+    except (FileNotFoundError, ValueError) as err:
+        return f"(no committed GPU figures: {err})"
+    doc = {**doc, "results": [r for r in doc["results"] if r["provider"].startswith("lynn")][:limit]}
+    prov = doc["provenance"]
+    return (f"committed {gpu} figures of the shipped op (`lynn bench {v.op.bench}`, {prov.get('date', '?')}, "
+            f"{prov.get('git_sha', '?')[:7]}), first {len(doc['results'])} rows:\n" + result_table(doc))
+
+
+def _validate(out, want, base_err: float | None) -> dict:
+    m = compare(_first(out), _first(want))
+    bound = max(1e-6, MAX_ERROR_FACTOR * base_err) if base_err is not None else 1e-6
+    return {**m.as_dict(), "passed": bool(m.rel_l2 <= bound)}
+
+
+def _n_sets(shape: Shape, sample: tuple) -> int:
+    per = shape.bytes(*sample[:2]) if shape.bytes else _tensor_bytes(sample)
+    return max(2, min(32, math.ceil(3 * l2_bytes() / max(1, per))))
+
+
+def race(v, fn=None, *, shapes="qwen3.5-35b-a3b:decode", kernel: str | None = None, rounds: int = 2,
+         save: str | Path | None = None, skip_check: bool = False) -> RaceReport:
+    """Check the variant (:func:`.check`), then on a GPU time it against the shipped op and the vendor baseline on
+    ``shapes``: a name (``"qwen3.5-35b-a3b:decode"``, :mod:`.shapes`) or a list of :class:`.Shape`. ``save``: a
+    folder to write ``<op>.<variant>.json`` into (the benchmark schema, with provenance and the source hash)."""
+    v = variant(v, fn, kernel=kernel) if fn is not None else variant(v)
+    report = RaceReport(v, check(v) if not skip_check else CheckReport(v, cases_used=1))
+    if not report.check.passed:
+        report.note = "not raced: the variant failed its check"
+        return report
+    if not can_time():
+        report.note = ("timing needs a CUDA GPU (this run is on the interpreter): the variant was checked; on a GPU "
+                       "the same call races it")
+        report.committed = committed_figures(v)
+        return report
+    todo = shapes_for(v.op.name, shapes) if isinstance(shapes, str) else list(shapes)
+    report.ceilings = measure_ceilings(size_bytes=1 << 30)
+    ship = shipped(v.op)
+    reference = v.op.fn.reference
+    for shape in todo:
+        report.rows += _race_shape(v, ship, reference, shape, rounds, report.ceilings)
+    if save is not None:
+        report.saved = _save(report, Path(save), shapes if isinstance(shapes, str) else "explicit")
+    return report
+
+
+def _race_shape(v: Variant, ship: Variant, reference, shape: Shape, rounds: int, ceilings: Ceilings) -> list[Result]:
+    first = shape.make()
+    sets = [first] + [shape.make() for _ in range(_n_sets(shape, first) - 1)]
+    args, kwargs, aux = first
+    want = reference(*args, **kwargs)
+    shipped_out = ship.fn(*args, **kwargs)
+    base_err = compare(_first(shipped_out), _first(want)).rel_l2
+    providers = [(v.label, lambda a, k, x: v.op.fn(*a, **k), v),
+                 ("shipped", lambda a, k, x: ship.fn(*a, **k), None)]
+    if shape.baseline is not None:
+        label, fn = shape.baseline
+        providers.append((label, lambda a, k, x, fn=fn: fn(*a, **k, **x), None))
+    results = []
+    times: dict[str, list[float]] = {p[0]: [] for p in providers}
+    checks = {}
+    for label, call, routed in providers:
+        with using(routed) if routed is not None else _nothing():
+            checks[label] = _validate(call(args, kwargs, aux), want, base_err)
+    order = [p for p in providers if checks[p[0]]["passed"]]
+    for r in range(rounds):
+        for label, call, routed in (order if r % 2 == 0 else order[::-1]):
+            calls = [lambda s=s, call=call: call(*s) for s in sets]
+            with using(routed, count=False) if routed is not None else _nothing():
+                times[label].append(graph_us(calls))
+    nbytes = shape.bytes(args, kwargs) if shape.bytes else _tensor_bytes((args, kwargs, want))
+    for label, _, _ in providers:
+        ok = checks[label]["passed"]
+        us = statistics.median(times[label]) if ok else math.nan
+        spread = times[label] or [math.nan]
+        res = Result(f"lab.{v.op.name}", label, shape.label, shape.dims, us / 1e3, min(spread) / 1e3, max(spread) / 1e3,
+                     bytes=nbytes, flops=shape.flops, ceiling="read_gbps",
+                     validation=checks[label],
+                     note=f"graph of {len(sets)} calls on rotating inputs, median of {rounds} alternating rounds"
+                          + ("" if ok else "; not timed: failed validation"))
+        results.append(derive(res, ceilings) if ok else res)
+    return results
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _save(report: RaceReport, folder: Path, shapes: str) -> Path:
+    from .variant import source_of
+
+    v = report.variant
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{v.op.name}.{v.label}.json"
+    doc = {"schema": "lynn-bench/1", "op": f"lab.{v.op.name}",
+           "provenance": provenance(f"lynn_kernels.lab.race({v.op.name}, shapes={shapes!r})"),
+           "ceilings": report.ceilings.as_dict() if report.ceilings else None,
+           "variant": {"name": v.label, "kernel": v.kernel, "source_sha256_12": v.source_hash,
+                       "source": source_of(v.fn)},
+           "results": [r.as_dict() for r in report.rows]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+__all__ = ["race", "RaceReport", "committed_figures", "can_time", "MAX_ERROR_FACTOR"]
