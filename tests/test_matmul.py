@@ -135,8 +135,8 @@ class _NoLaunch:
 
 @pytest.mark.parametrize("m", [pytest.param(3, id="gemv-M3"), pytest.param(17, id="gemm-M17")])
 def test_poison_catches_an_unwritten_output(m, monkeypatch, make_weight, make_nvfp4, poison_empty):
-    monkeypatch.setattr(triton_matmul, "_nvfp4_gemv_kernel", _NoLaunch())
-    monkeypatch.setattr(triton_matmul, "_nvfp4_gemm_kernel", _NoLaunch())
+    monkeypatch.setattr(triton_matmul.NVFP4_GEMV, "shipped", _NoLaunch())
+    monkeypatch.setattr(triton_matmul.NVFP4_GEMM, "shipped", _NoLaunch())
     y = nvfp4_linear(make_weight((m, 48), BF16, seed=1), make_nvfp4(37, 48))
     assert torch.isnan(y).all()
 
@@ -362,7 +362,7 @@ def test_launch_gemm_config_workspace_fits_its_split(monkeypatch, make_weight, m
     """A config with a smaller BLOCK_K than any built-in one splits K more; its workspace must hold every partial.
     (Launched for real, this case writes past the end of ``y`` and crashes the interpreter.)"""
     rec = _Recorder()
-    monkeypatch.setattr(triton_matmul, "_nvfp4_gemm_kernel", rec)
+    monkeypatch.setattr(triton_matmul.NVFP4_GEMM, "shipped", rec)
     m, n = 20, 37
     x = make_weight((m, 48), BF16)
     launch_gemm(x, make_nvfp4(n, 48), None, torch.empty((m, n), dtype=BF16, device=device),
@@ -1070,7 +1070,7 @@ def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
     eager and in a CUDA graph; an x view that is not 16-byte aligned gets its own compiled kernel (the alignment is
     part of the key), and so do a bias, PDL and two x rows, each then launched directly with the same bits."""
     from lynn_kernels import runtime
-    from lynn_kernels.matmul.triton_packed import _PACKED_GEMV
+    from lynn_kernels.matmul.triton_packed import PACKED_GEMV
 
     n, k = 4096, 2048
     w = make_nvfp4(n, k, seed=5, scale=0.02)
@@ -1079,15 +1079,15 @@ def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
     xs = {"aligned": big[:, :k], "x 2 bytes off 16": big[:, 1:k + 1]}
     runtime.DIRECT_LAUNCH = False
     try:
-        _PACKED_GEMV.compiled.clear()
+        PACKED_GEMV.launch().compiled.clear()
         want = {name: nvfp4_linear(x, p) for name, x in xs.items()}
     finally:
         runtime.DIRECT_LAUNCH = True
-    assert not _PACKED_GEMV.compiled, "nothing is kept with the direct launch off"
+    assert not PACKED_GEMV.launch().compiled, "nothing is kept with the direct launch off"
     for name, x in xs.items():
         nvfp4_linear(x, p)                                      # the first call of a key goes through Triton
         assert_bit_equal(nvfp4_linear(x, p), want[name], f"direct launch, {name}")
-    assert len(_PACKED_GEMV.compiled) == 2, "the misaligned view must not reuse the aligned kernel"
+    assert len(PACKED_GEMV.launch().compiled) == 2, "the misaligned view must not reuse the aligned kernel"
     # kept kernels with a bias, with PDL, and with two x rows: each key's second call runs directly
     bias = make_weight((n,), BF16, seed=6)
     x2 = make_weight((2, k), BF16, seed=8)
@@ -1102,7 +1102,7 @@ def test_gpu_fma_gemv_direct_launch(make_weight, make_nvfp4, device):
         for _ in range(2):
             y = launch_packed_gemv(x, p, b, torch.empty(x.shape[0], n, dtype=BF16, device=device), pdl=pdl)
             assert_bit_equal(y, slow[name], f"direct launch, {name}")
-    assert len(_PACKED_GEMV.compiled) == 5, "bias, PDL and M = 2 each keep their own kernel"
+    assert len(PACKED_GEMV.launch().compiled) == 5, "bias, PDL and M = 2 each keep their own kernel"
     x = xs["aligned"]
     out = torch.empty_like(want["aligned"])
     g = torch.cuda.CUDAGraph()

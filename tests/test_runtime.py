@@ -292,8 +292,8 @@ def test_the_register_operand_kernels_take_one_stage_where_the_hazard_applies(mo
     w = pack(nvfp4.quantize(torch.randn(64, 256, dtype=torch.bfloat16)))
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     y = torch.empty(4, 64, dtype=torch.bfloat16)
-    for name in ("_nvfp4_gemv_kernel", "_nvfp4_gemm_kernel"):
-        monkeypatch.setattr(triton_matmul, name, _Launch())
+    for kernel in (triton_matmul.NVFP4_GEMV, triton_matmul.NVFP4_GEMM):
+        monkeypatch.setattr(kernel, "shipped", _Launch())
     import contextlib
     import warnings
 
@@ -310,21 +310,21 @@ def test_the_register_operand_kernels_take_one_stage_where_the_hazard_applies(mo
     with overridden():
         triton_matmul.launch_gemm(x, w, None, y,
                                   config={"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_stages": 3})
-    stages = [triton_matmul._nvfp4_gemv_kernel.calls[0]["num_stages"],
-              triton_matmul._nvfp4_gemm_kernel.calls[0]["num_stages"]]
-    monkeypatch.setattr(triton_route, "_router_kernel", _Launch())
+    stages = [triton_matmul.NVFP4_GEMV.shipped.calls[0]["num_stages"],
+              triton_matmul.NVFP4_GEMM.shipped.calls[0]["num_stages"]]
+    monkeypatch.setattr(triton_route.ROUTER, "shipped", _Launch())
     triton_route.launch_router(x, torch.randn(8, 256, dtype=torch.bfloat16), 2, True,
                                torch.empty(4, 2), torch.empty(4, 2, dtype=torch.int32))
-    stages.append(triton_route._router_kernel.calls[0]["num_stages"])
-    for name in ("_moe_gate_up_kernel", "_moe_down_kernel"):
-        monkeypatch.setattr(triton_experts, name, _Launch())
+    stages.append(triton_route.ROUTER.shipped.calls[0]["num_stages"])
+    for kernel in (triton_experts.MOE_GATE_UP, triton_experts.MOE_DOWN):
+        monkeypatch.setattr(kernel, "shipped", _Launch())
     ww = triton_experts._Weights(x, x, x, 0, 1)
     slots = torch.zeros(16, dtype=torch.int32)
     with overridden():
         triton_experts._launch_ffn(x, torch.ones(4, 2), slots, slots, 1, 8, 2, ww, ww, True, torch.empty(8, 64), y,
                                    False, 16, config={"num_stages": 3})
-    stages += [triton_experts._moe_gate_up_kernel.calls[0]["num_stages"],
-               triton_experts._moe_down_kernel.calls[0]["num_stages"]]
+    stages += [triton_experts.MOE_GATE_UP.shipped.calls[0]["num_stages"],
+               triton_experts.MOE_DOWN.shipped.calls[0]["num_stages"]]
     assert stages == [want(3)] * 5
 
 
@@ -361,12 +361,12 @@ def test_direct_launch_key_and_interpreter():
     assert runtime.DirectLaunch.key_of((t.float(), 3, None))[0][0] == torch.float32
     if runtime.INTERPRET:
         from lynn_kernels.matmul import nvfp4_linear, pack
-        from lynn_kernels.matmul.triton_packed import _PACKED_GEMV
+        from lynn_kernels.matmul.triton_packed import PACKED_GEMV
         from lynn_kernels.nvfp4 import quantize
 
         p = pack(quantize(torch.randn(8, 32, dtype=torch.bfloat16)))
         nvfp4_linear(torch.randn(1, 32, dtype=torch.bfloat16), p)
-        assert not _PACKED_GEMV.compiled
+        assert not PACKED_GEMV.launch().compiled
 
 
 # ---------------------------------------------------------------------------------------------------------------

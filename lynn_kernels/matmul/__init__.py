@@ -1,4 +1,4 @@
-"""Packed W4A16 matmul: ``y = x @ W^T`` with ``W`` an NVFP4Tensor read straight from its packed codes.
+"""W4A16 matmul: ``y = x @ W^T`` with ``W`` an NVFP4 weight read straight from its 4-bit codes, never expanded.
 
 Public ops (names and argument order are a contract):
 
@@ -15,8 +15,10 @@ Public ops (names and argument order are a contract):
   of one ``K`` along N, each row keeping its global scale (one GEMV for several projections of the same input).
 
 Each op has a same-signature torch reference in :mod:`.reference`; argument checks and the dispatch limits
-(``GEMV_MAX_M``, ``PACKED_GEMV_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (checkpoint layout)
-and :mod:`.triton_packed` (packed layout), the ``lynn check`` rows in :mod:`.check`.
+(``GEMV_MAX_M``, ``PACKED_GEMV_MAX_M``) are in :mod:`.spec`, the kernels in :mod:`.triton_matmul` (the tensor-core
+GEMV and GEMM on either layout, the dequantise kernel, the dispatch) and :mod:`.triton_packed` (the packed GEMV,
+packed layout only), the ``lynn check`` rows in :mod:`.check`. "Packed" names the kernel layout
+(:class:`PackedNVFP4`) and nothing else; an NVFP4Tensor is in the checkpoint layout (two 4-bit codes a byte).
 """
 
 from .. import runtime

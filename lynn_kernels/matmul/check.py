@@ -1,4 +1,4 @@
-"""``lynn check`` rows for the packed W4A16 matmul: the GEMV, the GEMM and ``nvfp4_linear``'s dispatch, on the
+"""``lynn check`` rows for the W4A16 matmul: the GEMV, the GEMM and ``nvfp4_linear``'s dispatch, on the
 checkpoint layout and on the packed one, and the packed layout's two decode kernels (the packed GEMV, the tensor-core
 GEMV) and its prefill path (dequantise, then cuBLAS) each on its own, against the fp32 reference.
 

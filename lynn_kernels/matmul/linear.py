@@ -12,9 +12,10 @@ from ..nvfp4 import BLOCK, NVFP4Tensor, quantize
 
 
 class NVFP4Linear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` NVFP4 ``[out_features, in_features]`` (packed codes, E4M3 block scales, fp32
-    global scale, registered as buffers so ``state_dict`` and ``.to(device)`` carry them) and ``b`` kept in its
-    original dtype. Inputs ``[..., in_features]`` in bf16 / fp16 / fp32; the output has the input's dtype.
+    """``y = x @ W^T + b`` with ``W`` NVFP4 ``[out_features, in_features]`` in the checkpoint layout (4-bit codes two
+    a byte, E4M3 block scales, fp32 global scale, registered as buffers so ``state_dict`` and ``.to(device)`` carry
+    them) and ``b`` kept in its original dtype. Inputs ``[..., in_features]`` in bf16 / fp16 / fp32; the output has
+    the input's dtype.
 
     Example::
 
@@ -40,7 +41,7 @@ class NVFP4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _apply(self, fn, recurse=True):
-        """``.to(device)`` moves the packed weight; ``.to(dtype)`` / ``.half()`` (which cast every floating-point
+        """``.to(device)`` moves the quantised weight; ``.to(dtype)`` / ``.half()`` (which cast every floating-point
         buffer, float8 included) leave its format alone: the scales stay E4M3, the global scale fp32."""
         keep = {name: self._buffers[name] for name in ("codes", "scales", "global_scale")}
         super()._apply(fn, recurse)

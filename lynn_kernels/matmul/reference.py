@@ -1,4 +1,4 @@
-"""The executable spec of the packed W4A16 product: dequantise the weight, then one fp32 matmul.
+"""The executable spec of the W4A16 product: dequantise the weight, then one fp32 matmul.
 
 ``y = x @ W^T (+ bias)`` with ``W`` an :class:`~lynn_kernels.nvfp4.NVFP4Tensor` ``[N, K]``: every weight is
 ``e2m1(code) * float(scale) * global_scale`` (docs/nvfp4.md), the product and the bias are fp32, and the result is

@@ -1,19 +1,24 @@
-"""Packed W4A16 kernels: ``y = x @ W^T`` with ``W`` read as NVFP4 codes and scales, never expanded in memory.
+"""The tensor-core W4A16 kernels: ``y = x @ W^T`` with ``W`` read as NVFP4 codes and scales, never expanded in memory,
+from the checkpoint layout (an :class:`~lynn_kernels.nvfp4.NVFP4Tensor`) or the packed one (a :class:`PackedNVFP4`,
+``PACKED_LAYOUT``); and the dispatch of :func:`lynn_kernels.matmul.nvfp4_linear` over them, the packed GEMV
+(:mod:`.triton_packed`) and dequantise-then-cuBLAS.
 
 Both kernels compute the transposed product ``y^T [N, M] = W [N, K] @ x^T [K, M]``, so the weight, decoded in
 registers, is the first ``tl.dot`` operand (Hopper's wgmma can take that one straight from registers) and the small
 activation tile is the second (docs/matmul.md derives the decode, its exactness and the split-K reduce; what
-follows is the map of this file). Each weight tile is decoded the same way (:func:`~lynn_kernels.triton_shared.w_tile`):
+follows is the map of this file). Each weight tile is decoded the same way (:func:`~lynn_kernels.triton_shared.w_tile`;
+a packed-layout weight's tile is :func:`~lynn_kernels.triton_shared.packed_w_tile`'s):
 
-* a byte holds two E2M1 codes; each nibble's 3 magnitude bits dropped into an fp16 exponent/mantissa (and its sign
-  bit into the fp16 sign) give the exact value times ``2^-14`` (subnormals included), one integer op chain per
-  element and one conversion, no table;
+* the checkpoint layout's bytes hold two 4-bit E2M1 codes each; each nibble's 3 magnitude bits dropped into an fp16
+  exponent/mantissa (and its sign bit into the fp16 sign) give the exact value times ``2^-14`` (subnormals
+  included), one integer op chain per element and one conversion, no table;
 * the E4M3 block scale is decoded once per 16 elements, times ``2^14`` to undo the factor above; both products are
   exact (6 significant bits), so the weight tile in bf16 equals ``e2m1 * scale`` exactly;
 * the global scale multiplies the fp32 accumulator once per output, in the epilogue.
 
-On the GPU with bf16 activations the decode is packed (``_e2m1_bf16x2_scaled``, inline PTX, two elements per
-instruction); elsewhere (fp16 / fp32 activations, the interpreter) it is the portable integer decode above.
+On the GPU with bf16 activations the decode takes two elements per instruction (``PACKED_DECODE``, the bf16x2
+decode: ``_e2m1_bf16x2_scaled``, inline PTX); elsewhere (fp16 / fp32 activations, the interpreter) it is the
+portable integer decode above.
 
 ``_nvfp4_gemv_kernel`` (M <= 16, decode) streams the weight once: one program per ``BLOCK_N`` rows and K slice
 (split-K when N alone cannot fill the GPU), a ``tl.dot`` on the M rows padded to 16. ``_nvfp4_gemm_kernel``
@@ -73,7 +78,7 @@ def _finish(acc, pid_tile, pid_k, n_split, offs_n, mask_n, offs_m, mask_m,
                 part += SPLIT_STRIDE
             tl.atomic_xchg(count_ptr + pid_tile, 0)          # ready for the next call
     g = tl.load(g_ptr + offs_n // ROWS_PER_G, mask=mask_n, other=0.0)
-    out = acc * (g * ACC_UNIT)[:, None]                     # ACC_UNIT undoes the packed decode's 2^-7
+    out = acc * (g * ACC_UNIT)[:, None]           # ACC_UNIT undoes the decode's 2^-7 (bf16x2) or 2^-19 (packed layout)
     if HAS_BIAS:
         out += to_float32(tl.load(bias_ptr + offs_n, mask=mask_n, other=0), BIAS_DTYPE, INTERPRET)[:, None]
     tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
@@ -124,6 +129,9 @@ def _nvfp4_gemv_kernel(
             HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, ACC_UNIT, INTERPRET)
 
 
+NVFP4_GEMV = runtime.Kernel("matmul.gemv", _nvfp4_gemv_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GEMM: M > 16
 
@@ -159,9 +167,9 @@ def _prune_gemm(configs, named_args, **kwargs):
         bn, bm, bk, w, st = GEMM_SMALL_M[bucket]
         return [triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w,
                               num_stages=runtime.register_dot_stages(st))]
-    packed = kwargs.get("PACKED_LAYOUT", False)        # a packed tile covers whole 128-column chunks
+    packed_layout = kwargs.get("PACKED_LAYOUT", False)      # a packed-layout tile covers whole 128-column chunks
     kept = [_staged(c) for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)
-            and (not packed or c.kwargs["BLOCK_K"] % CHUNK == 0)]
+            and (not packed_layout or c.kwargs["BLOCK_K"] % CHUNK == 0)]
     return sorted(kept, key=lambda c: -c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])   # the interpreter runs the first
 
 
@@ -210,6 +218,9 @@ def _nvfp4_gemm_kernel(
             HAS_BIAS, BIAS_DTYPE, OUT_DTYPE, ACC_UNIT, INTERPRET)
 
 
+NVFP4_GEMM = runtime.Kernel("matmul.gemm", _nvfp4_gemm_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # host side
 
@@ -234,28 +245,33 @@ def _prepare(x: torch.Tensor, w, bias):
     return x2, y
 
 
-def _common_args(x2, bias, y, packed: bool = False) -> dict:
-    return kernel_constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET, packed)
+def _common_args(x2, bias, y, w) -> dict:
+    """The GEMV's and GEMM's constexprs; ``PACKED_LAYOUT`` when ``w`` is a PackedNVFP4."""
+    return kernel_constexprs(x2.dtype, None if bias is None else bias.dtype, y.dtype, runtime.INTERPRET,
+                             isinstance(w, PackedNVFP4))
 
 
 def _weight_args(w) -> tuple:
-    """The weight's kernel arguments: codes / scales bytes, or a PackedNVFP4's words / re-encoded scales."""
+    """The weight's kernel arguments: the checkpoint layout's code and scale bytes, or a PackedNVFP4's words and
+    re-encoded scales."""
     if isinstance(w, PackedNVFP4):
         return w.words, w.scales, w.global_scale
     return w.codes, w.scales.view(torch.uint8), w.global_scale
 
 
 def _check_packed_block_k(w, meta: dict) -> None:
+    """A config's ``BLOCK_K`` for ``w``: a PackedNVFP4's tile covers whole chunks of the packed layout."""
     if isinstance(w, PackedNVFP4) and meta["BLOCK_K"] % CHUNK:
         raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: a packed weight's tile covers whole chunks of "
                          f"{CHUNK} columns (BLOCK_K a multiple of {CHUNK})")
 
 
 def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
-                split_k: int | None = None) -> torch.Tensor:
+                split_k: int | None = None, *, kernel=None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (M <= 16, any strides) into ``y [M, N]``. ``config`` (``BLOCK_N``, ``BLOCK_K``,
     ``BLOCK_M`` (8 or 16, at least M), ``num_warps``, ``num_stages``) replaces :data:`GEMV_CONFIG`, ``split_k`` the
-    heuristic (tests and experiments)."""
+    heuristic (tests and experiments). ``kernel`` (a ``@triton.jit`` function with ``_nvfp4_gemv_kernel``'s
+    parameters) replaces the shipped kernel."""
     m, k = x2.shape
     n = w.shape[0]
     meta = {**GEMV_CONFIG, **(config or {})}
@@ -268,11 +284,11 @@ def launch_gemv(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     tiles = runtime.cdiv(n, meta["BLOCK_N"])
     split = split_k or split_k_for(tiles, k, meta["BLOCK_K"], _sm_count(x2.device))
     part = torch.empty(split * m * n, dtype=torch.float32, device=x2.device) if split > 1 else y
-    _nvfp4_gemv_kernel[(tiles, split)](
+    NVFP4_GEMV.current(kernel)[(tiles, split)](
         kernel_view(x2), *_weight_args(w), _bias_arg(bias, y), kernel_view(y),
         part, split_k_counter(x2.device, tiles if split > 1 else 0), m, n, k, x2.stride(0), x2.stride(1), y.stride(0),
         w.rows_per_global(),
-        **_common_args(x2, bias, y, isinstance(w, PackedNVFP4)), **meta, num_warps=warps, **extra)
+        **_common_args(x2, bias, y, w), **meta, num_warps=warps, **extra)
     return y
 
 
@@ -282,9 +298,10 @@ def m_bucket(m: int) -> int:
 
 
 def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config: dict | None = None,
-                split_k: int | None = None) -> torch.Tensor:
+                split_k: int | None = None, *, kernel=None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (any M, any strides) into ``y [M, N]``; ``config`` / ``split_k`` as
-    :func:`launch_gemv`."""
+    :func:`launch_gemv`. ``kernel`` (a ``@triton.jit`` function with ``_nvfp4_gemm_kernel``'s parameters, autotuned
+    or not: a ``config`` launches an autotuned one's ``.fn``) replaces the shipped kernel."""
     m, k = x2.shape
     n = w.shape[0]
     sms = _sm_count(x2.device)
@@ -308,14 +325,16 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
     args = (kernel_view(x2), *_weight_args(w), _bias_arg(bias, y),
             kernel_view(y), part, count, m, n, k, x2.stride(0), x2.stride(1), y.stride(0), w.rows_per_global(),
             m_bucket(m))
-    flags = _common_args(x2, bias, y, isinstance(w, PackedNVFP4))
+    flags = _common_args(x2, bias, y, w)
+    fn = NVFP4_GEMM.current(kernel)
     if config is None:
-        _nvfp4_gemm_kernel[grid](*args, **flags)
+        fn[grid](*args, **flags)
     else:
         meta = {"GROUP_N": 8, **config}
         warps = meta.pop("num_warps", 4)
         stages = runtime.register_dot_stages(meta.pop("num_stages", 3), requested="num_stages" in config)
-        _nvfp4_gemm_kernel.fn[grid(meta)](*args, **flags, **meta, num_warps=warps, num_stages=stages)
+        fn = fn.fn if hasattr(fn, "configs") else fn       # an autotuned kernel: its jitted one, no autotuning
+        fn[grid(meta)](*args, **flags, **meta, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -345,6 +364,9 @@ def _packed_dequantize_kernel(
              mask=mask_n[:, None] & (offs_k[None, :] < K))
 
 
+PACKED_DEQUANTIZE = runtime.Kernel("matmul.dequantize", _packed_dequantize_kernel)
+
+
 #: The dequantise kernel's tile (a multiple of a chunk along K): within 3% of the best of 16 tiles on each of three
 #: decoder shapes on the GPU (experiments/dequant_gemm.py, docs/history/matmul.md).
 DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
@@ -366,16 +388,18 @@ def use_dequant_gemm(m: int, w, x_dtype: torch.dtype, bias=None) -> bool:
             and (bias is None or bias.dtype == x_dtype) and len(w.scale_runs()) <= DEQUANT_MAX_SHARDS)
 
 
-def launch_packed_dequantize(w: PackedNVFP4, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+def launch_packed_dequantize(w: PackedNVFP4, out: torch.Tensor, config: dict | None = None, *,
+                             kernel=None) -> torch.Tensor:
     """Launch only: ``w`` into a contiguous ``out [N, K]`` (bf16 / fp16 / fp32) as ``e2m1 * s * 2^-19`` (fp16:
-    ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are the caller's."""
+    ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are the caller's. ``kernel``
+    (a ``@triton.jit`` function with ``_packed_dequantize_kernel``'s parameters) replaces the shipped kernel."""
     n, k = w.shape
     meta = {**DEQUANT_CONFIG, **(config or {})}
     if meta["BLOCK_K"] % CHUNK:
         raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: the dequantise tile covers whole chunks of {CHUNK}")
     warps = meta.pop("num_warps")
     grid = (runtime.cdiv(n, meta["BLOCK_N"]), runtime.cdiv(k, meta["BLOCK_K"]))
-    _packed_dequantize_kernel[grid](
+    PACKED_DEQUANTIZE.current(kernel)[grid](
         w.words, w.scales, kernel_view(out), n, k, w.words.shape[1],
         OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], BF16_ASM=not runtime.INTERPRET and out.dtype == torch.bfloat16,
         UNSCALED=out.dtype == torch.float16, **meta, **runtime.kernel_flags(), num_warps=warps)

@@ -163,6 +163,9 @@ def packed_gemv_kernel(
                 acc3 = tl.zeros((BLOCK_N, TW), dtype=tl.float32)
 
 
+PACKED_GEMV = runtime.Kernel("matmul.packed_gemv", packed_gemv_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # host side
 
@@ -196,7 +199,7 @@ def packed_gemv_config(n: int, k: int, sms: int, m: int = 1) -> dict:
 
 
 def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, config: dict | None = None,
-                       pdl: bool = False, norm: tuple | None = None) -> torch.Tensor:
+                       pdl: bool = False, norm: tuple | None = None, *, kernel=None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` (``M <= 4``, any strides; the dispatch sends at most ``PACKED_GEMV_MAX_M``) times a
     packed weight into ``y [M, N]`` on the packed GEMV. ``config`` replaces keys of :func:`packed_gemv_config`:
     ``BLOCK_N``, ``TW``, ``num_warps``, ``PROGRAMS`` (the grid: 0 for one program per ``BLOCK_N``-row tile, else at
@@ -205,7 +208,8 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
     before the wait on the kernel before). ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the
     RMSNorm in front (:func:`lynn_kernels.matmul.norm_linear`): the product is of ``rmsnorm(x2 + residual) * (1 +
     norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), whose rows go to ``x_out`` and ``x2 + residual`` to
-    ``residual_out`` (contiguous ``[M, K]``); ``x2`` and ``residual`` unit stride along K, ``K <= NORM_MAX_K``."""
+    ``residual_out`` (contiguous ``[M, K]``); ``x2`` and ``residual`` unit stride along K, ``K <= NORM_MAX_K``.
+    ``kernel`` (a ``@triton.jit`` function with ``packed_gemv_kernel``'s parameters) replaces the shipped kernel."""
     m, k = x2.shape
     n = w.shape[0]
     kw = w.words.shape[1]
@@ -243,15 +247,12 @@ def launch_packed_gemv(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor, 
            w.words.data_ptr() & 15, w.scales.data_ptr() & 15, w.global_scale.data_ptr() & 15,
            args[4].data_ptr() & 15, args[5].data_ptr() & 15, stride_rm, stride_om, args[14].data_ptr() & 15,
            args[15].data_ptr() & 15, args[16].data_ptr() & 15, args[17].data_ptr() & 15)
-    _PACKED_GEMV((programs,), key, args, _packed_gemv_constexprs(*spec), warps, 1, spec[8])
+    PACKED_GEMV.launch(kernel)((programs,), key, args, _packed_gemv_constexprs(*spec), warps, 1, spec[8])
     return y
 
 
 #: Largest K the norm folded into the packed GEMV takes (it reduces a row of x at once, as the norm kernel does).
 NORM_MAX_K = 8192
-
-
-_PACKED_GEMV = runtime.DirectLaunch(packed_gemv_kernel)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -88,6 +88,9 @@ def _align_count_kernel(ids_ptr, hist_ptr, sorted_ptr, S, E, P_MAX,
     _fill_sentinel(sorted_ptr, pid, tl.num_programs(0), P_MAX, S, BLOCK_FILL)
 
 
+ALIGN_COUNT = runtime.Kernel("moe.align_count", _align_count_kernel)
+
+
 @triton.jit
 def _align_offsets_kernel(hist_ptr, ends_ptr, num_padded_ptr, NUM_CHUNKS, E, block_m,
                           BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -113,6 +116,9 @@ def _align_offsets_kernel(hist_ptr, ends_ptr, num_padded_ptr, NUM_CHUNKS, E, blo
         before += tl.sum(h, axis=0)
 
 
+ALIGN_OFFSETS = runtime.Kernel("moe.align_offsets", _align_offsets_kernel)
+
+
 @triton.jit
 def _align_scatter_kernel(ids_ptr, delta_ptr, ends_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr,
                           S, E, block_m, NUM_BLOCKS,
@@ -123,6 +129,9 @@ def _align_scatter_kernel(ids_ptr, delta_ptr, ends_ptr, num_padded_ptr, sorted_p
     used = tl.load(num_padded_ptr) // block_m
     _block_experts(block_expert_ptr, ends_ptr, used, pid, tl.num_programs(0), NUM_BLOCKS, E,
                    BLOCK_E, LOG2_BLOCK_E, BLOCK_B)
+
+
+ALIGN_SCATTER = runtime.Kernel("moe.align_scatter", _align_scatter_kernel)
 
 
 @triton.jit
@@ -144,6 +153,9 @@ def _align_one_program_kernel(ids_ptr, delta_ptr, ends_ptr, num_padded_ptr, sort
     _scatter_chunk(ids_ptr, delta_ptr, sorted_ptr, 0, S, E, CHUNK, BLOCK_E)
     _block_experts(block_expert_ptr, ends_ptr, num_padded // block_m, 0, 1, NUM_BLOCKS, E,
                    BLOCK_E, LOG2_BLOCK_E, BLOCK_B)
+
+
+ALIGN_ONE_PROGRAM = runtime.Kernel("moe.align_one_program", _align_one_program_kernel)
 
 
 def align_triton(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -191,20 +203,20 @@ def launch_align(ids: torch.Tensor, num_experts: int, block_m: int, sorted_slots
     n_chunks = runtime.cdiv(S, chunk)
     if n_chunks == 1:
         ws = torch.empty(2 * block_e, dtype=torch.int32, device=ids.device)           # delta, group ends
-        _align_one_program_kernel[(1,)](
+        ALIGN_ONE_PROGRAM.current()[(1,)](
             flat, ws, ws[block_e:], num_padded, sorted_slots, block_expert, S, num_experts, block_m, p_max, n_blocks,
             CHUNK=max(16, runtime.next_power_of_2(S)), BLOCK_E=block_e, LOG2_BLOCK_E=log2_e, BLOCK_FILL=block_fill,
             BLOCK_B=block_b, num_warps=4)
         return sorted_slots, block_expert, num_padded
     ws = torch.empty((n_chunks + 1) * block_e, dtype=torch.int32, device=ids.device)  # hist -> delta, group ends
     hist, ends = ws[: n_chunks * block_e], ws[n_chunks * block_e:]
-    _align_count_kernel[(n_chunks,)](flat, hist, sorted_slots, S, num_experts, p_max,
-                                     CHUNK=chunk, BLOCK_E=block_e, BLOCK_FILL=block_fill, num_warps=4)
-    _align_offsets_kernel[(1,)](hist, ends, num_padded, n_chunks, num_experts, block_m,
-                                BLOCK_E=block_e, BLOCK_C=max(1, tiles["CELLS"] // block_e),
-                                num_warps=4)
-    _align_scatter_kernel[(n_chunks,)](flat, hist, ends, num_padded, sorted_slots, block_expert,
-                                       S, num_experts, block_m, n_blocks,
-                                       CHUNK=chunk, BLOCK_E=block_e, LOG2_BLOCK_E=log2_e, BLOCK_B=block_b,
-                                       num_warps=4)
+    ALIGN_COUNT.current()[(n_chunks,)](flat, hist, sorted_slots, S, num_experts, p_max,
+                                       CHUNK=chunk, BLOCK_E=block_e, BLOCK_FILL=block_fill, num_warps=4)
+    ALIGN_OFFSETS.current()[(1,)](hist, ends, num_padded, n_chunks, num_experts, block_m,
+                                  BLOCK_E=block_e, BLOCK_C=max(1, tiles["CELLS"] // block_e),
+                                  num_warps=4)
+    ALIGN_SCATTER.current()[(n_chunks,)](flat, hist, ends, num_padded, sorted_slots, block_expert,
+                                         S, num_experts, block_m, n_blocks,
+                                         CHUNK=chunk, BLOCK_E=block_e, LOG2_BLOCK_E=log2_e, BLOCK_B=block_b,
+                                         num_warps=4)
     return sorted_slots, block_expert, num_padded

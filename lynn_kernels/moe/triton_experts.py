@@ -215,6 +215,9 @@ def _moe_gate_up_kernel(
              mask=mask_n[:, None] & valid[None, :])
 
 
+MOE_GATE_UP = runtime.Kernel("moe.gate_up", _moe_gate_up_kernel)
+
+
 @triton.jit
 def _moe_down_kernel(
     h_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, weights_ptr, out_ptr,
@@ -245,6 +248,9 @@ def _moe_down_kernel(
     y = acc * g * w[None, :]
     tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None], cast_output(y, OUT_DTYPE, INTERPRET),
              mask=mask_n[:, None] & valid[None, :])
+
+
+MOE_DOWN = runtime.Kernel("moe.down", _moe_down_kernel)
 
 
 @triton.jit
@@ -282,6 +288,9 @@ def _moe_decode_gate_up_kernel(
     gate = tl.sum(acc_gate, axis=1) * g_gate
     h = gate * tl.sigmoid(gate) * (tl.sum(acc_up, axis=1) * g_up)             # [BLOCK_N]
     tl.store(h_ptr + slot.to(tl.int64) * I + offs_n, _round_h(h, X_DTYPE, H_DTYPE, INTERPRET), mask=mask_n)
+
+
+MOE_DECODE_GATE_UP = runtime.Kernel("moe.decode_gate_up", _moe_decode_gate_up_kernel)
 
 
 @triton.jit
@@ -324,6 +333,9 @@ def _moe_decode_down_kernel(
     if HAS_SHARED:
         y += tl.load(shared_ptr + t.to(tl.int64) * H + offs_n, mask=mask_n, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, cast_output(y, OUT_DTYPE, INTERPRET), mask=mask_n)
+
+
+MOE_DECODE_DOWN = runtime.Kernel("moe.decode_down", _moe_decode_down_kernel)
 
 
 @triton.jit
@@ -383,6 +395,9 @@ def _moe_packed_gate_up_kernel(
     gate = tl.sum(acc_g, axis=1) * g_gate
     h = gate * tl.sigmoid(gate) * (tl.sum(acc_u, axis=1) * g_up)                 # [BLOCK_N]
     tl.store(h_ptr + slot.to(tl.int64) * I + rows, _round_h(h, X_DTYPE, H_DTYPE, INTERPRET), mask=mask_n)
+
+
+MOE_PACKED_GATE_UP = runtime.Kernel("moe.packed_gate_up", _moe_packed_gate_up_kernel)
 
 
 @triton.jit
@@ -511,6 +526,9 @@ def _moe_packed_down_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, cast_output(y, OUT_DTYPE, INTERPRET), mask=mask_n)
 
 
+MOE_PACKED_DOWN = runtime.Kernel("moe.packed_down", _moe_packed_down_kernel)
+
+
 @triton.jit
 def _moe_combine_kernel(
     slots_ptr, shared_ptr, out_ptr, M, H, stride_om,
@@ -528,6 +546,9 @@ def _moe_combine_kernel(
         acc += tl.load(shared_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_om + offs_h[None, :],
              cast_output(acc, OUT_DTYPE, INTERPRET), mask=mask)
+
+
+MOE_COMBINE = runtime.Kernel("moe.combine", _moe_combine_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -682,7 +703,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
     batch = M > 2
     meta, warps = _packed_tiles(I, H, PACKED_UP_CONFIGS[batch], config)
     even_k = H % 128 == 0 and (H // 8) % meta["TW"] == 0
-    _moe_packed_gate_up_kernel[(M * slots, runtime.cdiv(I, meta["BLOCK_N"]))](
+    MOE_PACKED_GATE_UP.current()[(M * slots, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, ids, h, H, I, x2.stride(0), w13.g_stride,
         SLOTS=slots, DENSE=dense, G_PER_ROW=w13.g_per_row, X_DTYPE=f["X_DTYPE"], H_DTYPE=f["DOT_DTYPE"], **meta,
         EVEN=even_k and I % meta["BLOCK_N"] == 0, EVEN_K=even_k, INTERPRET=f["INTERPRET"], num_warps=warps,
@@ -690,7 +711,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
     # the down kernel must come right after gate_up: it reads the routing before its PDL wait (see both kernels)
     meta, warps = _packed_tiles(H, I, PACKED_DOWN_CONFIGS[batch], config)
     slots_a = 1 << (slots.bit_length() - 1)                       # the largest power of two <= slots
-    _moe_packed_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
+    MOE_PACKED_DOWN.current()[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, ids, kernel_view(weights), out if shared_out is None else shared_out,
         kernel_view(out), H, I, out.stride(0), w2.g_stride,
         SLOTS=slots, SLOTS_A=slots_a, SLOTS_B_P2=runtime.next_power_of_2(max(1, slots - slots_a)), DENSE=dense,
@@ -714,13 +735,13 @@ def _launch_decode(x2, weights, ids, top_k, w13: _Weights, w2: _Weights, float_w
     flags = {k: f[k] for k in ("FLOAT_W", "X_DTYPE", "PACKED_DECODE", "ACC_UNIT", "INTERPRET")}
     batch = M > 2
     meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIGS[batch], config)
-    _moe_decode_gate_up_kernel[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
+    MOE_DECODE_GATE_UP.current()[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, ids, h,
         H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, H_DTYPE=f["DOT_DTYPE"], **flags, **meta,
         num_warps=warps, num_stages=stages)
     meta, warps, stages = _tiles(H, I, DECODE_DOWN_CONFIGS[batch], config)
-    _moe_decode_down_kernel[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
+    MOE_DECODE_DOWN.current()[(M, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, ids, kernel_view(weights),
         out if shared_out is None else shared_out, kernel_view(out), H, I, out.stride(0), w2.g_stride,
         TOP_K=top_k, TOP_K_P2=runtime.next_power_of_2(top_k), DENSE=dense, HAS_SHARED=shared_out is not None,
@@ -737,13 +758,13 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
     asked = "num_stages" in (config or {})
     meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config, w13.packed)
-    _moe_gate_up_kernel[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
+    MOE_GATE_UP.current()[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, **flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))  # tl.dot, decoded tile
     meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config, w13.packed)
-    _moe_down_kernel[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
+    MOE_DOWN.current()[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
@@ -751,9 +772,10 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
         num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))
 
 
-def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None = None) -> None:
+def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None = None, *, kernel=None) -> None:
     """Sum each token's ``top_k`` slot rows (and ``shared_out``) into ``out``; ``config`` (``BLOCK_T``, ``BLOCK_H``,
-    ``num_warps``) replaces the tiles, e.g. :data:`COMBINE_CONFIG` under the interpreter (tests)."""
+    ``num_warps``) replaces the tiles, e.g. :data:`COMBINE_CONFIG` under the interpreter (tests). ``kernel`` (a
+    ``@triton.jit`` function with ``_moe_combine_kernel``'s parameters) replaces the shipped kernel."""
     M, H = out.shape
     if config is not None:
         meta = dict(config)
@@ -763,7 +785,7 @@ def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None 
     else:
         meta = dict(COMBINE_CONFIG)
     warps = meta.pop("num_warps")
-    _moe_combine_kernel[(runtime.cdiv(M, meta["BLOCK_T"]), runtime.cdiv(H, meta["BLOCK_H"]))](
+    MOE_COMBINE.current(kernel)[(runtime.cdiv(M, meta["BLOCK_T"]), runtime.cdiv(H, meta["BLOCK_H"]))](
         out_slots, out_slots if shared_out is None else shared_out, kernel_view(out), M, H, out.stride(0),
         TOP_K=top_k, HAS_SHARED=shared_out is not None, OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], **meta,
         num_warps=warps, **runtime.kernel_flags())

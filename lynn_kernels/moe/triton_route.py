@@ -107,6 +107,9 @@ def _route_kernel(
     _store_route(weights_ptr, ids_ptr, w, ids, offs_m, mask_m, TOP_K, BLOCK_K, TOP_K)
 
 
+ROUTE = runtime.Kernel("moe.route", _route_kernel)
+
+
 @triton.jit
 def _x_tile(x_rows, r_rows, nw_ptr, offs_h, rstd, mask, NORM: tl.constexpr, X_DTYPE: tl.constexpr,
             NW_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
@@ -233,6 +236,9 @@ def _router_kernel(
         tl.atomic_xchg(count_ptr, 0)                     # ready for the next call
 
 
+ROUTER = runtime.Kernel("moe.router", _router_kernel)
+
+
 def _block_m(M: int, block_e: int, interpret: bool = runtime.INTERPRET) -> int:
     """Tokens per program: about 4k fp32 logits in registers on the GPU; as many as fit 64k under the interpreter
     (its cost is per program). ``interpret=False``: the GPU's, for tests."""
@@ -253,9 +259,10 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
 
 
 def launch_route(logits: torch.Tensor, top_k: int, renormalize: bool, weights: torch.Tensor,
-                 ids: torch.Tensor, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 ids: torch.Tensor, block_m: int | None = None, *, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync), into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``.
-    ``block_m`` (tokens per program, a power of two) overrides :func:`_block_m` (tests)."""
+    ``block_m`` (tokens per program, a power of two) overrides :func:`_block_m` (tests). ``kernel`` (a
+    ``@triton.jit`` function with ``_route_kernel``'s parameters) replaces the shipped kernel."""
     M, E = logits.shape
     if M == 0:
         return weights, ids
@@ -263,7 +270,7 @@ def launch_route(logits: torch.Tensor, top_k: int, renormalize: bool, weights: t
         logits = logits.contiguous()
     block_e = max(16, runtime.next_power_of_2(E))
     block_m = block_m or _block_m(M, block_e)
-    _route_kernel[(runtime.cdiv(M, block_m),)](
+    ROUTE.current(kernel)[(runtime.cdiv(M, block_m),)](
         kernel_view(logits), weights, ids, M, E, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, DTYPE=runtime.TORCH_TO_TL[logits.dtype],
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=max(2, runtime.next_power_of_2(top_k)),
@@ -290,7 +297,8 @@ ROUTER_CONFIG = {"BLOCK_E": 16, "BLOCK_H": 512, "num_warps": 4}
 def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
                   weights: torch.Tensor, ids: torch.Tensor, config: dict | None = None,
                   gate_weight: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                  shared_slot: bool = False, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  shared_slot: bool = False, norm: tuple | None = None, *,
+                  kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch only (no checks, no host sync): the router logits ``x2 @ router_weight^T`` (``x2 [M, H]`` with
     ``M <= ROUTER_MAX_M``, ``router_weight [E, H]`` in x's dtype, both unit stride along H), rounded to x's dtype,
     and their routing, in one launch, into contiguous ``weights`` fp32 and ``ids`` int32 ``[M, top_k]``. The fp32
@@ -302,7 +310,8 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
     are ``[M, top_k + 1]``: the last column gets the gate and the id ``E``, the shared expert as one more slot.
     ``norm = (residual, norm_weight, eps, x_out, residual_out)`` folds the block's RMSNorm in front: the logits are
     of ``rmsnorm(x2 + residual) * (1 + norm_weight)`` (``residual`` None: of ``rmsnorm(x2)``), written to ``x_out``
-    for the expert kernels, and ``x2 + residual`` to ``residual_out`` (contiguous ``[M, H]``, ``H <= 8192``)."""
+    for the expert kernels, and ``x2 + residual`` to ``residual_out`` (contiguous ``[M, H]``, ``H <= 8192``).
+    ``kernel`` (a ``@triton.jit`` function with ``_router_kernel``'s parameters) replaces the shipped kernel."""
     M, H = x2.shape
     E = router_weight.shape[0]
     if M == 0:
@@ -339,7 +348,7 @@ def launch_router(x2: torch.Tensor, router_weight: torch.Tensor, top_k: int, ren
         stride_rm, stride_om = r.stride(0), xo.stride(0)
         norm_meta = {"NORM": 1 if norm[0] is None else 2, "NORM_D": runtime.next_power_of_2(H),
                      "NW_DTYPE": runtime.TORCH_TO_TL[nw.dtype]}
-    _router_kernel[(n_e, split)](
+    ROUTER.current(kernel)[(n_e, split)](
         kernel_view(x2), kernel_view(router_weight), g, part, split_k_counter(x2.device, 1), weights, ids,
         gate if gate is not None else weights, M, E, H, x2.stride(0), router_weight.stride(0),
         kernel_view(r), kernel_view(nw), kernel_view(xo), kernel_view(ho), float(eps), stride_rm, stride_om,
