@@ -2,6 +2,8 @@
 neither imports it).
 
 * ``lynn check [NAME ...]``    validate every kernel (or the families / ops named) against its reference here;
+* ``lynn race OP --variant FILE.py:NAME``  check a kernel variant, race it, run the decoder on it (``--base REV``:
+  the working tree against a git revision);
 * ``lynn bench [OP ...]``      run the GPU benchmarks and write JSON under data/bench/<gpu>/;
 * ``lynn lab``                 open JupyterLab on notebooks/00-start-here.ipynb (other options go to jupyter lab);
 * ``lynn info``                what this process runs on;
@@ -23,7 +25,7 @@ import difflib
 import importlib
 import sys
 
-COMMANDS = ("check", "bench", "lab", "info", "quantize", "generate")
+COMMANDS = ("check", "race", "bench", "lab", "info", "quantize", "generate")
 
 
 class CommandError(Exception):
