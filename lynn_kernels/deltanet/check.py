@@ -8,13 +8,14 @@ chunked rule feeds bf16 operands to ``tl.dot`` on the GPU (fp32 under the interp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from .. import runtime
-from ..metrics import compare
+from ..metrics import Case, compare
 
 #: The op names this family's rows carry, as the table prints them (``lynn check`` accepts them before running).
 OPS = (
@@ -74,105 +75,153 @@ def _row(op: str, case: str, got: torch.Tensor, want: torch.Tensor, dtype: torch
     return {"op": op, "case": case, "metrics": m, "passed": (m.err_ratio if kind == "err_ratio" else m.rel_l2) <= bound}
 
 
-def iter_rows() -> Iterator[dict]:
-    from . import (
-        causal_conv1d,
-        causal_conv1d_update,
-        chunk_gated_delta_rule,
-        gated_delta_decode,
-        gated_rmsnorm,
-        recurrent_gated_delta_rule_gates,
-        reference,
-    )
+def _chunk(dtype: torch.dtype, case: str) -> list[dict]:
+    """Prefill: T=65 (a chunk and one token), GQA 2, l2norm, an initial state."""
+    from . import chunk_gated_delta_rule, reference
 
+    q, k, v, g, beta, h0 = _inputs(1, 65, 1, 2, 32, 32, dtype)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    o_ref, ht_ref = reference.recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta,
+                                                         initial_state=h0, output_final_state=True,
+                                                         use_qk_l2norm=True)
+    return [_row("deltanet.chunk", case, o, o_ref, dtype), _row("deltanet.chunk state", case, ht, ht_ref, dtype)]
+
+
+def _recurrent(dtype: torch.dtype, case: str) -> list[dict]:
+    """A decode step with the gates in the kernel: B=2, T=1."""
+    from . import recurrent_gated_delta_rule_gates, reference
+
+    q, k, v, _, _, h0 = _inputs(2, 1, 2, 4, 32, 32, dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(2, 1, 4, generator=gen).to(runtime.DEVICE)
+    b = torch.randn(2, 1, 4, generator=gen).to(runtime.DEVICE)
+    A_log = torch.rand(4, generator=gen).to(runtime.DEVICE)
+    dt_bias = torch.randn(4, generator=gen).to(runtime.DEVICE)
+    o, ht = recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=h0,
+                                             output_final_state=True, use_qk_l2norm=True)
+    o_ref, ht_ref = reference.recurrent_gated_delta_rule_gates(
+        q.float(), k.float(), v.float(), A_log, a, dt_bias, b, initial_state=h0, output_final_state=True,
+        use_qk_l2norm=True)
+    return [_row("deltanet.recurrent", case, o, o_ref, dtype),
+            _row("deltanet.recurrent state", case, ht, ht_ref, dtype)]
+
+
+def _conv(dtype: torch.dtype, case: str, gen: torch.Generator) -> list[dict]:
+    """The conv prefill (with a state), then one decode step."""
+    from . import causal_conv1d, causal_conv1d_update, reference
+
+    x = torch.randn(2, 37, 96, generator=gen).to(dtype).to(runtime.DEVICE)
+    w = torch.randn(96, 4, generator=gen).to(dtype).to(runtime.DEVICE)
+    s0 = torch.randn(2, 96, 3, generator=gen).to(dtype).to(runtime.DEVICE)
+    y, s1 = causal_conv1d(x, w, s0)
+    y_ref, s1_ref = reference.causal_conv1d(x.float(), w.float(), s0.float())
+    rows = [_row("deltanet.conv", case, y, y_ref, dtype)]
+    state_same = bool(torch.equal(s1.float(), s1_ref))
+    rows.append({"op": "deltanet.conv state", "case": case, "mismatches": int((s1.float() != s1_ref).sum()),
+                 "passed": state_same})
+    x1 = torch.randn(2, 96, generator=gen).to(dtype).to(runtime.DEVICE)
+    s_ref = s1.float().clone()
+    y1 = causal_conv1d_update(x1, s1, w)
+    rows.append(_row("deltanet.conv update", case, y1, reference.causal_conv1d_update(x1.float(), s_ref, w.float()),
+                     dtype))
+    return rows
+
+
+def _gated_rmsnorm(dtype: torch.dtype, case: str, gen: torch.Generator) -> list[dict]:
+    """The gated RMSNorm over head_dim 128."""
+    from . import gated_rmsnorm, reference
+
+    xn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
+    zn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
+    wn = (1 + 0.1 * torch.randn(128, generator=gen)).to(runtime.DEVICE)
+    want = reference.gated_rmsnorm(xn, zn, wn).float()              # the spec rounds as HF does, in x's dtype
+    return [_row("deltanet.gated_rmsnorm", case, gated_rmsnorm(xn, zn, wn), want, dtype)]
+
+
+#: The fused decode step's shape: B=2, H=2, HV=4, K=V=32.
+_STEP = (2, 2, 4, 32, 32)
+
+
+def _step_setup(dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """The fused decode step's weights and its starting conv / recurrent states: ``mine`` (the kernel's) and
+    ``theirs`` (the reference's) are the same copies, both carried from one case to the next."""
+    B, H, HV, K, V = _STEP
+    C = 2 * H * K + HV * V
+    dev = runtime.DEVICE
+    conv = torch.randn(B, C, 3, generator=gen).to(dtype).to(dev)
+    state = (0.1 * torch.randn(B, HV, K, V, generator=gen)).to(dev)
+    cw = (0.4 * torch.randn(C, 4, generator=gen)).to(dev)
+    A_log, dt_bias = torch.randn(HV, generator=gen).to(dev), torch.randn(HV, generator=gen).to(dev)
+    nw = (1 + 0.1 * torch.randn(V, generator=gen)).to(dev)
+    return {"C": C, "cw": cw, "A_log": A_log, "dt_bias": dt_bias, "nw": nw,
+            "mine": (conv.clone(), state.clone()), "theirs": (conv.clone(), state.clone())}
+
+
+def _decode_step(dtype: torch.dtype, case: str, st: dict, gen: torch.Generator) -> list[dict]:
+    """The fused decode step (conv update, gates, delta rule, gated norm), two steps."""
+    from . import gated_delta_decode, reference
+
+    B, H, HV, K, V = _STEP
+    dev = runtime.DEVICE
+    C, cw, A_log, dt_bias, nw, mine, theirs = (st[n] for n in ("C", "cw", "A_log", "dt_bias", "nw", "mine", "theirs"))
+    for _ in range(2):
+        qkv = torch.randn(B, C, generator=gen).to(dtype).to(dev)
+        z = torch.randn(B, HV, V, generator=gen).to(dtype).to(dev)
+        a = torch.randn(B, HV, generator=gen).to(dtype).to(dev)
+        b = torch.randn(B, HV, generator=gen).to(dtype).to(dev)
+        o = gated_delta_decode(qkv, z, a, b, mine[0], cw, A_log, dt_bias, mine[1], nw, H)
+        o_ref = reference.gated_delta_decode(qkv, z, a, b, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H)
+    return [_row("deltanet.decode step", case, o, o_ref.float(), dtype),
+            _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)]
+
+
+def _decode_step_projected(dtype: torch.dtype, case: str, st: dict, gen: torch.Generator) -> list[dict]:
+    """The same step with the gates' projections in the kernel (the layer input, in_proj_a / in_proj_b of 64), two
+    more steps from the states :func:`_decode_step` left."""
+    from . import gated_delta_decode, reference
+
+    B, H, HV, K, V = _STEP
+    dev = runtime.DEVICE
+    C, cw, A_log, dt_bias, nw, mine, theirs = (st[n] for n in ("C", "cw", "A_log", "dt_bias", "nw", "mine", "theirs"))
+    w_a, w_b = ((0.125 * torch.randn(HV, 64, generator=gen)).to(dtype).to(dev) for _ in range(2))
+    for _ in range(2):
+        qkv = torch.randn(B, C, generator=gen).to(dtype).to(dev)
+        z = torch.randn(B, HV, V, generator=gen).to(dtype).to(dev)
+        x = torch.randn(B, 64, generator=gen).to(dtype).to(dev)
+        o = gated_delta_decode(qkv, z, None, None, mine[0], cw, A_log, dt_bias, mine[1], nw, H, x=x,
+                               a_weight=w_a, b_weight=w_b)
+        o_ref = reference.gated_delta_decode(qkv, z, None, None, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H,
+                                             x=x, a_weight=w_a, b_weight=w_b)
+    return [_row("deltanet.decode step", case, o, o_ref.float(), dtype),
+            _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)]
+
+
+def cases() -> Iterator[Case]:
+    """The family's check matrix, each case named before it runs. Per dtype, the chunk and the recurrent cases draw
+    from their own seeded generators; the conv case and the ones after it draw in order from one more (the fused
+    decode step's weights and states by its first case, which the second continues from)."""
     for dtype in (torch.bfloat16, torch.float32):
         label = str(dtype).replace("torch.", "")
-        # prefill: T=65 (a chunk and one token), GQA 2, l2norm, an initial state
-        q, k, v, g, beta, h0 = _inputs(1, 65, 1, 2, 32, 32, dtype)
-        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                       use_qk_l2norm=True)
-        o_ref, ht_ref = reference.recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta,
-                                                             initial_state=h0, output_final_state=True,
-                                                             use_qk_l2norm=True)
         case = f"{label} B1 T65 H1 HV2 K32 V32"
-        yield _row("deltanet.chunk", case, o, o_ref, dtype)
-        yield _row("deltanet.chunk state", case, ht, ht_ref, dtype)
-
-        # decode step with the gates in the kernel: B=2, T=1
-        q, k, v, _, _, h0 = _inputs(2, 1, 2, 4, 32, 32, dtype, seed=1)
-        gen = torch.Generator().manual_seed(2)
-        a = torch.randn(2, 1, 4, generator=gen).to(runtime.DEVICE)
-        b = torch.randn(2, 1, 4, generator=gen).to(runtime.DEVICE)
-        A_log = torch.rand(4, generator=gen).to(runtime.DEVICE)
-        dt_bias = torch.randn(4, generator=gen).to(runtime.DEVICE)
-        o, ht = recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=h0,
-                                                 output_final_state=True, use_qk_l2norm=True)
-        o_ref, ht_ref = reference.recurrent_gated_delta_rule_gates(
-            q.float(), k.float(), v.float(), A_log, a, dt_bias, b, initial_state=h0, output_final_state=True,
-            use_qk_l2norm=True)
+        yield Case("deltanet.chunk", case, lambda d=dtype, c=case: _chunk(d, c))
         case = f"{label} decode B2 H2 HV4 K32 V32, gates fused"
-        yield _row("deltanet.recurrent", case, o, o_ref, dtype)
-        yield _row("deltanet.recurrent state", case, ht, ht_ref, dtype)
-
-        # conv prefill (with a state) then one decode step
+        yield Case("deltanet.recurrent", case, lambda d=dtype, c=case: _recurrent(d, c))
         gen = torch.Generator().manual_seed(3)
-        x = torch.randn(2, 37, 96, generator=gen).to(dtype).to(runtime.DEVICE)
-        w = torch.randn(96, 4, generator=gen).to(dtype).to(runtime.DEVICE)
-        s0 = torch.randn(2, 96, 3, generator=gen).to(dtype).to(runtime.DEVICE)
-        y, s1 = causal_conv1d(x, w, s0)
-        y_ref, s1_ref = reference.causal_conv1d(x.float(), w.float(), s0.float())
         case = f"{label} B2 T37 C96 W4"
-        yield _row("deltanet.conv", case, y, y_ref, dtype)
-        state_same = bool(torch.equal(s1.float(), s1_ref))
-        yield {"op": "deltanet.conv state", "case": case, "mismatches": int((s1.float() != s1_ref).sum()),
-               "passed": state_same}
-        x1 = torch.randn(2, 96, generator=gen).to(dtype).to(runtime.DEVICE)
-        s_ref = s1.float().clone()
-        y1 = causal_conv1d_update(x1, s1, w)
-        yield _row("deltanet.conv update", case, y1, reference.causal_conv1d_update(x1.float(), s_ref,
-                                                                                    w.float()), dtype)
-
-        # gated RMSNorm over head_dim 128
-        xn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
-        zn = torch.randn(5, 3, 128, generator=gen).to(dtype).to(runtime.DEVICE)
-        wn = (1 + 0.1 * torch.randn(128, generator=gen)).to(runtime.DEVICE)
-        want = reference.gated_rmsnorm(xn, zn, wn).float()              # the spec rounds as HF does, in x's dtype
-        yield _row("deltanet.gated_rmsnorm", f"{label} 5x3x128", gated_rmsnorm(xn, zn, wn), want, dtype)
-
-        # the fused decode step (conv update, gates, delta rule, gated norm): B=2, H=2, HV=4, K=V=32, two steps
-        B, H, HV, K, V = 2, 2, 4, 32, 32
-        C = 2 * H * K + HV * V
-        dev = runtime.DEVICE
-        conv = torch.randn(B, C, 3, generator=gen).to(dtype).to(dev)
-        state = (0.1 * torch.randn(B, HV, K, V, generator=gen)).to(dev)
-        cw = (0.4 * torch.randn(C, 4, generator=gen)).to(dev)
-        A_log, dt_bias = torch.randn(HV, generator=gen).to(dev), torch.randn(HV, generator=gen).to(dev)
-        nw = (1 + 0.1 * torch.randn(V, generator=gen)).to(dev)
-        mine, theirs = (conv.clone(), state.clone()), (conv.clone(), state.clone())
-        for _ in range(2):
-            qkv = torch.randn(B, C, generator=gen).to(dtype).to(dev)
-            z = torch.randn(B, HV, V, generator=gen).to(dtype).to(dev)
-            a = torch.randn(B, HV, generator=gen).to(dtype).to(dev)
-            b = torch.randn(B, HV, generator=gen).to(dtype).to(dev)
-            o = gated_delta_decode(qkv, z, a, b, mine[0], cw, A_log, dt_bias, mine[1], nw, H)
-            o_ref = reference.gated_delta_decode(qkv, z, a, b, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H)
+        yield Case("deltanet.conv", case, lambda d=dtype, c=case, g=gen: _conv(d, c, g))
+        case = f"{label} 5x3x128"
+        yield Case("deltanet.gated_rmsnorm", case, lambda d=dtype, c=case, g=gen: _gated_rmsnorm(d, c, g))
+        step = functools.cache(lambda d=dtype, g=gen: _step_setup(d, g))
         case = f"{label} B2 H2 HV4 K32 V32 W4, 2 steps"
-        yield _row("deltanet.decode step", case, o, o_ref.float(), dtype)
-        yield _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)
-
-        # the same step with the gates' projections in the kernel (the layer input, in_proj_a / in_proj_b of 64)
-        w_a, w_b = ((0.125 * torch.randn(HV, 64, generator=gen)).to(dtype).to(dev) for _ in range(2))
-        for _ in range(2):
-            qkv = torch.randn(B, C, generator=gen).to(dtype).to(dev)
-            z = torch.randn(B, HV, V, generator=gen).to(dtype).to(dev)
-            x = torch.randn(B, 64, generator=gen).to(dtype).to(dev)
-            o = gated_delta_decode(qkv, z, None, None, mine[0], cw, A_log, dt_bias, mine[1], nw, H, x=x,
-                                   a_weight=w_a, b_weight=w_b)
-            o_ref = reference.gated_delta_decode(qkv, z, None, None, theirs[0], cw, A_log, dt_bias, theirs[1], nw, H,
-                                                 x=x, a_weight=w_a, b_weight=w_b)
+        yield Case("deltanet.decode step", case, lambda d=dtype, c=case, s=step, g=gen: _decode_step(d, c, s(), g))
         case = f"{label} B2 H2 HV4 K32 V32 W4 HD64, gates projected, 2 more steps"
-        yield _row("deltanet.decode step", case, o, o_ref.float(), dtype)
-        yield _row("deltanet.decode step state", case, mine[1], theirs[1], dtype)
+        yield Case("deltanet.decode step", case,
+                   lambda d=dtype, c=case, s=step, g=gen: _decode_step_projected(d, c, s(), g))
+
+
+def iter_rows() -> Iterator[dict]:
+    for case in cases():
+        yield from case.run()
 
 
 def check_deltanet() -> list[dict]:
@@ -180,4 +229,4 @@ def check_deltanet() -> list[dict]:
     return list(iter_rows())
 
 
-__all__ = ["check_deltanet"]
+__all__ = ["check_deltanet", "cases"]

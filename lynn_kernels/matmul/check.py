@@ -10,12 +10,13 @@ of the reference.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
 
 from .. import runtime
-from ..metrics import compare
+from ..metrics import Case, compare
 
 #: The matmul rows' bound per output dtype: the kernels add the same fp32 products as the reference in another
 #: order, so an output element differs at most by a flipped last rounding, and only a few do. Measured rel_l2:
@@ -32,47 +33,85 @@ OPS = (
 )
 
 
-def iter_rows() -> Iterator[dict]:
+#: The matrix: (case, M, N, K, activation dtype).
+SHAPES = (("M=1 bf16 37x208", 1, 37, 208, torch.bfloat16),
+          ("M=2 bf16 65x2064", 2, 65, 2064, torch.bfloat16),
+          ("M=3 fp32 70x1040", 3, 70, 1040, torch.float32),
+          ("M=17 bf16 100x208", 17, 100, 208, torch.bfloat16),
+          ("M=129 fp16 65x400", 129, 65, 400, torch.float16))
+
+
+def _inputs(m: int, n: int, k: int, dtype, gen: torch.Generator):
+    """The case's weight (NVFP4), activations and bias, drawn in that order."""
     from ..nvfp4 import quantize
+
+    w = quantize(torch.randn(n, k, generator=gen).to(runtime.DEVICE))
+    x = torch.randn(m, k, generator=gen).to(dtype).to(runtime.DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(runtime.DEVICE)
+    return w, x, bias
+
+
+def _rows(label: str, m: int, n: int, dtype, w, x: torch.Tensor, bias: torch.Tensor) -> list[dict]:
+    """The GEMV (up to 16 rows), the GEMM and ``nvfp4_linear`` on both layouts, then the packed layout's decode kernels
+    (up to 16 rows) or its prefill path on their own (not on the reference backend)."""
     from . import nvfp4_gemm, nvfp4_gemv, nvfp4_linear, pack, reference
 
+    rows = []
+    want = reference.nvfp4_linear(x, w, bias)
+    for name, fn in (("nvfp4_gemv", nvfp4_gemv), ("nvfp4_gemm", nvfp4_gemm), ("nvfp4_linear", nvfp4_linear)):
+        if name == "nvfp4_gemv" and m > 16:
+            continue
+        # baseline: the same product rounded through a bf16 weight, the copy cuBLAS would multiply
+        base = (x.float() @ reference.nvfp4_reference.dequantize(w, torch.bfloat16).float().t()
+                + bias.float()).to(dtype)
+        for layout, weight in (("", w), (" packed", pack(w))):
+            got = fn(x, weight, bias)
+            rows.append(_row(f"matmul.{name}{layout}", label, got, want, base, dtype))
+    if m <= 16 and runtime.backend() != "reference":
+        # the two decode kernels of the packed layout on their own, whichever the dispatch picks
+        from .triton_matmul import launch_gemv
+        from .triton_packed import launch_packed_gemv
+
+        p = pack(w)
+        got = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
+        rows.append(_row("matmul.tensor-core gemv packed", label, got, want, base, dtype))
+        if m <= 2:
+            got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
+            rows.append(_row("matmul.packed gemv", label, got, want, base, dtype))
+    if m > 16 and runtime.backend() != "reference":
+        # the prefill path (nvfp4_linear's from DEQUANT_MIN_M rows) on its own: dequantise once, then cuBLAS
+        from .triton_matmul import launch_dequant_gemm
+
+        got = launch_dequant_gemm(x, pack(w), bias, torch.empty(m, n, dtype=dtype, device=x.device))
+        rows.append(_row("matmul.dequantise + cuBLAS packed", label, got, want, base, dtype))
+    return rows
+
+
+def _norm_rows(label: str, x: torch.Tensor, w, gen: torch.Generator, dtype) -> list[dict]:
+    """:func:`_norm_row` on the packed layout (not on the reference backend)."""
+    from . import pack
+
+    if runtime.backend() == "reference":
+        return []
+    return [_norm_row(label, x, pack(w), gen, dtype)]
+
+
+def cases() -> Iterator[Case]:
+    """The family's check matrix, each case named before it runs (inputs drawn in order from one seeded generator,
+    a shape's by the first of its cases to run)."""
     gen = torch.Generator().manual_seed(0)
-    for label, m, n, k, dtype in (("M=1 bf16 37x208", 1, 37, 208, torch.bfloat16),
-                                  ("M=2 bf16 65x2064", 2, 65, 2064, torch.bfloat16),
-                                  ("M=3 fp32 70x1040", 3, 70, 1040, torch.float32),
-                                  ("M=17 bf16 100x208", 17, 100, 208, torch.bfloat16),
-                                  ("M=129 fp16 65x400", 129, 65, 400, torch.float16)):
-        w = quantize(torch.randn(n, k, generator=gen).to(runtime.DEVICE))
-        x = torch.randn(m, k, generator=gen).to(dtype).to(runtime.DEVICE)
-        bias = torch.randn(n, generator=gen).to(dtype).to(runtime.DEVICE)
-        want = reference.nvfp4_linear(x, w, bias)
-        for name, fn in (("nvfp4_gemv", nvfp4_gemv), ("nvfp4_gemm", nvfp4_gemm), ("nvfp4_linear", nvfp4_linear)):
-            if name == "nvfp4_gemv" and m > 16:
-                continue
-            # baseline: the same product rounded through a bf16 weight, the copy cuBLAS would multiply
-            base = (x.float() @ reference.nvfp4_reference.dequantize(w, torch.bfloat16).float().t()
-                    + bias.float()).to(dtype)
-            for layout, weight in (("", w), (" packed", pack(w))):
-                got = fn(x, weight, bias)
-                yield _row(f"matmul.{name}{layout}", label, got, want, base, dtype)
-        if m <= 16 and runtime.backend() != "reference":
-            # the two decode kernels of the packed layout on their own, whichever the dispatch picks
-            from .triton_matmul import launch_gemv
-            from .triton_packed import launch_packed_gemv
+    for label, m, n, k, dtype in SHAPES:
+        inputs = functools.cache(lambda m=m, n=n, k=k, d=dtype: _inputs(m, n, k, d, gen))
+        yield Case("matmul.nvfp4_gemv" if m <= 16 else "matmul.nvfp4_gemm", label,
+                   lambda a=inputs, c=label, m=m, n=n, d=dtype: _rows(c, m, n, d, *a()))
+        if m <= 2:                      # norm_linear: the packed GEMV's launch, with the norm in front
+            yield Case("matmul.norm_linear packed", label + " + norm",
+                       lambda a=inputs, c=label, d=dtype: _norm_rows(c, a()[1], a()[0], gen, d))
 
-            p = pack(w)
-            got = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
-            yield _row("matmul.tensor-core gemv packed", label, got, want, base, dtype)
-            if m <= 2:
-                got = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=x.device))
-                yield _row("matmul.packed gemv", label, got, want, base, dtype)
-                yield _norm_row(label, x, p, gen, dtype)
-        if m > 16 and runtime.backend() != "reference":
-            # the prefill path (nvfp4_linear's from DEQUANT_MIN_M rows) on its own: dequantise once, then cuBLAS
-            from .triton_matmul import launch_dequant_gemm
 
-            got = launch_dequant_gemm(x, pack(w), bias, torch.empty(m, n, dtype=dtype, device=x.device))
-            yield _row("matmul.dequantise + cuBLAS packed", label, got, want, base, dtype)
+def iter_rows() -> Iterator[dict]:
+    for case in cases():
+        yield from case.run()
 
 
 def _norm_row(label: str, x: torch.Tensor, w, gen: torch.Generator, dtype) -> dict:
@@ -113,3 +152,6 @@ def _within_one_flip(got: torch.Tensor, want: torch.Tensor) -> bool:
     g, w = got.double(), want.double()
     tol = torch.finfo(got.dtype).eps * w.abs() + 1e-5 * w.abs().max()
     return bool(((g - w).abs() <= tol).all())
+
+
+__all__ = ["check_matmul", "cases"]
