@@ -6,6 +6,7 @@ that the op's own launcher runs (copy the shipped kernel's source into a cell, e
 
     from lynn_kernels import lab
     v = lab.variant("rmsnorm", my_rmsnorm_kernel)      # or a plain function rmsnorm(x, weight, eps, ...)
+    k = lab.edit("norm.rmsnorm", {"old text": "new text"})  # or: the shipped kernel with one edit
     print(lab.check(v))                                 # the op's lynn check matrix, the variant routed in
     print(lab.race(v, shapes="qwen3.5-35b-a3b:decode")) # GPU: variant vs shipped vs vendor, graph replay
     with lab.using(v):                                  # every call of the op, the decoder's included
@@ -17,9 +18,10 @@ that the op's own launcher runs (copy the shipped kernel's source into a cell, e
 
 from .check import CheckReport, check
 from .ops import OPS, Op, find
-from .race import RaceReport, committed_figures, race
+from .race import RaceReport, can_time, committed_figures, race
 from .shapes import MODELS, PHASES, Shape, shapes_for
-from .variant import Variant, shipped, source_of, using, variant
+from .variant import Variant, edit, shipped, source_of, using, variant
 
-__all__ = ["variant", "check", "race", "using", "shipped", "Variant", "CheckReport", "RaceReport", "OPS", "Op",
-           "find", "Shape", "shapes_for", "MODELS", "PHASES", "committed_figures", "source_of"]
+__all__ = ["variant", "edit", "check", "race", "using", "shipped", "can_time", "Variant", "CheckReport",
+           "RaceReport", "OPS", "Op", "find", "Shape", "shapes_for", "MODELS", "PHASES", "committed_figures",
+           "source_of"]

@@ -120,6 +120,42 @@ def variant(op_or_fn, fn=None, *, kernel: str | None = None, name: str = "") -> 
     return Variant(op, fn, None, name)
 
 
+def edit(kernel: str, replace: dict[str, str], *, name: str | None = None):
+    """A new ``@triton.jit`` kernel: the shipped kernel ``kernel``'s source with each ``old`` of ``replace`` (text
+    that must occur exactly once) replaced by its ``new``, defined beside the shipped one (its module's helpers in
+    reach) under ``name`` (default: the shipped name with ``_edited``). Its source is registered with ``linecache``,
+    so Triton (and ``inspect``) read it as they read a file's."""
+    import linecache
+    import re
+
+    import triton
+
+    fn = getattr(_jit_of(_shipped_kernel(kernel)), "fn")
+    src = inspect.getsource(fn)
+    for old, new in replace.items():
+        count = src.count(old)
+        if count != 1:
+            raise ValueError(f"edit({kernel!r}): {old!r} occurs {count} times in the shipped kernel's source; give "
+                             f"text that occurs exactly once")
+        src = src.replace(old, new)
+    src = re.sub(r"\A(\s*@[^\n]*\n)*", "", src)                         # the decorators: jit is applied below
+    lines = src.splitlines()
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    src = "\n".join(line[indent:] for line in lines) + "\n"
+    new_name = name or f"{fn.__name__}_edited"
+    src = re.sub(rf"\bdef {fn.__name__}\(", f"def {new_name}(", src, count=1)
+    filename = f"<lynn lab edit of {kernel} #{len(_EDITS)}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    scope = dict(fn.__globals__)
+    exec(compile(src, filename, "exec"), scope)
+    made = triton.jit(scope[new_name])
+    _EDITS.append(made)
+    return made
+
+
+_EDITS: list = []          #: every edited kernel made, so their linecache entries have a reason to stay
+
+
 def shipped(op: str | Op) -> Variant:
     """The shipped op as a variant (its own host function): what a race compares against."""
     o = op if isinstance(op, Op) else find(op)
@@ -144,4 +180,4 @@ def using(*variants, count: bool = True):
         yield hits
 
 
-__all__ = ["Variant", "variant", "shipped", "using", "source_of", "OPS"]
+__all__ = ["Variant", "variant", "edit", "shipped", "using", "source_of", "OPS"]

@@ -56,7 +56,7 @@ def cases() -> Iterator[Case]:
         label = str(dtype).replace("torch.", "")
         for shape, with_residual in SHAPES:
             case = f"{label} {'x'.join(map(str, shape))}" + (" + residual" if with_residual else "")
-            yield Case("norm.rmsnorm", case,
+            yield Case("norm.rmsnorm residual" if with_residual else "norm.rmsnorm", case,
                        lambda s=shape, r=with_residual, d=dtype, c=case: _rows(s, r, d, c, gen))
 
 
