@@ -5,15 +5,21 @@ weight tiles, a converted router tile, attention's probabilities), the PTX rules
 written until a ``wgmma.wait_group`` covers that wgmma. Triton 3.6's software pipeliner keeps up to N - 1 of a
 loop's wgmmas in flight (``warp_group_dot_wait {pendings = N - 1}``) while the next iteration's prologue already
 rewrites their input registers: now and then a wgmma multiplies garbage. On the H200 this is what corrupted the
-packed prefill GEMM at M = 80 (8 weight rows x all tokens near 1e31 in ~0.7% of calls; experiments/split_k_race.py).
+packed prefill GEMM at M = 80 (8 weight rows x all tokens near 1e31 in ~0.7% of calls; docs/history/compiler-fault.md).
+Re-ask it after a Triton upgrade or a kernel change (``runtime.register_dot_hazard`` decides where the workaround
+is on).
 
 This script compiles what the decoder runs (``lynn check`` of every family, then a one-layer model of each
 family through prefill at several lengths and a few decode steps) into a fresh Triton cache, then reads every
 kernel's TTGIR there and lists, per kernel and launch config: the register-operand dots and the largest
 ``pendings`` their waits allow. A kernel is exposed when it has a register-operand dot and a wait with
-``pendings > 0``.
+``pendings > 0``. GPU only (``--cache DIR`` scans a Triton cache anywhere). tests/test_runtime.py runs it with
+``--skip-checks`` as a gpu test.
 
-    PYTHONPATH=. python3 experiments/rs_wgmma_scan.py [--out $OUT/rs_wgmma_scan.json] [--skip-checks]
+    PYTHONPATH=. python3 experiments/rs_wgmma_scan.py [--out FILE] [--skip-checks] [--cache DIR]
+
+Writes ``data/experiments/rs-wgmma-scan/<sha>.json`` (``$OUT/rs_wgmma_scan.json`` when ``$OUT`` is set; ``--out``
+names the file).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import os
 import re
 import sys
 import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def scan(cache_dir: str) -> list[dict]:
@@ -46,7 +54,7 @@ def scan(cache_dir: str) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "rs_wgmma_scan.json"))
+    ap.add_argument("--out", help="the JSON to write (default: see the docstring)")
     ap.add_argument("--skip-checks", action="store_true", help="only the decoder workloads, not lynn check")
     ap.add_argument("--cache", default=None, help="scan this Triton cache instead of compiling into a fresh one")
     args = ap.parse_args()
@@ -63,7 +71,7 @@ def main() -> int:
         from lynn_model.loader import random_model
         if not args.skip_checks:
             rows, secs = check.run_checks()
-            bad = [r for r in rows if not r.get("ok", True)]
+            bad = [r for r in rows if not r.get("passed")]
             print(f"lynn check: {len(rows)} rows in {secs:.0f} s, {len(bad)} not ok", flush=True)
         dev = runtime.DEVICE
         for preset in ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):
@@ -84,8 +92,15 @@ def main() -> int:
             del model
             torch.cuda.empty_cache()
     rows = scan(cache)
+    # after the compile (TRITON_CACHE_DIR is set before anything imports triton)
+    from lynn_kernels.bench.harness import git_state
+
+    sha = git_state()["git_sha"]
+    if args.out is None:
+        args.out = (os.path.join(os.environ["OUT"], "rs_wgmma_scan.json") if os.environ.get("OUT") else
+                    os.path.join(ROOT, "data", "experiments", "rs-wgmma-scan", f"{sha[:7]}.json"))
     exposed = [r for r in rows if r["exposed"]]
-    rec = {"git_sha": os.environ.get("LYNN_GIT_SHA"), "kernels": rows, "exposed": len(exposed)}
+    rec = {"git_sha": sha, "kernels": rows, "exposed": len(exposed)}
     try:
         import torch
         import triton

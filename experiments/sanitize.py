@@ -1,15 +1,20 @@
-"""Run every kernel under NVIDIA's compute-sanitizer and write the summary (GPU machine only).
+"""Are the kernels clean under NVIDIA's compute-sanitizer (out-of-bounds and misaligned accesses, shared-memory
+races)? Re-ask it after a kernel change. GPU only.
 
     PYTHONPATH=. python3 experiments/sanitize.py [--families nvfp4 matmul ...] [--racecheck attention moe ...]
-        [--timeout 150] [--jobs 9] [--out $OUT/sanitizer.json]
+        [--timeout 150] [--jobs 9] [--out FILE]
+    python3 experiments/sanitize.py --reparse FILE      # recount a summary from its recorded tails, no GPU
 
 Each run is ``compute-sanitizer --tool TOOL python3 -m lynn_cli check FAMILY...``: ``lynn check`` runs each
 family's kernels against their references at its awkward shapes (tails, odd sizes, every dtype), so every kernel
 launch of those checks goes through the tool. memcheck looks for out-of-bounds and misaligned accesses; racecheck
 for shared-memory hazards between threads, on the families whose kernels stage tiles in shared memory. The summary
 records, per run: the families, the checks that passed, the sanitizer's ERROR SUMMARY count, its exit status, the
-seconds, and whether it hit the timeout (a run that did not finish says so; it is not counted clean). Re-run it
-after a kernel change and commit the JSON under data/experiments/sanitize/.
+seconds, and whether it hit the timeout (a run that did not finish says so; it is not counted clean).
+
+Writes ``data/experiments/sanitize/<sha>.json`` (``$OUT/sanitizer.json`` when ``$OUT`` is set; ``--out`` names the
+file), rewritten after each run. The committed runs: ``results.json`` and ``racecheck-deltanet-norm-nvfp4.json``
+(docs/reliability.md, "compute-sanitizer").
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("nvfp4", "matmul", "attention", "deltanet", "moe", "norm")
 
 
@@ -61,7 +67,7 @@ def main() -> int:
     ap.add_argument("--racecheck", nargs="*", default=["attention", "moe", "matmul"])
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per sanitizer run")
     ap.add_argument("--jobs", type=int, default=1, help="sanitizer runs at a time (one family each)")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "sanitizer.json"))
+    ap.add_argument("--out", help="the JSON to write (default: see the docstring)")
     ap.add_argument("--reparse", metavar="JSON", help="recount a summary's runs from their recorded tails, no GPU")
     args = ap.parse_args()
     if args.reparse:
@@ -75,9 +81,15 @@ def main() -> int:
         return 0
     import torch
 
+    from lynn_kernels.bench.harness import git_state
+
+    sha = git_state()["git_sha"]
+    if args.out is None:
+        args.out = (os.path.join(os.environ["OUT"], "sanitizer.json") if os.environ.get("OUT") else
+                    os.path.join(ROOT, "data", "experiments", "sanitize", f"{sha[:7]}.json"))
     runs: list[dict] = []
     rec = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "git_sha": os.environ.get("LYNN_GIT_SHA"), "gpu": torch.cuda.get_device_name(),
+           "git_sha": sha, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "command": "PYTHONPATH=. python3 experiments/sanitize.py " + " ".join(sys.argv[1:]), "runs": runs}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -49,9 +49,9 @@ def train(corpus: Path, out: Path, vocab_size: int = VOCAB_SIZE):
     added = {str(tok.token_to_id(s)): {"content": s, "lstrip": False, "rstrip": False, "normalized": False,
                                              "single_word": False, "special": True} for s in SPECIALS}
     cfg = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 2048, "bos_token": None, "eos_token": SPECIALS[0],
-               "pad_token": SPECIALS[0], "unk_token": None, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-               "errors": "replace", "added_tokens_decoder": added, "additional_special_tokens": SPECIALS[1:],
-               "chat_template": CHAT_TEMPLATE}
+               "pad_token": SPECIALS[0], "unk_token": None, "add_prefix_space": False,
+               "clean_up_tokenization_spaces": False, "errors": "replace", "added_tokens_decoder": added,
+               "additional_special_tokens": SPECIALS[1:], "chat_template": CHAT_TEMPLATE}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return tok
 

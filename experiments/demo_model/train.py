@@ -7,8 +7,9 @@ the GPU machine, which has no network). The architecture is the real one at a sm
 pattern (three Gated DeltaNet layers, then one gated-attention layer), 8 routed experts top-2 and a shared expert with
 its sigmoid gate in every layer, tied embeddings. Training: AdamW, bf16 autocast over fp32 weights, linear warm-up
 then a cosine decay over the *time* budget or ``--max-epochs``, whichever ends first (the schedule reads the
-clock, so the run ends on time whatever the step rate), the router's load-balancing loss through HF's ``output_router_logits``, held-out loss every
-``--eval-every`` seconds. The weights written are those of the best held-out evaluation (early stopping), in bf16.
+clock, so the run ends on time whatever the step rate), the router's load-balancing loss through HF's
+``output_router_logits``, held-out loss every ``--eval-every`` seconds. The weights written are those of the best
+held-out evaluation (early stopping), in bf16.
 
 Writes into ``--out``: the HF folder (config.json, model.safetensors, generation_config.json, tokenizer files),
 ``train_log.jsonl`` (one line per logged step and evaluation) and ``train_record.json`` (provenance and totals).
@@ -210,11 +211,14 @@ def main():
     final_train = [json.loads(ln) for ln in lines if '"train"' in ln][-1]
     rec = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": os.environ.get("LYNN_GIT_SHA"), "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "git_sha": os.environ.get("LYNN_GIT_SHA"),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "command": "PYTHONPATH=. python3 experiments/demo_model/train.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("data", "tokenizer", "out", "tiny", "skip_tokenizer")),
-        "parameters": n_params, "architecture": ARCH, "experts_implementation": experts, "steps": step, "tokens_seen": tokens_seen,
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k not in ("data", "tokenizer", "out", "tiny", "skip_tokenizer")),
+        "parameters": n_params, "architecture": ARCH, "experts_implementation": experts, "steps": step,
+        "tokens_seen": tokens_seen,
         "train_tokens": int(train.size), "epochs": round(tokens_seen / train.size, 3), "heldout_tokens": int(held.size),
         "batch": args.batch, "seq": args.seq, "train_seconds": round(train_s, 1),
         "wall_seconds": round(time.perf_counter() - t_start, 1), "final_train_loss": final_train["loss"],

@@ -187,14 +187,14 @@ DECODE_STEP = runtime.Kernel("deltanet.decode_step", _gdn_decode_kernel)
 
 
 #: ``num_warps`` of the fused step on the GPU (one program holds a head's K x V fp32 state: 64 KB at 128 x 128).
-#: Measured on the H200 at the Qwen3.5 head shape (``experiments/gdn_decode_fused.py``): 4 warps fastest at every
+#: Measured on the H200 at the Qwen3.5 head shape (docs/history/decode.md, issue 16): 4 warps fastest at every
 #: batch from 1 to 32; 8 and 16 were 1.8-2.8x slower, 2 about 7x slower. Splitting a head's V columns over
 #: programs (the last one normalising the row) was no faster at any batch and was removed (docs/deltanet.md).
 DECODE_STEP_WARPS = 4
 
 #: Columns of the gates' projection rows a step of the fused kernel takes (the first before the PDL wait). 1,024:
 #: compiled for sm_90 at the Qwen3.5 head shape, 2,048 (the whole row) spills 40 bytes (255 registers), 1,024
-#: takes 252 registers and spills none (``experiments/sm90_compile.py``'s ``compile_sm90``).
+#: takes 252 registers and spills none (docs/history/decode.md, "The states before the wait").
 GATE_CHUNK = 1024
 
 

@@ -368,7 +368,7 @@ PACKED_DEQUANTIZE = runtime.Kernel("matmul.dequantize", _packed_dequantize_kerne
 
 
 #: The dequantise kernel's tile (a multiple of a chunk along K): within 3% of the best of 16 tiles on each of three
-#: decoder shapes on the GPU (experiments/dequant_gemm.py, docs/history/matmul.md).
+#: decoder shapes on the GPU (docs/history/matmul.md, "The prefill GEMM: dequantise once, then cuBLAS").
 DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
 #: From this many rows of a 16-bit x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype
 #: (one kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel: faster from

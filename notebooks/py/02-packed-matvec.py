@@ -1426,7 +1426,7 @@ print(render_table(goal_rows))
 
 
 # %% [markdown]
-# **The prefill path on the H200** (`experiments/dequant_gemm.py`, committed results, git 9130a4f): the packed GEMM
+# **The prefill path on the H200** (`data/experiments/dequant-gemm/9130a4f.json`, git 9130a4f): the packed GEMM
 # kernel against the prefill path (dequantise once, then cuBLAS: both launches timed together), each as a fraction of
 # cuBLAS bf16 on bf16 weights, by CUDA-graph replay on rotating weights. The kernel's one-stage compile (the Triton
 # 3.6 fault of docs/history/compiler-fault.md) holds it near 0.4x at every M; the two-launch path pays the dequantise kernel's
