@@ -245,7 +245,7 @@ def test_host_next_power_of_2_matches_triton(n):
 # ---------------------------------------------------------------------------------------------------------------
 # Triton's register-operand wgmma hazard (runtime.register_dot_hazard): the kernels whose tl.dot takes a register
 # operand compile with one stage where it applies. The fault itself shows only compiled on Hopper with Triton 3.6:
-# tests/test_matmul.py's churn test and experiments/split_k_race.py cover it there.
+# tests/test_matmul.py's churn test covers it there (docs/history/compiler-fault.md has the measurements).
 
 @pytest.mark.parametrize("capability,version,affected", [
     ((9, 0), "3.6.0", True), ((9, 0), "3.7.1", True), ((9, 0), "3.8.0", True), ((9, 0), "3.9.0", False),

@@ -850,7 +850,7 @@ else:
 
 # %% [markdown]
 # **Where the kernel time goes.** `data/experiments/moe-profile/results.txt` (written by
-# `experiments/moe_profile.py`, the same commit) lists every CUDA kernel of one `moe_block` call
+# a script since replaced by `experiments/op_profile.py`) lists every CUDA kernel of one `moe_block` call
 # with its time, at M = 1, 16 and 4096. Grouped by role, with the read rate of the gate_up kernel at M = 1:
 
 # %%
@@ -1024,7 +1024,7 @@ print("the last column is the shared gate:",
       torch.allclose(w_slot[:, -1], torch.sigmoid(x_p @ shared_p.gate_weight.reshape(-1)), rtol=1e-6, atol=0))
 
 # %% [markdown]
-# On the H200 (`experiments/moe_packed_decode.py`, committed in `data/experiments/moe-packed-decode/results.json`): the same
+# On the H200 (committed in `data/experiments/moe-packed-decode/results.json`): the same
 # block in its three forms, per block, by CUDA-graph replay of 8 distinct blocks in a row (their experts come from
 # HBM, not L2), each checked against the fp32 reference first:
 

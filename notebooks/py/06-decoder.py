@@ -781,7 +781,7 @@ for shape, doc in BENCH.items():
 # `lynn_kernels.programmatic_launches()`.
 #
 # What a boundary costs, measured on the H200 (a graph of 240 small kernels, each reading and writing 2,048 bf16
-# values; `experiments/decode_ahead_pdl.py`), and what the whole step gained:
+# values; `data/experiments/decode-ahead-pdl/5e06e96.json`), and what the whole step gained:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
