@@ -284,6 +284,7 @@ print(f"n {x.numel()}, BLOCK {BLOCK}, grid {grid}: vs torch's x + 0.5 * y, "
 # | `05-deltanet` | Gated DeltaNet: recurrent and chunked forms, fp32 state |
 # | `06-decoder` | the hybrid decoder (`lynn_model`): layer pattern and config, a tiny HF checkpoint loaded, each layer against HF's, the paged cache (packed prefill, decode), generation against HF's, the H200 profile (host-bound eager decode) |
 # | `07-generate` | the shipped demo model (11.6M parameters, trained here): tokens, greedy and sampling (temperature, top-k, top-p, seed), the token stream with per-token probabilities and an explorer, held-out perplexity live and the committed bf16 / NVFP4 / int4 table, the training run, `lynn generate` on the H200 |
+# | `08-experiment` | changing a kernel with `lynn_kernels.lab`: the RMSNorm and the packed GEMV copied with one change each, checked, raced (on a GPU), run in the decoder; a planted mistake the check catches; `lynn race` |
 #
 # Every notebook follows one order: idea and math, reference, kernel, validation table, profile and plot,
 # interactive explorer.
@@ -298,6 +299,7 @@ print(f"n {x.numel()}, BLOCK {BLOCK}, grid {grid}: vs torch's x + 0.5 * y, "
 # | `lynn info` | the device and backend, as in section 1 |
 # | `lynn quantize SRC DST` | writes an NVFP4 (W4A16) copy of a bf16 / fp16 / fp32 Qwen3-Next / Qwen3.5 HF checkpoint folder, read by vLLM, SGLang and `lynn_model` (`docs/nvfp4.md`) |
 # | `lynn generate [PROMPT] [--model DIR]` | streams a continuation of the prompt from the shipped demo model or a checkpoint folder (greedy, or `--temperature` / `--top-k` / `--top-p` / `--seed`; notebook 07) |
+# | `lynn race OP --variant FILE.py:NAME [--decoder] [--base REV]` | checks a variant of an op or of one of its kernels, races it against the shipped op and the vendor library on a GPU, runs the decoder on it; `--base` races the working tree against a git revision (notebook 08) |
 #
 # `lynn COMMAND --help` gives each command's options.
 #
