@@ -4,6 +4,7 @@ every call to it, the decoder's included."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import hashlib
@@ -20,8 +21,10 @@ def _is_kernel(fn) -> bool:
 
 
 def _jit_of(fn):
-    """The ``@triton.jit`` function inside an autotuner (or ``fn`` itself)."""
-    return fn.fn if hasattr(fn, "configs") and hasattr(fn, "fn") else fn
+    """The ``@triton.jit`` function inside an autotuner and / or ``triton.heuristics`` (or ``fn`` itself)."""
+    while hasattr(fn, "fn") and (hasattr(fn, "configs") or hasattr(fn, "values")):
+        fn = fn.fn
+    return fn
 
 
 def source_of(fn) -> str:
@@ -88,8 +91,14 @@ def _check_parameters(name: str, fn) -> None:
 
 def _autotuned_like(name: str, fn):
     """``fn`` under the shipped kernel's autotuning configs when the shipped kernel is autotuned and ``fn`` is not:
-    the launcher passes no tile sizes for an autotuned kernel, its configs do."""
+    the launcher passes no tile sizes for an autotuned kernel, its configs do. Likewise under the shipped kernel's
+    ``triton.heuristics`` (the constexprs they compute, the launcher does not pass) when ``fn`` is a bare kernel."""
+    import triton
+
     shipped = _shipped_kernel(name)
+    inner = shipped.fn if hasattr(shipped, "configs") else shipped
+    if hasattr(inner, "values") and _jit_of(fn) is fn:
+        fn = triton.heuristics(dict(inner.values))(fn)
     if not hasattr(shipped, "configs") or hasattr(fn, "configs"):
         return fn
     prune = getattr(shipped, "early_config_prune", None)
@@ -138,13 +147,14 @@ def edit(kernel: str, replace: dict[str, str], *, name: str | None = None):
             raise ValueError(f"edit({kernel!r}): {old!r} occurs {count} times in the shipped kernel's source; give "
                              f"text that occurs exactly once")
         src = src.replace(old, new)
-    src = re.sub(r"\A(\s*@[^\n]*\n)*", "", src)                         # the decorators: jit is applied below
     lines = src.splitlines()
     indent = len(lines[0]) - len(lines[0].lstrip())
-    src = "\n".join(line[indent:] for line in lines) + "\n"
+    lines = [line[indent:] for line in lines]
+    filename = f"<lynn lab edit of {kernel} #{len(_EDITS)}>"
+    def_line = ast.parse("\n".join(lines), filename).body[0].lineno   # the decorators, over one line or several,
+    src = "\n".join(lines[def_line - 1:]) + "\n"                       # go: jit is applied below
     new_name = name or f"{fn.__name__}_edited"
     src = re.sub(rf"\bdef {fn.__name__}\(", f"def {new_name}(", src, count=1)
-    filename = f"<lynn lab edit of {kernel} #{len(_EDITS)}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
     scope = dict(fn.__globals__)
     exec(compile(src, filename, "exec"), scope)
