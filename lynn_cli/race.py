@@ -140,8 +140,7 @@ def _race_base(op, args) -> int:
         raise CommandError(f"--base: {op.name} has no benchmark of its own to race in both trees (ops with one: "
                            f"those of `lynn race --list` whose bench is set; or add --decoder PRESET)", code=2)
     if not torch.cuda.is_available():
-        print(f"lynn race --base: timing {bench_op} in both trees needs a CUDA GPU; nothing was run", file=sys.stderr)
-        return 2
+        raise CommandError(f"--base: timing {bench_op} in both trees needs a CUDA GPU; nothing was run", code=2)
     tmp = Path(tempfile.mkdtemp(prefix="lynn-race-base-"))
     base_tree = tmp / "base"
     try:

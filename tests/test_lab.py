@@ -356,8 +356,8 @@ def test_race_command_base_needs_a_gpu(capsys):
         pytest.skip("not a git checkout")
     code, out, err = _race(capsys, "matmul.nvfp4_linear", "--base", "HEAD")
     assert code == 2, out + err
-    assert err.strip().splitlines() == ["lynn race --base: timing matmul.graph in both trees needs a CUDA GPU; "
-                                        "nothing was run"], err
+    assert err.strip().splitlines() == ["lynn race: error: --base: timing matmul.graph in both trees needs a CUDA "
+                                        "GPU; nothing was run"], err
 
 
 # -- lab.race on a CPU ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .. import runtime
 from ..bench.harness import Ceilings, Result, derive, l2_bytes, load, measure_ceilings, provenance, result_table
 from ..metrics import compare, render_table
 from .check import CheckReport, check
-from .shapes import Shape, shapes_for
+from .shapes import Shape, parse, shapes_for
 from .variant import Variant, shipped, using, variant
 
 #: A provider passes validation with a relative L2 error within this factor of the shipped op's own on the same
@@ -130,18 +130,31 @@ class RaceReport:
     __repr__ = __str__
 
 
-def committed_figures(v: Variant, gpu: str = "h200", limit: int = 12) -> str:
-    """The shipped op's committed ``lynn bench`` figures (``data/bench/<gpu>/<bench>.json``), a short table."""
+def committed_figures(v: Variant, gpu: str = "h200", rows: int | None = 1, limit: int = 12) -> str:
+    """The shipped op's committed ``lynn bench`` figures (``data/bench/<gpu>/<bench>.json``) as a short table: its
+    rows at ``rows`` rows of x (``M``, where the benchmark has one: the nearest it ran; None: every M), at most
+    ``limit``."""
     if not v.op.bench:
         return f"(no committed GPU figures for {v.op.name}: it has no `lynn bench` of its own)"
     try:
         doc = load(v.op.bench, gpu)
     except (FileNotFoundError, ValueError) as err:
         return f"(no committed GPU figures: {err})"
-    doc = {**doc, "results": [r for r in doc["results"] if r["provider"].startswith("lynn")][:limit]}
+    ours = [r for r in doc["results"] if r["provider"].startswith("lynn")]
+    ms = sorted({r["dims"]["M"] for r in ours if "M" in r.get("dims", {})})
+    if rows is not None and ms:
+        rows = min(ms, key=lambda m: (abs(m - rows), m))           # the benchmark's M nearest the one asked for
+    kept = [r for r in ours if rows is None or r.get("dims", {}).get("M", rows) == rows]
+    doc = {**doc, "results": [{**r, "shape": _with_m(r)} for r in kept[:limit]]}
     prov = doc["provenance"]
+    at = f" at M = {rows}" if rows is not None and any("M" in r.get("dims", {}) for r in kept) else ""
     return (f"committed {gpu} figures of the shipped op (`lynn bench {v.op.bench}`, {prov.get('date', '?')}, "
-            f"{prov.get('git_sha', '?')[:7]}), first {len(doc['results'])} rows:\n" + result_table(doc))
+            f"{prov.get('git_sha', '?')[:7]}){at}, {len(doc['results'])} of {len(kept)} rows:\n" + result_table(doc))
+
+
+def _with_m(r: dict) -> str:
+    m = r.get("dims", {}).get("M")
+    return r["shape"] if m is None or f"M={m}" in r["shape"] else f"{r['shape']} (M={m})"
 
 
 def _validate(out, want, base_err: float | None) -> dict:
@@ -152,9 +165,27 @@ def _validate(out, want, base_err: float | None) -> dict:
     return {**m.as_dict(), "passed": bool(m.rel_l2 <= bound)}
 
 
+#: The most rotating input sets one graph cycles through: tiny ops (a norm's row) stay under three L2s even so, as
+#: the activations of a real decode step do (the note of each row says how far its sets reach).
+MAX_SETS = 256
+
+
+def _rows_of(shapes) -> int | None:
+    """The rows of x a named shape set runs at (the committed figures shown beside a CPU race)."""
+    if not isinstance(shapes, str):
+        return None
+    try:
+        return parse(shapes)[1]
+    except ValueError:
+        return None
+
+
+def _set_bytes(shape: Shape, sample: tuple) -> int:
+    return shape.bytes(*sample[:2]) if shape.bytes else _tensor_bytes(sample)
+
+
 def _n_sets(shape: Shape, sample: tuple) -> int:
-    per = shape.bytes(*sample[:2]) if shape.bytes else _tensor_bytes(sample)
-    return max(2, min(32, math.ceil(3 * l2_bytes() / max(1, per))))
+    return max(2, min(MAX_SETS, math.ceil(3 * l2_bytes() / max(1, _set_bytes(shape, sample)))))
 
 
 def race(v, fn=None, *, shapes="qwen3.5-35b-a3b:decode", kernel: str | None = None, rounds: int = 2,
@@ -170,7 +201,7 @@ def race(v, fn=None, *, shapes="qwen3.5-35b-a3b:decode", kernel: str | None = No
     if not can_time():
         report.note = ("timing needs a CUDA GPU (this run is on the interpreter): the variant was checked; on a GPU "
                        "the same call races it")
-        report.committed = committed_figures(v)
+        report.committed = committed_figures(v, rows=_rows_of(shapes))
         return report
     todo = shapes_for(v.op.name, shapes) if isinstance(shapes, str) else list(shapes)
     report.ceilings = measure_ceilings(size_bytes=1 << 30)
@@ -186,6 +217,7 @@ def race(v, fn=None, *, shapes="qwen3.5-35b-a3b:decode", kernel: str | None = No
 def _race_shape(v: Variant, ship: Variant, reference, shape: Shape, rounds: int, ceilings: Ceilings) -> list[Result]:
     first = shape.make()
     sets = [first] + [shape.make() for _ in range(_n_sets(shape, first) - 1)]
+    reach = len(sets) * _set_bytes(shape, first) / l2_bytes()
     args, kwargs, aux = first
     want = reference(*args, **kwargs)
     shipped_out = ship.fn(*args, **kwargs)
@@ -215,7 +247,8 @@ def _race_shape(v: Variant, ship: Variant, reference, shape: Shape, rounds: int,
         res = Result(f"lab.{v.op.name}", label, shape.label, shape.dims, us / 1e3, min(spread) / 1e3, max(spread) / 1e3,
                      bytes=nbytes, flops=shape.flops, ceiling="read_gbps",
                      validation=checks[label],
-                     note=f"graph of {len(sets)} calls on rotating inputs, median of {rounds} alternating rounds"
+                     note=f"graph of {len(sets)} calls on rotating inputs ({reach:.1f}x the L2), median of {rounds} "
+                          "alternating rounds"
                           + ("" if ok else "; not timed: failed validation"))
         results.append(derive(res, ceilings) if ok else res)
     return results
