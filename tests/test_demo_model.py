@@ -89,7 +89,7 @@ def test_kernel_path_matches_hf_bf16(hf, ids):
     """bf16 on the kernels (the interpreter on a CPU, compiled on a GPU): as close to HF fp32 as HF's own bf16 is."""
     from transformers import AutoModelForCausalLM
 
-    from lynn_kernels import validate
+    from lynn_kernels import metrics
 
     x = torch.tensor([ids[:48]])
     hf16 = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.bfloat16, attn_implementation="eager",
@@ -99,7 +99,7 @@ def test_kernel_path_matches_hf_bf16(hf, ids):
     model = lynn_model.from_pretrained(DEMO_MODEL, weights="bf16")
     with torch.no_grad():
         got = model.forward(x.to(model.device)).float().cpu()
-    m = validate.compare(got, want, baseline=base)
+    m = metrics.compare(got, want, baseline=base)
     assert m.cosine > 0.9998 and m.err_ratio < 1.5, m
 
 

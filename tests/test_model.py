@@ -21,7 +21,7 @@ import torch
 
 import lynn_kernels
 import lynn_model
-from lynn_kernels import validate
+from lynn_kernels import metrics
 from lynn_model import loader
 from lynn_model.config import MAX_EXPERTS
 
@@ -72,7 +72,7 @@ def test_reference_path_matches_hf_fp32(ckpts, hf_logits, name):
         assert model.dtype == torch.float32 and model.config.family == FAMILY_OF[name]
         got = model.forward(_ids()).float()
     want = hf_logits[name, torch.float32]
-    m = validate.compare(got, want)
+    m = metrics.compare(got, want)
     assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, m     # measured: rel_l2 ~2e-7
 
 
@@ -90,7 +90,7 @@ def test_decoder_sparse_step_places_moe_layers_as_hf(tmp_path):
         assert model.config.ffn_types == kinds
         got = model.forward(_ids()).float()
         want = hf(input_ids=_ids(), use_cache=False).logits.float()
-    m = validate.compare(got, want)
+    m = metrics.compare(got, want)
     assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, m
 
 
@@ -102,7 +102,7 @@ def test_kernel_path_matches_hf_bf16(ckpts, hf_logits, name):
     with torch.no_grad():
         got = model.forward(_ids().to(model.device))
     assert got.dtype == torch.bfloat16
-    m = validate.compare(got, hf_logits[name, torch.float32], baseline=hf_logits[name, torch.bfloat16])
+    m = metrics.compare(got, hf_logits[name, torch.float32], baseline=hf_logits[name, torch.bfloat16])
     assert m.cosine > 0.9998 and m.err_ratio < 1.5, m
 
 
@@ -137,7 +137,7 @@ def test_chunked_prefill_and_decode_equal_one_full_forward(ckpts, name):
                  model.step(ids[40:67], cache, [s], [27], all_logits=True)]
         parts += [model.step(ids[j:j + 1], cache, [s], [1]) for j in range(67, 70)]
     assert cache.lengths[s] == 70
-    m = validate.compare(torch.cat(parts), full)
+    m = metrics.compare(torch.cat(parts), full)
     assert m.rel_l2 < 1e-5, m                                                 # measured ~1e-7
 
 
@@ -159,7 +159,7 @@ def test_batch_of_three_lengths_equals_each_alone(ckpts, name):
             alone.append(model.forward(seq[None])[0])
     want = torch.cat([a[:n] for a, n in zip(alone, lens)] + [torch.stack([a[n + j] for a, n in zip(alone, lens)])
                                                                  for j in range(2)])
-    m = validate.compare(torch.cat(got), want)
+    m = metrics.compare(torch.cat(got), want)
     assert m.rel_l2 < 1e-5, m
 
 
@@ -175,7 +175,7 @@ def test_decode_on_non_consecutive_slots(ckpts):
         got = model.step(torch.tensor([3, 4], device=model.device), cache, [c, a], [1, 1])
         want = torch.stack([model.forward(torch.cat([ids[:9], ids.new_tensor([3])])[None])[0, -1],
                             model.forward(torch.cat([ids[:5], ids.new_tensor([4])])[None])[0, -1]])
-    assert validate.compare(got, want).rel_l2 < 1e-5
+    assert metrics.compare(got, want).rel_l2 < 1e-5
 
 
 def test_cache_full_and_batch_too_large_raise_before_writing(ckpts):
@@ -209,7 +209,7 @@ def test_nvfp4_model_equals_its_dequantised_weights_on_the_references(ckpts, nam
         got = model.forward(ids)
         with lynn_kernels.use_reference():
             want = twin.forward(ids)
-    assert validate.compare(got, want).rel_l2 < 1e-5
+    assert metrics.compare(got, want).rel_l2 < 1e-5
 
 
 def test_shared_expert_as_a_routed_slot(tmp_path, monkeypatch):
@@ -234,7 +234,7 @@ def test_shared_expert_as_a_routed_slot(tmp_path, monkeypatch):
             got = model.forward(ids)
             with lynn_kernels.use_reference():
                 want = twin.forward(ids)
-        assert validate.compare(got, want).rel_l2 < 1e-5, n
+        assert metrics.compare(got, want).rel_l2 < 1e-5, n
     calls = collections.Counter()
     real_decode, real_shared = triton_experts._launch_packed_decode, triton_experts.launch_shared_expert
     monkeypatch.setattr(triton_experts, "_launch_packed_decode",
@@ -279,7 +279,7 @@ def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
     with torch.no_grad():
         got_logits = model.forward(ids)
         got_tokens = lynn_model.generate(model, ids, 3)
-    m = validate.compare(got_logits, want_logits)
+    m = metrics.compare(got_logits, want_logits)
     assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
     assert got_tokens.tolist() == want_tokens.tolist()
 
@@ -321,7 +321,7 @@ def test_fused_gdn_decode_gives_the_same_model(ckpts, name, weights, fuse_inputs
     want_logits, want_tokens = _decode_logits(model, prefilled, 4), lynn_model.generate(model, ids, 4)
     assert model.fuse_gdn_decode() == len(model.config.linear_layers) > 0
     got_logits, got_tokens = _decode_logits(model, prefilled, 4), lynn_model.generate(model, ids, 4)
-    m = validate.compare(got_logits, want_logits)
+    m = metrics.compare(got_logits, want_logits)
     assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
     assert got_tokens.tolist() == want_tokens.tolist()
     assert model.fuse_gdn_decode(False) == len(model.config.linear_layers)
@@ -357,8 +357,8 @@ def test_nvfp4_prefill_takes_the_dequantise_then_cublas_path(ckpts, fuse, monkey
             assert n_on == sum(1 for x in model.modules() if isinstance(x, lynn_model.model.Linear) and x.quantized)
     assert len(calls) == n_on                                          # the path off: the GEMM kernel only
     for i, what in enumerate(("prefill", "decode step")):
-        assert validate.compare(runs["on"][i], runs["off"][i]).rel_l2 < 1e-2, what
-        assert validate.compare(runs["on"][i], runs["reference"][i]).cosine > 0.999, what
+        assert metrics.compare(runs["on"][i], runs["off"][i]).rel_l2 < 1e-2, what
+        assert metrics.compare(runs["on"][i], runs["reference"][i]).cosine > 0.999, what
 
 
 @pytest.mark.parametrize("name, fmt", [("next", "compressed-tensors"), ("q35", "modelopt"),
@@ -379,8 +379,8 @@ def test_nvfp4_checkpoints_run_on_the_kernels(ckpts, tmp_path, name, fmt):
         with lynn_kernels.use_reference():
             want = loader.dequantize_model(model).forward(ids)
             hf = tiny_hf.load(ckpts[name], torch.float32)(input_ids=ids.cpu(), use_cache=False).logits
-    assert validate.compare(got, want).rel_l2 < 1e-5
-    assert validate.compare(got, hf).cosine > 0.99
+    assert metrics.compare(got, want).rel_l2 < 1e-5
+    assert metrics.compare(got, hf).cosine > 0.99
 
 
 # -- HF's own tester configs: sizes that are not multiples of 16 ---------------------------------------------------
@@ -414,9 +414,9 @@ def test_hf_tester_configs_load_and_match_hf(testers, name):
         bf16 = lynn_model.from_pretrained(folder, weights="bf16")
         got16 = bf16.forward(ids.to(bf16.device)).float().cpu()
     for what, got in (("reference fp32", ref), ("kernels fp32", got32)):
-        m = validate.compare(got, want)
+        m = metrics.compare(got, want)
         assert m.max_abs <= 1e-4 * want.abs().max().item() and m.rel_l2 < 1e-5, (what, m)
-    m = validate.compare(got16, want, baseline=hf16)
+    m = metrics.compare(got16, want, baseline=hf16)
     assert m.cosine > 0.9998 and m.err_ratio < 1.5, m
 
 
@@ -441,7 +441,7 @@ def test_nvfp4_on_a_tester_config_keeps_k_not_a_multiple_of_16_in_float(testers,
         got = model.forward(ids)
         with lynn_kernels.use_reference():
             want = loader.dequantize_model(model).forward(ids)
-    assert validate.compare(got, want).rel_l2 < 1e-5
+    assert metrics.compare(got, want).rel_l2 < 1e-5
 
     bad = tmp_path / "nvfp4-k37"
     shutil.copytree(folder, bad)

@@ -20,7 +20,7 @@ import torch
 
 import lynn_kernels
 import lynn_model
-from lynn_kernels import moe, rmsnorm, validate
+from lynn_kernels import metrics, moe, rmsnorm
 from lynn_kernels.matmul import norm_linear, nvfp4_linear, pack, triton_matmul
 from lynn_kernels.moe import SharedExpert, pack_experts, triton_experts
 from lynn_kernels.nvfp4 import quantize
@@ -62,15 +62,15 @@ def test_norm_linear_equals_the_norm_then_the_product(m, n, k, dtype, with_resid
     want = _unfused_linear(x, nw, w, 1e-6, res)
     for name, g, u in zip(("y", "xn", "h"), got, want):
         if not ON_GPU:                       # the same reduction of a row under the interpreter: the same bits
-            assert validate.bit_mismatches(g, u) == 0, name
+            assert metrics.bit_mismatches(g, u) == 0, name
         else:
-            m_ = validate.compare(g.float(), u.float())
+            m_ = metrics.compare(g.float(), u.float())
             assert m_.cosine > 0.99999, (name, m_)
     with lynn_kernels.use_reference():
         ref = norm_linear(x, nw, w, 1e-6, residual=res)
-    m_ = validate.compare(got[0].float(), ref[0].float())
+    m_ = metrics.compare(got[0].float(), ref[0].float())
     assert m_.cosine > 0.9999 and m_.rel_l2 < 1e-2, m_
-    assert validate.compare(got[1].float(), ref[1].float()).max_abs <= 2 ** -6 * ref[1].float().abs().max()
+    assert metrics.compare(got[1].float(), ref[1].float()).max_abs <= 2 ** -6 * ref[1].float().abs().max()
 
 
 def test_norm_linear_three_rows_runs_the_two_kernels(device, poison_empty, monkeypatch):
@@ -116,13 +116,13 @@ def test_norm_moe_block_equals_the_norm_then_the_block(m, with_residual, device,
     assert len(got) == len(want)
     for name, g, u in zip(("y", "xn", "h"), got, want):
         if not ON_GPU:
-            assert validate.bit_mismatches(g, u) == 0, name
+            assert metrics.bit_mismatches(g, u) == 0, name
         else:
-            m_ = validate.compare(g.float(), u.float())
+            m_ = metrics.compare(g.float(), u.float())
             assert m_.cosine > 0.99999, (name, m_)
     with lynn_kernels.use_reference():
         ref = moe.norm_moe_block(x, nw, router, w13, w2, shared, top_k=2, residual=res)
-    m_ = validate.compare(got[0].float(), ref[0].float())
+    m_ = metrics.compare(got[0].float(), ref[0].float())
     assert m_.cosine > 0.9999 and m_.rel_l2 < 1e-2, m_
 
 
@@ -199,10 +199,10 @@ def test_model_with_norms_folded_decodes_the_same(ckpts, name, fast):
     assert model.fuse_norms() == 2 * model.config.num_hidden_layers
     got = _decode(model, twin, slots, 2)
     if ON_GPU:
-        m = validate.compare(got.float(), want.float())
+        m = metrics.compare(got.float(), want.float())
         assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
     else:
-        assert validate.bit_mismatches(got, want) == 0
+        assert metrics.bit_mismatches(got, want) == 0
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     model.fuse_norms(False)
     assert not model.fused_norms
