@@ -25,7 +25,8 @@ import torch
 import lynn_model
 from lynn_kernels import NVFP4Tensor, runtime
 from lynn_kernels.bench.harness import provenance
-from lynn_model.loader import Entry, WeightCheck, random_model
+from lynn_model.checkpoint import Entry
+from lynn_model.loader import WeightCheck, random_model
 from lynn_model.model import GatedDeltaNet, Linear, SparseMoE
 
 ROOT = Path(__file__).resolve().parents[1]

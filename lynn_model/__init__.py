@@ -1,9 +1,10 @@
 """lynn_model: the Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (Qwen3.6) hybrid decoder on the ops of ``lynn_kernels``.
 
 A few short files, read in this order: :mod:`.config` (the dataclass, presets), :mod:`.model` (the modules),
-:mod:`.cache` (paged KV cache, Gated DeltaNet states), :mod:`.loader` (HF folders, bf16 and NVFP4),
-:mod:`.sampling` (reproducible draws on the device), :mod:`.graphs` (the decode step as a CUDA graph),
-:mod:`.generate` (the loop, the tokenizer), :mod:`.quantize` (``lynn quantize``).
+:mod:`.cache` (paged KV cache, Gated DeltaNet states), :mod:`.checkpoint` (HF folders read and checked),
+:mod:`.loader` (their tensors into the model, bf16 and NVFP4), :mod:`.sampling` (reproducible draws on the device),
+:mod:`.graphs` (the decode step as a CUDA graph), :mod:`.generate` (the loop, the tokenizer), :mod:`.quantize`
+(``lynn quantize``).
 
 Example::
 
@@ -17,10 +18,11 @@ Example::
 import lynn_kernels  # noqa: F401, I001  (chooses the Triton backend before any kernel module is imported)
 
 from .cache import Batch, Cache, CacheFull
+from .checkpoint import LoadError
 from .config import PRESETS, Config, ConfigError, preset
 from .generate import NonFiniteError, Stats, TextStream, Tokenizer, check_generate_args, generate
 from .graphs import BUCKETS, DecodeStep, PrefillStep
-from .loader import LoadError, from_pretrained
+from .loader import from_pretrained
 from .model import Model
 from .sampling import Sampling, SamplingParams, check_sampling_args, sample, sample_rows
 

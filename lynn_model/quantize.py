@@ -47,7 +47,7 @@ import lynn_kernels  # noqa: F401  (first: it picks the Triton backend before tr
 from lynn_kernels import nvfp4, runtime
 from lynn_kernels.nvfp4.spec import BLOCK, check_recipe, default_global_scale
 
-from . import loader
+from . import checkpoint
 
 FORMATS = ("compressed-tensors", "modelopt")
 #: The recipe each layout's own tool uses; ``recipe=None`` picks it.
@@ -342,7 +342,7 @@ def _alive(pid: int) -> bool:
 
 
 def _read_config(src: Path) -> dict:
-    config = loader.read_json(src / "config.json")
+    config = checkpoint.read_json(src / "config.json")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     types = {config.get("model_type"), text.get("model_type")} - {None}
     if not types & set(FAMILIES):
@@ -355,8 +355,8 @@ def _read_config(src: Path) -> dict:
 
 def _weight_files(src: Path) -> tuple[list, bool]:
     """Shard file names in order, and whether SRC has an index: the shards the loader reads
-    (:func:`lynn_model.loader.shard_files`: each a plain file inside SRC)."""
-    return sorted(f.name for f in loader.shard_files(src)), (src / "model.safetensors.index.json").is_file()
+    (:func:`lynn_model.checkpoint.shard_files`: each a plain file inside SRC)."""
+    return sorted(f.name for f in checkpoint.shard_files(src)), (src / "model.safetensors.index.json").is_file()
 
 
 def _read_headers(src: Path, shards: list) -> tuple[dict, dict, list]:
@@ -364,7 +364,7 @@ def _read_headers(src: Path, shards: list) -> tuple[dict, dict, list]:
     reading any data (each header checked as the loader checks it)."""
     headers, metadata, entries = {}, {}, []
     for shard in shards:
-        header, _ = loader.read_header(src / shard)
+        header, _ = checkpoint.read_header(src / shard)
         meta = header.get("__metadata__")
         if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
             raise ValueError(f"{src / shard}: corrupt safetensors header (__metadata__ must map names to strings)")
@@ -375,13 +375,13 @@ def _read_headers(src: Path, shards: list) -> tuple[dict, dict, list]:
             if name in headers:
                 raise ValueError(f"tensor {name} is in both {headers[name][0]} and {shard}")
             headers[name] = (shard, tuple(info["shape"]), info["dtype"])
-            entries.append(loader.Entry(name, src / shard, loader.SAFETENSORS_DTYPES[info["dtype"]],
+            entries.append(checkpoint.Entry(name, src / shard, checkpoint.SAFETENSORS_DTYPES[info["dtype"]],
                                         tuple(info["shape"])))
     return headers, metadata, entries
 
 
 def _tensor_bytes(shape, dtype: str) -> int:
-    return math.prod(shape) * loader.SAFETENSORS_DTYPES[dtype].itemsize
+    return math.prod(shape) * checkpoint.SAFETENSORS_DTYPES[dtype].itemsize
 
 
 # -- the writer -----------------------------------------------------------------------------------------------------
@@ -666,8 +666,8 @@ def _umask() -> int:
 def _check_loadable(src: Path, raw: dict, entries: list) -> None:
     """Refuse, before anything is written, a SRC that ``lynn_model.from_pretrained`` would refuse (its config
     and its headers' ``entries``; no data is read)."""
-    loader.check_counts(raw, entries, src / "config.json")
-    loader.plan(loader.read_config(raw, src / "config.json"), entries, loader.QuantConfig())
+    checkpoint.check_counts(raw, entries, src / "config.json")
+    checkpoint.plan(checkpoint.read_config(raw, src / "config.json"), entries, checkpoint.QuantConfig())
 
 
 def format_summary(summary: dict) -> str:

@@ -1,4 +1,4 @@
-"""``lynn_model.loader``: the checkpoint formats it reads and the errors it gives, on tiny HF checkpoints.
+"""``lynn_model.loader`` and ``.checkpoint``: the formats they read and the errors they give, on tiny HF checkpoints.
 
 1. Formats: the NVFP4 folders ``quantize_checkpoint`` writes (compressed-tensors and ModelOpt) load with NVFP4
    weights exactly where the writer quantised and float weights elsewhere, holding the files' codes, block scales
@@ -38,7 +38,7 @@ from lynn_kernels.moe.packed import shared_slot
 from lynn_kernels.moe.spec import as_nvfp4
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.nvfp4.spec import reciprocal
-from lynn_model import LoadError, loader
+from lynn_model import LoadError, checkpoint, loader
 from lynn_model.model import SparseMoE
 from lynn_model.quantize import quantize_checkpoint
 
@@ -233,7 +233,7 @@ def file_weights(folder: Path, config, quantize_all_but: str | None = None) -> d
     checkpoint name does not match it, as ``weights="nvfp4"`` should (before the split)."""
     groups: dict = {}
     for name, t in read_all(folder).items():
-        c = loader.canonical(name)
+        c = checkpoint.canonical(name)
         if c is None:
             continue
         pm = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", c)
@@ -305,7 +305,7 @@ def written_nvfp4(folder: Path) -> set:
     """The modules quantize_checkpoint reported quantised, in model names (qkvz -> qkv + z)."""
     out = set()
     for m in json.loads((folder / "summary.json").read_text()):
-        c = loader.canonical(m)
+        c = checkpoint.canonical(m)
         out |= {c[:-1], c[:-4] + "z"} if c.endswith(".in_proj_qkvz") else {c}
     return out
 
@@ -574,9 +574,9 @@ def test_module_straddling_two_shards(ckpt, tmp_path, fmt, first):
     for f in ("config.json", "hf_quant_config.json"):
         if (src / f).is_file():
             shutil.copy(src / f, folder / f)
-    entries = loader.read_headers(folder)
+    entries = checkpoint.read_headers(folder)
     assert entries[0].file.name == first
-    mods, _ = loader.plan(load(src).config, entries, loader.QuantConfig.read(folder, json.loads(
+    mods, _ = checkpoint.plan(load(src).config, entries, checkpoint.QuantConfig.read(folder, json.loads(
         (folder / "config.json").read_text())))
     for m in (q[:-1], d[:-1]):
         assert {e.file.name for e in mods[m].parts.values()} == {s1, s2}, m

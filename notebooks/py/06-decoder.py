@@ -52,7 +52,7 @@ from transformers.utils import logging as hf_logging
 
 import lynn_model
 from lynn_kernels import compare, render_table
-from lynn_model import Config, ConfigError, loader
+from lynn_model import Config, ConfigError, checkpoint, loader
 from lynn_model.cache import Batch
 from lynn_model.notebook import OPS, count_ops  # wraps the ops lynn_model.model calls, and counts the calls
 
@@ -273,8 +273,8 @@ print(m16)
 # rows, then up rows) and `w2 [E, H, I]`, the conv weight squeezed, the shared expert fused.
 
 # %%
-entries = loader.read_headers(folder)
-modules, packed = loader.plan(m32.config, entries, loader.QuantConfig.read(folder, raw))
+entries = checkpoint.read_headers(folder)
+modules, packed = checkpoint.plan(m32.config, entries, checkpoint.QuantConfig.read(folder, raw))
 print(f"{len(entries)} tensors in {len({e.file for e in entries})} shard -> {len(modules)} modules "
       f"({dict(Counter(m.fmt for m in modules.values()))}); packed expert tensors: {len(packed)}")
 
@@ -342,8 +342,8 @@ print(render_table(rows))
 # %%
 broken = [e for e in entries if e.name != "model.layers.3.self_attn.k_norm.weight"]
 try:
-    loader.plan(m32.config, broken, loader.QuantConfig())
-except loader.LoadError as e:
+    checkpoint.plan(m32.config, broken, checkpoint.QuantConfig())
+except checkpoint.LoadError as e:
     print("LoadError:", str(e).replace(str(folder), "<folder>"))
 
 

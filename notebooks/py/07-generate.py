@@ -53,7 +53,7 @@ import lynn_kernels as lk  # first of ours: it picks the backend before any kern
 import lynn_model
 from lynn_cli.generate import DEMO_MODEL, DEMO_PROMPT
 from lynn_kernels import render_table
-from lynn_model import loader
+from lynn_model import checkpoint
 
 plt.rcParams.update({"figure.dpi": 90, "font.size": 8})
 ROOT = DEMO_MODEL.parents[2]             # the repository
@@ -104,7 +104,7 @@ print(f"MoE         every layer: {cfg.num_experts} routed experts, top-{cfg.num_
 print(f"generation  {read_json(DEMO_MODEL / 'generation_config.json')}")
 
 # %% [markdown]
-# Where the parameters are, counted from the checkpoint's safetensors headers (`loader.read_headers`, no data
+# Where the parameters are, counted from the checkpoint's safetensors headers (`checkpoint.read_headers`, no data
 # read). A token runs through 2 of the 8 routed experts of each layer, so only part of the model is active per
 # token:
 
@@ -126,7 +126,7 @@ def group(name):
 
 
 counts = Counter()
-for e in loader.read_headers(DEMO_MODEL):
+for e in checkpoint.read_headers(DEMO_MODEL):
     counts[group(e.name)] += math.prod(e.shape)
 total = sum(counts.values())
 routed = counts["routed experts"]
