@@ -9,7 +9,7 @@ NVFP4 weight decode in registers, exact (docs/matmul.md derives it):
   dequantise kernel and, under the interpreter, by the weight tiles below.
 * :func:`w_tile` / :func:`w_halves`: an ``[N, K]`` weight tile decoded from its E2M1 codes and E4M3 scales
   (checkpoint or packed layout), as one ``tl.dot`` operand or as its even / odd columns for FMA loops. Used by the
-  matmul GEMV / GEMM kernels and the MoE expert kernels (``moe/triton_experts.py``).
+  matmul GEMV / GEMM kernels and the MoE expert kernels (``moe/triton_experts.py``, ``moe/triton_experts_decode.py``).
 * :func:`packed_w_tile`: the packed layout's tile for the tensor cores (via :func:`w_tile`).
 * :func:`decode_word`, :func:`fma_scales`, :func:`load_words`, :func:`fma_row_step`, :func:`split8`, with
   :data:`X_PRESCALE` and :data:`FMA_UNIT` (:data:`MMA_UNIT` for the tensor-core tile): the packed layout's words
@@ -195,8 +195,9 @@ def w_halves(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr
     """The scaled weight tile split into its even and odd columns, fp32 ``[BLOCK_N, BLOCK_K/2]`` each:
     ``W[n, k0 + 2i]`` and ``W[n, k0 + 2i + 1]`` (times ``2^-7`` with ``PACKED_DECODE``), exact. For consumers that
     multiply on the FMA units rather than ``tl.dot``: the two nibbles of a byte stay in the thread that loaded it, with
-    no interleave and no change of layout. Public: the MoE decode kernels (:mod:`lynn_kernels.moe.triton_experts`)
-    call it; the arguments are :func:`w_tile`'s (checkpoint layout only)."""
+    no interleave and no change of layout. Public: the MoE decode kernels
+    (:mod:`lynn_kernels.moe.triton_experts_decode`) call it; the arguments are :func:`w_tile`'s (checkpoint layout
+    only)."""
     c, s = _load_codes(codes_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_K)
     if PACKED_DECODE:
         even, odd = _e2m1_bf16x2_scaled(c, _per_byte_scales(s, BLOCK_N, BLOCK_K))

@@ -32,7 +32,7 @@ from lynn_kernels.deltanet import spec as dn_spec
 from lynn_kernels.deltanet import triton_chunk, triton_recurrent
 from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import reference as moe_reference
-from lynn_kernels.moe import triton_align, triton_experts, triton_route
+from lynn_kernels.moe import triton_align, triton_experts, triton_experts_decode, triton_route
 from lynn_kernels.nvfp4 import quantize
 
 pytestmark = pytest.mark.skipif(not runtime.INTERPRET, reason="the GPU runs these configs itself (gpu tests)")
@@ -149,7 +149,7 @@ def test_moe_decode_gpu_tiles(M, poison_empty):
     weights, ids = _routing(M, E, top_k, seed=4)
     exact = moe_reference.moe_experts(x.float(), weights, ids, w13, w2)
     batch = M > 2
-    for config in (triton_experts.DECODE_UP_CONFIGS[batch], triton_experts.DECODE_DOWN_CONFIGS[batch]):
+    for config in (triton_experts_decode.DECODE_UP_CONFIGS[batch], triton_experts_decode.DECODE_DOWN_CONFIGS[batch]):
         assert_one_rounding(_run_experts(x, weights, ids, w13, w2, config), exact, f"decode M{M} {config}", 2.0)
 
 

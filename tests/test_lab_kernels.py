@@ -236,7 +236,7 @@ def _slots_randn_mm(gen, *shape, dtype=torch.float32, scale=1.0):
 
 def test_slots_moe_matmul_are_named():
     from lynn_kernels.matmul import triton_matmul, triton_packed
-    from lynn_kernels.moe import triton_align, triton_experts, triton_route
+    from lynn_kernels.moe import triton_align, triton_experts, triton_experts_decode, triton_route
 
     missing = [n for n in SLOTS_MOE_MATMUL if n not in runtime.KERNELS]
     assert not missing, missing
@@ -245,8 +245,8 @@ def test_slots_moe_matmul_are_named():
                "matmul.dequantize": triton_matmul._packed_dequantize_kernel, "moe.route": triton_route._route_kernel,
                "moe.router": triton_route._router_kernel, "moe.align_count": triton_align._align_count_kernel,
                "moe.align_one_program": triton_align._align_one_program_kernel,
-               "moe.decode_gate_up": triton_experts._moe_decode_gate_up_kernel,
-               "moe.packed_down": triton_experts._moe_packed_down_kernel,
+               "moe.decode_gate_up": triton_experts_decode._moe_decode_gate_up_kernel,
+               "moe.packed_down": triton_experts_decode._moe_packed_down_kernel,
                "moe.combine": triton_experts._moe_combine_kernel}
     for name, fn in shipped.items():
         assert runtime.KERNELS[name].shipped is fn, name

@@ -45,6 +45,7 @@ from lynn_kernels.moe import (
     spec,
     stack_w13,
     triton_experts,
+    triton_experts_decode,
 )
 from lynn_kernels.moe.packed import shared_slot
 from lynn_kernels.moe.triton_experts import DECODE_MAX_M, block_m_for, launch_moe_experts, moe_workspace
@@ -253,7 +254,7 @@ def launches(monkeypatch):
     """Count the shared expert's own launches and record the slots per token of each packed decode launch (the
     wrappers forward to the real functions)."""
     calls = {"shared": 0, "packed_slots": []}
-    real_shared, real_packed = triton_experts.launch_shared_expert, triton_experts._launch_packed_decode
+    real_shared, real_packed = triton_experts.launch_shared_expert, triton_experts_decode._launch_packed_decode
 
     def shared(*args, **kwargs):
         calls["shared"] += 1
@@ -264,7 +265,8 @@ def launches(monkeypatch):
         return real_packed(x2, weights, ids, slots, *args, **kwargs)
 
     monkeypatch.setattr(triton_experts, "launch_shared_expert", shared)
-    monkeypatch.setattr(triton_experts, "_launch_packed_decode", packed)
+    for module in (triton_experts, triton_experts_decode):     # moe_block's slot path calls it, and _launch_decode
+        monkeypatch.setattr(module, "_launch_packed_decode", packed)
     return calls
 
 

@@ -273,7 +273,7 @@ class _Launch:
 @pytest.mark.parametrize("affected", [True, False])
 def test_the_register_operand_kernels_take_one_stage_where_the_hazard_applies(monkeypatch, affected):
     from lynn_kernels.matmul import pack, triton_matmul
-    from lynn_kernels.moe import triton_experts, triton_route
+    from lynn_kernels.moe import triton_experts, triton_experts_common, triton_route
 
     monkeypatch.setattr(runtime, "register_dot_hazard_here", lambda: affected)
     want = (lambda st: 1) if affected else (lambda st: st)
@@ -318,7 +318,7 @@ def test_the_register_operand_kernels_take_one_stage_where_the_hazard_applies(mo
     stages.append(triton_route.ROUTER.shipped.calls[0]["num_stages"])
     for kernel in (triton_experts.MOE_GATE_UP, triton_experts.MOE_DOWN):
         monkeypatch.setattr(kernel, "shipped", _Launch())
-    ww = triton_experts._Weights(x, x, x, 0, 1)
+    ww = triton_experts_common._Weights(x, x, x, 0, 1)
     slots = torch.zeros(16, dtype=torch.int32)
     with overridden():
         triton_experts._launch_ffn(x, torch.ones(4, 2), slots, slots, 1, 8, 2, ww, ww, True, torch.empty(8, 64), y,

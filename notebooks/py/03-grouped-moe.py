@@ -47,7 +47,7 @@ import triton.language as tl
 
 from lynn_kernels import compare, moe, notebook, render_table
 from lynn_kernels.metrics import bit_mismatches
-from lynn_kernels.moe import SharedExpert, reference, spec, triton_experts
+from lynn_kernels.moe import SharedExpert, reference, spec, triton_experts, triton_experts_decode
 from lynn_kernels.nvfp4 import reference as nvfp4_ref
 from lynn_kernels.runtime import DEVICE
 
@@ -535,8 +535,8 @@ grid_rows = []
 for M_ in (1, 4, 16, 17, 512, 4096):
     S_ = M_ * TOP_K
     if M_ <= triton_experts.DECODE_MAX_M:
-        up = triton_experts.DECODE_UP_CONFIGS[M_ > 2]
-        down = triton_experts.DECODE_DOWN_CONFIGS[M_ > 2]
+        up = triton_experts_decode.DECODE_UP_CONFIGS[M_ > 2]
+        down = triton_experts_decode.DECODE_DOWN_CONFIGS[M_ > 2]
         grid_rows.append({"M": M_, "path": "decode (FMA, no align)", "slots": S_, "BLOCK_M": "-",
                           "gate_up programs": S_ * triton.cdiv(I, up["BLOCK_N"]),
                           "down programs": M_ * triton.cdiv(H, down["BLOCK_N"]),
