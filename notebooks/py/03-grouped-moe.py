@@ -1055,7 +1055,7 @@ if PACKED.exists():
     plt.tight_layout()
     plt.show()
 else:
-    print("no committed results yet: run experiments/moe_packed_decode.py on a GPU")
+    print("no committed results at data/experiments/moe-packed-decode/ (docs/history/moe.md says how they were made)")
 
 # %% [markdown]
 # At M = 1 the block went from 36.1 to 22.2 us at the Qwen3.5 shape, and from 50.1 to 29.4 us at the Qwen3-Next

@@ -788,7 +788,7 @@ for shape, doc in BENCH.items():
 BOUNDARY = Path(lk.__file__).resolve().parents[1] / "data" / "experiments" / "decode-ahead-pdl" / "5e06e96.json"
 AHEAD = json.loads(BOUNDARY.read_text()) if BOUNDARY.exists() else None
 if AHEAD is None:
-    print(f"no committed results at {BOUNDARY}: run experiments/decode_ahead_pdl.py on a GPU")
+    print(f"no committed results at {BOUNDARY} (docs/history/decode.md says how they were made)")
 else:
     fig, ax = plt.subplots(figsize=(8, 3.2))
     variants = ["plain", "PDL, release at the end", "PDL, release at the start"]
