@@ -145,8 +145,8 @@ def bench_graph(ceilings, quick: bool = False) -> list[Result]:
                  lambda: torch.nn.functional.linear(x, wb), 2 * n * k + act),
             ]
             if m <= 2:          # the two decode kernels on their own, whatever the dispatch picks
-                providers.append(("lynn packed FMA GEMV", [lambda p=p: launch_packed_gemv(x, p, None, y)
-                                                           for _, p in sets],
+                providers.append(("lynn packed GEMV", [lambda p=p: launch_packed_gemv(x, p, None, y)
+                                                       for _, p in sets],
                                   lambda: launch_packed_gemv(x, sets[0][1], None, y), w_bytes + act))
             if m <= 16:
                 providers.append(("lynn packed tensor-core GEMV", [lambda p=p: launch_gemv(x, p, None, y)
@@ -189,11 +189,11 @@ def bench_chain(ceilings, quick: bool = False) -> list[Result]:
     h = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     nbytes = layers * sum(n * k // 2 + n * k // 16 for n, k in shapes)
     rows = []
-    for kind, pdl in (("FMA", False), ("FMA", True), ("tensor-core", False)):
+    for kind, pdl in (("GEMV", False), ("GEMV", True), ("tensor-core GEMV", False)):
         calls = []
 
         def launch(xx, w, y, pdl=pdl, kind=kind):
-            return launch_packed_gemv(xx, w, None, y, pdl=pdl) if kind == "FMA" else launch_gemv(xx, w, None, y)
+            return launch_packed_gemv(xx, w, None, y, pdl=pdl) if kind == "GEMV" else launch_gemv(xx, w, None, y)
 
         for li in range(layers):
             a, b, c = ws[li]
@@ -202,7 +202,7 @@ def bench_chain(ceilings, quick: bool = False) -> list[Result]:
             calls.append(lambda c=c, y=ys[li][2], f=launch: f(h, c, y))
         us = graph_us(calls) * len(calls)
         check = validated(compare(ys[0][2], reference.nvfp4_linear(h, ws[0][2])))
-        r = Result("matmul.chain", f"lynn packed {kind} GEMV chain{' + PDL' if pdl else ''} (graph)",
+        r = Result("matmul.chain", f"lynn packed {kind} chain{' + PDL' if pdl else ''} (graph)",
                    f"{layers} GDN layers x (qkv, z, out_proj)", {"M": 1, "layers": layers, "kernels": len(calls)},
                    us / 1e3, us / 1e3, us / 1e3, bytes=nbytes, ceiling="copy_gbps", validation=check,
                    note="one graph of all the layers' projections")

@@ -114,7 +114,7 @@ def markdown_matmul(op: str, gpu: str = "h200", only_m=None) -> str:
     return "\n".join(lines)
 
 
-_GRAPH_COLS = (("lynn packed", "packed"), ("lynn packed FMA GEMV", "packed GEMV"),
+_GRAPH_COLS = (("lynn packed", "packed"), ("lynn packed GEMV", "packed GEMV"),
                ("lynn packed tensor-core GEMV", "tensor-core GEMV"), ("lynn checkpoint layout", "checkpoint layout"),
                ("cuBLAS bf16", "cuBLAS bf16"), ("pure read (same bytes)", "pure read"))
 

@@ -959,7 +959,7 @@ print(render_table(rows))
 # %%
 GRAPH, CHAIN = load("matmul.graph", gpu="h200"), load("matmul.chain", gpu="h200")
 PACKED, CKPT = "lynn packed (graph)", "lynn checkpoint layout (graph)"
-FMA, TC = "lynn packed FMA GEMV (graph)", "lynn packed tensor-core GEMV (graph)"
+FMA, TC = "lynn packed GEMV (graph)", "lynn packed tensor-core GEMV (graph)"
 CUBLAS_G, READ = "cuBLAS bf16 (graph)", "pure read (same bytes) (graph)"
 
 G = {}                                                    # {(shape, M): {provider: result row}}
@@ -1087,7 +1087,7 @@ print(render_table([{"provider": r["provider"], "us": f"{r['median_ms'] * 1e3:.1
                     for r in chain]))
 chain_us = {r["provider"]: r["median_ms"] * 1e3 for r in chain}
 plain, with_pdl, on_tc = (chain_us[f"lynn packed {name} (graph)"] for name in
-                          ("FMA GEMV chain", "FMA GEMV chain + PDL", "tensor-core GEMV chain"))
+                          ("GEMV chain", "GEMV chain + PDL", "tensor-core GEMV chain"))
 saved = plain - with_pdl
 print(f"PDL saves {saved:.1f} us of {plain:.1f} ({saved / chain[0]['dims']['kernels']:.2f} us a projection); "
       f"on the tensor-core GEMV the chain takes {on_tc / plain:.2f}x as long")
