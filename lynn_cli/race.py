@@ -76,13 +76,21 @@ def run(args) -> int:
         raise CommandError("which op? (`lynn race --list` lists them)", code=2)
     try:
         op = lab.find(args.op)
-        lab.shapes.parse(args.shapes) if args.variant else None
+        if args.variant:
+            lab.shapes_for(op.name, args.shapes)          # the named shapes exist for this op (nothing is built)
     except ValueError as err:
-        raise CommandError(str(err), code=2) from None
+        raise CommandError(f"{err}{' (--shapes)' if args.variant and 'shapes' in str(err) else ''}", code=2) from None
+    if args.decoder:
+        from lynn_model.config import PRESETS
+
+        if args.decoder not in PRESETS:
+            raise CommandError(f"--decoder {args.decoder}: no such preset; presets: {', '.join(sorted(PRESETS))}",
+                               code=2)
     if args.rounds < 1:
         raise CommandError(f"--rounds {args.rounds}: expected at least 1", code=2)
     if not args.variant and not args.base:
         raise CommandError("nothing to race: give --variant FILE.py:NAME, --base REV, or both", code=2)
+    base = _check_base(op, args) if args.base else None         # every --base problem before any work
     status = 0
     if args.variant:
         try:
@@ -91,7 +99,7 @@ def run(args) -> int:
             raise CommandError(f"--variant {args.variant}: {err}", code=2) from None
         status = _race_variant(v, args)
     if args.base:
-        status = max(status, _race_base(op, args))
+        status = max(status, _race_base(base, args))
     return status
 
 
@@ -112,7 +120,43 @@ def _race_variant(v, args) -> int:
     return 0
 
 
-def _race_base(op, args) -> int:
+def _check_base(op, args) -> tuple[str, str]:
+    """``(revision sha, benchmark)`` of ``--base``, or the usage error: a git checkout, a revision, a benchmark
+    the op has (or the decoder's), a GPU to run it on."""
+    import subprocess
+
+    import torch
+
+    import lynn_model.bench  # noqa: F401  (registers the decoder's benchmarks)
+    from lynn_kernels import bench
+    from lynn_kernels.bench.harness import REPO_ROOT
+
+    from . import CommandError
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True)
+
+    if git("rev-parse", "--show-toplevel").returncode:
+        raise CommandError(f"--base: lynn_kernels was imported from {REPO_ROOT}, which is not a git checkout", code=2)
+    rev = git("rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}")
+    if rev.returncode:
+        raise CommandError(f"--base {args.base}: not a git revision of {REPO_ROOT}", code=2)
+    if args.decoder is not None:
+        bench_op = f"decoder.{args.decoder or 'qwen3.5-35b-a3b'}"
+    elif op.bench:
+        bench_op = op.bench
+    else:
+        raise CommandError(f"--base: {op.name} has no benchmark of its own to race in both trees (`lynn race --list` "
+                           "shows each op's; or add --decoder PRESET)", code=2)
+    if bench_op not in bench.available():
+        raise CommandError(f"--base: no benchmark {bench_op}; the decoder's: "
+                           f"{', '.join(b for b in bench.available() if b.startswith('decoder.'))}", code=2)
+    if not torch.cuda.is_available():
+        raise CommandError(f"--base: timing {bench_op} in both trees needs a CUDA GPU; nothing was run", code=2)
+    return rev.stdout.strip(), bench_op
+
+
+def _race_base(base: tuple[str, str], args) -> int:
     """The op's ``lynn bench`` in a worktree of REV and in this tree, alternating; a table of both."""
     import json
     import os
@@ -121,8 +165,6 @@ def _race_base(op, args) -> int:
     import subprocess
     import tempfile
 
-    import torch
-
     from lynn_kernels.bench.harness import REPO_ROOT
 
     from . import CommandError
@@ -130,21 +172,11 @@ def _race_base(op, args) -> int:
     def git(*a, cwd=REPO_ROOT):
         return subprocess.run(["git", *a], cwd=cwd, capture_output=True, text=True)
 
-    if git("rev-parse", "--show-toplevel").returncode:
-        raise CommandError(f"--base: lynn_kernels was imported from {REPO_ROOT}, which is not a git checkout", code=2)
-    rev = git("rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}")
-    if rev.returncode:
-        raise CommandError(f"--base {args.base}: not a git revision of {REPO_ROOT}", code=2)
-    bench_op = f"decoder.{args.decoder}" if args.decoder else op.bench
-    if not bench_op:
-        raise CommandError(f"--base: {op.name} has no benchmark of its own to race in both trees (ops with one: "
-                           f"those of `lynn race --list` whose bench is set; or add --decoder PRESET)", code=2)
-    if not torch.cuda.is_available():
-        raise CommandError(f"--base: timing {bench_op} in both trees needs a CUDA GPU; nothing was run", code=2)
+    sha, bench_op = base
     tmp = Path(tempfile.mkdtemp(prefix="lynn-race-base-"))
     base_tree = tmp / "base"
     try:
-        added = git("worktree", "add", "--detach", str(base_tree), rev.stdout.strip())
+        added = git("worktree", "add", "--detach", str(base_tree), sha)
         if added.returncode:
             raise CommandError(f"--base: git worktree add failed: {added.stderr.strip()}")
         trees = {"working tree": REPO_ROOT, f"base {args.base}": base_tree}
@@ -178,3 +210,4 @@ def _race_base(op, args) -> int:
     finally:
         git("worktree", "remove", "--force", str(base_tree))
         shutil.rmtree(tmp, ignore_errors=True)
+        git("worktree", "prune")

@@ -200,20 +200,24 @@ def op(reference, *, docs="host"):
 _routes: contextvars.ContextVar[dict] = contextvars.ContextVar("lynn_routes", default={})
 
 
-#: The routes' key of a ``collections.Counter`` of how often each route was taken (absent: nothing counted).
+#: The routes' key of a tuple of ``collections.Counter``s, each told every route taken (one per counting block).
 HITS = "lynn.hits"
 
 
 def _routed(routes: dict, public, args, kwargs):
     """Call the variant routed for ``public``; inside it, ``public`` is the shipped op again (a variant may call it)."""
-    hits = routes.get(HITS)
-    if hits is not None:
+    for hits in routes.get(HITS, ()):
         hits[public] += 1
     token = _routes.set({k: v for k, v in routes.items() if k is not public})
     try:
         return routes[public](*args, **kwargs)
     finally:
         _routes.reset(token)
+
+
+def route_counters() -> tuple:
+    """The counters of the routes in force (``routes[HITS]``): a nested counting block adds its own to them."""
+    return _routes.get().get(HITS, ())
 
 
 @contextlib.contextmanager
@@ -240,33 +244,71 @@ class Kernel:
     arguments, same constexprs. A variant must take the shipped kernel's parameters, by name and in order.
     """
 
-    __slots__ = ("name", "shipped", "_direct")
+    __slots__ = ("name", "shipped", "_direct", "_shipped_direct", "_adapted")
 
     def __init__(self, name: str, fn):
-        if name in KERNELS:
-            raise ValueError(f"kernel name {name!r} is taken")
-        self.name, self.shipped, self._direct = name, fn, {}
+        known = KERNELS.get(name)
+        if known is not None and _where(known.shipped) != _where(fn):       # a reloaded module may re-register
+            raise ValueError(f"kernel name {name!r} is taken by {_where(known.shipped)}")
+        self.name, self.shipped, self._direct, self._adapted = name, fn, {}, {}
+        self._shipped_direct = DirectLaunch(fn)
         KERNELS[name] = self
 
     def current(self, kernel=None):
-        """``kernel`` when given (a launcher's ``kernel=`` argument), else the routed variant, else the shipped one."""
+        """``kernel`` when given (a launcher's ``kernel=`` argument, :meth:`adapt`-ed), else the routed variant,
+        else the shipped one."""
         if kernel is not None:
-            return kernel
+            return self.adapt(kernel)
         routes = _routes.get()
         if not routes or self.name not in routes:
             return self.shipped
-        hits = routes.get(HITS)
-        if hits is not None:
+        for hits in routes.get(HITS, ()):
             hits[self.name] += 1
         return routes[self.name]
 
     def launch(self, kernel=None) -> "DirectLaunch":
         """The :class:`DirectLaunch` of :meth:`current` (one per kernel object, so each keeps its compiled cache)."""
         fn = self.current(kernel)
-        direct = self._direct.get(fn)
-        if direct is None:
-            direct = self._direct[fn] = DirectLaunch(fn)
-        return direct
+        if fn is self.shipped:                            # the hot path: no hashing of a JITFunction
+            return self._shipped_direct
+        hit = self._direct.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            hit = self._direct[id(fn)] = (fn, DirectLaunch(fn))
+        return hit[1]
+
+    def adapt(self, fn):
+        """``fn`` as the launcher can run it: under the shipped kernel's ``triton.heuristics`` (the constexprs they
+        compute, the launcher does not pass) and its autotuning configs, reset and restore lists and pruning (the
+        tiles the launcher does not pass), where the shipped kernel has them and ``fn`` is a bare kernel."""
+        if fn is self.shipped or hasattr(fn, "configs") or hasattr(fn, "values"):
+            return fn
+        hit = self._adapted.get(id(fn))
+        if hit is not None and hit[0] is fn:
+            return hit[1]
+        made, shipped = fn, self.shipped
+        tuner = shipped if hasattr(shipped, "configs") else None
+        inner = shipped.fn if tuner is not None else shipped
+        if hasattr(inner, "values"):                          # autotune(heuristics(jit)), or heuristics(jit)
+            made = triton.heuristics(dict(inner.values))(made)
+        elif hasattr(shipped, "values") and hasattr(shipped.fn, "configs"):   # heuristics(autotune(jit))
+            tuner = shipped.fn
+        if tuner is not None:
+            prune = getattr(tuner, "early_config_prune", None)
+            made = autotune(configs=list(tuner.configs), key=list(tuner.keys),
+                            prune_configs_by={"early_config_prune": prune} if prune else None,
+                            reset_to_zero=list(getattr(tuner, "reset_to_zero", []) or []) or None,
+                            restore_value=list(getattr(tuner, "restore_value", []) or []) or None)(made)
+            if tuner is not shipped:
+                made = triton.heuristics(dict(shipped.values))(made)
+        self._adapted[id(fn)] = (fn, made)
+        return made
+
+
+def _where(fn) -> str:
+    """Module and qualified name of a kernel (inside an autotuner or heuristics): who registered a name."""
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
 def autotune(configs, key, prune_configs_by=None, **kwargs):

@@ -32,7 +32,7 @@ class DecoderReport:
     preset: str
     shipped_tokens: list[int]
     variant_tokens: list[int]
-    calls: int                                  #: how many times the variant ran while the decoder made its tokens
+    calls: int                                  #: calls of the variant from Python while the decoder made its tokens
     divergence: dict | None = None              #: first differing position, with both paths' top-2 there
     speed: list[dict] = field(default_factory=list)
 
@@ -42,9 +42,11 @@ class DecoderReport:
 
     def __str__(self) -> str:
         v = self.variant
-        lines = [f"{v.label} in the {self.preset} decoder (random weights, greedy): the variant ran {self.calls} "
-                 f"times; " + (f"{len(self.shipped_tokens)} tokens, equal to the shipped path" if self.equal else
-                               f"the tokens part at position {self.divergence['position']}")]
+        ran = (f"the variant was called {self.calls} times from Python (a captured graph's replays not counted)"
+               if self.calls else "the variant NEVER RAN: the decoder reaches this op another way (a fused path)")
+        lines = [f"{v.label} in the {self.preset} decoder (random weights, greedy): {ran}; "
+                 + (f"{len(self.shipped_tokens)} tokens, equal to the shipped path" if self.equal else
+                    f"the tokens part at position {self.divergence['position']}")]
         if self.divergence:
             d = self.divergence
             lines.append(f"  shipped: top-2 {d['shipped_top2']}, variant: top-2 {d['variant_top2']} "
@@ -63,10 +65,16 @@ def _top2(logits: torch.Tensor) -> list[tuple[int, float]]:
     return [(int(i), round(float(x), 4)) for i, x in zip(ids, vals)]
 
 
-def _last_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = model.new_cache(max_batch=1, max_tokens=len(ids) + 8)
+def _logits_after(model, prompt: list[int], made: list[int]) -> torch.Tensor:
+    """The logits of the next token after ``prompt`` and the tokens ``made`` from it, on the path that made them:
+    one prefill of the prompt, then one decode step per made token (the kernels a decode-only variant replaces)."""
+    cache = model.new_cache(max_batch=1, max_tokens=len(prompt) + len(made) + 8)
     s = cache.add()
-    return model.step(torch.tensor(ids, dtype=torch.int64, device=model.device), cache, [s], [len(ids)])[0]
+    dev = model.device
+    logits = model.step(torch.tensor(prompt, dtype=torch.int64, device=dev), cache, [s], [len(prompt)])
+    for t in made:
+        logits = model.step(torch.tensor([t], dtype=torch.int64, device=dev), cache, [s], [1])
+    return logits[0]
 
 
 def in_decoder(v, fn=None, *, preset: str | None = None, new_tokens: int = 8, prompt_len: int = 12,
@@ -86,10 +94,10 @@ def in_decoder(v, fn=None, *, preset: str | None = None, new_tokens: int = 8, pr
     report = DecoderReport(v, name, want, got, sum(hits.values()))
     if not report.equal:
         i = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
-        ids = prompt[0].tolist() + want[:i]
-        shipped_logits = _last_logits(model, ids)
+        first = prompt[0].tolist()
+        shipped_logits = _logits_after(model, first, want[:i])
         with lab.using(v):
-            variant_logits = _last_logits(model, ids)
+            variant_logits = _logits_after(model, first, want[:i])      # the two paths agree on want[:i]
         report.divergence = {"position": i, "shipped_token": want[i], "variant_token": got[i],
                              "shipped_top2": _top2(shipped_logits), "variant_top2": _top2(variant_logits)}
     if gpu:

@@ -93,7 +93,8 @@ def test_check_passes_a_correct_variant_of_each_family(family, name, how):
     assert report.variant.op.family == family
     assert report.passed, report
     assert report.cases_used > 0 and calls, report
-    assert report.rows and all(r["op"] in report.variant.op.rows for r in report.rows)
+    family_ops = importlib.import_module(f"lynn_kernels.{family}.check").OPS
+    assert report.rows and all(r["op"] in family_ops for r in report.rows)
     assert all(r["case"] in _labels(family) and "error" not in r for r in report.rows)
 
 
@@ -145,6 +146,32 @@ def test_edit_copies_every_kernel_a_variant_may_replace(kernel):
 def test_an_exact_copy_of_a_wrapped_kernel_passes(kernel):
     report = lab.check(KERNEL_OPS[kernel], lab.edit(kernel, {}), kernel=kernel)
     assert report.passed, report
+
+
+def test_check_keeps_what_a_kernel_reports_under_another_ops_rows():
+    """A wrong packed GEMV fails an nvfp4_linear check on every row that runs it, the norm_linear rows included
+    (the norm folded into the GEMV reports under its own op's name), and a norm_linear check of it fails too."""
+    wrong = lab.edit("matmul.packed_gemv", {"* FMA_UNIT": "* FMA_UNIT * 1.25"}, name="scaled_gemv")
+    report = lab.check("nvfp4_linear", wrong)
+    failed = {r["op"] for r in report.failures}
+    assert not report.passed and "matmul.norm_linear packed" in failed and "matmul.packed gemv" in failed, failed
+    assert not lab.check("matmul.norm_linear", wrong).passed
+
+
+def test_in_decoder_reads_the_divergence_on_the_decode_path():
+    """A variant that is wrong only in decode (one row of x) parts the tokens after the first; the top-2 reported
+    for it are those of the decode step that made its token, not of a prefill that never runs it."""
+    from lynn_model.lab import in_decoder
+
+    def decode_only(x, w, bias=None):
+        y = lynn_kernels.matmul.nvfp4_linear(x, w, bias)
+        return y * 1.5 if x.reshape(-1, x.shape[-1]).shape[0] == 1 else y
+
+    with lynn_kernels.use_reference():
+        report = in_decoder(lab.variant("nvfp4_linear", decode_only), new_tokens=6, prompt_len=4)
+    assert not report.equal and report.divergence["position"] >= 1, report
+    d = report.divergence
+    assert d["variant_top2"][0][0] == d["variant_token"] and d["shipped_top2"][0][0] == d["shipped_token"]
 
 
 def test_a_kernel_that_cannot_compile_fails_as_rows_with_the_error():
@@ -217,7 +244,7 @@ def test_nested_using_restores_the_outer_routes():
         norm.rmsnorm(x, w)
     norm.rmsnorm(x, w)
     assert seen == ["outer", "inner", "outer"]
-    assert outer_hits[norm.rmsnorm] == 2 and inner_hits[norm.rmsnorm] == 1
+    assert outer_hits[norm.rmsnorm] == 3 and inner_hits[norm.rmsnorm] == 1      # the outer block counts the inner's
 
 
 def test_a_routed_variant_runs_under_the_reference_backend():
@@ -432,6 +459,23 @@ def test_race_does_not_time_a_provider_that_fails_validation(faked_gpu_timing):
     assert not by["wrong"].validation["passed"] and math.isnan(by["wrong"].median_ms), report.table()
     assert by["shipped"].validation["passed"] and by["shipped"].median_ms == 5e-3
     assert not report.passed and "NO" in report.table()
+
+
+def test_race_reports_a_variant_the_shape_never_reaches_and_a_provider_that_raises(faked_gpu_timing):
+    """A packed-GEMV variant at 8 rows of x (the dispatch takes another kernel there) is a failed row saying so, not
+    the shipped kernel timed under its name; a provider that raises is a failed row with the error."""
+    todo = shapes.shapes_for("matmul.nvfp4_linear", "tiny-qwen3.5-moe:decode-b8")[:1]
+    copy = lab.variant("nvfp4_linear", lab.edit("matmul.packed_gemv", {}), name="copy")
+    row = {r.provider: r for r in lab.race(copy, shapes=todo, skip_check=True).rows}["copy"]
+    assert not row.validation["passed"] and "did not run at this shape" in row.validation["error"], row
+    assert math.isnan(row.median_ms)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    report = lab.race(lab.variant("nvfp4_linear", boom, name="boom"), shapes=todo, skip_check=True)
+    row = {r.provider: r for r in report.rows}["boom"]
+    assert row.validation == {"passed": False, "error": "RuntimeError: out of resources"} and not report.passed
 
 
 # -- named shapes ---------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _slots_routed(names):
     """Routes each kernel of ``names`` to a copy of itself; returns the routes and their hit counter."""
     hits = collections.Counter()
     routes = {name: _slots_copy(runtime.KERNELS[name].shipped) for name in names}
-    return {**routes, runtime.HITS: hits}, hits
+    return {**routes, runtime.HITS: (hits,)}, hits
 
 
 def _slots_tensors(x) -> list:
@@ -217,7 +217,7 @@ def _slots_moe_matmul_copy(shipped):
 def _slots_moe_matmul_routes(names):
     hits = collections.Counter()
     routes = {name: _slots_moe_matmul_copy(runtime.KERNELS[name].shipped) for name in names}
-    return {**routes, runtime.HITS: hits}, hits
+    return {**routes, runtime.HITS: (hits,)}, hits
 
 
 def _slots_moe_matmul_same_bits(got, want):

@@ -60,6 +60,10 @@ class Variant:
     def label(self) -> str:
         return self.name or getattr(_jit_of(self.fn), "__name__", None) or type(self.fn).__name__
 
+    def __post_init__(self):
+        if self.kernel is not None and self._routed is None:      # what the launcher runs: fn under the shipped
+            self._routed = runtime.KERNELS[self.kernel].adapt(self.fn)   # kernel's autotuning and heuristics
+
     def routes(self) -> dict:
         """What :func:`lynn_kernels.runtime.routed` installs for this variant."""
         if self.kernel is None:
@@ -89,23 +93,6 @@ def _check_parameters(name: str, fn) -> None:
                         f"{name!r}'s, in order ({', '.join(shipped)}); {what}")
 
 
-def _autotuned_like(name: str, fn):
-    """``fn`` under the shipped kernel's autotuning configs when the shipped kernel is autotuned and ``fn`` is not:
-    the launcher passes no tile sizes for an autotuned kernel, its configs do. Likewise under the shipped kernel's
-    ``triton.heuristics`` (the constexprs they compute, the launcher does not pass) when ``fn`` is a bare kernel."""
-    import triton
-
-    shipped = _shipped_kernel(name)
-    inner = shipped.fn if hasattr(shipped, "configs") else shipped
-    if hasattr(inner, "values") and _jit_of(fn) is fn:
-        fn = triton.heuristics(dict(inner.values))(fn)
-    if not hasattr(shipped, "configs") or hasattr(fn, "configs"):
-        return fn
-    prune = getattr(shipped, "early_config_prune", None)
-    return runtime.autotune(configs=list(shipped.configs), key=list(shipped.keys),
-                            prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
-
-
 def variant(op_or_fn, fn=None, *, kernel: str | None = None, name: str = "") -> Variant:
     """A :class:`Variant` of an op: ``variant("rmsnorm", my_rmsnorm)`` (a callable with the op's signature) or
     ``variant("rmsnorm", my_kernel)`` (a ``@triton.jit`` kernel with the shipped kernel's parameters, run by the
@@ -121,7 +108,7 @@ def variant(op_or_fn, fn=None, *, kernel: str | None = None, name: str = "") -> 
         if kname not in op.kernels:
             raise ValueError(f"op {op.name} runs the kernels {', '.join(op.kernels)}; kernel={kname!r} is not one")
         _check_parameters(kname, fn)
-        return Variant(op, fn, kname, name, _autotuned_like(kname, fn))
+        return Variant(op, fn, kname, name)
     if kernel is not None:
         raise TypeError(f"kernel={kernel!r} is for a @triton.jit variant; {fn!r} is a plain callable")
     if not callable(fn):
@@ -140,19 +127,20 @@ def edit(kernel: str, replace: dict[str, str], *, name: str | None = None):
     import triton
 
     fn = getattr(_jit_of(_shipped_kernel(kernel)), "fn")
-    src = inspect.getsource(fn)
-    for old, new in replace.items():
-        count = src.count(old)
-        if count != 1:
-            raise ValueError(f"edit({kernel!r}): {old!r} occurs {count} times in the shipped kernel's source; give "
-                             f"text that occurs exactly once")
-        src = src.replace(old, new)
-    lines = src.splitlines()
+    lines = inspect.getsource(fn).splitlines()
     indent = len(lines[0]) - len(lines[0].lstrip())
     lines = [line[indent:] for line in lines]
     filename = f"<lynn lab edit of {kernel} #{len(_EDITS)}>"
     def_line = ast.parse("\n".join(lines), filename).body[0].lineno   # the decorators, over one line or several,
-    src = "\n".join(lines[def_line - 1:]) + "\n"                       # go: jit is applied below
+    head, src = "\n".join(lines[:def_line - 1]), "\n".join(lines[def_line - 1:]) + "\n"   # go: jit comes below
+    for old, new in replace.items():
+        count = src.count(old)
+        if count != 1:
+            where = (" (it is in the decorators, which the launcher's kernel object keeps: tiles and autotuning "
+                     "are not the kernel's to edit)" if old in head else "")
+            raise ValueError(f"edit({kernel!r}): {old!r} occurs {count} times in the shipped kernel's body{where}; "
+                             f"give text that occurs exactly once")
+        src = src.replace(old, new)
     new_name = name or f"{fn.__name__}_edited"
     src = re.sub(rf"\bdef {fn.__name__}\(", f"def {new_name}(", src, count=1)
     linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
@@ -184,8 +172,8 @@ def using(*variants, count: bool = True):
             raise TypeError(f"using() takes variants (lynn_kernels.lab.variant(op, fn)), got {type(v).__name__}")
         routes.update(v.routes())
     hits: collections.Counter = collections.Counter()
-    if count:
-        routes[runtime.HITS] = hits
+    outer = runtime.route_counters()
+    routes[runtime.HITS] = outer + (hits,) if count else outer     # an outer block counts what this one routes
     with runtime.routed(routes):
         yield hits
 

@@ -216,8 +216,9 @@ print("\n".join(line for line in diff if not line.startswith("@@")))
 # %% [markdown]
 # `lab.check("nvfp4_linear", late_load)` names the op; the kernel it replaces is the op's first,
 # `matmul.packed_gemv`. The matmul check matrix has seven cases; the packed GEMV runs in four of them (one and two
-# rows of x, each also with the RMSNorm folded in, whose rows are `norm_linear`'s and left out here); the others have
-# more rows and go to the tensor-core kernels:
+# rows of x, each also with the RMSNorm folded in); the others have more rows and go to the tensor-core kernels. The
+# table keeps every row of those four cases: a case reports what the kernel did under the names of the ops it serves
+# (the `norm_linear` rows are the norm folded into this GEMV), beside rows of the same case that took other kernels:
 
 # %%
 gemv = lab.variant("nvfp4_linear", late_load)
