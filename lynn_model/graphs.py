@@ -34,7 +34,7 @@ from lynn_kernels.attention import decode_plan, paged_slots
 
 from .cache import Batch, Cache
 from .model import Model, _check_ids
-from .sampling import SamplingParams, sample_rows
+from .sampling import Sampling, SamplingParams, sample_rows
 
 #: Batch sizes a decode step is captured for; a batch runs in the smallest bucket that holds it.
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -182,6 +182,22 @@ class DecodeStep:
         self.lengths.zero_()
         self.lengths[idx] = torch.tensor([self.cache.lengths[s] for s in slots], dtype=torch.int64,
                                          device=self.tokens.device)
+
+    def join(self, slot: int, token: int, setting: Sampling | None = None) -> None:
+        """Add sequence ``slot`` to the running batch between two steps, the other rows untouched: its last token,
+        its cached length (:attr:`Cache.lengths`) and, when given, its sampling settings
+        (:meth:`SamplingParams.set_row`), written in place so a captured graph stays valid. Its pages must be
+        reserved for every step to come (:meth:`Cache.reserve`), as for :meth:`begin`. Where ``slot`` was an idle
+        row, a step has written its recurrent states (they are scratch there): prefill the sequence after the last
+        step that ran without it, or put its states back."""
+        if not isinstance(slot, int) or not 0 <= slot < self.rows:
+            raise ValueError(f"slot {slot!r}: expected a row in 0..{self.rows - 1}")
+        self.cache._check_slot(slot)
+        if setting is not None:
+            self.params.set_row(slot, setting)
+        self.tokens[slot] = int(token)
+        self.lengths[slot] = self.cache.lengths[slot]
+        self.active[slot] = True
 
     def stop(self, slots: list[int]) -> None:
         """Rows that take no further part (a finished sequence): from the next step on they write nothing."""

@@ -121,6 +121,37 @@ class SamplingParams:
             torch.tensor([1.0 if r.top_p is None else float(r.top_p) for r in rows], dtype=torch.float32, device=dev),
             torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev), cand, not sampled)
 
+    @staticmethod
+    def for_any(rows: int, device, vocab: int) -> "SamplingParams":
+        """``rows`` greedy rows whose settings :meth:`set_row` may later change to any :class:`Sampling`: the
+        sampler on, over the whole vocabulary sorted. A captured step fixes ``greedy`` and ``candidates``, so a batch
+        that requests join and leave (a server) is built for the widest case; a greedy row still takes the argmax."""
+        dev = torch.device(device)
+        return SamplingParams(torch.zeros(rows, dtype=torch.float32, device=dev),
+                              torch.zeros(rows, dtype=torch.int64, device=dev),
+                              torch.ones(rows, dtype=torch.float32, device=dev),
+                              torch.zeros(rows, dtype=torch.int64, device=dev), vocab, False)
+
+    def set_row(self, row: int, setting: Sampling) -> None:
+        """Write row ``row``'s settings in place (a captured step keeps reading the same tensors). Raises a
+        ValueError when ``setting`` needs what these params were built without: the sampler (``greedy`` params), a
+        ranking for its top-k / top-p (``candidates`` None), or more than ``candidates`` tokens kept."""
+        if not setting.greedy:
+            if self.greedy:
+                raise ValueError(f"row {row}: temperature = {setting.temperature} needs the sampler; these params "
+                                 f"were built greedy")
+            filters = setting.top_k is not None or (setting.top_p is not None and setting.top_p < 1)
+            if filters and self.candidates is None:
+                raise ValueError(f"row {row}: top_k / top_p need ranked candidates; these params rank none "
+                                 f"(build them with the filter, or with SamplingParams.for_any)")
+            if setting.top_k is not None and self.candidates is not None and setting.top_k > self.candidates:
+                raise ValueError(f"row {row}: top_k = {setting.top_k} is more than the {self.candidates} "
+                                 f"candidates these params rank")
+        self.temperature[row] = float(setting.temperature)
+        self.top_k[row] = setting.top_k or 0
+        self.top_p[row] = 1.0 if setting.top_p is None else float(setting.top_p)
+        self.seed[row] = setting.seed
+
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit integer hash (xor-shift-multiply rounds) on int64 values in ``[0, 2^32)``; the odd

@@ -1,0 +1,250 @@
+"""The serving engine (lynn_model.serve): requests join and leave the decode batch between steps, long prompts prefill
+in chunks, the cache admits what fits and queues the rest, cancel frees at once; every greedy request gets the
+tokens ``generate`` gives it alone. The demo model on the torch reference, in fp32: in bf16 a packed or chunked
+prefill rounds differently from a lone one (a CPU matmul's summation order depends on its row count), so there the
+tokens agree to rounding only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lynn_kernels
+import lynn_model
+from lynn_cli.generate import DEMO_MODEL
+from lynn_model.serve import Engine, Refused
+
+CORPUS = DEMO_MODEL.parents[1] / "corpus" / "heldout.txt"
+
+
+@pytest.fixture(scope="module")
+def model():
+    with lynn_kernels.use_reference():
+        return lynn_model.from_pretrained(DEMO_MODEL, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return lynn_model.Tokenizer.from_pretrained(DEMO_MODEL).encode(CORPUS.read_text()[:6000])
+
+
+@pytest.fixture(autouse=True)
+def reference_one_thread():
+    """The reference backend, on one thread (a small model's step is many tiny ops; threads mostly wait)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with lynn_kernels.use_reference():
+        yield
+    torch.set_num_threads(threads)
+
+
+_solo: dict = {}
+
+
+def solo(model, prompt, n, **kw) -> list[int]:
+    """What ``generate`` gives ``prompt`` alone (greedy unless ``kw`` says otherwise), memoised."""
+    key = (tuple(prompt), n, tuple(sorted(kw.items())))
+    if key not in _solo:
+        _solo[key] = lynn_model.generate(model, [prompt], n, temperature=kw.pop("temperature", 0.0), **kw)[
+            0, len(prompt):].tolist()
+    return _solo[key]
+
+
+def drive(engine, arrivals: dict[int, list]) -> None:
+    """Submit each ``arrivals[k]`` entry (a thunk) before step ``k``, then step until the engine is idle."""
+    k = 0
+    while k <= max(arrivals, default=0) or engine.busy:
+        for submit in arrivals.get(k, []):
+            submit()
+        engine.step()
+        k += 1
+
+
+def test_requests_of_mixed_lengths_arriving_at_different_steps_get_their_solo_tokens(model, ids):
+    """Seven requests, four rows, a prefill budget of 32 tokens a step: a 150-token prompt prefills over five steps
+    while the running requests keep decoding; requests wait for a row, join and leave; each ends with its solo
+    tokens, its callback saw them in order, and the cache is empty again."""
+    engine = Engine(model, rows=4, max_tokens=1024, prefill_tokens=32)
+    free = engine.cache.free_tokens
+    specs = {"a": (0, 0, 7, 10), "b": (40, 1, 90, 8), "c": (200, 2, 5, 12), "long": (300, 2, 150, 6),
+             "d": (500, 5, 33, 9), "e": (600, 9, 70, 7), "f": (700, 3, 20, 25)}
+    reqs, seen, depth = {}, [], []
+
+    def submit(name, offset, n, new):
+        def go():
+            reqs[name] = engine.submit(ids[offset:offset + n], new,
+                                       on_token=lambda r, t: seen.append((name, engine.counters.steps, t)))
+            depth.append(engine.metrics()["queue_depth"])
+        return go
+
+    arrivals: dict[int, list] = {}
+    for name, (offset, at, n, new) in specs.items():
+        arrivals.setdefault(at, []).append(submit(name, offset, n, new))
+    drive(engine, arrivals)
+    for name, (offset, _, n, new) in specs.items():
+        r = reqs[name]
+        assert r.tokens == solo(model, ids[offset:offset + n], new), name
+        assert r.finish_reason == "length" and r.done and r.slot is None
+        assert [t for who, _, t in seen if who == name] == r.tokens
+        assert r.time_to_first_token > 0 and len(r.inter_token_latencies) == new - 1
+    long_steps = [s for who, s, _ in seen if who == "long"]
+    admitted = min(s for who, s, _ in seen if who == "c")           # "long" arrived with "c", both admitted then
+    assert long_steps[0] - admitted >= 4                              # 150 tokens at <= 32 a step
+    assert any(who != "long" and admitted < s < long_steps[0] for who, s, _ in seen)   # others kept decoding
+    m = engine.metrics()
+    assert max(depth) > 0 and m["queue_depth"] == 0                   # some waited for a row
+    assert m["slots_in_use"] == 0 and m["cache_tokens_in_use"] == 0 and engine.cache.free_tokens == free
+    assert m["requests_length"] == 7 and m["generated_tokens"] == sum(s[3] for s in specs.values())
+    assert m["prompt_tokens"] == sum(s[2] for s in specs.values()) and m["decode_rows"] > m["decode_steps"]
+
+
+def test_cancel_mid_stream_frees_the_row_and_the_cache_at_once(model, ids):
+    engine = Engine(model, rows=2, max_tokens=512, prefill_tokens=64)
+    free = engine.cache.free_tokens
+    a = engine.submit(ids[0:20], 30)
+    b = engine.submit(ids[100:140], 12)
+    queued = engine.submit(ids[300:310], 5)
+    while len(a.tokens) < 3:
+        engine.step()
+    slot = a.slot
+    assert engine.metrics()["cache_tokens_in_use"] == 128              # 20 + 30 and 40 + 12: 4 pages of 16 each
+    assert engine.cancel(a) and engine.cancel(queued)
+    assert a.finish_reason == queued.finish_reason == "cancelled" and a.slot is None and not queued.tokens
+    assert not engine.cache.active[slot] and engine.metrics()["slots_in_use"] == 1
+    assert engine.metrics()["cache_tokens_in_use"] == 64                # b's pages only, before any further step
+    assert a.tokens == solo(model, ids[0:20], 30)[:3]
+    c = engine.submit(ids[200:260], 10)                                # takes the freed row
+    engine.run_until_done()
+    assert b.tokens == solo(model, ids[100:140], 12) and c.tokens == solo(model, ids[200:260], 10)
+    assert len(a.tokens) == 3 and not engine.cancel(a) and not engine.cancel(b)
+    assert engine.cache.free_tokens == free and engine.metrics()["requests_cancelled"] == 2
+
+
+def test_requests_the_cache_cannot_hold_yet_wait_then_complete(model, ids):
+    """Three slots but pages for two requests: the third waits in the queue (no eviction) and runs when one ends."""
+    engine = Engine(model, rows=3, max_tokens=128, prefill_tokens=256)
+    prompts = [ids[0:40], ids[50:90], ids[100:140]]
+    reqs = [engine.submit(p, 20) for p in prompts]                   # 60 tokens each: 4 pages of 16
+    engine.step()
+    m = engine.metrics()
+    assert m["queue_depth"] == 1 and m["running"] == 2 and reqs[2].status == "queued"
+    engine.run_until_done()
+    assert [r.tokens for r in reqs] == [solo(model, p, 20) for p in prompts]
+    assert reqs[2].admitted_at >= min(r.finished_at for r in reqs[:2])
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_the_limit(model, ids):
+    engine = Engine(model, rows=2, max_tokens=256)
+    with pytest.raises(Refused, match=r"need 2,100 tokens; the model's context is 2,048 tokens "
+                                      r"\(max_position_embeddings\)"):
+        engine.submit([5] * 2000, 100)
+    with pytest.raises(Refused, match=r"need 300 tokens; the engine's cache holds 256 tokens \(max_tokens\)"):
+        engine.submit(ids[:200], 100)
+    with pytest.raises(ValueError, match="max_new_tokens = 0"):
+        engine.submit(ids[:5], 0)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 6144\)"):
+        engine.submit([1, 6144], 3)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.submit(ids[:5], 3, temperature=1.0, top_p=0.0)
+    m = engine.metrics()
+    assert m["requests_refused"] == 2 and m["queue_depth"] == 0 and not engine.busy
+
+
+def test_stop_ids_end_a_request_early_and_stream_yields_tokens(model, ids):
+    want = solo(model, ids[10:30], 12)
+    stop = want[4]
+    end = want.index(stop)
+    engine = Engine(model, rows=2, max_tokens=256)
+    r = engine.submit(ids[10:30], 12, stop_ids=[stop])
+    other = engine.submit(ids[400:425], 12)
+    assert list(engine.stream(r)) == want[:end + 1] == r.tokens
+    assert r.finish_reason == "stop" and r.slot is None
+    engine.run_until_done()
+    assert other.tokens == solo(model, ids[400:425], 12) and other.finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_exactly_whatever_the_company(model, ids):
+    """The same seeded requests in two engines, arriving in another order among other traffic, draw the same
+    tokens; and the tokens ``generate`` draws for them alone with the same settings."""
+    asks = [(ids[0:12], dict(temperature=0.9, top_k=40, top_p=0.9, seed=5)),
+            (ids[50:80], dict(temperature=1.3, seed=6)),
+            (ids[90:95], dict(temperature=0.7, top_p=0.8, seed=7))]
+    runs = []
+    for order, rows in (([0, 1, 2], 4), ([2, 1, 0], 2)):
+        engine = Engine(model, rows=rows, max_tokens=512, prefill_tokens=16)
+        noise = engine.submit(ids[200:230], 10)                     # greedy company
+        reqs = {}
+        drive(engine, {k: [lambda i=i: reqs.setdefault(i, engine.submit(asks[i][0], 10, **asks[i][1]))]
+                       for k, i in enumerate(order)})
+        runs.append([reqs[i].tokens for i in range(3)])
+        assert noise.tokens == solo(model, ids[200:230], 10)
+    assert runs[0] == runs[1]
+    assert runs[0] == [solo(model, p, 10, **kw) for p, kw in asks]
+    assert len({tuple(t) for t in runs[0]}) == 3
+
+
+def test_prompts_prefilling_inside_the_running_bucket_keep_their_states(model, ids):
+    """Rows 1 and 2 free up while rows 0 and 3 decode (bucket 4, whose steps write idle rows' states): two prompts
+    admitted there, one waiting a step for its first chunk and both prefilling over several steps, still get their
+    solo tokens."""
+    engine = Engine(model, rows=4, max_tokens=1024, prefill_tokens=16)
+    first = [engine.submit(ids[k:k + 3], new) for k, new in ((0, 30), (10, 2), (20, 2), (30, 30))]
+    while first[1].status != "finished" or first[2].status != "finished":
+        engine.step()
+    late = [engine.submit(ids[100:140], 6), engine.submit(ids[200:235], 6)]
+    engine.step()
+    assert [r.slot for r in first + late] == [0, None, None, 3, 1, 2] and late[1].prefilled == 0
+    engine.run_until_done()
+    for r, k in zip(first, (0, 10, 20, 30)):
+        assert r.tokens == solo(model, ids[k:k + 3], r.max_new_tokens) and r.finish_reason == "length"
+    assert late[0].tokens == solo(model, ids[100:140], 6) and late[1].tokens == solo(model, ids[200:235], 6)
+
+
+def test_a_callback_may_cancel_and_non_finite_logits_end_one_request(model, ids, monkeypatch):
+    engine = Engine(model, rows=2, max_tokens=256)
+    a = engine.submit(ids[0:9], 10, on_token=lambda r, t: len(r.tokens) == 2 and engine.cancel(r))
+    b = engine.submit(ids[20:31], 10)
+    c = engine.submit(ids[40:45], 10)                                 # waits for a's row
+    engine.step()
+    engine.step()
+    assert a.finish_reason == "cancelled" and a.tokens == solo(model, ids[0:9], 2)
+    assert c.slot == 0 and c.tokens == solo(model, ids[40:45], 2)      # joined a's row: first token, one step
+    real = model.lm_head.forward
+
+    def poisoned(x):                                                  # c's row of a decode step only
+        out = real(x)
+        if out.shape[0] == 2:
+            out[c.slot] = float("nan")
+        return out
+
+    monkeypatch.setattr(model.lm_head, "forward", poisoned)
+    engine.step()
+    monkeypatch.undo()
+    assert c.finish_reason == "error" and "not finite (NaN or inf) at new token 3" in c.error and c.slot is None
+    assert len(c.tokens) == 2 and engine.metrics()["slots_in_use"] == 1
+    engine.run_until_done()
+    assert b.tokens == solo(model, ids[20:31], 10)
+
+
+def test_join_and_set_row_refuse_what_the_step_was_not_built_for(model):
+    greedy = lynn_model.SamplingParams.build([lynn_model.Sampling()] * 2, "cpu")
+    with pytest.raises(ValueError, match="built greedy"):
+        greedy.set_row(1, lynn_model.Sampling(0.8, seed=1))
+    flat = lynn_model.SamplingParams.build([lynn_model.Sampling(1.0, seed=1)], "cpu")
+    with pytest.raises(ValueError, match="rank none"):
+        flat.set_row(0, lynn_model.Sampling(1.0, top_k=5))
+    wide = lynn_model.SamplingParams.for_any(2, "cpu", vocab=64)
+    with pytest.raises(ValueError, match="top_k = 65 is more than the 64 candidates"):
+        wide.set_row(0, lynn_model.Sampling(1.0, top_k=65))
+    wide.set_row(1, lynn_model.Sampling(0.5, top_k=3, top_p=0.9, seed=4))
+    assert wide.temperature.tolist() == [0.0, 0.5] and wide.top_k.tolist() == [0, 3] and wide.seed.tolist() == [0, 4]
+    cache = model.new_cache(max_batch=2, max_tokens=64)
+    step = lynn_model.DecodeStep(model, cache, 2, lynn_model.SamplingParams.for_any(2, "cpu", 6144))
+    with pytest.raises(ValueError, match="is not an active sequence"):
+        step.join(1, 5)
+    with pytest.raises(ValueError, match=r"expected a row in 0..1"):
+        step.join(2, 5)
+    s = cache.add()
+    cache.reserve([s], [8])
+    step.join(s, 7, lynn_model.Sampling(0.9, seed=3))
+    assert step.active.tolist() == [True, False] and step.tokens[0] == 7 and step.params.seed[0] == 3
