@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lynn_kernels.bench.harness import provenance
-from lynn_kernels.bench.matmul_graph import graph_us
+from lynn_kernels.bench.harness import graph_us, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 248_320

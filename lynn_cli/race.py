@@ -120,10 +120,18 @@ def _race_variant(v, args) -> int:
     return 0
 
 
+def _git(*args: str):
+    """``git ARGS`` in the tree lynn_kernels was imported from, its output captured."""
+    import subprocess
+
+    from lynn_kernels.bench.harness import REPO_ROOT
+
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+
 def _check_base(op, args) -> tuple[str, str]:
     """``(revision sha, benchmark)`` of ``--base``, or the usage error: a git checkout, a revision, a benchmark
     the op has (or the decoder's), a GPU to run it on."""
-    import subprocess
 
     import torch
 
@@ -133,9 +141,7 @@ def _check_base(op, args) -> tuple[str, str]:
 
     from . import CommandError
 
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True)
-
+    git = _git
     if git("rev-parse", "--show-toplevel").returncode:
         raise CommandError(f"--base: lynn_kernels was imported from {REPO_ROOT}, which is not a git checkout", code=2)
     rev = git("rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}")
@@ -169,9 +175,7 @@ def _race_base(base: tuple[str, str], args) -> int:
 
     from . import CommandError
 
-    def git(*a, cwd=REPO_ROOT):
-        return subprocess.run(["git", *a], cwd=cwd, capture_output=True, text=True)
-
+    git = _git
     sha, bench_op = base
     tmp = Path(tempfile.mkdtemp(prefix="lynn-race-base-"))
     base_tree = tmp / "base"

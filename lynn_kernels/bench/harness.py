@@ -235,6 +235,33 @@ def kernel_ms(fn: Callable[[], object], n: int = 30) -> float:
                              for i in range(n)) / 1e3
 
 
+def graph_us(calls: list, reps: int = 20) -> float:
+    """Median microseconds per call of ``calls`` (zero-argument callables) captured as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()                                    # warm-up: compile, autotune, allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def timed(result: Result, call: Callable[[], object], ceilings: Ceilings | None) -> list[Result]:
     """Two rows for one provider: ``<provider> (call)``, ``do_bench`` of the Python call, and ``<provider>
     (kernel)``, the profiler's kernel time. ``result`` carries everything but the timings."""

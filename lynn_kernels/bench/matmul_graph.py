@@ -28,7 +28,7 @@ from ..matmul.triton_matmul import launch_dequant_gemm, launch_gemm, launch_gemv
 from ..matmul.triton_packed import launch_packed_gemv
 from ..metrics import compare
 from ..nvfp4 import dequantize, quantize
-from .harness import Result, derive, l2_bytes, time_fn, validated
+from .harness import Result, derive, graph_us, l2_bytes, time_fn, validated
 from .registry import register
 
 #: (label, N, K): the decoder's projection shapes (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B) and two squares.
@@ -73,33 +73,6 @@ def pure_read(buf: torch.Tensor, out: torch.Tensor) -> None:
     n = buf.numel()
     block, iters = 2048, 4
     _read_kernel[(triton.cdiv(n, block * iters),)](buf, out, n, BLOCK=block, ITERS=iters, num_warps=4)
-
-
-def graph_us(calls: list, reps: int = 20) -> float:
-    """Median microseconds per call of ``calls`` (zero-argument callables) captured as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()                                    # warm-up: compile, autotune, allocate outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def n_sets(bytes_per_set: int) -> int:
@@ -210,4 +183,4 @@ def bench_chain(ceilings, quick: bool = False) -> list[Result]:
     return rows
 
 
-__all__ = ["bench_graph", "bench_chain", "graph_us", "pure_read", "empty_launch", "SHAPES", "MS"]
+__all__ = ["bench_graph", "bench_chain", "pure_read", "empty_launch", "SHAPES", "MS"]

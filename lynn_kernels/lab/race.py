@@ -12,6 +12,7 @@ On a CPU there is nothing to time: the report says so and shows the shipped kern
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -21,9 +22,19 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from ..bench.harness import Ceilings, Result, derive, l2_bytes, load, measure_ceilings, provenance, result_table
+from ..bench.harness import (
+    Ceilings,
+    Result,
+    derive,
+    graph_us,
+    l2_bytes,
+    load,
+    measure_ceilings,
+    provenance,
+    result_table,
+)
 from ..metrics import compare, render_table
-from .check import CheckReport, check
+from .check import CheckReport, _error_text, check
 from .shapes import Shape, parse, shapes_for
 from .variant import Variant, shipped, using, variant
 
@@ -64,13 +75,6 @@ def _first(out):
 
     out = out[0] if isinstance(out, (tuple, list)) else out
     return reference.dequantize(out, torch.float32) if isinstance(out, NVFP4Tensor) else out
-
-
-def graph_us(calls: list, reps: int = 20) -> float:
-    """Median microseconds per call of ``calls`` (zero-argument callables) captured as one CUDA graph."""
-    from ..bench.matmul_graph import graph_us as replay
-
-    return replay(calls, reps)
 
 
 @dataclass
@@ -169,8 +173,7 @@ def _validate(out, want, base_err: float | None, vendor: bool) -> dict:
 
 
 def _failed(err: BaseException) -> dict:
-    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
-    return {"passed": False, "error": f"{type(err).__name__}: {lines[-1] if lines else ''}"[:300]}
+    return {"passed": False, "error": _error_text(err)}
 
 
 #: The most rotating input sets one graph cycles through: tiny ops (a norm's row) stay under three L2s even so, as
@@ -240,7 +243,7 @@ def _race_shape(v: Variant, ship: Variant, reference, shape: Shape, rounds: int,
     checks = {}
     for label, call, routed in providers:
         try:
-            with using(routed) if routed is not None else _nothing() as hits:
+            with using(routed) if routed is not None else contextlib.nullcontext({"unrouted": 1}) as hits:
                 out = call(args, kwargs, aux)
             checks[label] = _validate(out, want, base_err, vendor=label not in (v.label, "shipped"))
             if routed is not None and not hits:       # the op took another path here: a race of nothing
@@ -255,7 +258,7 @@ def _race_shape(v: Variant, ship: Variant, reference, shape: Shape, rounds: int,
                 continue
             calls = [lambda s=s, call=call: call(*s) for s in sets]
             try:
-                with using(routed, count=False) if routed is not None else _nothing():
+                with using(routed, count=False) if routed is not None else contextlib.nullcontext():
                     times[label].append(graph_us(calls))
             except Exception as err:                  # a capture that fails (a host sync inside a variant)
                 checks[label] = _failed(err)
@@ -272,14 +275,6 @@ def _race_shape(v: Variant, ship: Variant, reference, shape: Shape, rounds: int,
                           + ("" if ok else f"; not timed: {checks[label].get('error', 'failed validation')}"))
         results.append(derive(res, ceilings) if ok else res)
     return results
-
-
-class _nothing:
-    def __enter__(self):
-        return {"shipped": 1}                          # truthy: nothing is routed, nothing to confirm
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _save(report: RaceReport, folder: Path, shapes: str) -> Path:
