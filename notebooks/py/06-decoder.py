@@ -818,21 +818,22 @@ for shape, doc in BENCH.items():
 # * **The eager decoder is bound by the host.** At batch 1 a decode step is 536 GPU operations as loaded (the
 #   census; 366 fused); each costs the host more, in Python, argument checks and Triton's launcher, than its kernel
 #   costs the GPU (notebook 02 shows the same for one projection). From the host a step takes 49-95 ms (it moves
-#   with the host; 82 ms in the last run) against 2.9 ms of kernels.
-# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.62 ms, 382 tok/s at
-#   Qwen3.5-35B-A3B, 1,268 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
-#   projections fused into one GEMV 2.25 ms (445 tok/s), and with each Gated DeltaNet decode step in one kernel
-#   as well (as `lynn generate` runs on a GPU) 2.08 ms, 481 tok/s (1,424 tok/s at batch 8). Its kernels launch with
-#   programmatic dependent launch: each starts while the one before it finishes (2.86 ms with plain launches).
+#   with the host; 49 ms in the last run) against 2.7 ms of kernels.
+# * **The CUDA graph removes the host**: replayed, the step costs its kernels (2.66 ms, 376 tok/s at
+#   Qwen3.5-35B-A3B, 1,261 tok/s aggregate at batch 8), and `generate()` gets the same; with each mixer's input
+#   projections fused into one GEMV 2.28 ms (439 tok/s), and with each Gated DeltaNet decode step in one kernel
+#   as well (as `lynn generate` runs on a GPU) 2.08 ms, 480 tok/s (1,413 tok/s at batch 8). Its kernels launch with
+#   programmatic dependent launch: each starts while the one before it finishes (2.88 ms with plain launches).
 # * **Then the bytes and the launches**: the fused step is still 3.2 times what its 2.64 GB need at the read
 #   bandwidth. The MoE blocks are now the largest part (20.9 us per layer for ~16 MB of experts: the router 6.5,
 #   gate_up 8.3, down 6.1; notebook 03, section 6b), then the Gated DeltaNet layers (22.2 us each for ~23 MB, three
 #   launches fused) and the LM head (243 us, bf16 at the read ceiling). With bf16 weights the same graph takes
-#   4.30 ms: 4-bit weights buy 1.64x as loaded, 2.07x fused, not the 2.3x their bytes allow, because the step is
+#   4.35 ms: 4-bit weights buy 1.64x as loaded, 2.09x fused, not the 2.3x their bytes allow, because the step is
 #   not yet bound by its bytes.
-# * **Prefill** is less host-bound: 2,048 tokens per call ran at 10,800-24,000 tok/s on Qwen3.5-35B-A3B across
-#   runs (144 ms against 72 ms of kernels in the last: the host's share moves between runs), 16,384 tokens at
-#   29,382 tok/s (98% kernels); HF bf16 took 481 ms for the 2,048 tokens in the same run.
+# * **Prefill** is less host-bound: eager, 2,048 tokens per call ran at 16,394 tok/s on Qwen3.5-35B-A3B in the
+#   last run (125 ms; the host's share moves between runs), 65 ms (31,412 tok/s) as a captured prefill graph;
+#   16,384 tokens at 35,856 tok/s eager and 36,132 as a graph; HF bf16 took 336 ms for the 2,048 tokens in the
+#   same run.
 
 # %% [markdown]
 # ## 7. Explorer: sampling and the cache
@@ -951,7 +952,7 @@ display(widgets.VBox([slot_w, widgets.interactive_output(explore_cache, {"slot":
 #
 # The decoder is complete and matches HF on all five model classes (`tests/test_model.py`, also compiled on the
 # H200). On a GPU its decode step is a CUDA graph; in the committed run of section 6, at batch 1 and a 4,096-token
-# context, Qwen3.5-35B-A3B decodes 382 tok/s as loaded and 481 tok/s with each mixer's input projections in one
+# context, Qwen3.5-35B-A3B decodes 376 tok/s as loaded and 480 tok/s with each mixer's input projections in one
 # GEMV and each Gated DeltaNet decode step in one kernel (as `lynn generate` runs it on a GPU), Qwen3-Next-80B-A3B
 # 277 and 313 (input projections fused); the bytes of a step allow 1,527 and 1,441 tok/s at the measured read
 # bandwidth. The Triton 3.6 compiler fault on Hopper is worked around (`docs/history/compiler-fault.md`).
