@@ -3,8 +3,9 @@
 
 Greedy tokens of a random-weight model of ``preset`` with the variant routed in (:func:`lynn_kernels.lab.using`)
 against the shipped kernels, from the same prompt: equal, or the first position where they part, with each path's
-two best tokens and logits there. On a GPU also tokens per second at batch 1 and 8 as :func:`lynn_model.generate`
-runs them (a CUDA graph of the decode step, replayed per token), shipped and variant alternating.
+two best tokens and logits there. On a GPU the model runs as ``lynn generate`` runs it there (each mixer's input
+projections in one GEMV, each Gated DeltaNet decode step in one kernel: ``fused=True``), and the report adds tokens
+per second at batch 1 and 8 (a CUDA graph of the decode step, replayed per token), shipped and variant alternating.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DecoderReport:
     calls: int                                  #: calls of the variant from Python while the decoder made its tokens
     divergence: dict | None = None              #: first differing position, with both paths' top-2 there
     speed: list[dict] = field(default_factory=list)
+    fused: bool = False                         #: input projections and Gated DeltaNet decode fused, as on a GPU
 
     @property
     def equal(self) -> bool:
@@ -44,7 +46,8 @@ class DecoderReport:
         v = self.variant
         ran = (f"the variant was called {self.calls} times from Python (a captured graph's replays not counted)"
                if self.calls else "the variant NEVER RAN: the decoder reaches this op another way (a fused path)")
-        lines = [f"{v.label} in the {self.preset} decoder (random weights, greedy): {ran}; "
+        form = "fused as lynn generate runs it on a GPU" if self.fused else "as loaded"
+        lines = [f"{v.label} in the {self.preset} decoder ({form}; random weights, greedy): {ran}; "
                  + (f"{len(self.shipped_tokens)} tokens, equal to the shipped path" if self.equal else
                     f"the tokens part at position {self.divergence['position']}")]
         if self.divergence:
@@ -78,20 +81,26 @@ def _logits_after(model, prompt: list[int], made: list[int]) -> torch.Tensor:
 
 
 def in_decoder(v, fn=None, *, preset: str | None = None, new_tokens: int = 8, prompt_len: int = 12,
-               batches: tuple[int, ...] = (1, 8), speed_tokens: int = 64, seed: int = 0) -> DecoderReport:
+               batches: tuple[int, ...] = (1, 8), speed_tokens: int = 64, seed: int = 0,
+               fused: bool | None = None) -> DecoderReport:
     """Run the decoder of ``preset`` (default: a tiny one on a CPU, ``qwen3.5-35b-a3b`` on a GPU) on the variant and
-    on the shipped kernels; see the module docstring. ``v, fn``: as :func:`lynn_kernels.lab.variant`."""
+    on the shipped kernels; see the module docstring. ``v, fn``: as :func:`lynn_kernels.lab.variant`. ``fused``:
+    fuse the input projections and the Gated DeltaNet decode step first (default: on a GPU, as ``lynn generate``)."""
     v = lab.variant(v, fn) if fn is not None else lab.variant(v)
     gpu = can_time()
     name = preset or ("qwen3.5-35b-a3b" if gpu else DEFAULT_PRESET)
     cfg = get_preset(name)
     model = random_model(cfg, weights="nvfp4", device=runtime.DEVICE, seed=seed)
+    fused = gpu if fused is None else fused
+    if fused:
+        model.fuse_input_projections()
+        model.fuse_gdn_decode()
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen)
     want = generate(model, prompt, new_tokens)[0, prompt_len:].tolist()
     with lab.using(v) as hits:
         got = generate(model, prompt, new_tokens)[0, prompt_len:].tolist()
-    report = DecoderReport(v, name, want, got, sum(hits.values()))
+    report = DecoderReport(v, name, want, got, sum(hits.values()), fused=fused)
     if not report.equal:
         i = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
         first = prompt[0].tolist()

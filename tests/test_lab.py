@@ -282,16 +282,19 @@ def test_a_kernel_route_reaches_a_launcher_called_without_kernel():
 
 # -- the decoder ----------------------------------------------------------------------------------------------------
 
-def test_in_decoder_counts_a_correct_variant_and_keeps_the_tokens():
+@pytest.mark.parametrize("fused", [False, True], ids=["as-loaded", "fused"])
+def test_in_decoder_counts_a_correct_variant_and_keeps_the_tokens(fused):
+    """As loaded, and fused as ``lynn generate`` runs the model on a GPU (the default there)."""
     from lynn_model.lab import in_decoder
 
     calls: list = []
     with lynn_kernels.use_reference():
         report = in_decoder(lab.variant("norm.rmsnorm", _calling("norm.rmsnorm", "public", calls)),
-                            new_tokens=4, prompt_len=4)
-    assert report.calls > 0 and report.calls == len(calls)
+                            new_tokens=4, prompt_len=4, fused=fused)
+    assert report.calls > 0 and report.calls == len(calls) and report.fused == fused
     assert report.equal and report.divergence is None and len(report.variant_tokens) == 4
     assert "equal to the shipped path" in str(report)
+    assert ("fused as lynn generate runs it" in str(report)) == fused
 
 
 def test_in_decoder_shows_where_a_wrong_variant_parts():

@@ -145,6 +145,24 @@ def test_op_can_show_the_reference_instead_of_the_host():
         runtime.op(reference=_toy_reference, docs="both")
 
 
+def test_every_public_op_and_its_reference_take_the_same_arguments():
+    """What ``use_reference()`` (and a routed callable) is handed is what the host was: the same parameters, kinds
+    and defaults, for every op declared with ``runtime.op`` in the package."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    ops = {}
+    for info in pkgutil.walk_packages(lynn_kernels.__path__, "lynn_kernels."):
+        for name, obj in vars(importlib.import_module(info.name)).items():
+            if callable(obj) and hasattr(obj, "reference") and hasattr(obj, "host"):
+                ops.setdefault(id(obj), (f"{info.name}.{name}", obj))
+    assert len(ops) >= 20, sorted(n for n, _ in ops.values())
+    for name, op in ops.values():
+        host, ref = (inspect.signature(f).parameters.values() for f in (op.host, op.reference))
+        assert [(p.name, p.kind, p.default) for p in host] == [(p.name, p.kind, p.default) for p in ref], name
+
+
 def test_nvfp4_ops_run_their_reference_without_launching(monkeypatch):
     from lynn_kernels.nvfp4 import triton_quant
 

@@ -207,12 +207,13 @@ def gated_rmsnorm(x, z, weight, eps=1e-6):
 
 
 def gated_delta_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, num_k_heads,
-                       eps=1e-6, *, x=None, a_weight=None, b_weight=None):
+                       eps=1e-6, *, x=None, a_weight=None, b_weight=None, states_early=False):
     """A Gated DeltaNet layer's decode step between its input projections and ``out_proj``, the states updated in
     place: :func:`causal_conv1d_update` of ``qkv [B, C]`` (``C = 2 H K + HV V``, ``H = num_k_heads``), its output
     split into q, k ``[B, 1, H, K]`` and v ``[B, 1, HV, V]``, :func:`recurrent_gated_delta_rule_gates` on them with
     the l2-normed q / k and ``state [B, HV, K, V]`` fp32, then :func:`gated_rmsnorm` of the result with
     ``z [B, HV, V]``. ``a, b [B, HV]``, or ``a = F.linear(x, a_weight)`` and ``b = F.linear(x, b_weight)``.
+    ``states_early`` is the kernel's scheduling promise under programmatic launches: nothing to do here.
     Returns ``[B, HV, V]`` in qkv's dtype."""
     dims = spec.check_decode_step(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
                                   num_k_heads, eps, x=x, a_weight=a_weight, b_weight=b_weight)
