@@ -248,3 +248,17 @@ def test_join_and_set_row_refuse_what_the_step_was_not_built_for(model):
     cache.reserve([s], [8])
     step.join(s, 7, lynn_model.Sampling(0.9, seed=3))
     assert step.active.tolist() == [True, False] and step.tokens[0] == 7 and step.params.seed[0] == 3
+
+
+def test_each_request_prefills_in_its_own_call_unless_packed(model, ids):
+    """By default a step prefills each request's chunk in a call of its own (a chunk's shape never depends on the
+    company); ``pack_prefill`` puts the step's chunks in one call."""
+    prompts = [ids[o:o + n] for o, n in ((0, 9), (50, 20), (100, 5))]
+    for pack, calls in ((False, 3), (True, 1)):
+        engine = Engine(model, rows=4, max_tokens=512, prefill_tokens=64, pack_prefill=pack)
+        reqs = [engine.submit(p, 3) for p in prompts]
+        engine.step()
+        assert engine.counters.prefill_calls == calls and all(len(r.tokens) == 2 for r in reqs), pack
+        engine.run_until_done()
+        if not pack:
+            assert [r.tokens for r in reqs] == [solo(model, p, 3) for p in prompts]

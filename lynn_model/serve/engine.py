@@ -6,9 +6,11 @@ Each :meth:`Engine.step` does one iteration, single-threaded and synchronous (a 
    prompt plus ``max_new_tokens``, reserved at once (a captured decode step reads the block table as it stands, and
    a running request never waits for pages). A request that does not fit waits; the queue never skips its head
    (no starvation) and never evicts another request's cache. One that can never fit is refused at :meth:`submit`.
-2. **prefill** up to ``prefill_tokens`` prompt tokens, the admitted requests' next chunks in admission order, packed
-   in one :meth:`Model.step` call (a long prompt takes several iterations, continuing its cached prefix). A request
-   whose prompt is done samples its first token from the chunk's logits and joins the decode batch.
+2. **prefill** the admitted requests' next chunks in admission order, about ``prefill_tokens`` prompt tokens in
+   all. A chunk is the request's own next ``prefill_tokens`` tokens (a long prompt takes several iterations,
+   continuing its cached prefix), so where its chunks begin never depends on the other requests; each chunk is one
+   :meth:`Model.step` call of its own (``pack_prefill=True`` packs them into one). A request whose prompt is done
+   samples its first token from the chunk's logits and joins the decode batch.
 3. **decode** one token of every joined request through a :class:`~lynn_model.graphs.DecodeStep`: the slot is the
    row, the batch runs in the smallest bucket (1, 2, 4, ... up to ``rows``) that holds the highest busy row, one
    step per bucket built up front (on a GPU, captured graphs sharing one memory pool). A request joins its row in
@@ -20,11 +22,15 @@ is still prefilling keeps a copy of its Gated DeltaNet states between chunks, pu
 its first chunk starts from zeroed states.
 
 A request's tokens depend on its own logits alone: a greedy row is the argmax of its own logits, a sampled one draws
-from its own seed and positions (:mod:`lynn_model.sampling`). With an fp32 model a greedy request gets the tokens that
-``lynn_model.generate(model, [prompt], n, temperature=0)`` gives it alone, in whatever company it runs
-(tests/test_serve_engine.py). With a bf16 model not yet: a prompt prefilled in chunks, or packed with others, rounds
-differently from one prefilled alone (logits apart by up to 0.06 on the demo model), and greedy tokens can part
-(2 of 7 requests in the test's mix); decode batching changed none.
+from its own seed and positions (:mod:`lynn_model.sampling`), and its prefill chunks do not depend on the company it
+keeps. Its decode rows are computed in a batch whose width does, and a batch is not bit-invariant everywhere: on a
+CPU an elementwise exp or SiLU rounds by an ulp differently in a vectorised loop than in its scalar tail, so a row's
+fp32 intermediates can move by an ulp with the batch's size. In fp32 that stays far below the gaps between logits:
+a greedy request gets the tokens ``lynn_model.generate(model, [prompt], n, temperature=0)`` gives it alone
+(tests/test_serve_engine.py, the demo model on the torch reference). In bf16 an intermediate rounded to bf16 can
+land on the other side of a rounding step, and greedy tokens can part (1 request in 10 of a mixed batch on the demo
+model): ``lynn serve`` computes in fp32 on a CPU for that reason. ``pack_prefill`` rounds differently too (a
+matmul's summation order depends on its row count).
 
 Example::
 
@@ -131,20 +137,23 @@ class Engine:
             running streams' inter-token latency down while a long prompt comes in, larger prefills faster.
         cuda_graph: capture the decode steps (default: on a GPU with the compiled kernels).
         page_size: the cache's page (tokens).
+        pack_prefill: prefill the iteration's chunks of several requests in one :meth:`Model.step` call (fewer
+            launches, faster on a GPU) instead of one call per request. Off by default: a packed prefill rounds
+            differently from a lone one, so greedy tokens could part from what the request gets alone.
 
     Build it with no other user of ``model``'s kernels in flight: on a GPU the decode steps are warmed up and
     captured here, one per bucket.
     """
 
     def __init__(self, model: Model, *, rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512,
-                 cuda_graph: bool | None = None, page_size: int = 16):
+                 cuda_graph: bool | None = None, page_size: int = 16, pack_prefill: bool = False):
         if not _is_int(rows) or rows < 1:
             raise ValueError(f"rows = {rows!r}: expected an int >= 1")
         if not _is_int(prefill_tokens) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens = {prefill_tokens!r}: expected an int >= 1")
         if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
             raise ValueError(f"max_tokens = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
-        self.model, self.rows, self.prefill_tokens = model, rows, prefill_tokens
+        self.model, self.rows, self.prefill_tokens, self.pack_prefill = model, rows, prefill_tokens, pack_prefill
         self.context = model.config.max_position_embeddings
         self.vocab = model.config.vocab_size
         if max_tokens is None:
@@ -288,12 +297,22 @@ class Engine:
     def _prefill(self) -> None:
         budget, chunks = self.prefill_tokens, []
         for r in self._admitted:
-            if budget == 0:
+            if r.status != "prefill":
+                continue
+            # a chunk is the request's own next prefill_tokens: its boundaries never depend on the company it keeps
+            n = min(len(r.prompt) - r.prefilled, self.prefill_tokens)
+            if chunks and n > budget:
                 break
-            if r.status == "prefill":
-                n = min(len(r.prompt) - r.prefilled, budget)
-                chunks.append((r, n))
-                budget -= n
+            chunks.append((r, n))
+            budget -= n
+        groups = [chunks] if self.pack_prefill else [[c] for c in chunks]
+        for group in groups:
+            self._prefill_call(group)
+
+    def _prefill_call(self, chunks: list[tuple[Request, int]]) -> None:
+        """One :meth:`Model.step` over ``chunks`` (request, tokens); the requests whose prompt is done sample their
+        first token."""
+        chunks = [(r, n) for r, n in chunks if not r.done]    # a callback of an earlier call may have cancelled one
         if not chunks:
             return
         for r, _ in chunks:                                 # decode steps may have written these idle rows' states
