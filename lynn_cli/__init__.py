@@ -9,6 +9,7 @@ neither imports it).
 * ``lynn info``                what this process runs on;
 * ``lynn quantize SRC DST``    write an NVFP4 (W4A16) copy of a Qwen3-Next / Qwen3.5 checkpoint (docs/nvfp4.md);
 * ``lynn generate [PROMPT]``   stream a continuation from the demo model, or ``--model DIR`` (docs/decoder.md).
+* ``lynn serve``               an OpenAI-compatible HTTP server with continuous batching (docs/serving.md).
 
 Each command is a module of this package: ``add(subparsers)`` declares its arguments, ``run(args)`` does its work and
 imports what it needs. Parsing imports no torch, so ``--help``, ``--version`` and usage errors answer at once, and
@@ -25,7 +26,7 @@ import difflib
 import importlib
 import sys
 
-COMMANDS = ("check", "race", "bench", "lab", "info", "quantize", "generate")
+COMMANDS = ("check", "race", "bench", "lab", "info", "quantize", "generate", "serve")
 
 
 class CommandError(Exception):

@@ -222,14 +222,17 @@ class Engine:
         self.counters.submitted += 1
         return r
 
-    def cancel(self, request: Request) -> bool:
-        """End ``request`` now ("cancelled"): its decode row and cache slot (with its pages) are free before the
-        next step. False when it had already finished."""
+    def cancel(self, request: Request, reason: str = "cancelled") -> bool:
+        """End ``request`` now: its decode row and cache slot (with its pages) are free before the next step.
+        ``reason``: "cancelled", or "stop" where the caller found a stop of its own (a server's stop string). False
+        when it had already finished."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"reason = {reason!r}: expected 'cancelled' or 'stop'")
         if request.done:
             return False
         if request.status == "queued":
             self._queue.remove(request)
-        self._finish(request, "cancelled")
+        self._finish(request, reason)
         return True
 
     def stream(self, request: Request) -> Iterator[int]:
@@ -244,6 +247,11 @@ class Engine:
             self.step()
 
     # -- the loop ------------------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a cache slot."""
+        return len(self._queue)
+
     @property
     def busy(self) -> bool:
         """Whether any request is queued or admitted."""

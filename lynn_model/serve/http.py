@@ -1,0 +1,616 @@
+"""``lynn serve``'s HTTP layer: an OpenAI-compatible API (FastAPI on uvicorn) over one :class:`~.engine.Engine`.
+
+Two threads: the server's event loop answers HTTP, and one engine thread owns the model, the cache and the engine
+(none of them is thread-safe). The loop hands the engine thread commands (submit, cancel, read the metrics) through a
+queue; the engine thread steps while any request is queued or running, sleeps on the queue otherwise, and passes
+each new token back to the loop (``call_soon_threadsafe``), where the request's handler turns tokens into text and
+the text into a response or a stream of server-sent events.
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions`` (the checkpoint's chat template): OpenAI's request and
+  response JSON, streaming (``"stream": true``, chunks as OpenAI sends them, then ``data: [DONE]``) or not;
+  ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings), ``stop_token_ids`` (ids),
+  ``ignore_eos``, ``stream_options.include_usage``. A parameter the engine cannot honour (``n`` > 1, ``logprobs``,
+  penalties, tools, ...) or does not know is refused with OpenAI's error JSON (400), never ignored.
+* ``GET /v1/models``, ``GET /health`` (503 while the model loads), ``GET /metrics`` (Prometheus text).
+* A prompt that cannot fit the context gets 400; a full queue 429; a client that goes away has its request
+  cancelled, and its cache slot is free before the engine's next step.
+
+Example::
+
+    server = Server("data/models/lynn-demo")
+    uvicorn.run(create_app(server), host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import queue
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import lynn_kernels
+
+from ..generate import Tokenizer
+from .engine import Engine, Refused, Request
+
+#: The buckets (seconds) of the latency histograms in ``/metrics``.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
+             "stream_options", "ignore_eos", "user", "n"}
+#: parameters an OpenAI client may send that change nothing at this value, and are refused at any other
+_NEUTRAL = {"n": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False,),
+            "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "best_of": (None, 1), "logit_bias": (None, {}),
+            "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+            "response_format": (None, {"type": "text"}), "stream_options": (None,)}
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "presence_penalty", "frequency_penalty", "best_of",
+                                 "logit_bias", "suffix"}
+CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
+                           "frequency_penalty", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
+                           "response_format"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's JSON: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(status, "server_error")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+# -- metrics -----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, the sum and the count."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, x: float) -> None:
+        i = next((i for i, b in enumerate(self.buckets) if x <= b), len(self.buckets))
+        self.counts[i] += 1
+        self.total += x
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, run = [], 0
+        for b, c in zip((*self.buckets, math.inf), self.counts):
+            run += c
+            out.append(f'{name}_bucket{{le="{"+Inf" if b == math.inf else b}"}} {run}')
+        return out + [f"{name}_sum {self.total:.6f}", f"{name}_count {self.n}"]
+
+
+def prometheus_text(m: dict, ttft: Histogram, itl: Histogram, http: dict) -> str:
+    """The engine's gauges and counters (:meth:`Engine.metrics`), the latency histograms and the HTTP errors."""
+    lines: list[str] = []
+
+    def metric(name, kind, help_, samples):
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+        lines.extend(samples)
+
+    metric("lynn_requests_total", "counter", "Requests that ended, by finish reason.",
+           [f'lynn_requests_total{{reason="{r}"}} {m["requests_" + r]}' for r in ("stop", "length", "cancelled",
+                                                                                   "error")])
+    metric("lynn_requests_submitted_total", "counter", "Requests the engine accepted.",
+           [f"lynn_requests_submitted_total {m['requests_submitted']}"])
+    metric("lynn_requests_refused_total", "counter", "Requests refused: too long for the context or the cache.",
+           [f"lynn_requests_refused_total {m['requests_refused']}"])
+    metric("lynn_http_errors_total", "counter", "Error responses, by HTTP status.",
+           [f'lynn_http_errors_total{{status="{s}"}} {n}' for s, n in sorted(http.items())])
+    metric("lynn_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [f"lynn_prompt_tokens_total "
+                                                                               f"{m['prompt_tokens']}"])
+    metric("lynn_generation_tokens_total", "counter", "Tokens generated.",
+           [f"lynn_generation_tokens_total {m['generated_tokens']}"])
+    metric("lynn_decode_steps_total", "counter", "Decode steps run.", [f"lynn_decode_steps_total {m['decode_steps']}"])
+    metric("lynn_decode_rows_total", "counter", "Requests summed over decode steps (mean batch: rows / steps).",
+           [f"lynn_decode_rows_total {m['decode_rows']}"])
+    metric("lynn_queue_depth", "gauge", "Requests waiting for a cache slot.", [f"lynn_queue_depth {m['queue_depth']}"])
+    metric("lynn_running_requests", "gauge", "Requests admitted (prefilling or decoding).",
+           [f"lynn_running_requests {m['running']}"])
+    metric("lynn_cache_slots_in_use", "gauge", "Cache slots held by requests.",
+           [f"lynn_cache_slots_in_use {m['slots_in_use']}"])
+    metric("lynn_cache_slots", "gauge", "Cache slots (the widest decode batch).", [f"lynn_cache_slots {m['slots']}"])
+    metric("lynn_cache_tokens_in_use", "gauge", "Cache tokens reserved by requests.",
+           [f"lynn_cache_tokens_in_use {m['cache_tokens_in_use']}"])
+    metric("lynn_cache_tokens", "gauge", "Cache tokens in all.", [f"lynn_cache_tokens {m['cache_tokens']}"])
+    metric("lynn_cache_usage_ratio", "gauge", "Share of the cache's tokens reserved.",
+           [f"lynn_cache_usage_ratio {m['cache_tokens_in_use'] / max(1, m['cache_tokens']):.6f}"])
+    metric("lynn_time_to_first_token_seconds", "histogram", "From arrival to the first token.",
+           ttft.lines("lynn_time_to_first_token_seconds"))
+    metric("lynn_inter_token_latency_seconds", "histogram", "Between consecutive tokens of a request.",
+           itl.lines("lynn_inter_token_latency_seconds"))
+    return "\n".join(lines) + "\n"
+
+
+# -- the engine thread -------------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Job:
+    """One HTTP request's view of its engine request: the tokens arrive on ``events`` in the server's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    request: Request | None = None
+
+
+class Server:
+    """The model, its tokenizer and an :class:`Engine`, loaded in a thread of their own and stepped there.
+
+    Args:
+        model_dir: a HF model folder (``lynn_model.from_pretrained``).
+        weights, dtype: as ``from_pretrained``; ``dtype`` None: float32 on a CPU (there a batch is not bit-invariant
+            in bf16: engine.py), the checkpoint's on a GPU.
+        backend: "auto" (the compiled kernels on a GPU, fused as ``lynn generate`` runs them; the torch reference on
+            a CPU), "kernels" or "reference".
+        rows, max_tokens, prefill_tokens: the engine's (:class:`Engine`).
+        max_queue: requests waiting for a slot beyond which a new one gets 429.
+        threads: torch's CPU threads in the engine thread (0: torch's default).
+    """
+
+    def __init__(self, model_dir, *, weights: str = "auto", dtype: torch.dtype | None = None, backend: str = "auto",
+                 rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512, max_queue: int = 64,
+                 threads: int = 1, name: str | None = None, on_failure: Callable[[str], None] | None = None):
+        self.model_dir = Path(model_dir)
+        self.name = name or self.model_dir.name
+        self.weights, self.dtype, self.backend = weights, dtype, backend
+        self.rows, self.max_tokens, self.prefill_tokens = rows, max_tokens, prefill_tokens
+        self.max_queue, self.threads, self.on_failure = max_queue, threads, on_failure
+        self.state, self.error = "loading", None            # loading -> ready | failed
+        self.created = int(time.time())
+        self.engine: Engine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.eos: list[int] = []
+        self.context = 0
+        self.ttft, self.itl, self.http_errors = Histogram(), Histogram(), {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[int, Job] = {}
+        self._stop = False
+        self.thread = threading.Thread(target=self._main, name="lynn-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._inbox.put(lambda: None)
+
+    # -- the engine thread: load, then step while busy -------------------------------------------------------------
+    def _main(self) -> None:
+        import lynn_model
+
+        on_gpu = torch.cuda.is_available()
+        backend = self.backend if self.backend != "auto" else ("kernels" if on_gpu else "reference")
+        if self.threads and not on_gpu:
+            torch.set_num_threads(self.threads)
+        try:
+            with lynn_kernels.use_reference(backend == "reference"):
+                dtype = self.dtype if self.dtype is not None else (None if on_gpu else torch.float32)
+                model = lynn_model.from_pretrained(self.model_dir, weights=self.weights, dtype=dtype)
+                if backend == "kernels" and on_gpu:
+                    model.fuse_input_projections()
+                    model.fuse_gdn_decode()
+                self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+                self.eos = sorted(set(self.tokenizer.stop_ids) | set(model.config.eos_token_ids))
+                self.context = model.config.max_position_embeddings
+                self.engine = Engine(model, rows=self.rows, max_tokens=self.max_tokens,
+                                     prefill_tokens=self.prefill_tokens)
+        except Exception as err:                            # shown by /health and the command, not a traceback page
+            self.state, self.error = "failed", f"loading {self.model_dir} failed: {type(err).__name__}: {err}"
+            if self.on_failure is not None:
+                self.on_failure(self.error)
+            return
+        self.state = "ready"
+        with lynn_kernels.use_reference(backend == "reference"):
+            self._loop()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            try:
+                cmd = self._inbox.get(block=not engine.busy)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                cmd()
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if engine.busy:
+                try:
+                    engine.step()
+                except Exception:                           # the engine ended the step's requests with "error"
+                    traceback.print_exc()
+                self._settle()
+
+    def _settle(self) -> None:
+        """Tell the loop about every request that finished (its last event)."""
+        for rid, job in list(self._jobs.items()):
+            r = job.request
+            if r.done:
+                del self._jobs[rid]
+                if r.time_to_first_token is not None:
+                    self.ttft.observe(r.time_to_first_token)
+                for gap in r.inter_token_latencies:
+                    self.itl.observe(gap)
+                job.loop.call_soon_threadsafe(job.events.put_nowait, ("done", r.finish_reason, r.error))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` in the engine thread; a future of its result."""
+        fut: Future = Future()
+
+        def run():
+            try:
+                fut.set_result(fn())
+            except BaseException as err:                    # handed to the caller
+                fut.set_exception(err)
+        self._inbox.put(run)
+        return fut
+
+    # -- what the handlers call (from the loop) ---------------------------------------------------------------------
+    async def submit(self, prompt: list[int], max_new_tokens: int, params: dict) -> Job:
+        loop = asyncio.get_running_loop()
+        job = Job(loop, asyncio.Queue())
+
+        def on_token(r: Request, token: int) -> None:
+            loop.call_soon_threadsafe(job.events.put_nowait, ("token", token))
+
+        def go() -> Job:
+            if self.engine.waiting >= self.max_queue:
+                raise APIError(429, f"the server is full: {self.max_queue} requests are waiting for a cache slot; "
+                                    "try again shortly", code="queue_full")
+            job.request = self.engine.submit(prompt, max_new_tokens, on_token=on_token, **params)
+            self._jobs[job.request.id] = job
+            return job
+        return await asyncio.wrap_future(self.call(go))
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """End ``job``'s request at the engine's next command ("stop": a stop string ended it)."""
+        if job.request is not None:
+            self.call(lambda: (self.engine.cancel(job.request, reason), self._settle()))
+
+    async def metrics_text(self) -> str:
+        """``/metrics``, put together in the engine thread (which owns the counters and histograms)."""
+        http = dict(self.http_errors)
+        return await asyncio.wrap_future(self.call(lambda: prometheus_text(self.engine.metrics(), self.ttft, self.itl,
+                                                                            http)))
+
+
+# -- requests ----------------------------------------------------------------------------------------------------------
+
+def _number(body: dict, key: str, default, lo: float, hi: float, *, integer: bool = False, lo_open=False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not (lo < v if lo_open else lo <= v) or v > hi:
+        kind = "an integer" if integer else "a number"
+        bounds = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise APIError(400, f"'{key}' must be {kind} in {bounds}, got {v!r}", param=key)
+    return v
+
+
+@dataclass
+class Ask:
+    """A parsed completion or chat request."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: dict                     # Engine.submit's sampling and stop ids
+    stop: list[str]
+    stream: bool
+    usage_in_stream: bool
+
+
+def parse(server: Server, body: Any, chat: bool) -> Ask:
+    """Check ``body`` against what the engine can do; the prompt as token ids. Raises :class:`APIError`."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for key in body:
+        if key not in allowed:
+            raise APIError(400, f"unsupported parameter '{key}'", param=key, code="unsupported_parameter")
+    for key, ok in _NEUTRAL.items():
+        if key in body and key != "stream_options" and body[key] not in ok:
+            raise APIError(400, f"'{key}' = {body[key]!r} is not supported by this server (only {ok[-1]!r})",
+                           param=key, code="unsupported_parameter")
+    model = body.get("model")
+    if model is not None and model != server.name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{server.name}'", param="model",
+                       code="model_not_found")
+    tok = server.tokenizer
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise APIError(400, "'messages' must be a non-empty list of {'role': str, 'content': str}",
+                           param="messages")
+        try:
+            ids = tok.encode(tok.apply_chat_template(messages))
+        except (ValueError, TypeError) as err:
+            raise APIError(400, f"the chat template could not render 'messages': {err}", param="messages") from None
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                              # a batch of one
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < server.engine.vocab]
+            if bad:
+                raise APIError(400, f"'prompt' token ids must lie in [0, {server.engine.vocab}), found {bad[0]}",
+                               param="prompt")
+        else:
+            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                           param="prompt")
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param="messages" if chat else "prompt")
+    room = server.context - len(ids)
+    if room < 1:
+        raise APIError(400, f"the prompt has {len(ids):,} tokens; this model's maximum context length is "
+                            f"{server.context:,} tokens, and at least one is needed for the completion",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, room if chat else 16, 1, 10**9, integer=True)
+    if len(ids) + max_tokens > server.context:
+        raise APIError(400, f"this model's maximum context length is {server.context:,} tokens; the request needs "
+                            f"{len(ids) + max_tokens:,} ({len(ids):,} in the prompt, {max_tokens:,} for the "
+                            f"completion)", param=key, code="context_length_exceeded")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _number(body, "top_k", -1, -1, 2**31 - 1, integer=True)
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
+                                                 0 <= t < server.engine.vocab for t in stop_ids):
+        raise APIError(400, f"'stop_token_ids' must be a list of token ids in [0, {server.engine.vocab})",
+                       param="stop_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    stream = body.get("stream", False)
+    for key, v in (("ignore_eos", ignore_eos), ("stream", stream)):
+        if not isinstance(v, bool) and v is not None:
+            raise APIError(400, f"'{key}' must be true or false, got {v!r}", param=key)
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage"}):
+        raise APIError(400, "'stream_options' may only hold 'include_usage'", param="stream_options")
+    if opts and not stream:
+        raise APIError(400, "'stream_options' needs 'stream': true", param="stream_options")
+    stops = set(stop_ids) | (set() if ignore_eos else set(server.eos))
+    params = {"temperature": float(temperature), "top_p": None if top_p == 1.0 else float(top_p),
+              "top_k": None if top_k in (-1, 0) else top_k, "seed": seed, "stop_ids": sorted(stops)}
+    return Ask(ids, max_tokens, params, stop, bool(stream), bool(opts and opts.get("include_usage")))
+
+
+class Detokenizer:
+    """The completion's text as tokens arrive: held back while it ends mid-character, or while its end could be
+    the start of a stop string; cut before the first stop string found."""
+
+    def __init__(self, tok: Tokenizer, stop: list[str], skip: set[int]):
+        self.tok, self.stop, self.skip = tok, stop, skip
+        self.ids: list[int] = []
+        self.sent = 0                                       # characters handed out
+        self.stopped = False
+
+    def add(self, token: int, final: bool = False) -> str:
+        """The new text that can be sent after ``token`` (``final``: nothing more will come)."""
+        if token is not None and token not in self.skip:
+            self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            i = text.find(s, max(0, self.sent - len(s) + 1))
+            if i >= 0:
+                self.stopped = True
+                text = text[:i]
+        if not (final or self.stopped):
+            if text.endswith("\ufffd"):
+                return ""
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out
+
+
+# -- the app -----------------------------------------------------------------------------------------------------------
+
+def create_app(server: Server) -> FastAPI:
+    """The API over ``server`` (started with the app: the model loads while ``/health`` answers 503)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        if not server.thread.is_alive() and server.state == "loading":
+            server.start()
+        yield
+        server.stop()
+
+    app = FastAPI(title="lynn serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    def count(status: int) -> None:
+        server.http_errors[status] = server.http_errors.get(status, 0) + 1
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, err: APIError):
+        count(err.status)
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, err: StarletteHTTPException):
+        count(err.status_code)
+        return APIError(err.status_code, str(err.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, err: RequestValidationError):
+        count(400)
+        return APIError(400, f"invalid request: {err}").response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_, err: Exception):
+        count(500)
+        traceback.print_exception(err)
+        return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
+
+    def ready() -> None:
+        if server.state == "loading":
+            raise APIError(503, "the model is loading; try again shortly", code="loading")
+        if server.state == "failed":
+            raise APIError(503, server.error, code="load_failed")
+
+    @app.get("/health")
+    async def health():
+        ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        ready()
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
+                                            "owned_by": "lynn", "max_model_len": server.context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        ready()
+        return PlainTextResponse(await server.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    async def body_of(request: HTTPRequest):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the request body is not JSON: {err}") from None
+
+    async def complete(request: HTTPRequest, chat: bool):
+        ready()
+        ask = parse(server, await body_of(request), chat)
+        try:
+            job = await server.submit(ask.prompt, ask.max_tokens, ask.params)
+        except Refused as err:
+            raise APIError(400, str(err), code="context_length_exceeded") from None
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        kind = "chatcmpl" if chat else "cmpl"
+        rid, created = f"{kind}-{uuid.uuid4().hex[:24]}", int(time.time())
+        detok = Detokenizer(server.tokenizer, ask.stop, set(ask.params["stop_ids"]))
+        usage = lambda: {"prompt_tokens": len(ask.prompt), "completion_tokens": len(job.request.tokens),  # noqa: E731
+                         "total_tokens": len(ask.prompt) + len(job.request.tokens)}
+
+        async def events():
+            """(text, finish_reason) pairs: finish_reason None until the last."""
+            while True:
+                kind_, *rest = await job.events.get()
+                if kind_ == "token":
+                    text = detok.add(rest[0])
+                    if detok.stopped:
+                        server.cancel(job, "stop")
+                        yield text, "stop"
+                        return
+                    if text:
+                        yield text, None
+                else:
+                    reason, error = rest
+                    if reason == "error":
+                        raise APIError(500, error or "the engine failed", kind="server_error")
+                    yield detok.add(None, final=True), ("length" if reason == "length" else "stop")
+                    return
+
+        def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                obj = "text_completion"
+            return {"id": rid, "object": obj, "created": created, "model": server.name, "choices": [choice]}
+
+        if ask.stream:
+            async def sse():
+                done = False
+                try:
+                    if chat:
+                        yield f"data: {json.dumps(chunk(None, None, first=True))}\n\n"
+                    try:
+                        async for text, reason in events():
+                            yield f"data: {json.dumps(chunk(text, reason))}\n\n"
+                    except APIError as err:
+                        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+                    done = True
+                    if ask.usage_in_stream:
+                        last = {**chunk(None, None), "choices": [], "usage": usage()}
+                        yield f"data: {json.dumps(last)}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    if not done:                            # the client went away: free its slot
+                        server.cancel(job)
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        parts, reason = [], None
+        gen = events()
+        try:
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                while not nxt.done():
+                    await asyncio.wait([nxt], timeout=0.25)
+                    if not nxt.done() and await request.is_disconnected():
+                        nxt.cancel()
+                        server.cancel(job)
+                        return PlainTextResponse("", status_code=499)
+                try:
+                    text, reason = nxt.result()
+                except StopAsyncIteration:
+                    break
+                parts.append(text)
+        except BaseException:
+            server.cancel(job)
+            raise
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": reason} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": server.name, "choices": [choice], "usage": usage()}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await complete(request, chat=True)
+
+    return app
+
+
+__all__ = ["Server", "create_app", "APIError", "Detokenizer", "Histogram", "prometheus_text", "parse"]
