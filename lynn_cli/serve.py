@@ -16,6 +16,9 @@ def add(sub):
     p.add_argument("--model", default=None, metavar="DIR",
                    help="HF model folder (config.json, safetensors, tokenizer.json); default: the demo model, "
                         "data/models/lynn-demo")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="serve a random-weight NVFP4 model of a preset instead (qwen3.5-35b-a3b, ...: for speed "
+                        "figures; no tokenizer, so prompts are token ids and the text is the ids written <id>)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default %(default)s; 0: any free one)")
     p.add_argument("--name", default=None, help="the model's name in the API (default: the folder's name)")
@@ -53,19 +56,41 @@ def run(args) -> int:
                            f"python -m pip install -e \".[serve]\"") from None
     import torch
 
-    model_dir = Path(args.model) if args.model else DEMO_MODEL
-    if not (model_dir / "config.json").is_file():
-        raise CommandError(f"--model {model_dir}: no config.json there (expected a HF model folder)", code=2)
+    if args.preset and args.model:
+        raise CommandError("--model and --preset: give one", code=2)
     dtype = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    if args.preset:
+        import lynn_kernels
+        from lynn_model.config import preset
+        from lynn_model.loader import random_model
+
+        try:
+            cfg = preset(args.preset)
+        except (KeyError, ValueError) as err:
+            raise CommandError(f"--preset: {err}", code=2) from None
+        print(f"[lynn serve: building a random-weight {args.preset} model ...]", file=sys.stderr)
+        reference = args.backend == "reference" or (args.backend == "auto" and not torch.cuda.is_available())
+        with lynn_kernels.use_reference(reference):
+            model_dir = random_model(cfg, weights="nvfp4", device="cuda" if torch.cuda.is_available() else "cpu",
+                                     seed=0, **({"dtype": dtype} if dtype is not None else {}))
+            if not reference:
+                model_dir.fuse_input_projections()
+                model_dir.fuse_gdn_decode()
+        where = f"a random-weight {args.preset}"
+    else:
+        model_dir = Path(args.model) if args.model else DEMO_MODEL
+        if not (model_dir / "config.json").is_file():
+            raise CommandError(f"--model {model_dir}: no config.json there (expected a HF model folder)", code=2)
+        where = str(model_dir)
     failure: list[str] = []
     server = Server(model_dir, weights=args.weights, dtype=dtype, backend=args.backend, rows=args.rows,
                     max_tokens=args.max_tokens, prefill_tokens=args.prefill_tokens, max_queue=args.max_queue,
-                    threads=args.threads, name=args.name, on_failure=failure.append)
+                    threads=args.threads, name=args.name or args.preset, on_failure=failure.append)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     http = uvicorn.Server(config)
     server.on_failure = lambda message: (failure.append(message), setattr(http, "should_exit", True))
-    print(f"[lynn serve: {model_dir} as '{server.name}' on http://{args.host}:{args.port}; {args.rows} rows; "
+    print(f"[lynn serve: {where} as '{server.name}' on http://{args.host}:{args.port}; {args.rows} rows; "
           f"the model loads in the background, /health answers 503 until it is ready]", file=sys.stderr)
     http.run()
     if failure:

@@ -163,7 +163,9 @@ class Server:
     """The model, its tokenizer and an :class:`Engine`, loaded in a thread of their own and stepped there.
 
     Args:
-        model_dir: a HF model folder (``lynn_model.from_pretrained``).
+        model_dir: a HF model folder (``lynn_model.from_pretrained``); or a loaded :class:`~lynn_model.Model`
+            (a random-weight preset, say), served as it is, with no tokenizer: its prompts are token ids, its text
+            the ids written ``<id>``, and chat requests are refused.
         weights, dtype: as ``from_pretrained``; ``dtype`` None: float32 on a CPU (there a batch is not bit-invariant
             in bf16: engine.py), the checkpoint's on a GPU.
         backend: "auto" (the compiled kernels on a GPU, fused as ``lynn generate`` runs them; the torch reference on
@@ -176,15 +178,16 @@ class Server:
     def __init__(self, model_dir, *, weights: str = "auto", dtype: torch.dtype | None = None, backend: str = "auto",
                  rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512, max_queue: int = 64,
                  threads: int = 1, name: str | None = None, on_failure: Callable[[str], None] | None = None):
-        self.model_dir = Path(model_dir)
-        self.name = name or self.model_dir.name
+        self.model = None if isinstance(model_dir, (str, Path)) else model_dir
+        self.model_dir = Path(model_dir) if self.model is None else None
+        self.name = name or (self.model_dir.name if self.model is None else self.model.config.family)
         self.weights, self.dtype, self.backend = weights, dtype, backend
         self.rows, self.max_tokens, self.prefill_tokens = rows, max_tokens, prefill_tokens
         self.max_queue, self.threads, self.on_failure = max_queue, threads, on_failure
         self.state, self.error = "loading", None            # loading -> ready | failed
         self.created = int(time.time())
         self.engine: Engine | None = None
-        self.tokenizer: Tokenizer | None = None
+        self.tokenizer: Tokenizer | IdTokenizer | None = None
         self.eos: list[int] = []
         self.context = 0
         self.ttft, self.itl, self.http_errors = Histogram(), Histogram(), {}
@@ -210,18 +213,22 @@ class Server:
             torch.set_num_threads(self.threads)
         try:
             with lynn_kernels.use_reference(backend == "reference"):
-                dtype = self.dtype if self.dtype is not None else (None if on_gpu else torch.float32)
-                model = lynn_model.from_pretrained(self.model_dir, weights=self.weights, dtype=dtype)
-                if backend == "kernels" and on_gpu:
-                    model.fuse_input_projections()
-                    model.fuse_gdn_decode()
-                self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+                if self.model is None:
+                    dtype = self.dtype if self.dtype is not None else (None if on_gpu else torch.float32)
+                    model = lynn_model.from_pretrained(self.model_dir, weights=self.weights, dtype=dtype)
+                    if backend == "kernels" and on_gpu:
+                        model.fuse_input_projections()
+                        model.fuse_gdn_decode()
+                    self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+                else:
+                    model, self.tokenizer = self.model, IdTokenizer()
                 self.eos = sorted(set(self.tokenizer.stop_ids) | set(model.config.eos_token_ids))
                 self.context = model.config.max_position_embeddings
                 self.engine = Engine(model, rows=self.rows, max_tokens=self.max_tokens,
                                      prefill_tokens=self.prefill_tokens)
         except Exception as err:                            # shown by /health and the command, not a traceback page
-            self.state, self.error = "failed", f"loading {self.model_dir} failed: {type(err).__name__}: {err}"
+            what = self.model_dir or f"the {self.name} model"
+            self.state, self.error = "failed", f"loading {what} failed: {type(err).__name__}: {err}"
             if self.on_failure is not None:
                 self.on_failure(self.error)
             return
@@ -345,6 +352,9 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{server.name}'", param="model",
                        code="model_not_found")
     tok = server.tokenizer
+    if isinstance(tok, IdTokenizer) and (chat or isinstance(body.get("prompt"), str)):
+        raise APIError(400, "this model is served without a tokenizer: send 'prompt' as a list of token ids to "
+                            "/v1/completions", param="messages" if chat else "prompt")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -412,6 +422,15 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
     params = {"temperature": float(temperature), "top_p": None if top_p == 1.0 else float(top_p),
               "top_k": None if top_k in (-1, 0) else top_k, "seed": seed, "stop_ids": sorted(stops)}
     return Ask(ids, max_tokens, params, stop, bool(stream), bool(opts and opts.get("include_usage")))
+
+
+class IdTokenizer:
+    """The text of a model served without a tokenizer: each token id written ``<id>``."""
+
+    stop_ids: list[int] = []
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{int(t)}>" for t in ids)
 
 
 class Detokenizer:
@@ -613,4 +632,4 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-__all__ = ["Server", "create_app", "APIError", "Detokenizer", "Histogram", "prometheus_text", "parse"]
+__all__ = ["Server", "create_app", "APIError", "Detokenizer", "IdTokenizer", "Histogram", "prometheus_text", "parse"]
