@@ -30,6 +30,8 @@
 #    bf16 against NVFP4 on one prompt, live
 # 6. the training run: loss curves and provenance
 # 7. `lynn generate` on the H200, from committed output
+# 8. `lynn serve`: the model behind an OpenAI-compatible HTTP server, started here and talked to with the `openai`
+#    client
 #
 # Everything runs on the CPU on the torch reference path (`lynn_kernels.use_reference()`), in bf16 as the model is
 # shipped, in well under a minute; the slow measurements (perplexity over the whole held-out set, training) are
@@ -713,8 +715,145 @@ print("the H200's greedy run and this CPU's greedy 64 tokens (torch reference), 
 # CPU run with `--seed 1` writes a different text in the same voice. The perplexity table is reproduced by `python experiments/demo_model/quality.py`
 # (CPU, about 12 minutes) and `python experiments/demo_model/quality.py --kernels` (GPU, about a minute).
 #
+# ## 8. Talking to a running server
+#
+# `lynn serve` puts the model behind an OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions`
+# (streamed or not), `/v1/models`, `/health` and `/metrics` (docs/serving.md). Its engine batches requests
+# continuously: a request joins the running decode batch as soon as it has a cache slot and leaves it when it ends.
+# Here the same server runs inside this notebook. `Server` loads the model in a thread of its own and steps the
+# engine there; `create_app` is the FastAPI app over it; uvicorn serves the app from a background thread on a free
+# loopback port. On a CPU the server computes in float32, not bf16: a greedy request then gets the same tokens
+# whatever other requests share its batch (the engine's docstring says why).
+#
+# This section needs the serve extra and the `openai` client (both in the test extra): `python -m pip install -e
+# ".[serve]" openai`.
+
+# %%
+import threading
+import time
+
+import httpx
+import openai
+import uvicorn
+
+from lynn_model.serve.http import Server, create_app
+
+server = Server(DEMO_MODEL, rows=4)            # the demo model; float32 and the torch reference on a CPU
+http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning"))
+http_thread = threading.Thread(target=http.run, name="uvicorn", daemon=True)
+http_thread.start()
+deadline = time.monotonic() + 120
+while not http.started:                        # port 0: the system picks a free port
+    assert http_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+    time.sleep(0.05)
+BASE = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
+while httpx.get(f"{BASE}/health").status_code != 200:      # 503 while the model loads
+    assert server.state != "failed", server.error
+    assert time.monotonic() < deadline, "the model did not load in 2 minutes"
+    time.sleep(0.1)
+client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused")   # the server checks no key
+print("models:", [(m.id, m.max_model_len) for m in client.models.list()])
+
+# %% [markdown]
+# A greedy completion (`temperature=0`; OpenAI's default is 1). `max_tokens` matters more here than elsewhere: the
+# engine reserves the cache pages for the whole prompt plus `max_tokens` when it admits a request. The text is the
+# one `lynn_model.generate` gives the float32 model alone:
+
+# %%
+done = client.completions.create(model=server.name, prompt=DEMO_PROMPT, max_tokens=24, temperature=0)
+choice = done.choices[0]
+print(wrap(DEMO_PROMPT + choice.text))
+print(f"finish_reason {choice.finish_reason!r}; usage: {done.usage.prompt_tokens} prompt tokens, "
+      f"{done.usage.completion_tokens} completion tokens")
+
+with lk.use_reference():
+    model32 = lynn_model.from_pretrained(DEMO_MODEL, dtype=torch.float32)
+    alone = lynn_model.generate(model32, PROMPT, 24, temperature=0)[0, len(prompt_ids):].tolist()
+print("the same text as generate() alone, float32:", choice.text == tok.decode(alone))
+
+# %% [markdown]
+# A chat completion, streamed: the server applies the checkpoint's chat template and sends server-sent events,
+# one chunk per piece of new text (a piece waits while it could end in the middle of a character or of a stop
+# string). The first chunk carries the role, the last the finish reason, and with `include_usage` one more chunk
+# carries the token counts. The model was never trained on chats; what matters here is the stream:
+
+# %%
+stream = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "Call me Ishmael."}],
+                                        max_tokens=12, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+for i, chunk in enumerate(stream):
+    if chunk.choices:
+        c = chunk.choices[0]
+        print(f"chunk {i:2d}: role {c.delta.role or '-':9} content {c.delta.content!r:10} "
+              f"finish_reason {c.finish_reason}")
+    else:
+        print(f"chunk {i:2d}: usage {chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} "
+              f"completion tokens")
+
+# %% [markdown]
+# Requests that arrive together share the decode steps: four prompts sent at once, each with its own
+# `max_tokens`. Each one still gets the tokens it gets alone:
+
+# %%
+from concurrent.futures import ThreadPoolExecutor
+
+asks = [("It is a truth universally acknowledged", 20), ("In the beginning", 12),
+        ("The whale", 16), ("Mr. Darcy said", 8)]
+
+
+def complete(ask):
+    text, n = ask
+    return client.completions.create(model=server.name, prompt=text, max_tokens=n, temperature=0).choices[0].text
+
+
+with ThreadPoolExecutor(len(asks)) as pool:
+    texts = list(pool.map(complete, asks))
+with lk.use_reference():
+    for (text, n), got in zip(asks, texts):
+        ids = torch.tensor([tok.encode(text)])
+        own = tok.decode(lynn_model.generate(model32, ids, n, temperature=0)[0, ids.shape[1]:].tolist())
+        print(f"{text + got!r}\n    the same as alone: {got == own}")
+
+# %% [markdown]
+# `/metrics` is Prometheus text: counters since the server started, gauges as they are now, and histograms of the
+# time to the first token and between tokens (timings, not shown). The requests so far, and the cache: every slot
+# and page is free again, since each request's slot is released when it ends:
+
+# %%
+metrics = httpx.get(f"{BASE}/metrics").text
+for line in metrics.splitlines():
+    if line.startswith(("lynn_requests", "lynn_prompt_tokens", "lynn_generation_tokens", "lynn_cache")):
+        print(line)
+
+# %% [markdown]
+# A parameter the engine cannot honour is refused, never ignored: `n=2` (two completions per prompt) gets a 400 with
+# OpenAI's error JSON, which the `openai` client raises as `BadRequestError`. So do `logprobs`, penalties, tools and
+# any parameter the server does not know:
+
+# %%
+r = httpx.post(f"{BASE}/v1/completions", json={"model": server.name, "prompt": DEMO_PROMPT, "n": 2})
+print(r.status_code, json.dumps(r.json(), indent=2))
+try:
+    client.completions.create(model=server.name, prompt=DEMO_PROMPT, n=2)
+except openai.BadRequestError as err:
+    print(f"the openai client raises {type(err).__name__} ({err.status_code})")
+
+# %% [markdown]
+# Stopping: uvicorn finishes, then the app's shutdown stops the engine thread.
+
+# %%
+http.should_exit = True
+http_thread.join(timeout=30)
+server.thread.join(timeout=30)
+print("uvicorn stopped:", not http_thread.is_alive(), "| engine thread stopped:", not server.thread.is_alive())
+
+# %% [markdown]
+# From a terminal the same server is `lynn serve` (the demo model on `http://127.0.0.1:8000`); docs/serving.md has
+# its flags, the parameters it takes and refuses, and how the engine schedules.
+#
 # ## What's next
 #
 # The demo model makes the cost of the format measurable: 1.6% in perplexity for the default NVFP4 targets.
 # `docs/quantization.md` has the whole record (corpus, tokenizer, training, the table); `docs/decoder.md` the
-# decoder the model runs on, and docs/history/decode.md the decode step as a CUDA graph on the H200.
+# decoder the model runs on, and docs/history/decode.md the decode step as a CUDA graph on the H200;
+# docs/serving.md the server of section 8.
