@@ -22,7 +22,8 @@ def add(sub):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default %(default)s; 0: any free one)")
     p.add_argument("--name", default=None, help="the model's name in the API (default: the folder's name)")
-    p.add_argument("--weights", choices=["auto", "nvfp4", "bf16"], default="auto")
+    p.add_argument("--weights", choices=["auto", "nvfp4", "bf16"], default="auto",
+                   help="auto (default): as the checkpoint holds them (with --preset: nvfp4)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="compute dtype; auto (default): float32 on a CPU (a bf16 batch is not bit-invariant there, "
                         "so greedy tokens could depend on the company), the checkpoint's on a GPU")
@@ -36,7 +37,11 @@ def add(sub):
                    help="prompt tokens prefilled per engine step (default %(default)s): smaller keeps running streams "
                         "moving while a long prompt comes in")
     p.add_argument("--max-queue", type=integer(0, 10**6), default=64, metavar="N",
-                   help="requests waiting for a slot beyond which new ones get 429 (default %(default)s)")
+                   help="requests waiting for a slot (beyond the free slots) after which new ones get 429 (default "
+                        "%(default)s)")
+    p.add_argument("--default-max-tokens", type=integer(1, 10**9), default=1024, metavar="N",
+                   help="a chat request's max_tokens when it gives none (default %(default)s; at most the context "
+                        "left): the cache reserves a request's whole length when it admits it")
     p.add_argument("--threads", type=integer(0, 4096), default=1,
                    help="CPU threads for torch (default 1; 0 keeps torch's default)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -71,8 +76,10 @@ def run(args) -> int:
         print(f"[lynn serve: building a random-weight {args.preset} model ...]", file=sys.stderr)
         reference = args.backend == "reference" or (args.backend == "auto" and not torch.cuda.is_available())
         with lynn_kernels.use_reference(reference):
-            model_dir = random_model(cfg, weights="nvfp4", device="cuda" if torch.cuda.is_available() else "cpu",
-                                     seed=0, **({"dtype": dtype} if dtype is not None else {}))
+            on_gpu = torch.cuda.is_available()
+            compute = dtype if dtype is not None else (torch.bfloat16 if on_gpu else torch.float32)
+            model_dir = random_model(cfg, weights="bf16" if args.weights == "bf16" else "nvfp4",
+                                     device="cuda" if on_gpu else "cpu", seed=0, dtype=compute)
             if not reference:
                 model_dir.fuse_input_projections()
                 model_dir.fuse_gdn_decode()
@@ -85,7 +92,8 @@ def run(args) -> int:
     failure: list[str] = []
     server = Server(model_dir, weights=args.weights, dtype=dtype, backend=args.backend, rows=args.rows,
                     max_tokens=args.max_tokens, prefill_tokens=args.prefill_tokens, max_queue=args.max_queue,
-                    threads=args.threads, name=args.name or args.preset, on_failure=failure.append)
+                    threads=args.threads, name=args.name or args.preset, on_failure=failure.append,
+                    default_max_tokens=args.default_max_tokens)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     http = uvicorn.Server(config)

@@ -73,8 +73,8 @@ class APIError(Exception):
                  kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-                             503: "service_unavailable"}.get(status, "server_error")
+        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -119,7 +119,8 @@ def prometheus_text(m: dict, ttft: Histogram, itl: Histogram, http: dict) -> str
                                                                                    "error")])
     metric("lynn_requests_submitted_total", "counter", "Requests the engine accepted.",
            [f"lynn_requests_submitted_total {m['requests_submitted']}"])
-    metric("lynn_requests_refused_total", "counter", "Requests refused: too long for the context or the cache.",
+    metric("lynn_requests_refused_total", "counter", "Requests the engine refused: more than its cache holds "
+           "(a prompt past the context is refused before, as an HTTP 400).",
            [f"lynn_requests_refused_total {m['requests_refused']}"])
     metric("lynn_http_errors_total", "counter", "Error responses, by HTTP status.",
            [f'lynn_http_errors_total{{status="{s}"}} {n}' for s, n in sorted(http.items())])
@@ -171,19 +172,24 @@ class Server:
         backend: "auto" (the compiled kernels on a GPU, fused as ``lynn generate`` runs them; the torch reference on
             a CPU), "kernels" or "reference".
         rows, max_tokens, prefill_tokens: the engine's (:class:`Engine`).
-        max_queue: requests waiting for a slot beyond which a new one gets 429.
+        max_queue: requests waiting for a slot (beyond the free slots the next step admits into) after which a new
+            one gets 429.
+        default_max_tokens: a chat request's ``max_tokens`` when it gives none (at most the context left): the
+            engine reserves a request's whole length in the cache when it admits it.
         threads: torch's CPU threads in the engine thread (0: torch's default).
     """
 
     def __init__(self, model_dir, *, weights: str = "auto", dtype: torch.dtype | None = None, backend: str = "auto",
                  rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512, max_queue: int = 64,
-                 threads: int = 1, name: str | None = None, on_failure: Callable[[str], None] | None = None):
+                 threads: int = 1, name: str | None = None, on_failure: Callable[[str], None] | None = None,
+                 default_max_tokens: int = 1024):
         self.model = None if isinstance(model_dir, (str, Path)) else model_dir
         self.model_dir = Path(model_dir) if self.model is None else None
         self.name = name or (self.model_dir.name if self.model is None else self.model.config.family)
         self.weights, self.dtype, self.backend = weights, dtype, backend
         self.rows, self.max_tokens, self.prefill_tokens = rows, max_tokens, prefill_tokens
         self.max_queue, self.threads, self.on_failure = max_queue, threads, on_failure
+        self.default_max_tokens = default_max_tokens
         self.state, self.error = "loading", None            # loading -> ready | failed
         self.created = int(time.time())
         self.engine: Engine | None = None
@@ -289,7 +295,8 @@ class Server:
             loop.call_soon_threadsafe(job.events.put_nowait, ("token", token))
 
         def go() -> Job:
-            if self.engine.waiting >= self.max_queue:
+            free = self.engine.rows - sum(self.engine.cache.active)    # slots the next step admits into
+            if self.engine.waiting - free >= self.max_queue:
                 raise APIError(429, f"the server is full: {self.max_queue} requests are waiting for a cache slot; "
                                     "try again shortly", code="queue_full")
             job.request = self.engine.submit(prompt, max_new_tokens, on_token=on_token, **params)
@@ -390,7 +397,7 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
                             f"{server.context:,} tokens, and at least one is needed for the completion",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, room if chat else 16, 1, 10**9, integer=True)
+    max_tokens = _number(body, key, min(room, server.default_max_tokens) if chat else 16, 1, 10**9, integer=True)
     if len(ids) + max_tokens > server.context:
         raise APIError(400, f"this model's maximum context length is {server.context:,} tokens; the request needs "
                             f"{len(ids) + max_tokens:,} ({len(ids):,} in the prompt, {max_tokens:,} for the "
@@ -435,27 +442,36 @@ class IdTokenizer:
 
 class Detokenizer:
     """The completion's text as tokens arrive: held back while it ends mid-character, or while its end could be
-    the start of a stop string; cut before the first stop string found."""
+    the start of a stop string; cut before the first stop string found. Each token decodes a window of the last
+    few tokens, not the whole completion (a byte-level BPE decodes a run of tokens to the concatenation of their
+    bytes)."""
 
     def __init__(self, tok: Tokenizer, stop: list[str], skip: set[int]):
         self.tok, self.stop, self.skip = tok, stop, skip
         self.ids: list[int] = []
+        self.text = ""                                      # the text of ids[:self.read], once it decoded cleanly
+        self.prefix = 0                                     # ids[prefix:read] decode to the end of self.text
+        self.read = 0
         self.sent = 0                                       # characters handed out
         self.stopped = False
 
-    def add(self, token: int, final: bool = False) -> str:
+    def add(self, token: int | None, final: bool = False) -> str:
         """The new text that can be sent after ``token`` (``final``: nothing more will come)."""
         if token is not None and token not in self.skip:
             self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if self.read < len(self.ids):
+            before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+            after = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+            if final or not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(self.ids)
+        text = self.text
         for s in self.stop:
             i = text.find(s, max(0, self.sent - len(s) + 1))
             if i >= 0:
                 self.stopped = True
                 text = text[:i]
         if not (final or self.stopped):
-            if text.endswith("\ufffd"):
-                return ""
             hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[:len(text) - hold]
         out = text[self.sent:]
@@ -481,8 +497,9 @@ def create_app(server: Server) -> FastAPI:
         server.http_errors[status] = server.http_errors.get(status, 0) + 1
 
     @app.exception_handler(APIError)
-    async def _api_error(_, err: APIError):
-        count(err.status)
+    async def _api_error(request: HTTPRequest, err: APIError):
+        if not (err.status == 503 and request.url.path == "/health"):     # a readiness poll is not an error
+            count(err.status)
         return err.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -541,14 +558,19 @@ def create_app(server: Server) -> FastAPI:
         kind = "chatcmpl" if chat else "cmpl"
         rid, created = f"{kind}-{uuid.uuid4().hex[:24]}", int(time.time())
         detok = Detokenizer(server.tokenizer, ask.stop, set(ask.params["stop_ids"]))
-        usage = lambda: {"prompt_tokens": len(ask.prompt), "completion_tokens": len(job.request.tokens),  # noqa: E731
-                         "total_tokens": len(ask.prompt) + len(job.request.tokens)}
+        made = [0]                                          # tokens the response accounts for
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(ask.prompt), "completion_tokens": made[0],
+                    "total_tokens": len(ask.prompt) + made[0]}
 
         async def events():
-            """(text, finish_reason) pairs: finish_reason None until the last."""
+            """(text, finish_reason) pairs: finish_reason None until the last. A stop string ends the response at
+            the token that completed it (any the engine made before the cancel reached it are not counted)."""
             while True:
                 kind_, *rest = await job.events.get()
                 if kind_ == "token":
+                    made[0] += 1
                     text = detok.add(rest[0])
                     if detok.stopped:
                         server.cancel(job, "stop")
