@@ -23,6 +23,7 @@ import torch
 
 from .. import runtime
 from ..bench.harness import (
+    REPO_ROOT,
     Ceilings,
     Result,
     derive,
@@ -158,6 +159,28 @@ def committed_figures(v: Variant, gpu: str = "h200", rows: int | None = 1, limit
             f"{prov.get('git_sha', '?')[:7]}){at}, {len(doc['results'])} of {len(kept)} rows:\n" + result_table(doc))
 
 
+#: Where races of variants are committed (``save=`` a folder of it): ``data/lab/<gpu>/<op>.<variant>.json``.
+LAB_DIR = REPO_ROOT / "data" / "lab"
+
+
+def committed_race(v: Variant, shapes: str, gpu: str = "h200") -> str:
+    """A committed race of this very variant (the same op and source hash) on ``shapes``, as a table, or ""."""
+    folder = LAB_DIR / gpu
+    for path in sorted(folder.glob(f"{v.op.name}.*.json")) if folder.is_dir() else []:
+        doc = json.loads(path.read_text())
+        if (doc.get("variant", {}).get("source_sha256_12") != v.source_hash
+                or f"shapes={shapes!r}" not in doc.get("provenance", {}).get("command", "")):
+            continue
+        prov = doc["provenance"]
+        rows = [{"shape": r["shape"], "provider": r["provider"], "us": round(r["median_ms"] * 1e3, 3),
+                 "GB/s": r.get("gbps"), "of ceiling": r.get("frac_of_ceiling"),
+                 "validated": "yes" if (r.get("validation") or {}).get("passed") else "no"} for r in doc["results"]]
+        rel = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        return (f"committed {gpu} race of this variant (source sha256 {v.source_hash}, {prov.get('date', '?')}, "
+                f"{prov.get('git_sha', '?')[:7]}; {rel}):\n" + render_table(rows, digits=4))
+    return ""
+
+
 def _with_m(r: dict) -> str:
     m = r.get("dims", {}).get("M")
     return r["shape"] if m is None or f"M={m}" in r["shape"] else f"{r['shape']} (M={m})"
@@ -214,6 +237,8 @@ def race(v, fn=None, *, shapes="qwen3.5-35b-a3b:decode", kernel: str | None = No
         report.note = ("timing needs a CUDA GPU (this run is on the interpreter): the variant was checked; on a GPU "
                        "the same call races it")
         report.committed = committed_figures(v, rows=_rows_of(shapes))
+        if isinstance(shapes, str) and (mine := committed_race(v, shapes)):
+            report.committed = mine + "\n\n" + report.committed
         return report
     report.ceilings = measure_ceilings(size_bytes=1 << 30)
     ship = shipped(v.op)
@@ -293,4 +318,4 @@ def _save(report: RaceReport, folder: Path, shapes: str) -> Path:
     return path
 
 
-__all__ = ["race", "RaceReport", "committed_figures", "can_time", "MAX_ERROR_FACTOR"]
+__all__ = ["race", "RaceReport", "committed_figures", "committed_race", "can_time", "MAX_ERROR_FACTOR"]
