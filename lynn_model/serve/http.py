@@ -617,25 +617,26 @@ def create_app(server: Server) -> FastAPI:
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        parts, reason = [], None
-        gen = events()
-        try:
+        parts, reason, gone = [], None, []
+
+        async def watch():                                  # a client that goes away: cancel, whatever the pace
             while True:
-                nxt = asyncio.ensure_future(gen.__anext__())
-                while not nxt.done():
-                    await asyncio.wait([nxt], timeout=0.25)
-                    if not nxt.done() and await request.is_disconnected():
-                        nxt.cancel()
-                        server.cancel(job)
-                        return PlainTextResponse("", status_code=499)
-                try:
-                    text, reason = nxt.result()
-                except StopAsyncIteration:
-                    break
+                await asyncio.sleep(0.25)
+                if await request.is_disconnected():
+                    gone.append(True)
+                    server.cancel(job)
+                    return
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async for text, reason in events():
                 parts.append(text)
         except BaseException:
             server.cancel(job)
             raise
+        finally:
+            watcher.cancel()
+        if gone:
+            return PlainTextResponse("", status_code=499)
         text = "".join(parts)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": reason} if chat else
