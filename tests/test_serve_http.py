@@ -792,3 +792,25 @@ def test_32_concurrent_streaming_clients(served, model, tok, ids):
     elapsed = time.monotonic() - t0
     print(f"\n[load: solo references {t_solo:.1f} s, 32 clients {t_load:.1f} s, all {elapsed:.1f} s]")
     assert elapsed < 60, f"the load test took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("stops", [[], ["ö 你"], ["🙂"], ["nowhere"]])
+def test_the_detokenizer_streams_split_characters_whole_and_cuts_at_a_stop(stops):
+    """Characters the demo tokenizer splits over several byte tokens (CJK, an emoji) come out whole, never as
+    U+FFFD; the pieces join to the whole decode, cut before the first stop string."""
+    from lynn_model.serve.http import Detokenizer
+
+    tok = lynn_model.Tokenizer.from_pretrained(DEMO_MODEL)
+    text = "Grüße — ö 你好 🙂 and the end."
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)                  # some tokens are parts of a character
+    d, pieces = Detokenizer(tok, stops, set()), []
+    for t in ids:
+        pieces.append(d.add(t))
+        if d.stopped:
+            break
+    if not d.stopped:
+        pieces.append(d.add(None, final=True))
+    assert not any("\ufffd" in p for p in pieces)
+    cut = min([text.find(s) for s in stops if s in text], default=len(text))
+    assert "".join(pieces) == text[:cut] and d.stopped == (cut < len(text))
