@@ -262,3 +262,21 @@ def test_each_request_prefills_in_its_own_call_unless_packed(model, ids):
         engine.run_until_done()
         if not pack:
             assert [r.tokens for r in reqs] == [solo(model, p, 3) for p in prompts]
+
+
+def test_an_all_greedy_batch_runs_the_argmax_step_until_a_sampled_request_joins(model, ids):
+    """The step that only takes the argmax while every row is greedy, the sampling one while any row samples, and
+    back; the greedy request keeps its solo tokens through the switches. ``arrived`` starts the first-token clock."""
+    engine = Engine(model, rows=2, max_tokens=512, prefill_tokens=64)
+    g = engine.submit(ids[:12], 10, arrived=1.0)
+    assert g.submitted_at == 1.0
+    kinds = []
+    for k in range(12):
+        if k == 3:
+            s = engine.submit(ids[40:45], 3, temperature=0.9, seed=3)
+        engine.step()
+        if engine._step is not None:
+            kinds.append(engine._step.params.greedy)
+    engine.run_until_done()
+    assert kinds[:2] == [True, True] and False in kinds and kinds[-1] is True, kinds
+    assert g.tokens == solo(model, ids[:12], 10) and len(s.tokens) == 3

@@ -12,10 +12,12 @@ Each :meth:`Engine.step` does one iteration, single-threaded and synchronous (a 
    :meth:`Model.step` call of its own (``pack_prefill=True`` packs them into one). A request whose prompt is done
    samples its first token from the chunk's logits and joins the decode batch.
 3. **decode** one token of every joined request through a :class:`~lynn_model.graphs.DecodeStep`: the slot is the
-   row, the batch runs in the smallest bucket (1, 2, 4, ... up to ``rows``) that holds the highest busy row, one
-   step per bucket built up front (on a GPU, captured graphs sharing one memory pool). A request joins its row in
-   place (:meth:`DecodeStep.join`) and leaves it (:meth:`DecodeStep.stop`) between steps; a change of bucket loads
-   the new step's buffers from the host's copy of every row (last token, cached length, sampling settings).
+   row, the batch runs in the smallest bucket (1, 2, 4, ... up to ``rows``) that holds the highest busy row. Each
+   bucket has two steps built up front (on a GPU, captured graphs sharing one memory pool): one that only takes the
+   argmax, run while every row is greedy, and one that samples any settings (it sorts the vocabulary every step).
+   A request joins its row in place (:meth:`DecodeStep.join`) and leaves it (:meth:`DecodeStep.stop`) between
+   steps; a change of step loads the new step's buffers from the host's copy of every row (last token, cached
+   length, sampling settings).
 
 A decode step writes the recurrent states of its idle rows (they are scratch, graphs.py): a request whose prompt
 is still prefilling keeps a copy of its Gated DeltaNet states between chunks, put back before its next chunk, and
@@ -165,8 +167,12 @@ class Engine:
         # the steps replay one at a time and keep no output in the pool: one pool serves them all
         pool = torch.cuda.graph_pool_handle() if cuda_graph else None
         self.widths = sorted({b for b in BUCKETS if b < rows} | {rows})
-        self.steps = {w: DecodeStep(model, self.cache, w, SamplingParams.for_any(w, dev, self.vocab),
-                                    graph=cuda_graph, pool=pool) for w in self.widths}
+        # per bucket two steps: one that samples (any settings, the vocabulary sorted every step) and one that only
+        # takes the argmax, run while every row in the batch is greedy
+        self.steps = {(w, greedy): DecodeStep(model, self.cache, w,
+                                              SamplingParams.build([Sampling()] * w, dev, self.vocab) if greedy else
+                                              SamplingParams.for_any(w, dev, self.vocab), graph=cuda_graph, pool=pool)
+                      for w in self.widths for greedy in (True, False)}
         self.counters = Counters()
         self._queue: deque[Request] = deque()
         self._admitted: list[Request] = []                  # prefilling or decoding, in admission order
@@ -178,10 +184,11 @@ class Engine:
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                stop_ids: Sequence[int] | None = None,
-               on_token: Callable[[Request, int], None] | None = None) -> Request:
+               on_token: Callable[[Request, int], None] | None = None, arrived: float | None = None) -> Request:
         """Queue a request for up to ``max_new_tokens`` tokens after ``prompt`` (token ids); it is admitted at the
         next :meth:`step` where it fits. Sampling as in :func:`lynn_model.generate` (``seed`` None: drawn from
-        torch's host generator); ``stop_ids`` end it after emitting one of them.
+        torch's host generator); ``stop_ids`` end it after emitting one of them. ``arrived``: when the request
+        reached the caller (``time.perf_counter()``; default now), where its time to first token starts.
 
         Raises:
             ValueError: a bad argument, naming it.
@@ -217,7 +224,7 @@ class Engine:
             raise Refused(f"the prompt's {len(ids):,} tokens and max_new_tokens = {max_new_tokens:,} need "
                           f"{need:,} tokens; {limit}")
         r = Request(next(self._ids), ids, max_new_tokens, Sampling(temperature, top_k, top_p, seed), stops,
-                    on_token, submitted_at=time.perf_counter())
+                    on_token, submitted_at=time.perf_counter() if arrived is None else arrived)
         self._queue.append(r)
         self.counters.submitted += 1
         return r
@@ -363,7 +370,8 @@ class Engine:
         rows = [r for r in self._admitted if r.status == "decode"]
         if not rows:
             return
-        step = self.steps[bucket_for(max(r.slot for r in rows) + 1, self.widths)]
+        greedy = all(r.sampling.greedy for r in rows)
+        step = self.steps[bucket_for(max(r.slot for r in rows) + 1, self.widths), greedy]
         if step is not self._step:                          # another bucket: load its buffers from the host
             step.begin(torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long),
                        [r.slot for r in rows])

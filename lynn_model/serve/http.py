@@ -142,7 +142,8 @@ def prometheus_text(m: dict, ttft: Histogram, itl: Histogram, http: dict) -> str
     metric("lynn_cache_tokens", "gauge", "Cache tokens in all.", [f"lynn_cache_tokens {m['cache_tokens']}"])
     metric("lynn_cache_usage_ratio", "gauge", "Share of the cache's tokens reserved.",
            [f"lynn_cache_usage_ratio {m['cache_tokens_in_use'] / max(1, m['cache_tokens']):.6f}"])
-    metric("lynn_time_to_first_token_seconds", "histogram", "From arrival to the first token.",
+    metric("lynn_time_to_first_token_seconds", "histogram", "From the request's arrival at the HTTP layer to its "
+           "first token.",
            ttft.lines("lynn_time_to_first_token_seconds"))
     metric("lynn_inter_token_latency_seconds", "histogram", "Between consecutive tokens of a request.",
            itl.lines("lynn_inter_token_latency_seconds"))
@@ -287,7 +288,7 @@ class Server:
         return fut
 
     # -- what the handlers call (from the loop) ---------------------------------------------------------------------
-    async def submit(self, prompt: list[int], max_new_tokens: int, params: dict) -> Job:
+    async def submit(self, prompt: list[int], max_new_tokens: int, params: dict, arrived: float | None = None) -> Job:
         loop = asyncio.get_running_loop()
         job = Job(loop, asyncio.Queue())
 
@@ -299,7 +300,7 @@ class Server:
             if self.engine.waiting - free >= self.max_queue:
                 raise APIError(429, f"the server is full: {self.max_queue} requests are waiting for a cache slot; "
                                     "try again shortly", code="queue_full")
-            job.request = self.engine.submit(prompt, max_new_tokens, on_token=on_token, **params)
+            job.request = self.engine.submit(prompt, max_new_tokens, on_token=on_token, arrived=arrived, **params)
             self._jobs[job.request.id] = job
             return job
         return await asyncio.wrap_future(self.call(go))
@@ -547,10 +548,11 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, f"the request body is not JSON: {err}") from None
 
     async def complete(request: HTTPRequest, chat: bool):
+        arrived = time.perf_counter()                       # the time to first token starts here
         ready()
         ask = parse(server, await body_of(request), chat)
         try:
-            job = await server.submit(ask.prompt, ask.max_tokens, ask.params)
+            job = await server.submit(ask.prompt, ask.max_tokens, ask.params, arrived)
         except Refused as err:
             raise APIError(400, str(err), code="context_length_exceeded") from None
         except ValueError as err:
