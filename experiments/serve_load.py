@@ -35,10 +35,10 @@ Writes ``data/experiments/serve-load/<sha>.json`` (``<preset>-<sha>.json`` with 
 ``.json`` on a CPU; ``$OUT`` instead of the folder when
 set, ``--out FILE`` for the file; on the device machine, whose copy has no ``.git``, set ``LYNN_GIT_SHA``) with
 ``lynn_kernels.bench.harness.provenance()`` and the load average (a CPU run shares its cores), every request's
-timings, and the table it prints last. ``1e30b46-cpu.json``: the demo model on a 2-core CPU (fp32 on the torch
-reference, 8 rows, 128 in / 64 out, 84 s in all): 85.6 output tok/s at c=1 (TTFT p50 47 ms, ITL p50 11.1 ms), 262 at
-c=8 (mean decode batch 7.88, TTFT p50 223 ms, ITL p50 27.5 ms), 259 at c=32 (queued behind 8 rows: TTFT p50 6.0 s);
-0.80, 0.62 and 0.61 of ``generate``'s decode tok/s at batch 1, 8 and 8.
+timings, and the table it prints last. ``97e2b0b-cpu.json``: the demo model on a 2-core CPU (fp32 on the torch
+reference, 8 rows, 128 in / 64 out, 85 s in all): 83 output tok/s at c=1 (TTFT p50 50 ms, ITL p50 11.2 ms), 272 at
+c=8 (mean decode batch 7.88, TTFT p50 236 ms, ITL p50 26.1 ms), 271 at c=32 (queued behind 8 rows: TTFT p50 5.8 s);
+0.83, 0.73 and 0.72 of ``generate``'s decode tok/s at batch 1, 8 and 8.
 """
 
 from __future__ import annotations
