@@ -364,13 +364,15 @@ def test_race_command_fails_a_wrong_variant(capsys, variant_file):
     (["rmsnrom", "--variant", "{file}:k"], "unknown op 'rmsnrom' (did you mean"),
     (["norm.rmsnorm", "--variant", "{file}:k", "--kernel", "matmul.gemv"], "kernel='matmul.gemv' is not one"),
     (["norm.rmsnorm", "--variant", "{file}:k", "--shapes", "qwen9:decode"], "unknown shapes 'qwen9:decode'"),
+    (["flash_attention", "--variant", "{file}:k"], "attention.flash_attention has no decode shapes: the decoder "
+                                                   "runs it at prefill only"),
     (["norm.rmsnorm", "--variant", "{file}:k", "--rounds", "0"], "--rounds 0: expected at least 1"),
     (["norm.rmsnorm"], "nothing to race: give --variant FILE.py:NAME, --base REV, or both"),
     ([], "which op?"),
     (["norm.rmsnorm", "--base", "nosuchrev"], "--base nosuchrev: not a git revision"),
     (["norm.rmsnorm", "--base", "HEAD"], "norm.rmsnorm has no benchmark of its own"),
-], ids=["missing-file", "no-name", "missing-name", "unknown-op", "bad-kernel", "bad-shapes", "no-rounds",
-        "nothing-to-race", "no-op", "bad-base", "base-without-bench"])
+], ids=["missing-file", "no-name", "missing-name", "unknown-op", "bad-kernel", "bad-shapes", "no-such-phase",
+        "no-rounds", "nothing-to-race", "no-op", "bad-base", "base-without-bench"])
 def test_race_command_usage_errors(capsys, variant_file, argv, says):
     argv = [a.format(dir=variant_file.parent, file=variant_file) for a in argv]
     code, out, err = _race(capsys, *argv)
@@ -439,8 +441,9 @@ def faked_gpu_timing(monkeypatch):
 def test_race_validates_and_times_every_provider(faked_gpu_timing, tmp_path, op_name):
     """Each provider (the variant, the shipped op, the vendor baseline) is validated against the reference and then
     timed: an exact copy and a vendor baseline that rounds its weights to bf16 both pass, whatever the op returns (a
-    tensor, a tuple, an NVFP4 tensor)."""
-    todo = shapes.shapes_for(op_name, "tiny-qwen3.5-moe:decode")[:2]
+    tensor, a tuple, an NVFP4 tensor), the ops that update a state in place included (each provider runs on the
+    state the one before it left)."""
+    todo = _tiny_shapes(op_name)[:2]
     v = lab.variant(op_name, _calling(op_name, "public"), name="mine")
     report = lab.race(v, shapes=todo, rounds=2, skip_check=True, save=tmp_path)
     providers = ["mine", "shipped"] + [s.baseline[0] for s in todo[:1] if s.baseline]
@@ -485,6 +488,7 @@ def test_race_reports_a_variant_the_shape_never_reaches_and_a_provider_that_rais
 
 @pytest.mark.parametrize("model", list(shapes.MODELS))
 def test_shapes_models_agree_with_the_presets(model):
+    from lynn_model.cache import MIN_PAGE
     from lynn_model.config import PRESETS
 
     d, c = shapes.MODELS[model], PRESETS[model]
@@ -494,6 +498,9 @@ def test_shapes_models_agree_with_the_presets(model):
     assert d.gdn_head_dim == c.linear_key_head_dim == c.linear_value_head_dim
     assert (d.experts, d.top_k, d.expert_inter, d.shared_inter) == (
         c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size)
+    assert (d.head_dim // shapes.ROTARY_DIV, shapes.ROPE_THETA, shapes.CONV_WIDTH) == (
+        c.rotary_dim, c.rope_theta, c.linear_conv_kernel_dim)                 # what the builders add to Dims
+    assert (shapes.PAGE, shapes.EPS) == (MIN_PAGE, c.rms_norm_eps) and c.conv_dim == shapes._gdn_widths(d)[0]
 
 
 @pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3.5-35b-a3b:decod", "qwen9:decode", ":prefill", ""])
@@ -505,32 +512,101 @@ def test_shapes_parse_refuses_bad_names_listing_the_choices(name):
     assert all(m in msg for m in shapes.MODELS) and all(p in msg for p in shapes.PHASES), msg
 
 
-def test_shapes_parse_and_an_op_without_shapes():
+def test_shapes_parse_and_an_op_or_a_phase_without_shapes():
     d, rows, model, phase = shapes.parse("qwen3.5-35b-a3b:decode-b8")
     assert (d, rows, model, phase) == (shapes.MODELS["qwen3.5-35b-a3b"], 8, "qwen3.5-35b-a3b", "decode-b8")
-    with pytest.raises(ValueError, match="no named shapes for deltanet.gated_rmsnorm"):
-        shapes.shapes_for("deltanet.gated_rmsnorm", "qwen3.5-35b-a3b:decode")
+    assert set(shapes.BUILDERS) == set(lab.OPS)                     # every public op has named shapes
+    with pytest.raises(ValueError, match="no named shapes for norm.layernorm"):
+        shapes.shapes_for("norm.layernorm", "qwen3.5-35b-a3b:decode")
+    assert shapes.phases_of("norm.layernorm") == ()
+    with pytest.raises(ValueError, match=r"deltanet.causal_conv1d_update has no prefill shapes: the decoder runs it "
+                                         r"at decode and decode-b8 only \(a prefill runs causal_conv1d\)"):
+        shapes.shapes_for("deltanet.causal_conv1d_update", "qwen3.5-35b-a3b:prefill")
+    with pytest.raises(ValueError, match="chunk_gated_delta_rule has no decode-b8 shapes: .* at prefill only"):
+        shapes.shapes_for("deltanet.chunk_gated_delta_rule", "tiny-qwen3.5-moe:decode-b8")
+
+
+@pytest.mark.parametrize("op_name", list(shapes.BUILDERS))
+def test_shapes_refuse_the_phases_an_op_does_not_have_naming_those_it_has(op_name):
+    has = shapes.phases_of(op_name)
+    assert has and set(has) <= set(shapes.PHASES)
+    for phase in shapes.PHASES:
+        if phase in has:
+            continue
+        with pytest.raises(ValueError, match=f"{op_name} has no {phase} shapes") as err:
+            shapes.shapes_for(op_name, f"qwen3.5-35b-a3b:{phase}")
+        assert all(p in str(err.value) for p in has), str(err.value)
+
+
+#: The tiny model's phase an op is run at on the CPU: decode where it has one, else prefill on a shorter prompt of
+#: the same builder (at 2,048 tokens a prefill-only op takes 1 to 7 s through the interpreter; its 2,048-token inputs
+#: are checked on the torch reference).
+TINY = "tiny-qwen3.5-moe"
+SHORT_PREFILL = 128
+
+
+def _tiny_phase(op_name: str) -> str:
+    return "decode" if "decode" in shapes.phases_of(op_name) else "prefill"
+
+
+def _tiny_shapes(op_name: str) -> list:
+    if _tiny_phase(op_name) == "prefill":
+        return shapes.BUILDERS[op_name](shapes.MODELS[TINY], SHORT_PREFILL)
+    return shapes.shapes_for(op_name, f"{TINY}:decode")
+
+
+def _checked_inputs(shape, fn, run_op: bool):
+    """``shape``'s inputs on the device, its bytes, the op (``run_op``: through the kernels) and the baseline each
+    against the op's reference on the same inputs (a loose agreement: the baseline rounds differently)."""
+    from lynn_kernels.lab.race import _first
+    from lynn_kernels.metrics import compare
+
+    args, kwargs, aux = shape.make()
+    devices = [t.device for t in (*args, *kwargs.values(), *aux.values()) if hasattr(t, "device")]  # NVFP4 too
+    assert devices and all(torch.device(dv).type == DEV.type for dv in devices), shape.label
+    if shape.bytes is not None:
+        assert shape.bytes(args, kwargs) > 0, shape.label
+    want = _first(fn.reference(*args, **kwargs))
+    got = {"op": fn(*args, **kwargs)} if run_op else {}
+    if shape.baseline is not None:
+        got[shape.baseline[0]] = shape.baseline[1](*args, **kwargs, **aux)
+    for who, out in got.items():
+        out = _first(out)
+        assert out.shape == want.shape, (shape.label, who, out.shape, want.shape)
+        cosine = compare(out, want).cosine
+        assert cosine > 0.99, (shape.label, who, cosine)
 
 
 @pytest.mark.parametrize("op_name", list(shapes.BUILDERS))
 def test_shapes_for_builds_inputs_the_op_runs_on(op_name):
-    todo = shapes.shapes_for(op_name, "tiny-qwen3.5-moe:decode")
+    """The tiny model's decode shapes run through the kernels and agree with the reference, as the baseline does;
+    a prefill-only op's 2,048-token inputs agree on the reference and its baseline, and a shorter prompt of the same
+    builder runs through the kernels."""
+    phase = _tiny_phase(op_name)
+    todo = shapes.shapes_for(op_name, f"{TINY}:{phase}")
     assert todo and len({s.label for s in todo}) == len(todo)
-    op = lab.find(op_name).fn
+    fn = lab.find(op_name).fn
     for shape in todo[:2]:
-        args, kwargs, aux = shape.make()
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        assert all(t.device.type == DEV.type for t in tensors), shape.label
-        out = op(*args, **kwargs)
-        main = out[0] if isinstance(out, (tuple, list)) else out
-        assert main is not None
-        if shape.bytes is not None:
-            assert shape.bytes(args, kwargs) > 0
-        if shape.baseline is not None:
-            _, fn = shape.baseline
-            base = fn(*args, **kwargs, **aux)
-            base = base[0] if isinstance(base, (tuple, list)) else base
-            assert base.shape == main.shape, shape.label
+        _checked_inputs(shape, fn, run_op=phase == "decode")
+    if phase == "prefill":
+        for shape in _tiny_shapes(op_name)[:2]:
+            _checked_inputs(shape, fn, run_op=True)
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+@pytest.mark.parametrize("op_name", list(shapes.BUILDERS))
+def test_shapes_of_the_published_models_build_without_inputs(op_name, model):
+    """Every phase an op has, at the published sizes: Shapes with positive dims and, for the prefill, the flops where
+    compute matters, built without making any input (that is make()'s, on the GPU)."""
+    for phase in shapes.phases_of(op_name):
+        todo = shapes.shapes_for(op_name, f"{model}:{phase}")
+        assert todo and len({s.label for s in todo}) == len(todo), (op_name, phase)
+        for s in todo:
+            assert isinstance(s, shapes.Shape) and callable(s.make) and s.flops >= 0
+            assert s.dims and all(isinstance(v, int) and v > 0 for v in s.dims.values()), (s.label, s.dims)
+    if op_name in ("attention.flash_attention", "deltanet.chunk_gated_delta_rule", "matmul.nvfp4_gemm",
+                   "moe.moe_experts", "moe.moe_block"):
+        assert all(s.flops > 0 for s in shapes.shapes_for(op_name, f"{model}:prefill"))
 
 
 # -- on a GPU: a bit-identical copy races as fast as the shipped kernel ---------------------------------------------
