@@ -23,8 +23,9 @@ def add(sub):
                         "@triton.jit kernel with the shipped kernel's parameters")
     p.add_argument("--kernel", metavar="NAME", help="which of the op's kernels a kernel variant replaces (default: "
                                                     "the op's first; see --list)")
-    p.add_argument("--shapes", default="qwen3.5-35b-a3b:decode", metavar="MODEL:PHASE",
-                   help="the inputs to race on (default %(default)s; phases: decode, decode-b8, prefill)")
+    p.add_argument("--shapes", default=None, metavar="MODEL:PHASE",
+                   help="the inputs to race on (default qwen3.5-35b-a3b:decode, or :prefill for an op the decoder "
+                        "runs only in prefill; phases: decode, decode-b8, prefill)")
     p.add_argument("--decoder", metavar="PRESET", nargs="?", const="",
                    help="also run the decoder of PRESET on the variant: tokens against the shipped path, and tok/s "
                         "on a GPU (default preset: a tiny one on a CPU, qwen3.5-35b-a3b on a GPU)")
@@ -76,6 +77,7 @@ def run(args) -> int:
         raise CommandError("which op? (`lynn race --list` lists them)", code=2)
     try:
         op = lab.find(args.op)
+        args.shapes = args.shapes or lab.shapes.default_shapes(op.name)
         if args.variant:
             lab.shapes_for(op.name, args.shapes)          # the named shapes exist for this op (nothing is built)
     except ValueError as err:

@@ -364,8 +364,8 @@ def test_race_command_fails_a_wrong_variant(capsys, variant_file):
     (["rmsnrom", "--variant", "{file}:k"], "unknown op 'rmsnrom' (did you mean"),
     (["norm.rmsnorm", "--variant", "{file}:k", "--kernel", "matmul.gemv"], "kernel='matmul.gemv' is not one"),
     (["norm.rmsnorm", "--variant", "{file}:k", "--shapes", "qwen9:decode"], "unknown shapes 'qwen9:decode'"),
-    (["flash_attention", "--variant", "{file}:k"], "attention.flash_attention has no decode shapes: the decoder "
-                                                   "runs it at prefill only"),
+    (["flash_attention", "--variant", "{file}:k", "--shapes", "qwen3.5-35b-a3b:decode"],
+     "attention.flash_attention has no decode shapes: the decoder runs it at prefill only"),
     (["norm.rmsnorm", "--variant", "{file}:k", "--rounds", "0"], "--rounds 0: expected at least 1"),
     (["norm.rmsnorm"], "nothing to race: give --variant FILE.py:NAME, --base REV, or both"),
     ([], "which op?"),
@@ -628,3 +628,9 @@ def test_race_a_copy_of_the_packed_gemv_matches_the_shipped_speed():
         assert abs(mine.median_ms / ship.median_ms - 1) <= 0.10, (shape, report.table())
         for r in rows.values():                          # a validated provider is timed, one that failed is not
             assert math.isfinite(r.median_ms) == bool(r.validation["passed"]), (shape, r.provider, r.validation)
+
+
+def test_an_op_the_decoder_runs_only_in_prefill_races_on_prefill_shapes_by_default():
+    assert shapes.default_shapes("attention.flash_attention") == "qwen3.5-35b-a3b:prefill"
+    assert shapes.default_shapes("norm.rmsnorm") == "qwen3.5-35b-a3b:decode"
+    assert shapes.default_shapes("deltanet.causal_conv1d_update", "tiny-qwen3.5-moe") == "tiny-qwen3.5-moe:decode"

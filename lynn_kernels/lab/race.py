@@ -36,7 +36,7 @@ from ..bench.harness import (
 )
 from ..metrics import compare, render_table
 from .check import CheckReport, _error_text, check
-from .shapes import Shape, parse, shapes_for
+from .shapes import Shape, default_shapes, parse, shapes_for
 from .variant import Variant, shipped, using, variant
 
 #: A provider passes validation with a relative L2 error (against the op's reference on the same inputs) within this
@@ -222,12 +222,14 @@ def _n_sets(shape: Shape, sample: tuple) -> int:
     return max(2, min(MAX_SETS, math.ceil(3 * l2_bytes() / max(1, _set_bytes(shape, sample)))))
 
 
-def race(v, fn=None, *, shapes="qwen3.5-35b-a3b:decode", kernel: str | None = None, rounds: int = 2,
+def race(v, fn=None, *, shapes=None, kernel: str | None = None, rounds: int = 2,
          save: str | Path | None = None, skip_check: bool = False) -> RaceReport:
     """Check the variant (:func:`.check`), then on a GPU time it against the shipped op and the vendor baseline on
-    ``shapes``: a name (``"qwen3.5-35b-a3b:decode"``, :mod:`.shapes`) or a list of :class:`.Shape`. ``save``: a
+    ``shapes``: a name (``"qwen3.5-35b-a3b:decode"``, :mod:`.shapes`) or a list of :class:`.Shape` (default:
+    Qwen3.5-35B-A3B's decode shapes, its prefill shapes for an op the decoder runs only there). ``save``: a
     folder to write ``<op>.<variant>.json`` into (the benchmark schema, with provenance and the source hash)."""
     v = variant(v, fn, kernel=kernel) if fn is not None else variant(v)
+    shapes = default_shapes(v.op.name) if shapes is None else shapes
     todo = shapes_for(v.op.name, shapes) if isinstance(shapes, str) else list(shapes)   # a bad name: before work
     report = RaceReport(v, check(v) if not skip_check else CheckReport(v, cases_used=1), checked=not skip_check)
     if report.checked and not report.check.passed:

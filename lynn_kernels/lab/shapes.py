@@ -720,6 +720,12 @@ def phases_of(op: str) -> tuple[str, ...]:
     return ONLY[op][0] if op in ONLY else tuple(PHASES)
 
 
+def default_shapes(op: str, model: str = "qwen3.5-35b-a3b") -> str:
+    """``model``'s decode shapes for an op the decoder runs at decode, its prefill shapes for one it runs only there."""
+    phases = phases_of(op)
+    return f"{model}:{'decode' if 'decode' in phases or not phases else phases[0]}"
+
+
 def shapes_for(op: str, name: str) -> list[Shape]:
     """The shapes op ``op`` meets in ``name`` (``model:phase``); a ``ValueError`` naming the phases it has where the
     decoder does not run it in that phase."""
@@ -733,4 +739,5 @@ def shapes_for(op: str, name: str) -> list[Shape]:
     return BUILDERS[op](d, m)
 
 
-__all__ = ["Dims", "MODELS", "PHASES", "Shape", "BUILDERS", "ONLY", "parse", "phases_of", "shapes_for"]
+__all__ = ["Dims", "MODELS", "PHASES", "Shape", "BUILDERS", "ONLY", "parse", "phases_of", "default_shapes",
+           "shapes_for"]
