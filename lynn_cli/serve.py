@@ -78,19 +78,19 @@ def run(args) -> int:
         with lynn_kernels.use_reference(reference):
             on_gpu = torch.cuda.is_available()
             compute = dtype if dtype is not None else (torch.bfloat16 if on_gpu else torch.float32)
-            model_dir = random_model(cfg, weights="bf16" if args.weights == "bf16" else "nvfp4",
+            model = random_model(cfg, weights="bf16" if args.weights == "bf16" else "nvfp4",
                                      device="cuda" if on_gpu else "cpu", seed=0, dtype=compute)
             if not reference:
-                model_dir.fuse_input_projections()
-                model_dir.fuse_gdn_decode()
+                model.fuse_input_projections()
+                model.fuse_gdn_decode()
         where = f"a random-weight {args.preset}"
     else:
-        model_dir = Path(args.model) if args.model else DEMO_MODEL
-        if not (model_dir / "config.json").is_file():
-            raise CommandError(f"--model {model_dir}: no config.json there (expected a HF model folder)", code=2)
-        where = str(model_dir)
+        model = Path(args.model) if args.model else DEMO_MODEL
+        if not (model / "config.json").is_file():
+            raise CommandError(f"--model {model}: no config.json there (expected a HF model folder)", code=2)
+        where = str(model)
     failure: list[str] = []
-    server = Server(model_dir, weights=args.weights, dtype=dtype, backend=args.backend, rows=args.rows,
+    server = Server(model, weights=args.weights, dtype=dtype, backend=args.backend, rows=args.rows,
                     max_tokens=args.max_tokens, prefill_tokens=args.prefill_tokens, max_queue=args.max_queue,
                     threads=args.threads, name=args.name or args.preset, on_failure=failure.append,
                     default_max_tokens=args.default_max_tokens)

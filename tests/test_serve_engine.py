@@ -280,3 +280,25 @@ def test_an_all_greedy_batch_runs_the_argmax_step_until_a_sampled_request_joins(
     engine.run_until_done()
     assert kinds[:2] == [True, True] and False in kinds and kinds[-1] is True, kinds
     assert g.tokens == solo(model, ids[:12], 10) and len(s.tokens) == 3
+
+
+def test_a_step_that_raises_anywhere_ends_every_running_request_and_frees_its_slot(model, ids, monkeypatch):
+    """A fault outside the model call (here the first-token sampler) leaves no request half-done: each admitted
+    request ends with "error" naming the step, the slots and pages come back, and the engine serves the next one."""
+    import lynn_model.serve.engine as engine_module
+
+    engine = Engine(model, rows=2, max_tokens=256, prefill_tokens=64)
+    free = engine.cache.free_tokens
+    a, b = engine.submit(ids[:6], 4), engine.submit(ids[10:14], 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampler fault")
+    monkeypatch.setattr(engine_module, "sample_rows", broken)
+    with pytest.raises(RuntimeError, match="sampler fault"):
+        engine.step()
+    assert a.finish_reason == b.finish_reason == "error" and "sampler fault" in a.error
+    assert engine.cache.free_tokens == free and not any(engine.cache.active) and not engine.busy
+    monkeypatch.undo()
+    c = engine.submit(ids[:6], 3)
+    engine.run_until_done()
+    assert c.tokens == solo(model, ids[:6], 3)

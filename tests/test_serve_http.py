@@ -814,3 +814,46 @@ def test_the_detokenizer_streams_split_characters_whole_and_cuts_at_a_stop(stops
     assert not any("\ufffd" in p for p in pieces)
     cut = min([text.find(s) for s in stops if s in text], default=len(text))
     assert "".join(pieces) == text[:cut] and d.stopped == (cut < len(text))
+
+
+def test_a_submit_cancelled_while_it_waits_for_the_engine_thread_leaves_it_running(served):
+    """A handler cancelled while its submit waits in the engine thread's inbox (a shutdown, a timeout wrapper): the
+    command is skipped or its request cancelled, and the engine thread lives on and serves the next request."""
+    server = served.server
+    gate = threading.Event()
+    server.call(lambda: gate.wait(STARTUP_S))
+    wait_for(lambda: server._inbox.qsize() == 0, 10, "the engine thread to take the held command")
+    loop = asyncio.new_event_loop()
+    try:
+        async def cancelled_submit():
+            task = asyncio.ensure_future(server.submit([5, 6, 7], 50, {"temperature": 0.0}))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        loop.run_until_complete(cancelled_submit())
+    finally:
+        gate.set()
+        loop.close()
+    wait_for(lambda: idle(served.base), 20, "the engine to be idle")
+    assert server.thread.is_alive() and not server._jobs
+    r = httpx.post(f"{served.base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("field, value", [("stop", {}), ("stop", 0), ("stop_token_ids", 0), ("n", True),
+                                          ("echo", 0), ("user", 5), ("logprobs", 0),
+                                          ("stream_options", {"include_usage": "yes"})])
+def test_values_that_only_look_neutral_are_refused(served, field, value):
+    body = {"prompt": "Hi", "max_tokens": 2, field: value} | ({"stream": True} if field == "stream_options" else {})
+    r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_every_chunk_of_a_stream_with_include_usage_carries_usage_null_until_the_last(served):
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{served.base}/v1/completions", json=body, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in e for e in events) and all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3

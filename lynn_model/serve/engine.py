@@ -265,13 +265,18 @@ class Engine:
         return bool(self._queue or self._admitted)
 
     def step(self) -> bool:
-        """One iteration: admit, one prefill call, one decode step (module docstring). Returns :attr:`busy`."""
+        """One iteration: admit, prefill, one decode step (module docstring). Returns :attr:`busy`. When any part
+        raises, every admitted request ends with "error" (its slot freed) and the exception propagates."""
         if not self.busy:
             return False
         with torch.inference_mode():
-            self._admit()
-            self._prefill()
-            self._decode()
+            try:
+                self._admit()
+                self._prefill()
+                self._decode()
+            except Exception as err:                        # a step half-done: end every running request with it
+                self._fail(list(self._admitted), "an engine step", err)
+                raise
         self.counters.steps += 1
         return self.busy
 

@@ -165,7 +165,7 @@ class Server:
     """The model, its tokenizer and an :class:`Engine`, loaded in a thread of their own and stepped there.
 
     Args:
-        model_dir: a HF model folder (``lynn_model.from_pretrained``); or a loaded :class:`~lynn_model.Model`
+        model: a HF model folder (``lynn_model.from_pretrained``); or a loaded :class:`~lynn_model.Model`
             (a random-weight preset, say), served as it is, with no tokenizer: its prompts are token ids, its text
             the ids written ``<id>``, and chat requests are refused.
         weights, dtype: as ``from_pretrained``; ``dtype`` None: float32 on a CPU (there a batch is not bit-invariant
@@ -180,12 +180,12 @@ class Server:
         threads: torch's CPU threads in the engine thread (0: torch's default).
     """
 
-    def __init__(self, model_dir, *, weights: str = "auto", dtype: torch.dtype | None = None, backend: str = "auto",
+    def __init__(self, model, *, weights: str = "auto", dtype: torch.dtype | None = None, backend: str = "auto",
                  rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512, max_queue: int = 64,
                  threads: int = 1, name: str | None = None, on_failure: Callable[[str], None] | None = None,
                  default_max_tokens: int = 1024):
-        self.model = None if isinstance(model_dir, (str, Path)) else model_dir
-        self.model_dir = Path(model_dir) if self.model is None else None
+        self.model = None if isinstance(model, (str, Path)) else model           # built by the caller, or loaded here
+        self.model_dir = Path(model) if self.model is None else None
         self.name = name or (self.model_dir.name if self.model is None else self.model.config.family)
         self.weights, self.dtype, self.backend = weights, dtype, backend
         self.rows, self.max_tokens, self.prefill_tokens = rows, max_tokens, prefill_tokens
@@ -251,7 +251,10 @@ class Server:
             except queue.Empty:
                 cmd = None
             while cmd is not None:
-                cmd()
+                try:
+                    cmd()
+                except Exception:                           # a command never ends the thread (call() hands errors on)
+                    traceback.print_exc()
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
@@ -280,6 +283,8 @@ class Server:
         fut: Future = Future()
 
         def run():
+            if not fut.set_running_or_notify_cancel():      # its caller went away before it ran
+                return
             try:
                 fut.set_result(fn())
             except BaseException as err:                    # handed to the caller
@@ -303,7 +308,11 @@ class Server:
             job.request = self.engine.submit(prompt, max_new_tokens, on_token=on_token, arrived=arrived, **params)
             self._jobs[job.request.id] = job
             return job
-        return await asyncio.wrap_future(self.call(go))
+        try:
+            return await asyncio.wrap_future(self.call(go))
+        except asyncio.CancelledError:                      # the handler was cancelled: so is what go() submitted
+            self.call(lambda: job.request is not None and (self.engine.cancel(job.request), self._settle()))
+            raise
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """End ``job``'s request at the engine's next command ("stop": a stop string ended it)."""
@@ -352,7 +361,10 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
         if key not in allowed:
             raise APIError(400, f"unsupported parameter '{key}'", param=key, code="unsupported_parameter")
     for key, ok in _NEUTRAL.items():
-        if key in body and key != "stream_options" and body[key] not in ok:
+        if key == "logprobs" and not chat:
+            ok = (None,)                                    # on /v1/completions, 0 asks for the chosen token's
+        if key in body and key != "stream_options" and not any(type(body[key]) is type(v) and body[key] == v
+                                                                 for v in ok):
             raise APIError(400, f"'{key}' = {body[key]!r} is not supported by this server (only {ok[-1]!r})",
                            param=key, code="unsupported_parameter")
     model = body.get("model")
@@ -360,9 +372,9 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{server.name}'", param="model",
                        code="model_not_found")
     tok = server.tokenizer
-    if isinstance(tok, IdTokenizer) and (chat or isinstance(body.get("prompt"), str)):
-        raise APIError(400, "this model is served without a tokenizer: send 'prompt' as a list of token ids to "
-                            "/v1/completions", param="messages" if chat else "prompt")
+    if chat and isinstance(tok, IdTokenizer):
+        raise APIError(400, "this model is served without a tokenizer (no chat template): send 'prompt' as a list "
+                            "of token ids to /v1/completions", param="messages")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -378,6 +390,9 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                              # a batch of one
+        if isinstance(prompt, str) and isinstance(tok, IdTokenizer):
+            raise APIError(400, "this model is served without a tokenizer: send 'prompt' as a list of token ids",
+                           param="prompt")
         if isinstance(prompt, str):
             ids = tok.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
@@ -408,10 +423,11 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
     top_k = _number(body, "top_k", -1, -1, 2**31 - 1, integer=True)
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
+    stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
                                                  0 <= t < server.engine.vocab for t in stop_ids):
         raise APIError(400, f"'stop_token_ids' must be a list of token ids in [0, {server.engine.vocab})",
@@ -422,8 +438,11 @@ def parse(server: Server, body: Any, chat: bool) -> Ask:
         if not isinstance(v, bool) and v is not None:
             raise APIError(400, f"'{key}' must be true or false, got {v!r}", param=key)
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage"}):
-        raise APIError(400, "'stream_options' may only hold 'include_usage'", param="stream_options")
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage"}
+                             or not isinstance(opts.get("include_usage", False), bool)):
+        raise APIError(400, "'stream_options' may only hold 'include_usage': true or false", param="stream_options")
+    if not isinstance(body.get("user", ""), str):
+        raise APIError(400, "'user' must be a string", param="user")
     if opts and not stream:
         raise APIError(400, "'stream_options' needs 'stream': true", param="stream_options")
     stops = set(stop_ids) | (set() if ignore_eos else set(server.eos))
@@ -520,6 +539,8 @@ def create_app(server: Server) -> FastAPI:
         return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
 
     def ready() -> None:
+        if server.state == "ready" and not server.thread.is_alive():
+            raise APIError(503, "the engine thread has stopped (see the server's log)", code="engine_stopped")
         if server.state == "loading":
             raise APIError(503, "the model is loading; try again shortly", code="loading")
         if server.state == "failed":
@@ -584,7 +605,8 @@ def create_app(server: Server) -> FastAPI:
                     reason, error = rest
                     if reason == "error":
                         raise APIError(500, error or "the engine failed", kind="server_error")
-                    yield detok.add(None, final=True), ("length" if reason == "length" else "stop")
+                    text = detok.add(None, final=True)
+                    yield text, ("length" if reason == "length" and not detok.stopped else "stop")
                     return
 
         def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
@@ -595,7 +617,8 @@ def create_app(server: Server) -> FastAPI:
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
                 obj = "text_completion"
-            return {"id": rid, "object": obj, "created": created, "model": server.name, "choices": [choice]}
+            out = {"id": rid, "object": obj, "created": created, "model": server.name, "choices": [choice]}
+            return {**out, "usage": None} if ask.usage_in_stream else out      # as OpenAI: null until the last
 
         if ask.stream:
             async def sse():
@@ -607,7 +630,9 @@ def create_app(server: Server) -> FastAPI:
                         async for text, reason in events():
                             yield f"data: {json.dumps(chunk(text, reason))}\n\n"
                     except APIError as err:
-                        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+                        event = {"error": {"message": err.message, "type": err.kind, "param": err.param,
+                                           "code": err.code}}
+                        yield f"data: {json.dumps(event)}\n\n"
                     done = True
                     if ask.usage_in_stream:
                         last = {**chunk(None, None), "choices": [], "usage": usage()}
