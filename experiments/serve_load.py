@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -179,48 +178,34 @@ def server_delta(before: dict, after: dict) -> dict:
 # -- the server -----------------------------------------------------------------------------------------------------
 
 class InProcessServer:
-    """``lynn serve``'s server and app on uvicorn in a thread, on a free loopback port; ``model``: a HF folder or a
-    built model, as :class:`~lynn_model.serve.http.Server` takes it."""
+    """``lynn serve``'s server and app on uvicorn in a thread, on a free loopback port
+    (:func:`lynn_model.serve.http.serve_in_thread`); ``model``: a HF folder or a built model, as
+    :class:`~lynn_model.serve.http.Server` takes it."""
 
     def __init__(self, model, rows: int, threads: int, name: str | None = None):
-        import uvicorn
+        from lynn_model.serve.http import Server
 
-        from lynn_model.serve.http import Server, create_app
-
-        self.failure: list[str] = []
-        self.server = Server(model, rows=rows, threads=threads, name=name, on_failure=self.failure.append)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(self.server), log_level="warning", timeout_graceful_shutdown=5)
-        self.http = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.http.run, kwargs={"sockets": [self.sock]}, name="uvicorn",
-                                       daemon=True)
+        self.server = Server(model, rows=rows, threads=threads, name=name)
+        self.running = contextlib.ExitStack()
+        self.base = ""
 
     def start(self, timeout: float = 600.0) -> float:
-        """Start it and wait for ``/health``; the seconds it took."""
+        """Start it and wait for the model; the seconds it took."""
+        from lynn_model.serve.http import serve_in_thread
+
         t0 = time.perf_counter()
-        self.thread.start()
-        while time.perf_counter() - t0 < timeout:
-            if self.failure:
-                raise SystemExit(f"the server failed to load: {self.failure[0]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise SystemExit(f"the server did not answer /health within {timeout:.0f} s")
+        try:
+            self.base = self.running.enter_context(serve_in_thread(self.server, timeout=timeout))
+        except RuntimeError as err:
+            raise SystemExit(f"the server did not start: {err}") from None
+        return time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         return scrape(httpx.get(self.base + "/metrics", timeout=30).text)
 
     def stop(self) -> None:
         """Stop uvicorn (its lifespan stops the engine thread) and wait for both threads."""
-        self.http.should_exit = True
-        self.thread.join(timeout=60)
-        self.server.thread.join(timeout=60)
+        self.running.close()
 
 
 # -- generate on the same model ----------------------------------------------------------------------------------------
@@ -327,10 +312,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    import lynn_kernels
-    import lynn_model
     from lynn_kernels.bench.harness import provenance
-    from lynn_model.loader import random_model
 
     t_all = time.perf_counter()
     prov = provenance()
@@ -338,17 +320,13 @@ def main(argv=None) -> None:
     on_gpu = torch.cuda.is_available()
     build_s = 0.0
     if args.preset is not None:
+        from lynn_model.serve.http import preset_model
+
+        t0 = time.perf_counter()
         try:
-            cfg = lynn_model.preset(args.preset)
+            model = preset_model(args.preset, seed=args.seed)             # as lynn serve --preset builds it
         except KeyError as err:
             raise SystemExit(f"--preset: {err.args[0]}") from None
-        t0 = time.perf_counter()
-        with lynn_kernels.use_reference(not on_gpu):             # as lynn serve --preset builds it
-            model = random_model(cfg, weights="nvfp4", device="cuda" if on_gpu else "cpu", seed=args.seed,
-                                 **({} if on_gpu else {"dtype": torch.float32}))
-            if on_gpu:
-                model.fuse_input_projections()
-                model.fuse_gdn_decode()
         build_s = time.perf_counter() - t0
         srv = InProcessServer(model, args.rows, args.threads, name=args.preset)
         what = f"a random-weight {args.preset}"

@@ -137,9 +137,7 @@ def run(args) -> int:
         raise CommandError(str(err)) from None
     fused = {}
     if backend == "kernels" and torch.cuda.is_available() and not args.unfused:
-        fused = model.fuse_input_projections()       # the decode fast path: fewer GEMVs a step (docs/history/decode.md)
-        if n_gdn := model.fuse_gdn_decode():         # and each Gated DeltaNet decode step in one kernel
-            fused["gdn decode step"] = n_gdn
+        fused = model.fuse_for_decode()              # the decode fast path (docs/history/decode.md)
     load_s = time.perf_counter() - t0
     try:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt

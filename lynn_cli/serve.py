@@ -55,7 +55,7 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from lynn_model.serve.http import Server, create_app
+        from lynn_model.serve.http import Server, create_app, preset_model
     except ImportError as err:
         raise CommandError(f"lynn serve needs the serve extra ({err.name} is missing): "
                            f"python -m pip install -e \".[serve]\"") from None
@@ -65,24 +65,13 @@ def run(args) -> int:
         raise CommandError("--model and --preset: give one", code=2)
     dtype = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     if args.preset:
-        import lynn_kernels
-        from lynn_model.config import preset
-        from lynn_model.loader import random_model
+        from lynn_model.config import PRESETS
 
-        try:
-            cfg = preset(args.preset)
-        except (KeyError, ValueError) as err:
-            raise CommandError(f"--preset: {err}", code=2) from None
+        if args.preset not in PRESETS:
+            raise CommandError(f"--preset: no preset {args.preset!r}; presets: {sorted(PRESETS)}", code=2)
         print(f"[lynn serve: building a random-weight {args.preset} model ...]", file=sys.stderr)
-        reference = args.backend == "reference" or (args.backend == "auto" and not torch.cuda.is_available())
-        with lynn_kernels.use_reference(reference):
-            on_gpu = torch.cuda.is_available()
-            compute = dtype if dtype is not None else (torch.bfloat16 if on_gpu else torch.float32)
-            model = random_model(cfg, weights="bf16" if args.weights == "bf16" else "nvfp4",
-                                     device="cuda" if on_gpu else "cpu", seed=0, dtype=compute)
-            if not reference:
-                model.fuse_input_projections()
-                model.fuse_gdn_decode()
+        model = preset_model(args.preset, weights="bf16" if args.weights == "bf16" else "nvfp4", dtype=dtype,
+                             backend=args.backend)
         where = f"a random-weight {args.preset}"
     else:
         model = Path(args.model) if args.model else DEMO_MODEL
@@ -92,8 +81,7 @@ def run(args) -> int:
     failure: list[str] = []
     server = Server(model, weights=args.weights, dtype=dtype, backend=args.backend, rows=args.rows,
                     max_tokens=args.max_tokens, prefill_tokens=args.prefill_tokens, max_queue=args.max_queue,
-                    threads=args.threads, name=args.name or args.preset, on_failure=failure.append,
-                    default_max_tokens=args.default_max_tokens)
+                    threads=args.threads, name=args.name or args.preset, default_max_tokens=args.default_max_tokens)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     http = uvicorn.Server(config)

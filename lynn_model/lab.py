@@ -93,8 +93,7 @@ def in_decoder(v, fn=None, *, preset: str | None = None, new_tokens: int = 8, pr
     model = random_model(cfg, weights="nvfp4", device=runtime.DEVICE, seed=seed)
     fused = gpu if fused is None else fused
     if fused:
-        model.fuse_input_projections()
-        model.fuse_gdn_decode()
+        model.fuse_for_decode()
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen)
     want = generate(model, prompt, new_tokens)[0, prompt_len:].tolist()

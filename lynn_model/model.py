@@ -429,6 +429,14 @@ class Model(nn.Module):
                 counts[name] = counts.get(name, 0) + 1
         return counts
 
+    def fuse_for_decode(self) -> dict[str, int]:
+        """The form ``lynn generate`` runs on a GPU: :meth:`fuse_input_projections`, then :meth:`fuse_gdn_decode`;
+        how many layers each fusion took (the Gated DeltaNet step's under "gdn decode step")."""
+        counts = self.fuse_input_projections()
+        if n := self.fuse_gdn_decode():
+            counts["gdn decode step"] = n
+        return counts
+
     def fuse_gdn_decode(self, enabled: bool = True) -> int:
         """Run each Gated DeltaNet layer's decode step (conv update, gates, delta rule, gated norm) as one kernel,
         :func:`lynn_kernels.deltanet.gated_delta_decode`, instead of three; returns how many layers. The same

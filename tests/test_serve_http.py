@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -21,14 +20,13 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from starlette.testclient import TestClient
 
 import lynn_kernels
 import lynn_model
 from lynn_cli.generate import DEMO_MODEL
 from lynn_model.serve import http as serve_http
-from lynn_model.serve.http import Server, create_app
+from lynn_model.serve.http import Server, create_app, serve_in_thread
 
 CORPUS = DEMO_MODEL.parents[1] / "corpus" / "heldout.txt"
 NAME = DEMO_MODEL.name                              # the model's name in the API (the folder's)
@@ -51,12 +49,6 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def health(base: str) -> int | None:
     try:
         return httpx.get(f"{base}/health", timeout=5).status_code
@@ -66,29 +58,11 @@ def health(base: str) -> int | None:
 
 @contextlib.contextmanager
 def serving(server: Server):
-    """``server``'s app on a real uvicorn in a thread, on a free loopback port; yields its base URL once /health
-    answers 200, and shuts it down after."""
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning",
-                                         timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=http.run, name=f"servetest-uvicorn-{port}", daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while health(base) != 200:
-            if not thread.is_alive():
-                pytest.fail(f"uvicorn on port {port} exited before /health answered 200 (server state "
-                            f"{server.state!r}, error {server.error!r})")
-            if time.monotonic() > deadline:
-                pytest.fail(f"/health on port {port} did not answer 200 within {STARTUP_S} s (server state "
-                            f"{server.state!r}, error {server.error!r})")
-            time.sleep(0.05)
+    """``server``'s app on a real uvicorn in a thread, on a free loopback port, as ``lynn serve`` runs it: yields its
+    base URL once the model is loaded, and checks after that uvicorn and the engine thread have stopped."""
+    with serve_in_thread(server, timeout=STARTUP_S) as base:
         yield base
-    finally:
-        http.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), f"uvicorn on port {port} did not shut down within 30 s"
+    assert not server.thread.is_alive(), "the server did not shut down within 60 s"
 
 
 def metrics(base: str) -> dict[str, float]:

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import lynn_kernels
 
 from ..generate import Tokenizer
-from .engine import Engine, Refused, Request
+from .engine import FINISH_REASONS, Engine, Refused, Request
 
 #: The buckets (seconds) of the latency histograms in ``/metrics``.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -106,45 +106,42 @@ class Histogram:
         return out + [f"{name}_sum {self.total:.6f}", f"{name}_count {self.n}"]
 
 
+#: ``/metrics``'s scalar series: (name, kind, help, :meth:`Engine.metrics` key).
+_SCALARS = (
+    ("lynn_requests_submitted_total", "counter", "Requests the engine accepted.", "requests_submitted"),
+    ("lynn_requests_refused_total", "counter", "Requests the engine refused: more than its cache holds (a prompt past "
+     "the context is refused before, as an HTTP 400).", "requests_refused"),
+    ("lynn_prompt_tokens_total", "counter", "Prompt tokens prefilled.", "prompt_tokens"),
+    ("lynn_generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
+    ("lynn_decode_steps_total", "counter", "Decode steps run.", "decode_steps"),
+    ("lynn_decode_rows_total", "counter", "Requests summed over decode steps (mean batch: rows / steps).",
+     "decode_rows"),
+    ("lynn_queue_depth", "gauge", "Requests waiting for a cache slot.", "queue_depth"),
+    ("lynn_running_requests", "gauge", "Requests admitted (prefilling or decoding).", "running"),
+    ("lynn_cache_slots_in_use", "gauge", "Cache slots held by requests.", "slots_in_use"),
+    ("lynn_cache_slots", "gauge", "Cache slots (the widest decode batch).", "slots"),
+    ("lynn_cache_tokens_in_use", "gauge", "Cache tokens reserved by requests.", "cache_tokens_in_use"),
+    ("lynn_cache_tokens", "gauge", "Cache tokens in all.", "cache_tokens"),
+)
+
+
 def prometheus_text(m: dict, ttft: Histogram, itl: Histogram, http: dict) -> str:
     """The engine's gauges and counters (:meth:`Engine.metrics`), the latency histograms and the HTTP errors."""
     lines: list[str] = []
 
     def metric(name, kind, help_, samples):
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-        lines.extend(samples)
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
 
     metric("lynn_requests_total", "counter", "Requests that ended, by finish reason.",
-           [f'lynn_requests_total{{reason="{r}"}} {m["requests_" + r]}' for r in ("stop", "length", "cancelled",
-                                                                                   "error")])
-    metric("lynn_requests_submitted_total", "counter", "Requests the engine accepted.",
-           [f"lynn_requests_submitted_total {m['requests_submitted']}"])
-    metric("lynn_requests_refused_total", "counter", "Requests the engine refused: more than its cache holds "
-           "(a prompt past the context is refused before, as an HTTP 400).",
-           [f"lynn_requests_refused_total {m['requests_refused']}"])
+           [f'lynn_requests_total{{reason="{r}"}} {m["requests_" + r]}' for r in FINISH_REASONS])
     metric("lynn_http_errors_total", "counter", "Error responses, by HTTP status.",
            [f'lynn_http_errors_total{{status="{s}"}} {n}' for s, n in sorted(http.items())])
-    metric("lynn_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [f"lynn_prompt_tokens_total "
-                                                                               f"{m['prompt_tokens']}"])
-    metric("lynn_generation_tokens_total", "counter", "Tokens generated.",
-           [f"lynn_generation_tokens_total {m['generated_tokens']}"])
-    metric("lynn_decode_steps_total", "counter", "Decode steps run.", [f"lynn_decode_steps_total {m['decode_steps']}"])
-    metric("lynn_decode_rows_total", "counter", "Requests summed over decode steps (mean batch: rows / steps).",
-           [f"lynn_decode_rows_total {m['decode_rows']}"])
-    metric("lynn_queue_depth", "gauge", "Requests waiting for a cache slot.", [f"lynn_queue_depth {m['queue_depth']}"])
-    metric("lynn_running_requests", "gauge", "Requests admitted (prefilling or decoding).",
-           [f"lynn_running_requests {m['running']}"])
-    metric("lynn_cache_slots_in_use", "gauge", "Cache slots held by requests.",
-           [f"lynn_cache_slots_in_use {m['slots_in_use']}"])
-    metric("lynn_cache_slots", "gauge", "Cache slots (the widest decode batch).", [f"lynn_cache_slots {m['slots']}"])
-    metric("lynn_cache_tokens_in_use", "gauge", "Cache tokens reserved by requests.",
-           [f"lynn_cache_tokens_in_use {m['cache_tokens_in_use']}"])
-    metric("lynn_cache_tokens", "gauge", "Cache tokens in all.", [f"lynn_cache_tokens {m['cache_tokens']}"])
+    for name, kind, help_, key in _SCALARS:
+        metric(name, kind, help_, [f"{name} {m[key]}"])
     metric("lynn_cache_usage_ratio", "gauge", "Share of the cache's tokens reserved.",
            [f"lynn_cache_usage_ratio {m['cache_tokens_in_use'] / max(1, m['cache_tokens']):.6f}"])
     metric("lynn_time_to_first_token_seconds", "histogram", "From the request's arrival at the HTTP layer to its "
-           "first token.",
-           ttft.lines("lynn_time_to_first_token_seconds"))
+           "first token.", ttft.lines("lynn_time_to_first_token_seconds"))
     metric("lynn_inter_token_latency_seconds", "histogram", "Between consecutive tokens of a request.",
            itl.lines("lynn_inter_token_latency_seconds"))
     return "\n".join(lines) + "\n"
@@ -218,14 +215,13 @@ class Server:
         backend = self.backend if self.backend != "auto" else ("kernels" if on_gpu else "reference")
         if self.threads and not on_gpu:
             torch.set_num_threads(self.threads)
-        try:
-            with lynn_kernels.use_reference(backend == "reference"):
+        with lynn_kernels.use_reference(backend == "reference"):
+            try:
                 if self.model is None:
                     dtype = self.dtype if self.dtype is not None else (None if on_gpu else torch.float32)
                     model = lynn_model.from_pretrained(self.model_dir, weights=self.weights, dtype=dtype)
                     if backend == "kernels" and on_gpu:
-                        model.fuse_input_projections()
-                        model.fuse_gdn_decode()
+                        model.fuse_for_decode()
                     self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
                 else:
                     model, self.tokenizer = self.model, IdTokenizer()
@@ -233,14 +229,13 @@ class Server:
                 self.context = model.config.max_position_embeddings
                 self.engine = Engine(model, rows=self.rows, max_tokens=self.max_tokens,
                                      prefill_tokens=self.prefill_tokens)
-        except Exception as err:                            # shown by /health and the command, not a traceback page
-            what = self.model_dir or f"the {self.name} model"
-            self.state, self.error = "failed", f"loading {what} failed: {type(err).__name__}: {err}"
-            if self.on_failure is not None:
-                self.on_failure(self.error)
-            return
-        self.state = "ready"
-        with lynn_kernels.use_reference(backend == "reference"):
+            except Exception as err:                        # shown by /health and the command, not a traceback page
+                what = self.model_dir or f"the {self.name} model"
+                self.state, self.error = "failed", f"loading {what} failed: {type(err).__name__}: {err}"
+                if self.on_failure is not None:
+                    self.on_failure(self.error)
+                return
+            self.state = "ready"
             self._loop()
 
     def _loop(self) -> None:
@@ -324,6 +319,54 @@ class Server:
         http = dict(self.http_errors)
         return await asyncio.wrap_future(self.call(lambda: prometheus_text(self.engine.metrics(), self.ttft, self.itl,
                                                                             http)))
+
+
+def preset_model(name: str, *, weights: str = "nvfp4", dtype: torch.dtype | None = None, backend: str = "auto",
+                 seed: int = 0):
+    """A random-weight model of preset ``name`` as ``lynn serve --preset`` serves it: ``dtype`` None is bf16 on a GPU,
+    float32 on a CPU; ``backend`` as :class:`Server`'s, the kernels' model fused as ``lynn generate`` runs it. A
+    ``KeyError`` names the presets."""
+    from ..config import preset
+    from ..loader import random_model
+
+    cfg = preset(name)
+    on_gpu = torch.cuda.is_available()
+    reference = backend == "reference" or (backend == "auto" and not on_gpu)
+    with lynn_kernels.use_reference(reference):
+        model = random_model(cfg, weights=weights, device="cuda" if on_gpu else "cpu", seed=seed,
+                             dtype=dtype or (torch.bfloat16 if on_gpu else torch.float32))
+        if not reference:
+            model.fuse_for_decode()
+    return model
+
+
+@contextlib.contextmanager
+def serve_in_thread(server: Server, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
+                    log_level: str = "warning"):
+    """``server``'s app on uvicorn in a background thread (``port`` 0: a free one, as the system picks it); yields
+    the base URL once the model is loaded, and stops uvicorn (and with it the engine thread) after. A failed load, a
+    uvicorn that exits, or no model within ``timeout`` seconds raises a ``RuntimeError`` saying which."""
+    import uvicorn
+
+    http = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=http.run, name="lynn-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not (http.started and server.state == "ready"):
+            if server.state == "failed":
+                raise RuntimeError(server.error)
+            if not thread.is_alive():
+                raise RuntimeError(f"uvicorn on {host}:{port} exited before it served (server {server.state!r})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready within {timeout:.0f} s (server {server.state!r})")
+            time.sleep(0.02)
+        yield f"http://{host}:{http.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        http.should_exit = True
+        thread.join(timeout=60)
+        server.thread.join(timeout=60)
 
 
 # -- requests ----------------------------------------------------------------------------------------------------------
@@ -682,4 +725,5 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-__all__ = ["Server", "create_app", "APIError", "Detokenizer", "IdTokenizer", "Histogram", "prometheus_text", "parse"]
+__all__ = ["Server", "create_app", "serve_in_thread", "preset_model", "APIError", "Detokenizer", "IdTokenizer",
+           "Histogram", "prometheus_text", "parse"]

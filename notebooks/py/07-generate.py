@@ -721,36 +721,24 @@ print("the H200's greedy run and this CPU's greedy 64 tokens (torch reference), 
 # (streamed or not), `/v1/models`, `/health` and `/metrics` (docs/serving.md). Its engine batches requests
 # continuously: a request joins the running decode batch as soon as it has a cache slot and leaves it when it ends.
 # Here the same server runs inside this notebook. `Server` loads the model in a thread of its own and steps the
-# engine there; `create_app` is the FastAPI app over it; uvicorn serves the app from a background thread on a free
-# loopback port. On a CPU the server computes in float32, not bf16: a greedy request then gets the same tokens
-# whatever other requests share its batch (the engine's docstring says why).
+# engine there; `create_app` is the FastAPI app over it, and `serve_in_thread` runs it on uvicorn in a background
+# thread, on a free loopback port, until the model is loaded. On a CPU the server computes in float32, not bf16:
+# a greedy request then gets the same tokens whatever other requests share its batch (the engine's docstring says why).
 #
 # This section needs the serve extra and the `openai` client (both in the test extra): `python -m pip install -e
 # ".[serve]" openai`.
 
 # %%
-import threading
-import time
+import contextlib
 
 import httpx
 import openai
-import uvicorn
 
-from lynn_model.serve.http import Server, create_app
+from lynn_model.serve.http import Server, serve_in_thread
 
 server = Server(DEMO_MODEL, rows=4)            # the demo model; float32 and the torch reference on a CPU
-http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning"))
-http_thread = threading.Thread(target=http.run, name="uvicorn", daemon=True)
-http_thread.start()
-deadline = time.monotonic() + 120
-while not http.started:                        # port 0: the system picks a free port
-    assert http_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-    time.sleep(0.05)
-BASE = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-while httpx.get(f"{BASE}/health").status_code != 200:      # 503 while the model loads
-    assert server.state != "failed", server.error
-    assert time.monotonic() < deadline, "the model did not load in 2 minutes"
-    time.sleep(0.1)
+running = contextlib.ExitStack()               # closed at the end of this section
+BASE = running.enter_context(serve_in_thread(server, timeout=120))   # once the model has loaded
 client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused")   # the server checks no key
 print("models:", [(m.id, m.max_model_len) for m in client.models.list()])
 
@@ -842,10 +830,8 @@ except openai.BadRequestError as err:
 # Stopping: uvicorn finishes, then the app's shutdown stops the engine thread.
 
 # %%
-http.should_exit = True
-http_thread.join(timeout=30)
-server.thread.join(timeout=30)
-print("uvicorn stopped:", not http_thread.is_alive(), "| engine thread stopped:", not server.thread.is_alive())
+running.close()
+print("engine thread stopped:", not server.thread.is_alive())
 
 # %% [markdown]
 # From a terminal the same server is `lynn serve` (the demo model on `http://127.0.0.1:8000`); docs/serving.md has
