@@ -193,3 +193,23 @@ def hf_moe_blocks() -> dict:
         "qwen3_next-raw": (qn.Qwen3NextSparseMoeBlock, Qwen3NextConfig(**dims, norm_topk_prob=False), False),
         "qwen3_5_moe": (q35.Qwen3_5MoeSparseMoeBlock, Qwen3_5MoeTextConfig(**dims), True),
     }
+
+
+# -- the check matrix as tests --------------------------------------------------------------------------------------
+# A family's awkward shapes and dtypes live in one place, its ``lynn_kernels/<family>/check.py: cases()``, which
+# ``lynn check`` and ``lynn_kernels.lab.check`` run too; a test module sweeps them with these two helpers.
+
+def check_cases(family: str, *ops: str) -> list:
+    """The family's check cases (of ``ops``, or all), one ``pytest.param`` each, named ``op: case``."""
+    module = importlib.import_module(f"lynn_kernels.{family}.check")
+    return [pytest.param(c, id=f"{c.op}: {c.label}") for c in module.cases() if not ops or c.op in ops]
+
+
+def assert_case_passes(case) -> list[dict]:
+    """Run one check case; every row it returns passed (a failure shows the failing rows with their metrics)."""
+    rows = case.run()
+    failed = [r for r in rows if not r.get("passed")]
+    assert rows and not failed, f"{case.op}: {case.label}: " + "; ".join(
+        f"{r['op']} {r['case']}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("op", "case"))
+        for r in failed)
+    return rows
