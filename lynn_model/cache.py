@@ -33,7 +33,9 @@ class Batch:
     each sequence already had (host ints and int32 ``[N]``). With a cache: ``kv_slots`` int64 ``[T]`` (where each new
     key goes), ``rows`` the state rows (a ``slice`` when they are consecutive, else an int64 index), and for decode
     ``seq_lens`` int32 ``[N]`` (after this token) and ``block_table`` ``[N, max_blocks]``; for a prefill that
-    continues cached sequences, ``kv_gather`` int64: the cache slots of every sequence's keys, prefix first.
+    continues cached sequences, ``kv_gather`` int64: the cache slots of every sequence's keys, prefix first. An
+    *unrolled* decode (``unroll`` = U > 1 tokens per sequence: a speculative verify) gives each of its ``N U`` rows
+    its own ``seq_lens`` entry and ``block_table`` row, so every token attends exactly as its own decode step would.
     """
 
     new_lens: list[int]
@@ -49,6 +51,7 @@ class Batch:
     kv_gather: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     valid_len: torch.Tensor | None = None
+    unroll: int = 1            #: tokens per sequence of an unrolled decode step (rows sequence-major)
 
     @property
     def num_tokens(self) -> int:
@@ -110,8 +113,9 @@ class Cache:
         self.num_blocks = -(-max_tokens // page_size)
         self.max_blocks = self.num_blocks
         kv_shape = (self.num_blocks, page_size, c.num_key_value_heads, c.head_dim)
-        self.k = {i: torch.zeros(kv_shape, dtype=dtype, device=self.device) for i in c.attention_layers}
-        self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=self.device) for i in c.attention_layers}
+        kv_layers = c.attention_layers + c.mtp_attention_layers
+        self.k = {i: torch.zeros(kv_shape, dtype=dtype, device=self.device) for i in kv_layers}
+        self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=self.device) for i in kv_layers}
         conv_shape = (max_batch, c.conv_dim, c.linear_conv_kernel_dim - 1)
         state_shape = (max_batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self.conv = {i: torch.zeros(conv_shape, dtype=dtype, device=self.device) for i in c.linear_layers}
@@ -122,6 +126,11 @@ class Cache:
         self.broken = [False] * max_batch           #: a step failed half-way: the states are undefined
         self._blocks: list[list[int]] = [[] for _ in range(max_batch)]
         self._free = list(range(self.num_blocks - 1, -1, -1))      # a stack: pop() gives block 0 first
+        #: per Gated DeltaNet layer, the conv and recurrent states after each token but the last of an unrolled
+        #: step (``[U - 1, max_batch, ...]``, made by the first such step): what :meth:`rollback` restores
+        self.snap_conv: dict[int, torch.Tensor] = {}
+        self.snap_state: dict[int, torch.Tensor] = {}
+        self._unrolled: tuple[list[int], int] | None = None      # (slots, U) of the last step, if it was unrolled
 
     @property
     def capacity_tokens(self) -> int:
@@ -132,7 +141,8 @@ class Cache:
         return len(self._free) * self.page_size
 
     def nbytes(self) -> int:
-        tensors = [*self.k.values(), *self.v.values(), *self.conv.values(), *self.state.values()]
+        tensors = [*self.k.values(), *self.v.values(), *self.conv.values(), *self.state.values(),
+                   *self.snap_conv.values(), *self.snap_state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- sequences -----------------------------------------------------------------------------------------------
@@ -172,10 +182,15 @@ class Cache:
                              f"release it (cache.release({slot})) and prefill the sequence again")
 
     # -- one call ------------------------------------------------------------------------------------------------
-    def plan(self, slots: list[int], new_lens: list[int]) -> Batch:
+    def plan(self, slots: list[int], new_lens: list[int], *, unroll: bool = False,
+             starts: list[int] | None = None) -> Batch:
         """Reserve pages for ``new_lens[b]`` more tokens of sequence ``slots[b]`` and describe the call.
 
         Nothing changes when the pages do not suffice (:class:`CacheFull`). Call :meth:`advance` after the forward.
+        ``unroll``: every sequence adds the same number of tokens to a cached past, run as that many decode steps
+        (a speculative verify; :meth:`rollback` undoes its last tokens). ``starts``: the tokens each sequence has in
+        the layers this call runs, where that is not its length (the MTP layer runs behind or ahead of the trunk; no
+        :meth:`advance` then).
         """
         if len(slots) != len(new_lens) or not slots:
             raise ValueError(f"slots ({len(slots)}) and new_lens ({len(new_lens)}) must be non-empty, one per sequence")
@@ -185,7 +200,12 @@ class Cache:
             self._check_slot(s)
         if any((not isinstance(n, int)) or n < 1 for n in new_lens):
             raise ValueError(f"new_lens must be positive ints, got {new_lens}")
-        prefix = [self.lengths[s] for s in slots]
+        prefix = [self.lengths[s] for s in slots] if starts is None else list(starts)
+        if len(prefix) != len(slots) or any(not isinstance(p, int) or p < 0 for p in prefix):
+            raise ValueError(f"starts {prefix} must be one int >= 0 per sequence")
+        if unroll and (len(set(new_lens)) != 1 or not all(prefix)):
+            raise ValueError(f"an unrolled step adds one number of tokens to every sequence, each with a cached past; "
+                             f"got new_lens {new_lens} after {prefix} tokens")
         self._grow(slots, [p + n for p, n in zip(prefix, new_lens)])
         dev = self.device
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -195,9 +215,13 @@ class Cache:
         rows = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else slot_t
         batch = Batch(list(new_lens), prefix, positions, _cu(new_lens, dev),
                       prefix_lens_t=remember_ints(torch.tensor(prefix, dtype=torch.int32, device=dev), prefix),
-                      decode=all(n == 1 for n in new_lens) and all(p > 0 for p in prefix),
-                      kv_slots=paged_slots(self.block_table, seq_idx, positions, self.page_size), rows=rows)
-        if batch.decode:
+                      decode=unroll or (all(n == 1 for n in new_lens) and all(p > 0 for p in prefix)),
+                      kv_slots=paged_slots(self.block_table, seq_idx, positions, self.page_size), rows=rows,
+                      unroll=new_lens[0] if unroll else 1)
+        if batch.unroll > 1:
+            batch.seq_lens = (positions + 1).to(torch.int32)
+            batch.block_table = self.block_table[seq_idx]
+        elif batch.decode:
             batch.seq_lens = torch.tensor([p + 1 for p in prefix], dtype=torch.int32, device=dev)
             batch.block_table = self.block_table[rows]
         elif batch.has_prefix:
@@ -233,7 +257,35 @@ class Cache:
                              f"tokens")
         self._grow(list(slots), list(totals))
 
-    def advance(self, slots: list[int], new_lens: list[int]) -> None:
+    def advance(self, slots: list[int], new_lens: list[int], *, unroll: bool = False) -> None:
         """Record that the call planned for ``slots`` ran."""
         for s, n in zip(slots, new_lens):
             self.lengths[s] += n
+        self._unrolled = (list(slots), new_lens[0]) if unroll else None
+
+    # -- speculative decoding ------------------------------------------------------------------------------------
+    def snapshot(self, layer: int, j: int, rows) -> None:
+        """Keep Gated DeltaNet layer ``layer``'s states of ``rows`` after token ``j`` of an unrolled step."""
+        if layer not in self.snap_conv or self.snap_conv[layer].shape[0] <= j:
+            u = max(j + 1, 3)               # room for up to 3 drafts; a longer step makes them again, once
+            self.snap_conv[layer] = torch.empty(u, *self.conv[layer].shape, dtype=self.dtype, device=self.device)
+            self.snap_state[layer] = torch.empty(u, *self.state[layer].shape, dtype=torch.float32, device=self.device)
+        self.snap_conv[layer][j, rows] = self.conv[layer][rows]
+        self.snap_state[layer][j, rows] = self.state[layer][rows]
+
+    def rollback(self, slots: list[int], keep: list[int]) -> None:
+        """After an unrolled step over ``slots``, keep only the first ``keep[b]`` of its tokens of sequence
+        ``slots[b]`` (the accepted ones): the Gated DeltaNet states go back to those after that token and the
+        length shrinks; keys and values written past it are simply overwritten later."""
+        if self._unrolled is None or self._unrolled[0] != list(slots):
+            raise ValueError(f"rollback of slots {slots}: the last step over them was not an unrolled step")
+        u = self._unrolled[1]
+        if any(not isinstance(k, int) or not 1 <= k <= u for k in keep):
+            raise ValueError(f"keep {keep}: each must be an int in [1, {u}] (the step's tokens per sequence)")
+        for s, k in zip(slots, keep):
+            if k < u:
+                for i in self.conv:
+                    self.conv[i][s] = self.snap_conv[i][k - 1, s]
+                    self.state[i][s] = self.snap_state[i][k - 1, s]
+                self.lengths[s] -= u - k
+        self._unrolled = None

@@ -5,8 +5,8 @@
   (:class:`QuantConfig`);
 * ``model.safetensors``, or the shards of ``model.safetensors.index.json`` (:func:`shard_files`), each header
   checked entry by entry (:func:`read_header`; :func:`read_headers` -> an :class:`Entry` per tensor);
-* names under ``model.`` or ``model.language_model.`` (release VL wrappers); ``model.visual.*`` and ``mtp.*`` are
-  skipped (:func:`canonical`); experts per expert (``experts.{e}.gate_proj.weight``) or packed
+* names under ``model.`` or ``model.language_model.`` (release VL wrappers), and the MTP module's ``mtp.*``;
+  ``model.visual.*`` is skipped (:func:`canonical`); experts per expert (``experts.{e}.gate_proj.weight``) or packed
   (``experts.gate_up_proj [E, 2I, H]``);
 * each projection's format is read off the tensors present: a float ``weight``; compressed-tensors NVFP4
   (``weight_packed``, ``weight_scale``, ``weight_global_scale``); ModelOpt NVFP4 (uint8 ``weight``,
@@ -66,57 +66,68 @@ def targets(config: Config) -> dict[str, Target]:
     if not c.tie_word_embeddings:
         t["lm_head"] = Target("linear", (c.vocab_size, h))
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm"] = Target("tensor", (h,))
-        t[p + "post_attention_layernorm"] = Target("tensor", (h,))
-        if c.layer_types[i] == "full_attention":
-            hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            a = p + "self_attn."
-            t[a + "q_proj"] = Target("linear", (2 * hq * d, h))
-            t[a + "k_proj"] = Target("linear", (hkv * d, h))
-            t[a + "v_proj"] = Target("linear", (hkv * d, h))
-            t[a + "o_proj"] = Target("linear", (h, hq * d))
-            t[a + "q_norm"] = Target("tensor", (d,))
-            t[a + "k_norm"] = Target("tensor", (d,))
-        else:
-            nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
-                c.linear_value_head_dim
-            g = p + "linear_attn."
-            if c.family == "qwen3_next":          # head-grouped, permuted at load (loader.split_qkvz)
-                t[g + "in_proj_qkvz"] = Target("linear", (2 * nk * dk + 2 * nv * dv, h))
-                t[g + "in_proj_ba"] = Target("linear", (2 * nv, h))
-            else:
-                t[g + "in_proj_qkv"] = Target("linear", (c.conv_dim, h))
-                t[g + "in_proj_z"] = Target("linear", (nv * dv, h))
-                t[g + "in_proj_b"] = Target("linear", (nv, h))
-                t[g + "in_proj_a"] = Target("linear", (nv, h))
-            t[g + "conv1d"] = Target("tensor", (c.conv_dim, 1, c.linear_conv_kernel_dim))
-            t[g + "dt_bias"] = Target("tensor", (nv,))
-            t[g + "A_log"] = Target("tensor", (nv,))
-            t[g + "norm"] = Target("tensor", (dv,))
-            t[g + "out_proj"] = Target("linear", (h, nv * dv))
-        m = p + "mlp."
-        if c.ffn_types[i] == "mlp":
-            n = c.intermediate_size
-            t[m + "gate_proj"], t[m + "up_proj"] = Target("linear", (n, h)), Target("linear", (n, h))
-            t[m + "down_proj"] = Target("linear", (h, n))
-        else:
-            e, n, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-            t[m + "gate"] = Target("linear", (e, h), quantizable=False)
-            for j in range(e):
-                t[m + f"experts.{j}.gate_proj"] = Target("linear", (n, h))
-                t[m + f"experts.{j}.up_proj"] = Target("linear", (n, h))
-                t[m + f"experts.{j}.down_proj"] = Target("linear", (h, n))
-            if s:
-                t[m + "shared_expert.gate_proj"] = Target("linear", (s, h))
-                t[m + "shared_expert.up_proj"] = Target("linear", (s, h))
-                t[m + "shared_expert.down_proj"] = Target("linear", (h, s))
-                t[m + "shared_expert_gate"] = Target("linear", (1, h), quantizable=False)
+        _layer_targets(t, c, f"model.layers.{i}.", c.layer_types[i], c.ffn_types[i])
+    if c.mtp_layers:                 # the MTP module: fc joins [embedding | hidden], then full-attention layers
+        t["mtp.fc"] = Target("linear", (h, 2 * h))
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            t["mtp." + n] = Target("tensor", (h,))
+        for j in range(c.mtp_layers):
+            _layer_targets(t, c, f"mtp.layers.{j}.", "full_attention", c.mtp_ffn)
     return t
 
 
-_PACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+def _layer_targets(t: dict, c: Config, p: str, kind: str, ffn: str) -> None:
+    """The modules of one decoder layer under prefix ``p`` (a trunk layer, or an MTP layer)."""
+    h = c.hidden_size
+    t[p + "input_layernorm"] = Target("tensor", (h,))
+    t[p + "post_attention_layernorm"] = Target("tensor", (h,))
+    if kind == "full_attention":
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        a = p + "self_attn."
+        t[a + "q_proj"] = Target("linear", (2 * hq * d, h))
+        t[a + "k_proj"] = Target("linear", (hkv * d, h))
+        t[a + "v_proj"] = Target("linear", (hkv * d, h))
+        t[a + "o_proj"] = Target("linear", (h, hq * d))
+        t[a + "q_norm"] = Target("tensor", (d,))
+        t[a + "k_norm"] = Target("tensor", (d,))
+    else:
+        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
+            c.linear_value_head_dim
+        g = p + "linear_attn."
+        if c.family == "qwen3_next":          # head-grouped, permuted at load (loader.split_qkvz)
+            t[g + "in_proj_qkvz"] = Target("linear", (2 * nk * dk + 2 * nv * dv, h))
+            t[g + "in_proj_ba"] = Target("linear", (2 * nv, h))
+        else:
+            t[g + "in_proj_qkv"] = Target("linear", (c.conv_dim, h))
+            t[g + "in_proj_z"] = Target("linear", (nv * dv, h))
+            t[g + "in_proj_b"] = Target("linear", (nv, h))
+            t[g + "in_proj_a"] = Target("linear", (nv, h))
+        t[g + "conv1d"] = Target("tensor", (c.conv_dim, 1, c.linear_conv_kernel_dim))
+        t[g + "dt_bias"] = Target("tensor", (nv,))
+        t[g + "A_log"] = Target("tensor", (nv,))
+        t[g + "norm"] = Target("tensor", (dv,))
+        t[g + "out_proj"] = Target("linear", (h, nv * dv))
+    m = p + "mlp."
+    if ffn == "mlp":
+        n = c.intermediate_size
+        t[m + "gate_proj"], t[m + "up_proj"] = Target("linear", (n, h)), Target("linear", (n, h))
+        t[m + "down_proj"] = Target("linear", (h, n))
+    else:
+        e, n, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        t[m + "gate"] = Target("linear", (e, h), quantizable=False)
+        for j in range(e):
+            t[m + f"experts.{j}.gate_proj"] = Target("linear", (n, h))
+            t[m + f"experts.{j}.up_proj"] = Target("linear", (n, h))
+            t[m + f"experts.{j}.down_proj"] = Target("linear", (h, n))
+        if s:
+            t[m + "shared_expert.gate_proj"] = Target("linear", (s, h))
+            t[m + "shared_expert.up_proj"] = Target("linear", (s, h))
+            t[m + "shared_expert.down_proj"] = Target("linear", (h, s))
+            t[m + "shared_expert_gate"] = Target("linear", (1, h), quantizable=False)
+
+
+_PACKED_EXPERTS = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 def canonical(name: str) -> str | None:
@@ -126,9 +137,17 @@ def canonical(name: str) -> str | None:
     elif name.startswith("language_model."):
         name = name[len("language_model."):]
         name = name if name.startswith(("model.", "lm_head")) else "model." + name
-    if name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
+    if name.startswith("model.mtp."):
+        name = name[len("model."):]
+    if name.startswith(("model.visual.", "visual.")):
         return None
     return name
+
+
+def mtp_layers_in(entries: list["Entry"]) -> int:
+    """How many MTP layers the checkpoint holds (``mtp.layers.{j}.*``; 0 without an MTP module)."""
+    found = {int(m.group(1)) for e in entries if (m := re.match(r"mtp\.layers\.(\d+)\.", canonical(e.name) or ""))}
+    return max(found) + 1 if found else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -474,7 +493,8 @@ def _decide_format(m: Module, quant: QuantConfig) -> None:
             raise _err_shape(e, t.shape)
         if e.dtype not in _FLOATS:
             raise LoadError(f"{e.name} in {e.file.name} has dtype {e.dtype}; expected a float dtype")
-        if quant.method and t.quantizable and not quant.excluded(orig):
+        # published NVFP4 exports keep the MTP module in bf16 whether or not their lists exclude it (vLLM reads it so)
+        if quant.method and t.quantizable and not quant.excluded(orig) and not m.name.startswith("mtp."):
             raise LoadError(f"{e.name} in {e.file.name} is {e.dtype}, but the checkpoint's {quant.method} config "
                             f"does not exclude {orig!r} from quantisation: the tensors and the config disagree")
         return

@@ -72,6 +72,9 @@ class Config:
     max_position_embeddings: int = 262144
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: multi-token prediction layers (``mtp.*``): set by the loader from the tensors a checkpoint holds (configs
+    #: announce one whether or not the file carries it), or by hand for a random model
+    mtp_layers: int = 0
     name: str = field(default="", compare=False)  #: a preset's name, or the checkpoint folder
 
     # -- derived sizes ------------------------------------------------------------------------------------------
@@ -88,6 +91,16 @@ class Config:
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def mtp_attention_layers(self) -> tuple[int, ...]:
+        """The cache index of each MTP layer's attention: after the trunk's layers, as vLLM numbers them."""
+        return tuple(range(self.num_hidden_layers, self.num_hidden_layers + self.mtp_layers))
+
+    @property
+    def mtp_ffn(self) -> str:
+        """The MTP layer's FFN: the routed experts in a MoE model, the dense MLP in a dense one."""
+        return "moe" if self.num_experts else "mlp"
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed, validated again (e.g. ``num_hidden_layers`` for a shorter model)."""
@@ -271,6 +284,7 @@ _INT_FIELDS = {
     "moe_intermediate_size": (0, None, ""),
     "shared_expert_intermediate_size": (0, None, ""),
     "max_position_embeddings": (1, None, ""),
+    "mtp_layers": (0, 4, "published checkpoints carry one MTP layer"),
 }
 
 

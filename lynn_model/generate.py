@@ -47,6 +47,15 @@ class Stats:
 
     batch: int = 0                   #: sequences in the call
     notes: list[str] = field(default_factory=list)   #: what the call changed of its arguments (one line each)
+    mtp: int = 0                     #: speculative decoding: drafts per step (0: off)
+    drafted: int = 0                 #: drafts proposed, over all sequences and steps
+    accepted: int = 0                #: of them, the drafts the trunk agreed with
+    verify_steps: int = 0            #: unrolled verify steps run
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a sequence gains per verify step (its accepted drafts, plus the trunk's own token), averaged."""
+        return 1 + self.mtp * self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -64,7 +73,7 @@ class NonFiniteError(ValueError):
 
 
 def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, seed=None,
-                        max_tokens=None) -> None:
+                        max_tokens=None, mtp=0) -> None:
     """Raise a ValueError naming the first bad argument of :func:`generate`, what it expects and what it got; needs
     no model, so it runs before the model is touched.
 
@@ -76,6 +85,15 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise ValueError(f"max_tokens = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
     check_sampling_args(temperature, top_k, top_p, seed)
+    if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
+        raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per step; 0: off)")
+    if mtp and temperature != 0:
+        raise ValueError(f"mtp = {mtp} with temperature = {temperature}: speculative decoding is greedy only so far "
+                         f"(temperature 0); sampled speculative decoding is not built yet")
+
+
+#: The most drafts :func:`generate` takes per speculative step (``mtp``).
+MAX_DRAFTS = 3
 
 
 def _prompts(input_ids) -> list[list[int]]:
@@ -106,7 +124,7 @@ def _prompts(input_ids) -> list[list[int]]:
 def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
              stream: Callable[[torch.Tensor], None] | None = None, stats: Stats | None = None,
-             max_tokens: int | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
+             max_tokens: int | None = None, cuda_graph: bool | None = None, mtp: int = 0) -> torch.Tensor:
     """Continue ``B`` prompts by up to ``max_new_tokens`` tokens each.
 
     One packed prefill of the prompts, then decode steps of the whole batch through a :class:`DecodeStep`: on a GPU
@@ -133,6 +151,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
             cut) and raises :class:`CacheFull` before any work when that is more; the cache holds what the call
             needs, never more (default: no ceiling).
         cuda_graph: capture the decode step (default: on a GPU with the compiled kernels); False runs it eagerly.
+        mtp: speculative decoding with ``mtp`` drafts (1-3) of the checkpoint's MTP module per step
+            (:mod:`lynn_model.speculative`): greedy only, eager steps, the same tokens as without it; 0: off.
 
     Returns:
         int64 ``[B, T + n]`` with ``n <= max_new_tokens`` the steps run (fewer when every sequence stopped); rows of
@@ -146,7 +166,10 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         CacheFull: ``max_tokens`` cannot hold the prompts and the new tokens.
     """
     check_generate_args(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, mtp=mtp)
+    if mtp and model.mtp is None:
+        raise ValueError(f"mtp = {mtp}: {model.config.name or model.config.family} has no MTP module (its checkpoint "
+                         f"holds no mtp.* tensors)")
     rows = _prompts(input_ids)
     warn, stats = stats is None, stats if stats is not None else Stats()
     stats.notes = []
@@ -161,7 +184,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
                            f"is {context:,} tokens and the {'longest ' if len(rows) > 1 else ''}prompt has "
                            f"{longest:,}")
         max_new_tokens = context - longest
-    need = sum(len(r) + max_new_tokens for r in rows)
+    need = sum(len(r) + max_new_tokens + mtp for r in rows)    # a verify runs up to mtp tokens past the end
     if max_tokens is not None and max_tokens < need:
         prompts = f"the prompt's {len(rows[0]):,} tokens" if len(rows) == 1 else \
             f"the {len(rows)} prompts' {sum(map(len, rows)):,} tokens"
@@ -180,25 +203,27 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     # on a GPU the batch runs in its bucket's rows, captured or not (so the two give the same bits)
     width = bucket_for(nseq) if dev.type == "cuda" else nseq
     stops = set(int(t) for t in (stop_ids or []))
-    stats.prompt_tokens, stats.batch = sum(map(len, rows)), nseq
+    stats.prompt_tokens, stats.batch, stats.mtp = sum(map(len, rows)), nseq, mtp
     cache = model.new_cache(max_batch=width, max_tokens=need + 16 * nseq)     # a page of slack per sequence
-    stats.cache_bytes, stats.cuda_graph = cache.nbytes(), bool(cuda_graph) and max_new_tokens > 1
+    stats.cache_bytes, stats.cuda_graph = cache.nbytes(), bool(cuda_graph) and max_new_tokens > 1 and not mtp
     out = [list(r) for r in rows]
     if max_new_tokens == 0:
         return _pack(out)
     with torch.inference_mode():
         step = None
-        if max_new_tokens > 1:
+        if max_new_tokens > 1 and not mtp:
             t0 = time.perf_counter()
             step = DecodeStep(model, cache, width, SamplingParams.build([setting] * width, dev, vocab),
                               graph=cuda_graph)
             stats.capture_s = time.perf_counter() - t0
         slots = [cache.add() for _ in rows]
-        cache.reserve(slots, [len(r) + max_new_tokens for r in rows])    # every page now: no CacheFull half-way
+        cache.reserve(slots, [len(r) + max_new_tokens + mtp for r in rows])   # every page now: no CacheFull later
         _sync(dev)
         t0 = time.perf_counter()
         logits = model.step(torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev), cache, slots,
-                            [len(r) for r in rows])
+                            [len(r) for r in rows], hidden=bool(mtp))
+        if mtp:
+            logits, hidden = logits
         counter = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
         nxt = sample_rows(logits, SamplingParams.build([setting] * nseq, dev, vocab), counter)
         # the finite check rides on the copy of the tokens (max propagates NaN: one reduction per row)
@@ -208,6 +233,12 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         _check_finite(range(nseq), finite, nseq, "the prompt (prefill)")
         live = _emit(out, list(range(nseq)), first, stops, stream)   # rows still generating
         stats.new_tokens = nseq
+        if mtp and live and max_new_tokens > 1:
+            t0 = time.perf_counter()
+            _speculative(model, cache, slots, out, first, hidden, mtp, max_new_tokens - 1, stops, stream, stats, live)
+            _sync(dev)
+            stats.decode_s = time.perf_counter() - t0
+            return _pack(out)
         if step is None or not live:
             return _pack(out)
         step.begin(nxt, slots)
@@ -235,6 +266,29 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         _sync(dev)
         stats.decode_s = time.perf_counter() - t0
     return _pack(out)
+
+
+def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stream, stats, live) -> None:
+    """:func:`generate`'s decode phase by speculative rounds (:func:`lynn_model.speculative.speculative_decode`):
+    ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the others)."""
+    from .speculative import speculative_decode
+
+    n = len(out)
+
+    def emit(b: int, t: int) -> bool:
+        out[b].append(int(t))
+        stats.new_tokens += 1
+        if stream is not None:
+            step = [-1] * n
+            step[b] = int(t)
+            stream(torch.tensor(step, dtype=torch.long))
+        return int(t) not in stops
+
+    picks = list(live)                        # sequences that stopped at their first token take no round
+    hid_rows = torch.split(hidden, [len(o) - 1 for o in out])
+    speculative_decode(model, cache, [slots[b] for b in picks], [out[b] for b in picks], [first[b] for b in picks],
+                       torch.cat([hid_rows[b] for b in picks]), k, budget, stops,
+                       lambda i, t: emit(picks[i], t), stats)
 
 
 def _check_finite(rows, finite: list[int], batch: int, where: str) -> None:

@@ -30,6 +30,7 @@ from .checkpoint import (
     QuantConfig,
     Target,
     check_counts,
+    mtp_layers_in,
     plan,
     read_config,
     read_headers,
@@ -90,8 +91,17 @@ class Assembler:
         if module == "lm_head":
             m.lm_head.weight = value
             return
+        if module == "mtp.fc":
+            m.mtp.fc.weight = value
+            return
+        if module in ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"):
+            getattr(m.mtp, module[4:]).weight = value
+            return
         parts = module.split(".")
-        i, layer = int(parts[2]), m.layers[int(parts[2])]
+        if parts[0] == "mtp":            # an MTP layer: keyed after the trunk's layers, as its cache index is
+            i, layer = c.num_hidden_layers + int(parts[2]), m.mtp.layers[int(parts[2])]
+        else:
+            i, layer = int(parts[2]), m.layers[int(parts[2])]
         rest = ".".join(parts[3:])
         if rest in ("input_layernorm", "post_attention_layernorm"):
             getattr(layer, rest).weight = value
@@ -261,6 +271,8 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     entries = read_headers(folder)
     check_counts(raw, entries, cfg_path)
     config = read_config(raw, cfg_path)
+    if n_mtp := mtp_layers_in(entries):
+        config = config.replace(mtp_layers=n_mtp)
     quant = QuantConfig.read(folder, raw)
     mods, packed = plan(config, entries, quant)
     if dtype is None:

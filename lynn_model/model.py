@@ -282,52 +282,66 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
         t = x.shape[0]
-        fused = batch.decode and self.fused_decode
-        gw = self._gate_weights(x.dtype) if fused else None
-        qkv, z, b, a = self._projections(x, gates=gw is None)
-        x = _tensor(x)                                         # a PreNorm's normed rows, written by the GEMV
-        if fused:                                              # the gates' projections (float weights), conv,
+        if batch.decode:
+            gw = self._gate_weights(x.dtype) if self.fused_decode else None
+            qkv, z, b, a = self._projections(x, gates=gw is None)
+            x = _tensor(x)                                     # a PreNorm's normed rows, written by the GEMV
+            if batch.unroll == 1:
+                o = self._decode(qkv, z, b, a, x, gw, batch, cache)
+            else:                                              # each sequence's T tokens as T decode steps
+                n, u = t // batch.unroll, batch.unroll         # rows b-major: sequence i's token j is i * T + j
+                o = torch.empty(n, u, self.nv * self.dv, dtype=x.dtype, device=x.device)
+                for j in range(u):
+                    pick = [None if v is None else v.view(n, u, -1)[:, j].contiguous() for v in (qkv, z, b, a, x)]
+                    o[:, j] = self._decode(*pick, gw, batch, cache)
+                    if j + 1 < u:
+                        cache.snapshot(self.layer, j, batch.rows)
+                o = o.view(t, -1)
+            return self.out_proj(o)
+        qkv, z, b, a = self._projections(x)                   # [1, T, ...]: the packed sequences
+        conv0 = state0 = None
+        if cache is not None:
+            conv0, state0 = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
+        y, conv1 = deltanet.causal_conv1d(qkv[None], self.conv_weight, conv0, cu_seqlens=batch.cu_seqlens)
+        q, k, v = self._split(y)                                       # [1, T, heads, d]
+        g, beta = deltanet.gates(self.A_log, a[None], self.dt_bias, b[None])        # fp32 [1, T, nv]
+        if batch.valid is not None:           # padding rows: decay 1 (g = 0) and no write (beta = 0), so the
+            m = batch.valid[None, :, None]    # state after them is the state after the last real token
+            g, beta = g * m, beta * m
+        o, state1 = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0,
+                                                    output_final_state=cache is not None, use_qk_l2norm=True,
+                                                    cu_seqlens=batch.cu_seqlens)
+        if cache is not None:
+            if batch.valid_len is not None:       # the last conv inputs of the real tokens, not the padding's
+                conv1 = _last_inputs(qkv, conv0, batch.valid_len)
+            cache.conv[self.layer][batch.rows] = conv1
+            cache.state[self.layer][batch.rows] = state1
+        z = z.view(1, t, self.nv, self.dv)
+        o = deltanet.gated_rmsnorm(o, z, self.norm_weight, eps=self.eps)
+        return self.out_proj(o.reshape(t, self.nv * self.dv))
+
+    def _decode(self, qkv, z, b, a, x, gw, batch: Batch, cache: Cache) -> torch.Tensor:
+        """One decode step of the sequences ``batch.rows`` (one row each): conv update, gates, delta rule, gated
+        norm, in place on the cache's states; returns the rows before ``out_proj`` ``[N, nv dv]``."""
+        n = qkv.shape[0]
+        conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
+        if self.fused_decode:                                  # the gates' projections (float weights), conv,
             proj = {} if gw is None else dict(x=x, a_weight=gw[0], b_weight=gw[1])   # gates, delta rule, gated
-            conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
-            o = deltanet.gated_delta_decode(qkv, z.view(t, self.nv, self.dv), a, b, conv, self.conv_weight,
+            o = deltanet.gated_delta_decode(qkv, z.view(n, self.nv, self.dv), a, b, conv, self.conv_weight,
                                             self.A_log, self.dt_bias, state, self.norm_weight, self.nk, eps=self.eps,
                                             states_early=True, **proj)   # norm: one launch; the projection just
             # before it is the packed GEMV (releases after its wait) or a launch without PDL, and this layer's
             # last step came before it: the kernel may load its states before its PDL wait
-            if not isinstance(batch.rows, slice):             # gathered rows: write the new states back
-                cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state
-            return self.out_proj(o.reshape(t, self.nv * self.dv))
-        if batch.decode:                                       # [B, ...]: one token per sequence
-            conv, state = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
+        else:
             y = deltanet.causal_conv1d_update(qkv, conv, self.conv_weight)            # rolls conv in place
-            q, k, v = self._split(y[:, None])                              # [B, 1, heads, d]
+            q, k, v = self._split(y[:, None])                              # [N, 1, heads, d]
             o, _ = deltanet.recurrent_gated_delta_rule_gates(
-                q, k, v, self.A_log, a.view(t, 1, self.nv), self.dt_bias, b.view(t, 1, self.nv),
+                q, k, v, self.A_log, a.view(n, 1, self.nv), self.dt_bias, b.view(n, 1, self.nv),
                 initial_state=state, use_qk_l2norm=True, out_state=state)
-            if not isinstance(batch.rows, slice):             # gathered rows: write the new states back
-                cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state
-            z = z.view(t, 1, self.nv, self.dv)
-        else:                                                  # [1, T, ...]: the packed sequences
-            conv0 = state0 = None
-            if cache is not None:
-                conv0, state0 = cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows]
-            y, conv1 = deltanet.causal_conv1d(qkv[None], self.conv_weight, conv0, cu_seqlens=batch.cu_seqlens)
-            q, k, v = self._split(y)                                       # [1, T, heads, d]
-            g, beta = deltanet.gates(self.A_log, a[None], self.dt_bias, b[None])        # fp32 [1, T, nv]
-            if batch.valid is not None:           # padding rows: decay 1 (g = 0) and no write (beta = 0), so the
-                m = batch.valid[None, :, None]    # state after them is the state after the last real token
-                g, beta = g * m, beta * m
-            o, state1 = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0,
-                                                        output_final_state=cache is not None, use_qk_l2norm=True,
-                                                        cu_seqlens=batch.cu_seqlens)
-            if cache is not None:
-                if batch.valid_len is not None:       # the last conv inputs of the real tokens, not the padding's
-                    conv1 = _last_inputs(qkv, conv0, batch.valid_len)
-                cache.conv[self.layer][batch.rows] = conv1
-                cache.state[self.layer][batch.rows] = state1
-            z = z.view(1, t, self.nv, self.dv)
-        o = deltanet.gated_rmsnorm(o, z, self.norm_weight, eps=self.eps)
-        return self.out_proj(o.reshape(t, self.nv * self.dv))
+            o = deltanet.gated_rmsnorm(o, z.view(n, 1, self.nv, self.dv), self.norm_weight, eps=self.eps)
+        if not isinstance(batch.rows, slice):                 # gathered rows: write the new states back
+            cache.conv[self.layer][batch.rows], cache.state[self.layer][batch.rows] = conv, state
+        return o.reshape(n, self.nv * self.dv)
 
 
 def _last_inputs(x: torch.Tensor, state0: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -380,18 +394,43 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: Config, i: int):
         super().__init__()
-        self.kind = c.layer_types[i]
+        mtp = i >= c.num_hidden_layers                        # an MTP layer: full attention, the model's FFN kind
+        self.kind = "full_attention" if mtp else c.layer_types[i]
         if self.kind == "full_attention":
             self.self_attn = Attention(c, i)
         else:
             self.linear_attn = GatedDeltaNet(c, i)
-        self.mlp = SparseMoE(c) if c.ffn_types[i] == "moe" else MLP(c.hidden_size, c.intermediate_size)
+        ffn = c.mtp_ffn if mtp else c.ffn_types[i]
+        self.mlp = SparseMoE(c) if ffn == "moe" else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
 
     @property
     def mixer(self) -> nn.Module:
         return self.self_attn if self.kind == "full_attention" else self.linear_attn
+
+    def forward(self, x, h, batch: Batch, cache: Cache | None, next_norm: Norm):
+        """``x = norm(h)`` in, ``(next_norm(h'), h')`` out: mixer and FFN, each added to the residual stream."""
+        x, h = self.post_attention_layernorm(self.mixer(x, batch, cache), residual=h)
+        return next_norm(self.mlp(x), residual=h)
+
+
+class MTP(nn.Module):
+    """The multi-token prediction module (``mtp.*``): from the trunk's final-normed hidden state at position ``p``
+    and the embedding of token ``p + 1``, a guess of token ``p + 2``::
+
+        x = fc([norm_e(embed(t[p+1])) | norm_h(hidden[p])]) -> full-attention layer -> norm -> the model's lm_head
+
+    Its layer keeps keys and values in the cache under index ``num_hidden_layers + j``; it shares the embedding and
+    the LM head with the trunk (vLLM's Qwen3-Next and Qwen3.5 MTP models)."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        h = c.hidden_size
+        self.fc = Linear(2 * h, h)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = Norm(h, c.rms_norm_eps), Norm(h, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in c.mtp_attention_layers)
+        self.norm = Norm(h, c.rms_norm_eps)
 
 
 class Model(nn.Module):
@@ -410,6 +449,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = Norm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
+        self.mtp = MTP(c) if c.mtp_layers else None
         self.fused_norms = False                               # decode: each norm in the next block's first launch
 
     @property
@@ -469,9 +509,8 @@ class Model(nn.Module):
             return self._trunk_prenorm(h, batch, cache)
         x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):
-            x, h = layer.post_attention_layernorm(layer.mixer(x, batch, cache), residual=h)
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = nxt(layer.mlp(x), residual=h)
+            x, h = layer(x, h, batch, cache, self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else
+                         self.norm)
         return x
 
     def _trunk_prenorm(self, h: torch.Tensor, batch: Batch, cache: Cache | None) -> torch.Tensor:
@@ -504,20 +543,15 @@ class Model(nn.Module):
                      dtype=self.dtype, device=self.device)
 
     def step(self, tokens: torch.Tensor, cache: Cache, slots: list[int], new_lens: list[int], *,
-             all_logits: bool = False) -> torch.Tensor:
+             all_logits: bool = False, unroll: bool = False, hidden: bool = False):
         """Run ``new_lens[b]`` new tokens of each sequence ``slots[b]`` (packed in ``tokens``, int64 ``[T]``) and
         advance the cache. Returns the logits of each sequence's last token ``[N, vocab]`` (``all_logits``: every
-        row, ``[T, vocab]``). A decode step when every sequence adds one token to a non-empty past."""
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
-            raise ValueError(f"tokens must be an int64 [T] tensor, got {getattr(tokens, 'dtype', type(tokens))}")
-        if tokens.numel() != sum(new_lens):
-            raise ValueError(f"tokens has {tokens.numel()} entries; new_lens {new_lens} sum to {sum(new_lens)}")
-        _check_ids(tokens, self.config.vocab_size)
-        if cache.config != self.config or cache.dtype != self.dtype or cache.device != self.device:
-            raise ValueError(f"cache was built for another model ({cache.config.name or cache.config.family}, "
-                             f"{cache.dtype}, {cache.device}); this model is {self.config.name or self.config.family}"
-                             f", {self.dtype}, {self.device}: use model.new_cache(...)")
-        batch = cache.plan(list(slots), list(new_lens))
+        row, ``[T, vocab]``); with ``hidden``, ``(logits, final-normed hidden states [T, H])`` (what the MTP module
+        reads). A decode step when every sequence adds one token to a non-empty past; ``unroll``: each sequence's
+        ``U`` tokens run as ``U`` decode steps in one call (the same arithmetic per token; a speculative verify,
+        which :meth:`Cache.rollback` can cut short)."""
+        self._check_step(tokens, cache, new_lens)
+        batch = cache.plan(list(slots), list(new_lens), unroll=unroll)
         try:
             # trusted: the token ids are checked above; every other value the layers could check by reading it back
             # (cache slots, positions, offsets, routing) the model makes itself, and each read-back is a host sync
@@ -527,8 +561,42 @@ class Model(nn.Module):
         except BaseException:
             cache.mark_broken(list(slots))            # some layers already wrote their states
             raise
-        cache.advance(list(slots), list(new_lens))
-        return self.lm_head(x if all_logits else x[batch.last_rows])
+        cache.advance(list(slots), list(new_lens), unroll=unroll)
+        logits = self.lm_head(x if all_logits else x[batch.last_rows])
+        return (logits, x) if hidden else logits
+
+    def mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: Cache, slots: list[int],
+                 new_lens: list[int], starts: list[int], *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module on ``new_lens[b]`` positions of each sequence from ``starts[b]``: ``tokens [T]`` the token
+        after each position, ``hidden [T, H]`` the hidden state at it (the trunk's, or this module's own for a
+        draft after a draft). Writes the MTP layer's keys and values; the trunk's states and lengths stay.
+        Returns ``(logits of each sequence's last position [N, vocab], hidden states [T, H])``."""
+        if self.mtp is None:
+            raise ValueError(f"{self.config.name or self.config.family}: this model has no MTP module (its checkpoint "
+                             f"holds no mtp.* tensors)")
+        self._check_step(tokens, cache, new_lens)
+        if hidden.shape != (tokens.numel(), self.config.hidden_size):
+            raise ValueError(f"hidden has shape {list(hidden.shape)}; expected [{tokens.numel()}, "
+                             f"{self.config.hidden_size}] (one row per token)")
+        batch = cache.plan(list(slots), list(new_lens), starts=list(starts))
+        m = self.mtp
+        with lynn_kernels.trusted():
+            e = m.pre_fc_norm_embedding(F.embedding(tokens.to(self.device), self.embed_tokens))
+            h = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))      # [embedding | hidden], in that order
+            mtp_layer = m.layers[layer]
+            x, _ = mtp_layer(mtp_layer.input_layernorm(h), h, batch, cache, m.norm)
+        return self.lm_head(x[batch.last_rows]), x
+
+    def _check_step(self, tokens: torch.Tensor, cache: Cache, new_lens: list[int]) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
+            raise ValueError(f"tokens must be an int64 [T] tensor, got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.numel() != sum(new_lens):
+            raise ValueError(f"tokens has {tokens.numel()} entries; new_lens {new_lens} sum to {sum(new_lens)}")
+        _check_ids(tokens, self.config.vocab_size)
+        if cache.config != self.config or cache.dtype != self.dtype or cache.device != self.device:
+            raise ValueError(f"cache was built for another model ({cache.config.name or cache.config.family}, "
+                             f"{cache.dtype}, {cache.device}); this model is {self.config.name or self.config.family}"
+                             f", {self.dtype}, {self.device}: use model.new_cache(...)")
 
 
 def _check_ids(ids: torch.Tensor, vocab: int) -> None:

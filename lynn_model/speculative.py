@@ -1,0 +1,124 @@
+"""Speculative decoding with the checkpoint's own multi-token prediction (MTP) module: draft ``k`` tokens, verify
+them in one step of the trunk, keep the longest prefix the trunk agrees with, roll the rest back.
+
+One round for a sequence whose cache holds ``L`` tokens and whose next token ``x`` is known (not yet run)::
+
+    drafts d1..dk               the MTP module, one token after another (its own keys and values, its own hidden)
+    verify [x, d1, .., dk]      one unrolled step of the trunk: each token as its own decode step would run it
+    accept a                    the longest prefix with d(i+1) == argmax(logits after token i)
+    emit d1..da, y              y = the trunk's own token after the last accepted one (a draft's correction, or a
+                                bonus token when all k were right)
+    roll back                   the cache keeps x, d1..da (the Gated DeltaNet states saved after each token)
+    MTP catch-up                the MTP module reruns positions L..L+a on the trunk's hidden states, then drafts
+
+Greedy only: every emitted token is the trunk's argmax after exactly the tokens before it, computed as a plain
+decode step computes it, so the output equals plain greedy decoding wherever the kernels give a row the same bits
+whatever the number of rows beside it (docs/decoder.md, "Speculative decoding").
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .cache import Cache
+from .model import Model
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The tokens plain greedy decoding picks: the first maximum of the fp32 logits (ties to the lowest id)."""
+    return logits.float().argmax(-1)
+
+
+class MTPDrafter:
+    """Drafts with the model's MTP module (greedy), keeping its keys and values in the trunk's cache."""
+
+    def __init__(self, model: Model, k: int):
+        if model.mtp is None:
+            raise ValueError(f"{model.config.name or model.config.family}: this model has no MTP module (its "
+                             f"checkpoint holds no mtp.* tensors); run without --mtp")
+        self.model, self.k = model, k
+
+    def start(self, cache: Cache, slots: list[int], prompts: list[list[int]], hidden: torch.Tensor,
+              first: list[int]) -> list[list[int]]:
+        """After the prompts' prefill (``hidden``: the trunk's rows of every prompt token, packed): run the MTP
+        layer over every prompt position and draft ``k`` tokens after ``first``."""
+        nxt = [t for p, f in zip(prompts, first) for t in [*p[1:], f]]
+        return self._draft(cache, slots, nxt, hidden, [len(p) for p in prompts], [0] * len(slots))
+
+    def advance(self, cache: Cache, slots: list[int], accepted: list[list[int]], hidden: list[torch.Tensor],
+                starts: list[int]) -> list[list[int]]:
+        """After a verify: ``accepted[b]`` the tokens after each kept position of sequence ``slots[b]`` (its
+        accepted drafts and the trunk's next token), ``hidden[b]`` the trunk's rows at those positions, from
+        ``starts[b]``; the MTP layer reruns them (its rows there came from drafts) and drafts ``k`` more."""
+        nxt = [t for a in accepted for t in a]
+        return self._draft(cache, slots, nxt, torch.cat(hidden), [len(a) for a in accepted], starts)
+
+    def _draft(self, cache, slots, nxt: list[int], hidden, lens: list[int], starts: list[int]) -> list[list[int]]:
+        m, dev = self.model, self.model.device
+        logits, h = m.mtp_step(torch.tensor(nxt, dtype=torch.long, device=dev), hidden, cache, slots, lens, starts)
+        ends = torch.tensor(lens, device=dev).cumsum(0) - 1
+        tok, h = greedy(logits), h[ends]
+        drafts = [tok]
+        pos = [s + n for s, n in zip(starts, lens)]
+        for _ in range(self.k - 1):           # each draft after a draft: its own hidden state, one position on
+            logits, h = m.mtp_step(tok, h, cache, slots, [1] * len(slots), pos)
+            tok = greedy(logits)
+            drafts.append(tok)
+            pos = [p + 1 for p in pos]
+        return torch.stack(drafts, 1).tolist()
+
+
+def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[list[int]], first: list[int],
+                       hidden: torch.Tensor, k: int, budget: int, stops: set, emit: Callable, stats,
+                       drafter=None) -> None:
+    """Continue sequences ``slots`` (``out[b]``: prompt and first token; ``hidden``: the prefill's rows) by
+    speculative rounds until each stops or has ``budget`` more tokens. ``emit(b, token)`` takes each new token in
+    order and returns whether sequence ``b`` goes on. ``drafter``: :class:`MTPDrafter` by default (tests pass one
+    that proposes chosen tokens)."""
+    drafter = drafter or MTPDrafter(model, k)
+    dev = model.device
+    live = list(range(len(slots)))
+    prompts = [o[:-1] for o in out]
+    drafts = drafter.start(cache, slots, prompts, hidden, first)
+    pending, left = list(first), [budget] * len(slots)
+    while live:
+        run = [slots[b] for b in live]
+        starts = [cache.lengths[s] for s in run]
+        tokens = torch.tensor([t for b in live for t in [pending[b], *drafts[b]]], dtype=torch.long, device=dev)
+        logits, h = model.step(tokens, cache, run, [k + 1] * len(run), all_logits=True, unroll=True, hidden=True)
+        want = greedy(logits).view(len(run), k + 1).tolist()
+        h = h.view(len(run), k + 1, -1)
+        keep, accepted, rows, still = [], [], [], []
+        for i, b in enumerate(live):
+            a = 0
+            while a < k and drafts[b][a] == want[i][a]:
+                a += 1
+            stats.drafted += k
+            stats.accepted += a
+            new = [*drafts[b][:a], want[i][a]]
+            going = True
+            for t in new[:left[b]]:
+                going = emit(b, t)
+                left[b] -= 1
+                if not going:
+                    break
+            going = going and left[b] > 0
+            keep.append(a + 1)
+            if going:
+                still.append(b)
+                accepted.append(new)
+                rows.append(h[i, :a + 1])
+                pending[b] = new[-1]
+        stats.verify_steps += 1
+        cache.rollback(run, keep)
+        start_of = dict(zip(live, starts))
+        live = still
+        if live:
+            new_drafts = drafter.advance(cache, [slots[b] for b in live], accepted, rows, [start_of[b] for b in live])
+            for b, d in zip(live, new_drafts):
+                drafts[b] = d
+
+
+__all__ = ["MTPDrafter", "greedy", "speculative_decode"]

@@ -1,0 +1,163 @@
+"""Multi-token prediction: the MTP module's forward, the unrolled verify step and its rollback, and speculative
+decoding that emits exactly the tokens of plain greedy decoding (tiny random models on the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lynn_kernels import dequantize
+from lynn_kernels.matmul import PackedNVFP4
+from lynn_model import Batch, generate, preset
+from lynn_model import speculative as spec
+from lynn_model.generate import Stats
+from lynn_model.loader import random_model
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Qwen3.5-MoE, four layers (three Gated DeltaNet, one attention) and one MTP layer with routed experts."""
+    c = preset("tiny-qwen3.5-moe").replace(num_hidden_layers=4, mtp_layers=1)
+    return random_model(c, dtype=BF16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 14)]
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    """Plain greedy decoding of both prompts: 10 new tokens each."""
+    return generate(model, prompts, 10)
+
+
+def _prefilled(model, ids):
+    cache = model.new_cache(2, 64)
+    slot = cache.add()
+    model.step(torch.tensor(ids), cache, [slot], [len(ids)])
+    return cache, slot
+
+
+def _states(cache, slot):
+    return [t[slot].clone() for t in (*cache.conv.values(), *cache.state.values())]
+
+
+def test_an_unrolled_step_is_its_decode_steps_and_rolls_back(model, prompts):
+    """Four tokens in one unrolled step give the four decode steps' logits bit for bit; rolled back to two, the
+    states are those after two decode steps, and the next step continues as if the last two never ran."""
+    extra = torch.tensor([7, 100, 3, 51])
+    cache, s = _prefilled(model, prompts[0])
+    steps = []
+    for j, t in enumerate(extra):
+        steps.append(model.step(t.view(1), cache, [s], [1]))
+        if j == 1:
+            after_two = _states(cache, s)
+    steps = torch.cat(steps)
+
+    cache2, s2 = _prefilled(model, prompts[0])
+    logits, hidden = model.step(extra, cache2, [s2], [4], all_logits=True, unroll=True, hidden=True)
+    assert torch.equal(logits, steps)
+    assert hidden.shape == (4, model.config.hidden_size)
+    cache2.rollback([s2], [2])
+    assert cache2.lengths[s2] == len(prompts[0]) + 2
+    assert all(torch.equal(a, b) for a, b in zip(_states(cache2, s2), after_two))
+    assert torch.equal(model.step(extra[2:3], cache2, [s2], [1]), steps[2:3])
+    with pytest.raises(ValueError, match="not an unrolled step"):
+        cache2.rollback([s2], [1])
+
+
+def test_the_mtp_module_computes_its_formula(model, prompts):
+    """``mtp_step`` over a prompt, then one position more from its cache, against the formula written out: the
+    zero-centred norms of the next token's embedding and of the hidden state, joined in that order, ``fc``, the
+    MTP layer over the whole sequence without a cache, the MTP norm, the shared LM head."""
+    c, m = model.config, model.mtp
+    ids = prompts[1]
+    cache, s = _prefilled(model, ids)
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(len(ids), c.hidden_size, generator=g).to(BF16)
+    nxt = torch.tensor(ids[1:] + [17])
+    logits, _ = model.mtp_step(nxt[:-1], hidden[:-1], cache, [s], [len(ids) - 1], [0])
+    last, h = model.mtp_step(nxt[-1:], hidden[-1:], cache, [s], [1], [len(ids) - 1])
+
+    def norm(x, w):
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * (1 + w.float())).to(BF16)
+
+    fc = m.fc.weight
+    fc = dequantize(fc.unpack() if isinstance(fc, PackedNVFP4) else fc, BF16)
+    joined = torch.cat([norm(F.embedding(nxt, model.embed_tokens), m.pre_fc_norm_embedding.weight),
+                        norm(hidden, m.pre_fc_norm_hidden.weight)], -1)
+    x = (joined.float() @ fc.float().t()).to(BF16)
+    layer = m.layers[0]
+    y, _ = layer(layer.input_layernorm(x), x, Batch.uncached([len(ids)], x.device), None, m.norm)
+    want = model.lm_head(y)
+    for got, ref in ((logits[0], want[-2]), (last[0], want[-1])):
+        cos = F.cosine_similarity(got.float(), ref.float(), dim=0)
+        assert cos > 0.999, cos
+    assert h.shape == (1, c.hidden_size)
+
+
+class Planted:
+    """A drafter proposing the true continuation (plain greedy decoding's), wrong wherever ``wrong(b, n)`` says
+    (``n``: the index of the drafted token in its sequence), so rounds accept all, some or none of their drafts."""
+
+    def __init__(self, truth: list[list[int]], k: int, vocab: int, wrong):
+        self.truth, self.k, self.vocab, self.wrong = truth, k, vocab, wrong
+        self.known: list[int] = []
+
+    def _drafts(self) -> list[list[int]]:
+        out = []
+        for b, n in enumerate(self.known):
+            row = self.truth[b]
+            out.append([(row[j] + (1 if self.wrong(b, j) else 0)) % self.vocab if j < len(row) else 0
+                        for j in range(n, n + self.k)])
+        return out
+
+    def start(self, cache, slots, prompts, hidden, first):
+        self.known = [len(p) + 1 for p in prompts]
+        self.slots = list(slots)
+        return self._drafts()
+
+    def advance(self, cache, slots, accepted, hidden, starts):
+        for s, a in zip(slots, accepted):
+            self.known[self.slots.index(s)] += len(a)
+        live = [self.slots.index(s) for s in slots]
+        drafts = self._drafts()
+        return [drafts[b] for b in live]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_decoding_emits_plain_greedy_tokens(model, prompts, plain, monkeypatch, k):
+    """Drafts right, partly right and wrong (planted): the output is plain greedy decoding's, token for token,
+    and the counts show every kind of round."""
+    truth = plain.tolist()
+    planted = Planted(truth, k, model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
+    monkeypatch.setattr(spec, "MTPDrafter", lambda m, kk: planted)
+    stats = Stats()
+    got = generate(model, prompts, 10, mtp=k, stats=stats)
+    assert torch.equal(got, plain)
+    assert 0 < stats.accepted < stats.drafted
+    assert stats.verify_steps < 9                     # fewer steps than plain decoding's
+    assert 1 < stats.acceptance_length <= k + 1
+
+
+def test_generate_with_the_mtp_module_emits_plain_greedy_tokens(model, prompts, plain):
+    """The model's own (random) MTP module drafting two tokens a step: the same tokens as plain decoding."""
+    stats = Stats()
+    assert torch.equal(generate(model, prompts, 10, mtp=2, stats=stats), plain)
+    assert stats.drafted > 0 and stats.verify_steps > 0
+
+
+def test_mtp_arguments_are_checked(model):
+    with pytest.raises(ValueError, match=r"mtp = 4: expected an int in \[0, 3\]"):
+        generate(model, [[1, 2]], 3, mtp=4)
+    with pytest.raises(ValueError, match="greedy only"):
+        generate(model, [[1, 2]], 3, mtp=1, temperature=0.7)
+    bare = random_model(preset("tiny-qwen3.5").replace(num_hidden_layers=1), dtype=BF16)
+    with pytest.raises(ValueError, match="no MTP module"):
+        generate(bare, [[1, 2]], 3, mtp=1)
