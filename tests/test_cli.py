@@ -255,9 +255,9 @@ def test_check_norm_streams_a_table_of_120_columns(capsys):
     assert lines[0].startswith("lynn check on ") and "note:" not in "\n".join(lines)
     assert lines[1].split() == ["fam", *check.PORTABLE_COLUMNS] and set(lines[2]) == {"-", " "}
     assert max(len(line) for line in lines) <= 120
-    assert len(rows) == 9 and all(r.startswith("[1/1]  norm.rmsnorm") and r.endswith(" yes") for r in rows)
+    assert len(rows) == 18 and all(r.startswith("[1/1]  norm.rmsnorm") and r.endswith(" yes") for r in rows)
     done = SUMMARY.search("\n".join(lines))
-    assert done and done.group(1) == done.group(2) == "9"
+    assert done and done.group(1) == done.group(2) == "18"
 
 
 def fake_family(capsys, seen, rows):
@@ -312,7 +312,7 @@ def test_check_says_the_reference_checks_itself(capsys):
     lines, rows = check_lines(capsys.readouterr().out)
     assert "backend reference" in lines[0]
     assert " ".join(lines[1:3]) == check_cmd.REFERENCE_NOTICE and lines[3].split()[0] == "fam"
-    assert max(len(line) for line in lines) <= 120 and len(rows) == 9
+    assert max(len(line) for line in lines) <= 120 and len(rows) == 18
 
 
 def test_check_under_lynn_backend_reference():
@@ -322,7 +322,7 @@ def test_check_under_lynn_backend_reference():
     assert "backend reference" in lines[0] and "compare the reference with itself" in " ".join(lines[1:3])
     assert lines.index(rows[0]) > 3 and max(len(line) for line in lines) <= 120
     done = SUMMARY.search(r.stdout)
-    assert done and done.groups() == ("9", "9")
+    assert done and done.groups() == ("18", "18")
 
 
 def test_check_shows_a_progress_line_on_a_terminal(capsys, monkeypatch):

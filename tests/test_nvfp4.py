@@ -1,5 +1,6 @@
-"""NVFP4: the Triton kernels against the torch reference, the reference against the two public quantisers
-(compressed-tensors and ModelOpt), hand-built rounding cases, layouts and errors.
+"""NVFP4: the Triton kernels against the torch reference (over the family's check matrix,
+``lynn_kernels/nvfp4/check.py``, and on per-expert scales, tiny blocks and strided inputs), the reference against the
+two public quantisers (compressed-tensors and ModelOpt), hand-built rounding cases, layouts and errors.
 
 Kernel tests run under Triton's interpreter on the CPU (shapes stay small) with every fresh output poisoned, so an
 element a kernel forgets to write shows up as NaN / 0xFF.
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import oracle
+from conftest import assert_case_passes, check_cases, oracle
 
 import lynn_kernels
 from lynn_kernels import nvfp4
@@ -25,16 +26,6 @@ DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16"), pytest.p
 RECIPES = [pytest.param("modelopt", id="modelopt"), pytest.param("compressed-tensors", id="ct")]
 IMPLS = [pytest.param(quantize, id="kernel"), pytest.param(reference.quantize, id="reference")]
 
-#: Awkward shapes: K = 16, 48, 208 (16 x 13), 1040 (16 x 65); rows 1, 3, 37, 129; a 3-D stack.
-SHAPES = [
-    pytest.param((1, 16), id="1x16"),
-    pytest.param((3, 48), id="3x48"),
-    pytest.param((37, 208), id="37x208"),
-    pytest.param((129, 1040), id="129x1040"),
-    pytest.param((129, 16), id="129x16"),
-    pytest.param((1, 1040), id="1x1040"),
-    pytest.param((2, 5, 80), id="2x5x80"),
-]
 ORACLE_SHAPES = [pytest.param((3, 48), id="3x48"), pytest.param((37, 208), id="37x208"),
                  pytest.param((129, 1040), id="129x1040")]
 
@@ -61,13 +52,6 @@ def assert_bit_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> N
     assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), what
     m = compare(got, want, exact=True)
     assert m.mismatches == 0, f"{m.mismatches} of {m.numel} elements differ in bits {what}: {m}"
-
-
-def given_global(w: torch.Tensor, mode: str):
-    """An explicit global scale in the form ``mode`` names; half the default, so the top block scales clamp."""
-    value = (w.float().abs().amax() / 2688.0 * 0.5).item()
-    return {"default": None, "tensor0d": torch.tensor(value, dtype=FP32),
-            "tensor1": torch.tensor([value], dtype=FP32), "float": value}[mode]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,29 +83,11 @@ def test_poison_catches_an_unwritten_output(monkeypatch, make_weight, poison_emp
 # 1. quantize: kernel == reference, byte for byte
 
 
-def _shape_and_global_cases():
-    """Every shape with the recipe's own global scale; the explicit forms on every shape but the largest (the
-    interpreter's cost), which gets one of them."""
-    for p in SHAPES:
-        shape, sid = p.values[0], p.id
-        modes = ["default", "tensor0d"] if shape == (129, 1040) else ["default", "tensor0d", "tensor1", "float"]
-        for mode in modes:
-            yield pytest.param(shape, mode, id=f"{sid}-{mode}")
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,gs_mode", list(_shape_and_global_cases()))
-def test_quantize_kernel_matches_reference(shape, gs_mode, dtype, recipe, make_weight, poison_empty):
-    w = make_weight(shape, dtype, seed=len(shape) * 1000 + shape[-1], scale=0.7)
-    gs = given_global(w, gs_mode)
-    got = quantize(w, global_scale=gs, recipe=recipe)
-    want = reference.quantize(w, global_scale=gs, recipe=recipe)
-    assert_same_nvfp4(got, want)
-    assert tuple(got.codes.shape) == (*shape[:-1], shape[-1] // 2)
-    assert tuple(got.scales.shape) == (*shape[:-1], shape[-1] // 16)
-    assert got.codes.dtype == torch.uint8 and got.scales.dtype == torch.float8_e4m3fn
-    assert got.global_scale.dtype == FP32 and got.global_scale.dim() <= 1
+@pytest.mark.parametrize("case", check_cases("nvfp4", "nvfp4.quantize"))
+def test_quantize_kernel_matches_reference(case, poison_empty):
+    """The check matrix's weights, both recipes, the recipe's own global scale and a given one in each form: codes,
+    scales and global scale of the reference's layout and bits (a byte never written shows up as 0xFF)."""
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -408,15 +374,9 @@ def test_tiny_block_kernel_matches_reference(dtype, recipe, make_weight, poison_
 OUT_DTYPES = DTYPES
 
 
-@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_dequantize_kernel_matches_reference(shape, recipe, out_dtype, make_weight, poison_empty):
-    w = make_weight(shape, BF16, seed=shape[0], scale=0.05)
-    q = reference.quantize(w, recipe=recipe)
-    got = dequantize(q, out_dtype)
-    assert_bit_equal(got, reference.dequantize(q, out_dtype))
-    assert tuple(got.shape) == tuple(shape)
+@pytest.mark.parametrize("case", check_cases("nvfp4", "nvfp4.dequantize"))
+def test_dequantize_kernel_matches_reference(case, poison_empty):
+    assert_case_passes(case)
 
 
 def test_dequantize_default_dtype_is_bf16(make_weight, poison_empty):
@@ -487,6 +447,11 @@ def test_dequantize_bf16_subnormal_output(device, poison_empty):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6. round-trip quality
+
+
+@pytest.mark.parametrize("case", check_cases("nvfp4", "nvfp4 round trip"))
+def test_round_trip_check(case, poison_empty):
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
