@@ -39,6 +39,7 @@ from lynn_kernels.moe.spec import as_nvfp4
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
 from lynn_kernels.nvfp4.spec import reciprocal
 from lynn_model import LoadError, checkpoint, loader
+from lynn_model.checkpoint import targets
 from lynn_model.model import SparseMoE
 from lynn_model.quantize import quantize_checkpoint
 
@@ -191,39 +192,49 @@ def model_weights(model) -> dict:
     out["model.embed_tokens"], out["model.norm"], out["lm_head"] = model.embed_tokens, model.norm.weight, \
         model.lm_head.weight
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm"] = layer.input_layernorm.weight
-        out[p + "post_attention_layernorm"] = layer.post_attention_layernorm.weight
-        if layer.kind == "full_attention":
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-                out[p + "self_attn." + n] = getattr(layer.self_attn, n).weight
-        else:
-            g = layer.linear_attn
-            for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-                out[p + "linear_attn." + n] = getattr(g, n).weight
-            out[p + "linear_attn.conv1d"] = g.conv_weight.unsqueeze(1)
-            out[p + "linear_attn.dt_bias"], out[p + "linear_attn.A_log"] = g.dt_bias, g.A_log
-            out[p + "linear_attn.norm"] = g.norm_weight
-        m = p + "mlp."
-        if isinstance(layer.mlp, SparseMoE):
-            mlp, n = layer.mlp, c.moe_intermediate_size
-            out[m + "gate"] = mlp.router
-            w13s, w2s = as_nvfp4(mlp.w13), as_nvfp4(mlp.w2)                  # packed experts: unpacked, exact
-            for e in range(c.num_experts):
-                w13 = w13s[e]
-                out[m + f"experts.{e}.gate_proj"], out[m + f"experts.{e}.up_proj"] = _rows(w13, 0, n), \
-                    _rows(w13, n, 2 * n)
-                out[m + f"experts.{e}.down_proj"] = w2s[e]
-            if mlp.shared is not None:
-                s = c.shared_expert_intermediate_size
-                out[m + "shared_expert.gate_proj"] = _rows(as_nvfp4(mlp.shared.w13), 0, s)
-                out[m + "shared_expert.up_proj"] = _rows(as_nvfp4(mlp.shared.w13), s, 2 * s)
-                out[m + "shared_expert.down_proj"] = as_nvfp4(mlp.shared.w2)
-                out[m + "shared_expert_gate"] = mlp.shared.gate_weight
-        else:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                out[m + n] = getattr(layer.mlp, n).weight
+        _layer_weights(out, f"model.layers.{i}.", layer, c)
+    if model.mtp is not None:
+        out["mtp.fc"] = model.mtp.fc.weight
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out["mtp." + n] = getattr(model.mtp, n).weight
+        for j, layer in enumerate(model.mtp.layers):
+            _layer_weights(out, f"mtp.layers.{j}.", layer, c)
     return {k: unpack(v) if isinstance(v, PackedNVFP4) else v for k, v in out.items()}   # exact (test below)
+
+
+def _layer_weights(out: dict, p: str, layer, c) -> None:
+    """One decoder layer's weights under prefix ``p`` (a trunk layer or an MTP layer)."""
+    out[p + "input_layernorm"] = layer.input_layernorm.weight
+    out[p + "post_attention_layernorm"] = layer.post_attention_layernorm.weight
+    if layer.kind == "full_attention":
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            out[p + "self_attn." + n] = getattr(layer.self_attn, n).weight
+    else:
+        g = layer.linear_attn
+        for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            out[p + "linear_attn." + n] = getattr(g, n).weight
+        out[p + "linear_attn.conv1d"] = g.conv_weight.unsqueeze(1)
+        out[p + "linear_attn.dt_bias"], out[p + "linear_attn.A_log"] = g.dt_bias, g.A_log
+        out[p + "linear_attn.norm"] = g.norm_weight
+    m = p + "mlp."
+    if isinstance(layer.mlp, SparseMoE):
+        mlp, n = layer.mlp, c.moe_intermediate_size
+        out[m + "gate"] = mlp.router
+        w13s, w2s = as_nvfp4(mlp.w13), as_nvfp4(mlp.w2)                  # packed experts: unpacked, exact
+        for e in range(c.num_experts):
+            w13 = w13s[e]
+            out[m + f"experts.{e}.gate_proj"], out[m + f"experts.{e}.up_proj"] = _rows(w13, 0, n), \
+                _rows(w13, n, 2 * n)
+            out[m + f"experts.{e}.down_proj"] = w2s[e]
+        if mlp.shared is not None:
+            s = c.shared_expert_intermediate_size
+            out[m + "shared_expert.gate_proj"] = _rows(as_nvfp4(mlp.shared.w13), 0, s)
+            out[m + "shared_expert.up_proj"] = _rows(as_nvfp4(mlp.shared.w13), s, 2 * s)
+            out[m + "shared_expert.down_proj"] = as_nvfp4(mlp.shared.w2)
+            out[m + "shared_expert_gate"] = mlp.shared.gate_weight
+    else:
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out[m + n] = getattr(layer.mlp, n).weight
 
 
 def file_weights(folder: Path, config, quantize_all_but: str | None = None) -> dict:
@@ -601,20 +612,59 @@ def test_packed_experts_load_like_per_expert(ckpt, tmp_path, name):
     compare(model_weights(load(folder)), want, FP32)
 
 
-def test_mtp_tensors_are_skipped(ckpt, tmp_path):
-    """``mtp.*`` / ``model.mtp.*`` (the multi-token-prediction head releases ship, any shapes and layouts, NVFP4
-    tensors included) are not read: the model is the one without them."""
-    folder = clone(ckpt("q35"), tmp_path / "mtp")
-    g = torch.Generator().manual_seed(3)
-    extra = {"mtp.fc.weight": torch.randn(64, 128, generator=g).to(BF16),
-             "mtp.norm.weight": torch.randn(64, generator=g).to(BF16),
-             "mtp.layers.0.self_attn.q_proj.weight": torch.randn(256, 64, generator=g).to(BF16),
-             "mtp.layers.0.mlp.experts.gate_up_proj": torch.randn(8, 64, 64, generator=g).to(BF16),
-             "mtp.layers.0.mlp.experts.down_proj": torch.randn(8, 64, 32, generator=g).to(BF16),
-             "mtp.layers.0.mlp.experts.0.gate_proj.weight_packed": torch.zeros(32, 32, dtype=torch.uint8),
-             "model.mtp.layers.0.input_layernorm.weight": torch.randn(7, generator=g)}
+def _mtp_files(config, seed: int = 3, packed: bool = False, prefix: str = "mtp.") -> dict:
+    """A whole MTP module's tensors for ``config`` (bf16, the released names under ``prefix``); ``packed``: its
+    experts as ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj``."""
+    g = torch.Generator().manual_seed(seed)
+    out = {prefix + name[4:] + ".weight": (torch.randn(t.shape, generator=g) * 0.1).to(BF16)
+           for name, t in targets(config.replace(mtp_layers=1)).items() if name.startswith("mtp.")}
+    if packed:
+        e = config.num_experts
+        x = prefix + "layers.0.mlp.experts."
+        gu = [torch.cat([out.pop(f"{x}{j}.gate_proj.weight"), out.pop(f"{x}{j}.up_proj.weight")]) for j in range(e)]
+        out[x + "gate_up_proj"] = torch.stack(gu)
+        out[x + "down_proj"] = torch.stack([out.pop(f"{x}{j}.down_proj.weight") for j in range(e)])
+    return out
+
+
+@pytest.mark.parametrize("name, packed, prefix", [("q35", False, "mtp."), ("q35moe", False, "model.mtp."),
+                                                  ("q35moe", True, "mtp.")], ids=["dense", "moe", "moe-packed"])
+def test_the_mtp_module_loads_what_the_files_hold(ckpt, tmp_path, name, packed, prefix):
+    """``mtp.*`` (or ``model.mtp.*``): the MTP module (its layer with the model's FFN kind, per-expert or packed
+    experts) loads as the files hold it, and the trunk is the one without it."""
+    folder = clone(ckpt(name), tmp_path / "mtp")
+    base = model_weights(load(ckpt(name)))
+    extra = _mtp_files(lynn_model.Config.from_pretrained(folder), packed=packed, prefix=prefix)
     edit_tensors(folder, lambda t: t.update(extra))
-    compare(model_weights(load(folder)), model_weights(load(ckpt("q35"))), FP32)
+    model = load(folder)
+    assert model.config.mtp_layers == 1
+    got = model_weights(model)
+    compare({k: v for k, v in got.items() if not k.startswith("mtp.")}, base, FP32)
+    want = {}
+    for k, v in extra.items():
+        k = k.removeprefix("model.").removesuffix(".weight")
+        if k.endswith("experts.gate_up_proj"):
+            n = v.shape[1] // 2
+            for j in range(v.shape[0]):
+                want[k[:-12] + f"{j}.gate_proj"], want[k[:-12] + f"{j}.up_proj"] = v[j, :n], v[j, n:]
+        elif k.endswith("experts.down_proj"):
+            want.update({k[:-9] + f"{j}.down_proj": v[j] for j in range(v.shape[0])})
+        else:
+            want[k] = v.view(-1, 1, v.shape[-1]) if k.endswith("conv1d") else v
+    compare({k: v for k, v in got.items() if k.startswith("mtp.")}, {k: v.float() for k, v in want.items()}, FP32)
+
+
+def test_an_nvfp4_checkpoints_bf16_mtp_module_loads_and_a_partial_one_is_refused(ckpt, tmp_path):
+    """Published NVFP4 exports keep the MTP module in bf16 without listing it all as excluded: it loads, in float.
+    A module with a tensor missing is refused, naming it."""
+    folder = clone(ckpt("q35moe-ct"), tmp_path / "ct")
+    extra = _mtp_files(lynn_model.Config.from_pretrained(folder))
+    edit_tensors(folder, lambda t: t.update(extra))
+    model = load(folder)
+    assert all(type(w) is torch.Tensor for w in (model.mtp.fc.weight, model.mtp.layers[0].mlp.w13))
+    edit_tensors(folder, lambda t: t.pop("mtp.norm.weight"))
+    with pytest.raises(LoadError, match=r"missing tensors .*mtp\.norm\.weight"):
+        load(folder)
 
 
 @pytest.mark.parametrize("name", ["q35vl", "q35moevl"])
