@@ -44,6 +44,9 @@ def add(sub):
                         "threads mostly wait on each other; 0 keeps torch's default)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
+    p.add_argument("--mtp", type=integer(0, 3), default=0, metavar="K",
+                   help="speculative decoding: K drafts (1-3) of the checkpoint's MTP module per step, verified in one "
+                        "step of the model; greedy only (--temperature 0), the same tokens as without it (default 0)")
     p.add_argument("--unfused", action="store_true",
                    help="keep each mixer's input projections as separate GEMVs and the Gated DeltaNet decode step as "
                         "three kernels (on a GPU the compiled kernels fuse them by default: attention q|k|v, Gated "
@@ -122,6 +125,8 @@ def run(args) -> int:
     if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":   # chosen when lynn_kernels loaded
         raise CommandError("--backend interpreter: this process compiles the kernels for the GPU; start it with "
                            "TRITON_INTERPRET=1 to run them through the interpreter", code=2)
+    if args.mtp and args.temperature != 0:
+        raise CommandError(f"--mtp {args.mtp}: speculative decoding is greedy only so far; add --temperature 0", code=2)
     model_dir = _model_dir(args)
     prompt = _prompt(args)
     backend = args.backend
@@ -181,7 +186,7 @@ def run(args) -> int:
         with lynn_kernels.use_reference(reference):
             lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k or None, top_p=args.top_p, seed=seed, stop_ids=stops,
-                                stream=stream, stats=stats, max_tokens=args.max_tokens)
+                                stream=stream, stats=stats, max_tokens=args.max_tokens, mtp=args.mtp)
     except (ValueError, lynn_model.CacheFull) as err:
         if echoed and not args.chat:
             out.write("\n")
@@ -193,6 +198,9 @@ def run(args) -> int:
     for note in stats.notes:
         print(f"note: {note}", file=sys.stderr)
     decode = f"CUDA graph, captured in {stats.capture_s:.1f} s" if stats.cuda_graph else "eager steps"
+    if args.mtp:
+        decode += (f"; {args.mtp} MTP drafts a step, {stats.accepted} of {stats.drafted} accepted, "
+                   f"{stats.acceptance_length:.2f} tokens per verify step")
     weights = sum(t.nbytes for t in _weights(model))
     print(f"[loaded in {load_s:.1f} s; prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "
           f"{stats.new_tokens} new tokens at {stats.decode_tok_s:,.1f} tok/s ({decode}); weights "

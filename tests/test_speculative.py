@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lynn_model
 from lynn_kernels import dequantize
 from lynn_kernels.matmul import PackedNVFP4
 from lynn_model import Batch, generate, preset
@@ -160,3 +161,37 @@ def test_mtp_arguments_are_checked(model):
     bare = random_model(preset("tiny-qwen3.5").replace(num_hidden_layers=1), dtype=BF16)
     with pytest.raises(ValueError, match="no MTP module"):
         generate(bare, [[1, 2]], 3, mtp=1)
+
+
+def test_lynn_generate_mtp_prints_the_same_text(tmp_path, capsys):
+    """``lynn generate --mtp 2`` on the demo model with an MTP module added (random: drafts mostly rejected):
+    the same text as without it, the acceptance in the summary line; a sampled run is refused before loading."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from lynn_cli import main
+    from lynn_cli.generate import DEMO_MODEL
+    from lynn_model.checkpoint import targets
+
+    folder = tmp_path / "demo-mtp"
+    shutil.copytree(DEMO_MODEL, folder)
+    c = lynn_model.Config.from_pretrained(folder)
+    g = torch.Generator().manual_seed(1)
+    mtp = {name + ".weight": (torch.randn(t.shape, generator=g) * 0.05).to(BF16)
+           for name, t in targets(c.replace(mtp_layers=1)).items() if name.startswith("mtp.")}
+    save_file(mtp, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    args = ["generate", "--model", str(folder), "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos",
+            "--backend", "reference", "Once upon a time"]
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main(args + ["--mtp", "2"]) == 0
+    spec_run = capsys.readouterr()
+    assert spec_run.out == plain.out
+    assert "2 MTP drafts a step" in spec_run.err and "tokens per verify step" in spec_run.err
+    assert main(["generate", "--mtp", "1", "--model", str(folder), "hi"]) == 2
+    assert "greedy only so far; add --temperature 0" in capsys.readouterr().err
