@@ -1,0 +1,142 @@
+"""What speculative decoding costs at the Qwen3.5-35B-A3B shape, and whether it changes a token there.
+
+Random NVFP4 weights with a random MTP layer, fused as ``lynn generate`` runs the model on a GPU, a 4,096-token
+prompt per sequence, batch 1 and 8. For k = 1..3 drafts:
+
+* the GPU kernel time (CUDA profiler, median of 5) of a plain decode step, of the unrolled verify step of k + 1
+  tokens (``Model.step(unroll=True)``, with its rollback), and of the drafts (the MTP module over 2 positions, then
+  k - 1 single positions): eager steps, so this is the device's work, not what a captured graph would take end to
+  end;
+* whether the verify's logits equal those of k + 1 decode steps bit for bit, and whether ``generate(mtp=k)`` gives
+  plain greedy decoding's 32 tokens (the random MTP layer's drafts are nearly always rejected: this tests the
+  verify and the rollback, not the drafts);
+* a **projection**, labelled as one: tokens/s per sequence = acceptance length / (verify + drafts), at the
+  acceptance lengths SGLang reports for Qwen3.5 (k = 3: ~3.4), against the plain step's 1 / decode.
+
+    PYTHONPATH=. python3 experiments/mtp_verify.py
+
+Writes ``data/experiments/mtp-verify/<sha>.json`` (``$OUT`` instead when set). GPU only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+import lynn_model
+from lynn_kernels.bench.harness import provenance
+from lynn_model.generate import Stats
+from lynn_model.loader import random_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = 4096
+#: Acceptance lengths to project at (tokens per verify step): SGLang's reported ~3.4 for k = 3 on Qwen3.5, and
+#: lower guesses for fewer drafts; labelled as assumptions in the output.
+ASSUMED_ACCEPTANCE = {1: 1.8, 2: 2.6, 3: 3.4}
+
+
+def kernel_us(fn, reps: int = 5) -> float:
+    """Median over ``reps`` runs of the summed CUDA kernel time of one call of ``fn`` (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        times.append(sum(e.self_device_time_total for e in prof.key_averages()))
+    return statistics.median(times)
+
+
+def main() -> None:
+    config = lynn_model.preset("qwen3.5-35b-a3b").replace(mtp_layers=1)
+    model = random_model(config, device="cuda")
+    model.fuse_for_decode()
+    res: dict = {"provenance": provenance(), "setup": {"preset": config.name, "prompt": PROMPT, "fused": True},
+                 "rows": [], "exact": {}, "projection": {}}
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for batch in (1, 8):
+            cache = model.new_cache(batch, batch * (PROMPT + 512))
+            slots = [cache.add() for _ in range(batch)]
+            ids = torch.randint(0, config.vocab_size, (batch * PROMPT,), generator=g).cuda()
+            _, hidden = model.step(ids, cache, slots, [PROMPT] * batch, hidden=True)
+            tok = torch.randint(0, config.vocab_size, (batch * 4,), generator=g).cuda()
+
+            def decode():
+                model.step(tok[:batch], cache, slots, [1] * batch)
+
+            row = {"batch": batch, "decode_us": kernel_us(decode)}
+            for k in (1, 2, 3):
+                mine = tok[:batch * (k + 1)]
+
+                def verify(k=k, mine=mine):
+                    model.step(mine, cache, slots, [k + 1] * batch, all_logits=True, unroll=True)
+                    cache.rollback(slots, [1] * batch)
+
+                def draft(k=k):
+                    start = [cache.lengths[s] for s in slots]
+                    _, h = model.mtp_step(tok[:2 * batch], hidden[:2 * batch], cache, slots, [2] * batch,
+                                          [p - 2 for p in start])
+                    h = h.view(batch, 2, -1)[:, -1]
+                    for j in range(k - 1):
+                        _, h = model.mtp_step(tok[:batch], h, cache, slots, [1] * batch, [p + j for p in start])
+
+                row[f"verify_k{k}_us"], row[f"draft_k{k}_us"] = kernel_us(verify), kernel_us(draft)
+            res["rows"].append(row)
+            key = f"unrolled step of 3 = 3 decode steps, batch {batch}"
+            res["exact"][key] = _unrolled_equal(model, config, batch, g)
+            print(row, res["exact"], flush=True)
+            torch.cuda.empty_cache()
+        prompts = torch.randint(0, config.vocab_size, (1, 256), generator=g).cuda()
+        plain = lynn_model.generate(model, prompts, 32)
+        for k in (1, 3):
+            stats = Stats()
+            got = lynn_model.generate(model, prompts, 32, mtp=k, stats=stats)
+            res["exact"][f"generate mtp={k}, 32 tokens"] = bool(torch.equal(got.cpu(), plain.cpu()))
+            res["exact"][f"generate mtp={k} verify steps"] = stats.verify_steps
+    for row in res["rows"]:
+        for k, acc in ASSUMED_ACCEPTANCE.items():
+            t = row[f"verify_k{k}_us"] + row[f"draft_k{k}_us"]
+            res["projection"][f"batch {row['batch']} k={k}"] = {
+                "assumed_acceptance_length": acc, "round_us": t, "speedup_over_decode": acc * row["decode_us"] / t}
+    out_dir = Path(os.environ.get("OUT") or ROOT / "data" / "experiments" / "mtp-verify")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}")
+    print("batch  decode us  " + "  ".join(f"verify k={k}  draft k={k}" for k in (1, 2, 3)))
+    for row in res["rows"]:
+        print(f"{row['batch']:5d}  {row['decode_us']:9.0f}  " + "  ".join(
+            f"{row[f'verify_k{k}_us']:10.0f}  {row[f'draft_k{k}_us']:9.0f}" for k in (1, 2, 3)))
+    for name, p in res["projection"].items():
+        print(f"projection {name}: at acceptance {p['assumed_acceptance_length']}, {p['speedup_over_decode']:.2f}x "
+              f"the plain step")
+    print("exact:", res["exact"])
+
+
+def _unrolled_equal(model, config, batch: int, g) -> bool:
+    """A fresh cache, a 64-token prompt per sequence: three decode steps against one unrolled step of three."""
+    ids = torch.randint(0, config.vocab_size, (batch * 64,), generator=g).cuda()
+    extra = torch.randint(0, config.vocab_size, (batch, 3), generator=g).cuda()
+    got = []
+    for unrolled in (False, True):
+        cache = model.new_cache(batch, batch * 128)
+        slots = [cache.add() for _ in range(batch)]
+        model.step(ids, cache, slots, [64] * batch)
+        if unrolled:
+            got.append(model.step(extra.reshape(-1), cache, slots, [3] * batch, all_logits=True, unroll=True))
+        else:
+            rows = [model.step(extra[:, j].contiguous(), cache, slots, [1] * batch) for j in range(3)]
+            got.append(torch.stack(rows, 1).reshape(batch * 3, -1))
+    return bool(torch.equal(got[0], got[1]))
+
+
+if __name__ == "__main__":
+    main()
