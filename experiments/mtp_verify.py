@@ -8,8 +8,8 @@ prompt per sequence, batch 1 and 8. For k = 1..3 drafts:
   k - 1 single positions): eager steps, so this is the device's work, not what a captured graph would take end to
   end;
 * whether the verify's logits equal those of k + 1 decode steps bit for bit, and whether ``generate(mtp=k)`` gives
-  plain greedy decoding's 32 tokens (the random MTP layer's drafts are nearly always rejected: this tests the
-  verify and the rollback, not the drafts);
+  plain decoding's 32 tokens, greedy and seeded (the random MTP layer's drafts are nearly always rejected: this tests
+  the verify and the rollback, not the drafts);
 * a **projection**, labelled as one: tokens/s per sequence = acceptance length / (verify + drafts), at the
   acceptance lengths SGLang reports for Qwen3.5 (k = 3: ~3.4), against the plain step's 1 / decode.
 
@@ -96,11 +96,15 @@ def main() -> None:
             torch.cuda.empty_cache()
         prompts = torch.randint(0, config.vocab_size, (1, 256), generator=g).cuda()
         plain = lynn_model.generate(model, prompts, 32)
+        sampled = dict(temperature=0.8, top_k=50, seed=3)
+        plain_sampled = lynn_model.generate(model, prompts, 32, **sampled)
         for k in (1, 3):
             stats = Stats()
             got = lynn_model.generate(model, prompts, 32, mtp=k, stats=stats)
             res["exact"][f"generate mtp={k}, 32 tokens"] = bool(torch.equal(got.cpu(), plain.cpu()))
             res["exact"][f"generate mtp={k} verify steps"] = stats.verify_steps
+        got = lynn_model.generate(model, prompts, 32, mtp=3, **sampled)
+        res["exact"]["generate mtp=3 sampled (seeded), 32 tokens"] = bool(torch.equal(got.cpu(), plain_sampled.cpu()))
     for row in res["rows"]:
         for k, acc in ASSUMED_ACCEPTANCE.items():
             t = row[f"verify_k{k}_us"] + row[f"draft_k{k}_us"]

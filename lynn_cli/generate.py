@@ -46,7 +46,7 @@ def add(sub):
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
     p.add_argument("--mtp", type=integer(0, 3), default=0, metavar="K",
                    help="speculative decoding: K drafts (1-3) of the checkpoint's MTP module per step, verified in one "
-                        "step of the model; greedy only (--temperature 0), the same tokens as without it (default 0)")
+                        "step of the model: the same tokens as without it, greedy or seeded (default 0: off)")
     p.add_argument("--unfused", action="store_true",
                    help="keep each mixer's input projections as separate GEMVs and the Gated DeltaNet decode step as "
                         "three kernels (on a GPU the compiled kernels fuse them by default: attention q|k|v, Gated "
@@ -125,8 +125,6 @@ def run(args) -> int:
     if args.backend == "interpreter" and lynn_kernels.backend() != "interpreter":   # chosen when lynn_kernels loaded
         raise CommandError("--backend interpreter: this process compiles the kernels for the GPU; start it with "
                            "TRITON_INTERPRET=1 to run them through the interpreter", code=2)
-    if args.mtp and args.temperature != 0:
-        raise CommandError(f"--mtp {args.mtp}: speculative decoding is greedy only so far; add --temperature 0", code=2)
     model_dir = _model_dir(args)
     prompt = _prompt(args)
     backend = args.backend

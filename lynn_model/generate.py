@@ -87,9 +87,6 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     check_sampling_args(temperature, top_k, top_p, seed)
     if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
         raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per step; 0: off)")
-    if mtp and temperature != 0:
-        raise ValueError(f"mtp = {mtp} with temperature = {temperature}: speculative decoding is greedy only so far "
-                         f"(temperature 0); sampled speculative decoding is not built yet")
 
 
 #: The most drafts :func:`generate` takes per speculative step (``mtp``).
@@ -152,7 +149,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
             needs, never more (default: no ceiling).
         cuda_graph: capture the decode step (default: on a GPU with the compiled kernels); False runs it eagerly.
         mtp: speculative decoding with ``mtp`` drafts (1-3) of the checkpoint's MTP module per step
-            (:mod:`lynn_model.speculative`): greedy only, eager steps, the same tokens as without it; 0: off.
+            (:mod:`lynn_model.speculative`): eager steps, the same tokens as without it (greedy or seeded); 0: off.
 
     Returns:
         int64 ``[B, T + n]`` with ``n <= max_new_tokens`` the steps run (fewer when every sequence stopped); rows of
@@ -235,7 +232,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         stats.new_tokens = nseq
         if mtp and live and max_new_tokens > 1:
             t0 = time.perf_counter()
-            _speculative(model, cache, slots, out, first, hidden, mtp, max_new_tokens - 1, stops, stream, stats, live)
+            _speculative(model, cache, slots, out, first, hidden, mtp, max_new_tokens - 1, stops, stream, stats, live,
+                         setting)
             _sync(dev)
             stats.decode_s = time.perf_counter() - t0
             return _pack(out)
@@ -268,7 +266,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     return _pack(out)
 
 
-def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stream, stats, live) -> None:
+def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stream, stats, live, setting) -> None:
     """:func:`generate`'s decode phase by speculative rounds (:func:`lynn_model.speculative.speculative_decode`):
     ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the others)."""
     from .speculative import speculative_decode
@@ -288,7 +286,7 @@ def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stre
     hid_rows = torch.split(hidden, [len(o) - 1 for o in out])
     speculative_decode(model, cache, [slots[b] for b in picks], [out[b] for b in picks], [first[b] for b in picks],
                        torch.cat([hid_rows[b] for b in picks]), k, budget, stops,
-                       lambda i, t: emit(picks[i], t), stats)
+                       lambda i, t: emit(picks[i], t), stats, setting)
 
 
 def _check_finite(rows, finite: list[int], batch: int, where: str) -> None:

@@ -11,9 +11,12 @@ One round for a sequence whose cache holds ``L`` tokens and whose next token ``x
     roll back                   the cache keeps x, d1..da (the Gated DeltaNet states saved after each token)
     MTP catch-up                the MTP module reruns positions L..L+a on the trunk's hidden states, then drafts
 
-Greedy only: every emitted token is the trunk's argmax after exactly the tokens before it, computed as a plain
-decode step computes it, so the output equals plain greedy decoding wherever the kernels give a row the same bits
-whatever the number of rows beside it (docs/decoder.md, "Speculative decoding").
+Every emitted token is the token the trunk picks after exactly the tokens before it, computed as a plain decode
+step computes it: the argmax, or for a sampled request the same Gumbel-max draw plain sampling makes (its noise is a
+function of the request's seed, the token's index and the token id: :mod:`lynn_model.sampling`). So the output
+equals plain decoding's, greedy or seeded, token for token, wherever the kernels give a row the same bits whatever
+the number of rows beside it (docs/decoder.md, "Speculative decoding"). The drafts use the same noise, so a draft
+from a module that agrees with the trunk is accepted under sampling too.
 """
 
 from __future__ import annotations
@@ -24,21 +27,35 @@ import torch
 
 from .cache import Cache
 from .model import Model
+from .sampling import Sampling, SamplingParams, sample_rows
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """The tokens plain greedy decoding picks: the first maximum of the fp32 logits (ties to the lowest id)."""
-    return logits.float().argmax(-1)
+class Picker:
+    """The token plain decoding picks from ``logits [R, vocab]`` whose rows predict the tokens of index
+    ``counter[r]`` in their sequences: the argmax (greedy, ties to the lowest id) or the request's seeded draw."""
+
+    def __init__(self, setting: Sampling | None, device, vocab: int):
+        self.setting, self.device, self.vocab = setting, torch.device(device), vocab
+        self._params: dict[int, SamplingParams] = {}
+
+    def __call__(self, logits: torch.Tensor, counter: list[int]) -> torch.Tensor:
+        if self.setting is None or self.setting.greedy:
+            return logits.float().argmax(-1)
+        rows = logits.shape[0]
+        if rows not in self._params:
+            self._params[rows] = SamplingParams.build([self.setting] * rows, self.device, self.vocab)
+        return sample_rows(logits, self._params[rows], torch.tensor(counter, dtype=torch.int64, device=self.device))
 
 
 class MTPDrafter:
-    """Drafts with the model's MTP module (greedy), keeping its keys and values in the trunk's cache."""
+    """Drafts with the model's MTP module, keeping its keys and values in the trunk's cache; each draft is the
+    token ``pick`` makes from the module's logits (the trunk's own rule, so under sampling the same noise)."""
 
-    def __init__(self, model: Model, k: int):
+    def __init__(self, model: Model, k: int, pick: Picker):
         if model.mtp is None:
             raise ValueError(f"{model.config.name or model.config.family}: this model has no MTP module (its "
                              f"checkpoint holds no mtp.* tensors); run without --mtp")
-        self.model, self.k = model, k
+        self.model, self.k, self.pick = model, k, pick
 
     def start(self, cache: Cache, slots: list[int], prompts: list[list[int]], hidden: torch.Tensor,
               first: list[int]) -> list[list[int]]:
@@ -59,26 +76,27 @@ class MTPDrafter:
         m, dev = self.model, self.model.device
         logits, h = m.mtp_step(torch.tensor(nxt, dtype=torch.long, device=dev), hidden, cache, slots, lens, starts)
         ends = torch.tensor(lens, device=dev).cumsum(0) - 1
-        tok, h = greedy(logits), h[ends]
+        pos = [s + n for s, n in zip(starts, lens)]           # the next position; its token has index pos + 1
+        tok, h = self.pick(logits, [p + 1 for p in pos]), h[ends]
         drafts = [tok]
-        pos = [s + n for s, n in zip(starts, lens)]
         for _ in range(self.k - 1):           # each draft after a draft: its own hidden state, one position on
             logits, h = m.mtp_step(tok, h, cache, slots, [1] * len(slots), pos)
-            tok = greedy(logits)
-            drafts.append(tok)
             pos = [p + 1 for p in pos]
+            tok = self.pick(logits, [p + 1 for p in pos])
+            drafts.append(tok)
         return torch.stack(drafts, 1).tolist()
 
 
 def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[list[int]], first: list[int],
                        hidden: torch.Tensor, k: int, budget: int, stops: set, emit: Callable, stats,
-                       drafter=None) -> None:
+                       setting: Sampling | None = None, drafter=None) -> None:
     """Continue sequences ``slots`` (``out[b]``: prompt and first token; ``hidden``: the prefill's rows) by
     speculative rounds until each stops or has ``budget`` more tokens. ``emit(b, token)`` takes each new token in
-    order and returns whether sequence ``b`` goes on. ``drafter``: :class:`MTPDrafter` by default (tests pass one
-    that proposes chosen tokens)."""
-    drafter = drafter or MTPDrafter(model, k)
+    order and returns whether sequence ``b`` goes on. ``setting``: the requests' sampling (None: greedy).
+    ``drafter``: :class:`MTPDrafter` by default (tests pass one that proposes chosen tokens)."""
     dev = model.device
+    pick = Picker(setting, dev, model.config.vocab_size)
+    drafter = drafter or MTPDrafter(model, k, pick)
     live = list(range(len(slots)))
     prompts = [o[:-1] for o in out]
     drafts = drafter.start(cache, slots, prompts, hidden, first)
@@ -88,7 +106,8 @@ def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[l
         starts = [cache.lengths[s] for s in run]
         tokens = torch.tensor([t for b in live for t in [pending[b], *drafts[b]]], dtype=torch.long, device=dev)
         logits, h = model.step(tokens, cache, run, [k + 1] * len(run), all_logits=True, unroll=True, hidden=True)
-        want = greedy(logits).view(len(run), k + 1).tolist()
+        counter = [p + j + 1 for p in starts for j in range(k + 1)]     # row j predicts the token of index L + j + 1
+        want = pick(logits, counter).view(len(run), k + 1).tolist()
         h = h.view(len(run), k + 1, -1)
         keep, accepted, rows, still = [], [], [], []
         for i, b in enumerate(live):
@@ -121,4 +140,4 @@ def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[l
                 drafts[b] = d
 
 
-__all__ = ["MTPDrafter", "greedy", "speculative_decode"]
+__all__ = ["MTPDrafter", "Picker", "speculative_decode"]

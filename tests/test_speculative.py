@@ -31,10 +31,19 @@ def prompts(model):
     return [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 14)]
 
 
+SAMPLED = dict(temperature=0.9, top_k=40, seed=11)
+
+
 @pytest.fixture(scope="module")
 def plain(model, prompts):
     """Plain greedy decoding of both prompts: 7 new tokens each."""
     return generate(model, prompts, 7)
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(model, prompts):
+    """Plain seeded sampling of both prompts: 7 new tokens each."""
+    return generate(model, prompts, 7, **SAMPLED)
 
 
 def _prefilled(model, ids):
@@ -132,32 +141,25 @@ class Planted:
         return [drafts[b] for b in live]
 
 
-def test_speculative_decoding_emits_plain_greedy_tokens(model, prompts, plain, monkeypatch, k=3):
-    """Drafts right, partly right and wrong (planted): the output is plain greedy decoding's, token for token,
-    and the counts show every kind of round."""
-    truth = plain.tolist()
-    planted = Planted(truth, k, model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
-    monkeypatch.setattr(spec, "MTPDrafter", lambda m, kk: planted)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain, plain_sampled, monkeypatch,
+                                                           sampled, k=3):
+    """Drafts right, partly right and wrong (planted): the output is plain decoding's token for token, greedy or
+    seeded sampling (the verify draws with the same noise), and the counts show every kind of round."""
+    want = plain_sampled if sampled else plain
+    planted = Planted(want.tolist(), k, model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
+    monkeypatch.setattr(spec, "MTPDrafter", lambda *args: planted)
     stats = Stats()
-    got = generate(model, prompts, 7, mtp=k, stats=stats)
-    assert torch.equal(got, plain)
+    got = generate(model, prompts, 7, mtp=k, stats=stats, **(SAMPLED if sampled else {}))
+    assert torch.equal(got, want)
     assert 0 < stats.accepted < stats.drafted
     assert stats.verify_steps < 6                     # fewer steps than plain decoding's
     assert 1 < stats.acceptance_length <= k + 1
 
 
-def test_generate_with_the_mtp_module_emits_plain_greedy_tokens(model, prompts, plain):
-    """The model's own (random) MTP module drafting two tokens a step: the same tokens as plain decoding."""
-    stats = Stats()
-    assert torch.equal(generate(model, prompts, 7, mtp=2, stats=stats), plain)
-    assert stats.drafted > 0 and stats.verify_steps > 0
-
-
 def test_mtp_arguments_are_checked(model):
     with pytest.raises(ValueError, match=r"mtp = 4: expected an int in \[0, 3\]"):
         generate(model, [[1, 2]], 3, mtp=4)
-    with pytest.raises(ValueError, match="greedy only"):
-        generate(model, [[1, 2]], 3, mtp=1, temperature=0.7)
     bare = random_model(preset("tiny-qwen3.5").replace(num_hidden_layers=1), dtype=BF16)
     with pytest.raises(ValueError, match="no MTP module"):
         generate(bare, [[1, 2]], 3, mtp=1)
@@ -165,7 +167,7 @@ def test_mtp_arguments_are_checked(model):
 
 def test_lynn_generate_mtp_prints_the_same_text(tmp_path, capsys):
     """``lynn generate --mtp 2`` on the demo model with an MTP module added (random: drafts mostly rejected):
-    the same text as without it, the acceptance in the summary line; a sampled run is refused before loading."""
+    the same text as without it, greedy and seeded, and the acceptance in the summary line."""
     import json
     import shutil
 
@@ -187,11 +189,10 @@ def test_lynn_generate_mtp_prints_the_same_text(tmp_path, capsys):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     args = ["generate", "--model", str(folder), "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos",
             "--backend", "reference", "Once upon a time"]
-    assert main(args) == 0
-    plain = capsys.readouterr()
-    assert main(args + ["--mtp", "2"]) == 0
-    spec_run = capsys.readouterr()
-    assert spec_run.out == plain.out
-    assert "2 MTP drafts a step" in spec_run.err and "tokens per verify step" in spec_run.err
-    assert main(["generate", "--mtp", "1", "--model", str(folder), "hi"]) == 2
-    assert "greedy only so far; add --temperature 0" in capsys.readouterr().err
+    for extra in ([], ["--temperature", "0.8", "--seed", "5"]):
+        assert main(args + extra) == 0
+        plain = capsys.readouterr()
+        assert main(args + extra + ["--mtp", "2"]) == 0
+        spec_run = capsys.readouterr()
+        assert spec_run.out == plain.out
+        assert "2 MTP drafts a step" in spec_run.err and "tokens per verify step" in spec_run.err
