@@ -1,5 +1,7 @@
 """Packed W4A16 matmul: every entry point (``nvfp4_linear``, ``nvfp4_gemv``, ``nvfp4_gemm``, the launch functions,
-``NVFP4Linear``, ``quantize_linears``) against the reference (dequantise, then one fp32 matmul).
+``NVFP4Linear``, ``quantize_linears``) against the reference (dequantise, then one fp32 matmul). The sweep of awkward
+shapes, dtypes and bias forms is the ``lynn check`` matrix (``lynn_kernels/matmul/check.py: SHAPES``), run here case by
+case; the rest of the module tests layouts, dispatch, split-K, weight forms and errors.
 
 Tolerances (the kernel and the reference add the same fp32 products in a different order, then round once):
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import assert_case_passes, check_cases
 from torch import nn
 
 import lynn_kernels
@@ -46,10 +49,6 @@ from lynn_kernels.triton_shared import _counters, packed_w_tile, split_k_for
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16"), pytest.param(FP32, id="fp32")]
-#: x dtype and bias dtype: every bias form with bf16 x, a few with the others (the interpreter's time).
-DTYPE_BIAS = [pytest.param(BF16, None, id="bf16-nobias"), pytest.param(BF16, BF16, id="bf16-bias-bf16"),
-              pytest.param(BF16, FP32, id="bf16-bias-fp32"), pytest.param(FP16, FP32, id="fp16-bias-fp32"),
-              pytest.param(FP32, None, id="fp32-nobias"), pytest.param(FP32, BF16, id="fp32-bias-bf16")]
 OPS = [pytest.param(nvfp4_linear, id="linear"), pytest.param(nvfp4_gemv, id="gemv"),
        pytest.param(nvfp4_gemm, id="gemm")]
 
@@ -57,14 +56,6 @@ OPS = [pytest.param(nvfp4_linear, id="linear"), pytest.param(nvfp4_gemv, id="gem
 def _mnk(m, n, k):
     return pytest.param((m, n, k), id=f"M{m}-N{n}-K{k}")
 
-
-#: Awkward shapes: K = 16 x odd (16, 48, 208, 400, 1040), N a multiple of no block (1, 37, 65, 130), M on both sides
-#: of the GEMV / GEMM switch (1, 3, 16 | 17, 129). Every value of each appears at least once.
-LINEAR_SHAPES = [
-    _mnk(1, 1, 16), _mnk(1, 37, 208), _mnk(1, 65, 1040), _mnk(3, 65, 48), _mnk(3, 130, 16), _mnk(16, 130, 1040),
-    _mnk(16, 1, 400), _mnk(17, 37, 400), _mnk(17, 130, 48), _mnk(129, 65, 208), _mnk(129, 1, 48),
-    _mnk(129, 37, 1040),
-]
 
 ONE_ROUNDING_ABS = 1e-6     # the abs part of the bf16 / fp16 bound, times max|ref|
 
@@ -145,14 +136,12 @@ def test_poison_catches_an_unwritten_output(m, monkeypatch, make_weight, make_nv
 # 1. nvfp4_linear against the reference
 
 
-@pytest.mark.parametrize("dtype,bias_dtype", DTYPE_BIAS)
-@pytest.mark.parametrize("mnk", LINEAR_SHAPES)
-def test_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, make_nvfp4, device, poison_empty):
-    m, n, k = mnk
-    x = make_weight((m, k), dtype, seed=m * 7 + k)
-    w = make_nvfp4(n, k, seed=n)
-    bias = make_bias(n, bias_dtype, device)
-    assert_close_to_reference(nvfp4_linear(x, w, bias), reference.nvfp4_linear(x, w, bias), f"M={m} N={n} K={k}")
+@pytest.mark.parametrize("case", check_cases("matmul", "matmul.nvfp4_gemv", "matmul.nvfp4_gemm"))
+def test_nvfp4_linear_matches_reference(case, poison_empty):
+    """Each shape of the check matrix through ``nvfp4_gemv`` (M <= 16), ``nvfp4_gemm`` and ``nvfp4_linear`` on both
+    layouts, and the packed layout's kernels on their own (the packed GEMV, the tensor-core GEMV, the
+    dequantise-then-cuBLAS path): every output of x's dtype within one rounding of the reference."""
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("m,kernel", [(1, "gemv"), (16, "gemv"), (17, "gemm"), (129, "gemm")])
@@ -226,24 +215,6 @@ def test_empty_input_gives_empty_output(op, lead, bias_dtype, make_nvfp4, device
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. nvfp4_gemv and nvfp4_gemm
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_gemv_matches_reference(m, dtype, make_weight, make_nvfp4, device, poison_empty):
-    x = make_weight((m, 400), dtype, seed=m)
-    w = make_nvfp4(130, 400, seed=3)
-    bias = make_bias(130, BF16, device)
-    assert_close_to_reference(nvfp4_gemv(x, w, bias), reference.nvfp4_gemv(x, w, bias), f"M={m}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 16, 17, 129])
-def test_gemm_matches_reference(m, dtype, make_weight, make_nvfp4, device, poison_empty):
-    x = make_weight((m, 400), dtype, seed=m)
-    w = make_nvfp4(65, 400, seed=4)
-    bias = make_bias(65, FP32, device)
-    assert_close_to_reference(nvfp4_gemm(x, w, bias), reference.nvfp4_gemm(x, w, bias), f"M={m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -923,41 +894,11 @@ def test_packed_every_code_and_scale_exact(m, dtype, device, poison_empty):
             assert_bit_equal(y[:, rows], want[:, rows], f"{kernel}, rows of {name}")
 
 
-PACKED_SHAPES = [_mnk(1, 1, 16), _mnk(1, 37, 1040), _mnk(2, 65, 208), _mnk(2, 130, 2064), _mnk(3, 65, 48),
-                 _mnk(16, 37, 400), _mnk(17, 130, 48), _mnk(129, 37, 208)]
-
-
-@pytest.mark.parametrize("dtype,bias_dtype", DTYPE_BIAS)
-@pytest.mark.parametrize("mnk", PACKED_SHAPES)
-def test_packed_linear_matches_reference(mnk, dtype, bias_dtype, make_weight, make_nvfp4, device, poison_empty):
-    """M <= 16: the packed GEMV or the tensor-core GEMV (use_packed_gemv); 17 up: the GEMM; all reading the packed
-    layout (test_packed_fma_gemv_configs runs the packed GEMV on its own)."""
-    m, n, k = mnk
-    x = make_weight((m, k), dtype, seed=m * 7 + k)
-    w = make_nvfp4(n, k, seed=n)
-    bias = make_bias(n, bias_dtype, device)
-    y = nvfp4_linear(x, pack(w), bias)
-    assert_close_to_reference(y, reference.nvfp4_linear(x, w, bias), f"packed M={m} N={n} K={k}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_decode_kernels_every_m(dtype, make_weight, make_nvfp4, device, poison_empty):
-    """M = 1..17 on an odd N and a K that is a multiple of 16 but not of 64 (so the last 128-column chunk is padded):
-    the dispatch, the tensor-core GEMV (M <= 16) and the packed GEMV (M <= 2), with a bias, against the reference."""
-    n, k = 37, 208
-    w = make_nvfp4(n, k, seed=11)
-    p = pack(w)
-    bias = make_bias(n, dtype, device)
-    for m in range(1, 18):
-        x = make_weight((m, k), dtype, seed=m)
-        want = reference.nvfp4_linear(x, w, bias)
-        assert_close_to_reference(nvfp4_linear(x, p, bias), want, f"dispatch M={m}")
-        if m <= 16:
-            y = launch_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=device))
-            assert_close_to_reference(y, want, f"tensor-core GEMV M={m}")
-        if m <= 2:
-            y = launch_packed_gemv(x, p, bias, torch.empty(m, n, dtype=dtype, device=device))
-            assert_close_to_reference(y, want, f"packed GEMV M={m}")
+@pytest.mark.parametrize("case", check_cases("matmul", "matmul.norm_linear packed"))
+def test_norm_linear_matches_reference(case, poison_empty):
+    """The check matrix's shapes of one and two rows through ``norm_linear`` on the packed layout (the norm in the
+    packed GEMV's launch): the product within one rounding, the normed rows too, the residual sum exact."""
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("config", [pytest.param({"BLOCK_N": 16, "TW": 128, "num_warps": 4}, id="gpu-16x128"),

@@ -1,7 +1,9 @@
 """MoE experts and block: the grouped NVFP4 kernels (``moe_experts``, ``moe_block``, the launch functions) against the
 torch references, against a plain bf16 computation, and against HF transformers' own Qwen3-Next / Qwen3.5 MoE blocks;
 the same kernels over float (bf16 / fp32) expert weights (section 4) and with per-shard gate / up global scales
-(section 5, one scale per row of w13, built by ``stack_w13`` / ``fuse_w13``).
+(section 5, one scale per row of w13, built by ``stack_w13`` / ``fuse_w13``). The sweeps of awkward shapes and
+dtypes are the ``lynn check`` matrix's (``lynn_kernels/moe/check.py``), run here case by case with these tolerances; the
+packed experts' cases among them (``PACKED_EXPERTS``), test_moe_packed.py's subject, run here too.
 
 Tolerances (the reference is fp32 from the dequantised weights, rounded once to x's dtype):
 
@@ -22,12 +24,12 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_case_passes, check_cases
 
 from lynn_kernels import runtime, use_reference
 from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import SharedExpert, fuse_w13, moe_block, moe_experts, reference, route, stack_w13, triton_experts
 from lynn_kernels.moe.triton_experts import (
-    DECODE_MAX_M,
     block_m_for,
     launch_moe_experts,
     moe_block_triton,
@@ -124,36 +126,13 @@ def assert_experts_close(got, x, weights, ids, w13, w2, what=""):
 # 1. moe_experts against the reference
 
 
-def _case(M, top_k, E, H, inter, experts=None, per_expert=True, name=""):
-    path = "decode" if M <= DECODE_MAX_M else f"prefill-bm{block_m_for(M, top_k, E)}"
-    gs = "gE" if per_expert else "g1"
-    return pytest.param(M, top_k, E, H, inter, experts, per_expert,
-                        id=f"M{M}-k{top_k}-E{E}-H{H}-I{inter}-{gs}-{path}{'-' + name if name else ''}")
-
-
-#: Both paths and the boundary between them (M = 16 | 17), every prefill BLOCK_M (16, 32, 64), E not a power of two,
-#: H and I multiples of 16 but not of 64 (80, 48) as well as of 64 / 128, scalar and per-expert global scales.
-EXPERT_CASES = [
-    _case(1, 2, 4, 64, 32),
-    _case(1, 1, 7, 80, 48, per_expert=False, name="top1"),
-    _case(5, 8, 16, 64, 64),
-    _case(16, 3, 7, 80, 48),
-    _case(17, 3, 7, 80, 48, per_expert=False),
-    _case(33, 2, 6, 64, 32, experts=[4], name="all-on-expert4"),
-    _case(40, 4, 6, 128, 64, experts=[0, 2, 3, 5], name="experts-1-4-empty"),
-    _case(100, 2, 7, 128, 64),
-    _case(100, 2, 4, 80, 48, per_expert=False),
-    _case(64, 1, 5, 64, 128, experts=[1, 3], name="top1"),
-]
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
-@pytest.mark.parametrize("M, top_k, E, H, inter, experts, per_expert", EXPERT_CASES)
-def test_moe_experts(M, top_k, E, H, inter, experts, per_expert, dtype, poison_empty):
-    w13, w2 = _experts(E, H, inter, seed=M + E, per_expert=per_expert)
-    weights, ids = _routing(M, top_k, E, seed=M, experts=experts)
-    x = _x(M, H, dtype, seed=M + 1)
-    assert_experts_close(moe_experts(x, weights, ids, w13, w2), x, weights, ids, w13, w2)
+@pytest.mark.parametrize("case", check_cases("moe", "moe.moe_experts"))
+def test_moe_experts_matches_reference(case, poison_empty):
+    """The check matrix's experts (``EXPERTS``, ``FLOAT_EXPERTS``, ``PACKED_EXPERTS`` of lynn_kernels/moe/check.py):
+    NVFP4 in the checkpoint layout (one global scale or one per expert), float weights of x's dtype, and packed
+    stacks (per-row scales, zero / negative block scales) against the reference on the checkpoint weights; both paths,
+    every prefill BLOCK_M, experts without tokens and every token on one expert; within the module's tolerances."""
+    assert_case_passes(case)
 
 
 def test_moe_experts_fp16_int64_ids_strided_x(poison_empty):
@@ -238,24 +217,12 @@ def _shared(H, inter_s, seed):
     return SharedExpert(s13, s2, (torch.randn(1, H, generator=_gen(seed + 2)) * 0.1).to(DEV))
 
 
-BLOCK_CASES = [  # x shape (decode: 3 tokens; prefill: 2 x 9 = 18), with or without the shared expert
-    pytest.param((1, 3, 80), True, id="decode-M3-shared"),
-    pytest.param((2, 9, 80), False, id="prefill-M18-noshared"),
-    pytest.param((2, 9, 80), True, id="prefill-M18-shared"),
-]
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
-@pytest.mark.parametrize("shape, with_shared", BLOCK_CASES)
-def test_moe_block(shape, with_shared, dtype, poison_empty):
-    E, top_k, H, inter = 7, 2, shape[-1], 48
-    w13, w2 = _experts(E, H, inter, seed=21)
-    shared = _shared(H, 32, seed=22) if with_shared else None
-    router = (torch.randn(E, H, generator=_gen(23)) * 0.3).to(dtype).to(DEV)
-    x = torch.randn(shape, generator=_gen(24)).to(dtype).to(DEV)
-    got = moe_block(x, router, w13, w2, shared, top_k=top_k, renormalize=False)
-    assert got.dtype == dtype and tuple(got.shape) == shape
-    assert_block_close(got, x, router, w13, w2, shared, top_k)
+@pytest.mark.parametrize("case", check_cases("moe", "moe.moe_block", "moe.norm_moe_block"))
+def test_moe_block_matches_reference(case, poison_empty):
+    """The check matrix's blocks (``BLOCKS`` and the fixed E 10 cases of lynn_kernels/moe/check.py): NVFP4 or float
+    routed experts with no, an NVFP4 or a float shared expert, per-shard gate / up scales, the packed experts with the
+    shared expert as a routed slot, and the norm in the router's launch, on both paths, against the reference."""
+    assert_case_passes(case)
 
 
 def assert_block_close(got, x, router, w13, w2, shared, top_k, bf16_rel_l2=4e-3):
@@ -388,61 +355,6 @@ def _float_experts(E, H, inter, dtype, seed=0):
 def _float_shared(H, inter_s, dtype, seed):
     s13, s2 = _float_experts(1, H, inter_s, dtype, seed)
     return SharedExpert(s13[0], s2[0], (torch.randn(1, H, generator=_gen(seed + 3)) * 0.1).to(DEV))
-
-
-def _fcase(M, top_k, E, H, inter, dtype, experts=None, name=""):
-    path = "decode" if M <= DECODE_MAX_M else f"prefill-bm{block_m_for(M, top_k, E)}"
-    return pytest.param(M, top_k, E, H, inter, dtype, experts,
-                        id=f"{str(dtype)[6:]}-M{M}-k{top_k}-E{E}-H{H}-I{inter}-{path}{'-' + name if name else ''}")
-
-
-#: Decode at M = 1, 3, 16 and prefill past 16 (every BLOCK_M the cases reach), bf16 and fp32 (fp16 once).
-FLOAT_CASES = [
-    *(_fcase(1, 2, 4, 64, 32, dt) for dt in (BF16, FP32)),
-    *(_fcase(3, 3, 7, 80, 48, dt) for dt in (BF16, FP32)),
-    *(_fcase(16, 2, 5, 64, 64, dt) for dt in (BF16, FP32)),
-    *(_fcase(40, 2, 6, 80, 48, dt, experts=[0, 2, 5], name="experts-1-3-4-empty") for dt in (BF16, FP32)),
-    _fcase(17, 1, 7, 64, 32, BF16, name="top1"),
-    _fcase(64, 2, 3, 64, 32, FP32),
-    _fcase(20, 2, 5, 64, 32, FP16),
-]
-
-
-@pytest.mark.parametrize("M, top_k, E, H, inter, dtype, experts", FLOAT_CASES)
-def test_moe_experts_float_weights(M, top_k, E, H, inter, dtype, experts, poison_empty):
-    """Float weights of x's dtype through the decode and prefill kernels, against the reference (which uses them as
-    they are) and, for 16-bit x, against a plain computation in x's dtype."""
-    w13, w2 = _float_experts(E, H, inter, dtype, seed=M + E)
-    weights, ids = _routing(M, top_k, E, seed=M, experts=experts)
-    x = _x(M, H, dtype, seed=M + 1)
-    assert_experts_close(moe_experts(x, weights, ids, w13, w2), x, weights, ids, w13, w2)
-
-
-FLOAT_BLOCK_CASES = [  # x shape, routed kind, shared kind (None: no shared expert)
-    pytest.param((1, 3, 80), "float", "float", id="decode-M3-shared"),
-    pytest.param((2, 9, 80), "float", None, id="prefill-M18-noshared"),
-    pytest.param((2, 9, 80), "float", "float", id="prefill-M18-shared"),
-    pytest.param((1, 3, 80), "float", "nvfp4", id="decode-M3-nvfp4-shared"),
-    pytest.param((2, 9, 80), "nvfp4", "float", id="prefill-M18-float-shared"),
-]
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
-@pytest.mark.parametrize("shape, routed, shared_kind", FLOAT_BLOCK_CASES)
-def test_moe_block_float_weights(shape, routed, shared_kind, dtype, poison_empty):
-    """The block with float routed experts and / or a float shared expert (each FFN of one kind, the two FFNs not
-    necessarily of the same), against the reference."""
-    E, top_k, H, inter, inter_s = 7, 2, shape[-1], 48, 32
-    w13, w2 = _float_experts(E, H, inter, dtype, seed=71) if routed == "float" else _experts(E, H, inter, seed=71)
-    shared = {None: None, "float": _float_shared(H, inter_s, dtype, seed=72),
-              "nvfp4": _shared(H, inter_s, seed=72)}[shared_kind]
-    router = (torch.randn(E, H, generator=_gen(73)) * 0.3).to(dtype).to(DEV)
-    x = torch.randn(shape, generator=_gen(74)).to(dtype).to(DEV)
-    got = moe_block(x, router, w13, w2, shared, top_k=top_k)
-    want = reference.moe_block(x, router, w13, w2, shared, top_k=top_k)
-    assert got.dtype == dtype and tuple(got.shape) == shape and bool(torch.isfinite(got).all())
-    m = compare(got, want)
-    assert (m.rel_l2 < 1e-5) if dtype == FP32 else (m.cosine > 0.9999 and m.rel_l2 < 4e-3), m
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])

@@ -48,7 +48,7 @@ from lynn_kernels.moe import (
     triton_experts_decode,
 )
 from lynn_kernels.moe.packed import shared_slot
-from lynn_kernels.moe.triton_experts import DECODE_MAX_M, block_m_for, launch_moe_experts, moe_workspace
+from lynn_kernels.moe.triton_experts import DECODE_MAX_M, launch_moe_experts, moe_workspace
 from lynn_kernels.moe.triton_route import launch_router
 from lynn_kernels.nvfp4 import NVFP4Tensor
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
@@ -208,41 +208,8 @@ def test_references_take_packed_weights():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. moe_experts on packed stacks against the reference on the checkpoint weights
-
-
-def _case(M, top_k, E, H, inter, scales, experts=None, odd=False, name=""):
-    path = "decode" if M <= DECODE_MAX_M else f"prefill-bm{block_m_for(M, top_k, E)}"
-    return pytest.param(M, top_k, E, H, inter, scales, experts, odd,
-                        id=f"M{M}-k{top_k}-E{E}-H{H}-I{inter}-{scales}-{path}{'-' + name if name else ''}")
-
-
-#: Decode at M = 1, 2, 3, 16 (the FMA kernels; the down kernel takes a token's slots in two groups, a power of two
-#: and the rest: top_k 2, 3, 7 = 2, 2 + 1, 4 + 3 with one masked lane) and prefill at 17 and 40 (packed tiles in
-#: tl.dot), E not a power of two, H / I of 80 / 48 (one partial chunk of 128) and 128 / 64, every global-scale layout,
-#: experts without tokens, every slot on one expert, zero / negative block scales.
-PACKED_EXPERT_CASES = [
-    _case(1, 2, 5, 80, 48, "gE"),
-    _case(2, 3, 7, 128, 64, "g1"),
-    _case(3, 3, 7, 80, 48, "per-row"),
-    _case(3, 2, 6, 128, 64, "gE", experts=[4], name="all-on-expert4"),
-    _case(2, 7, 7, 80, 48, "g1", name="top7-every-expert"),
-    _case(16, 2, 5, 80, 48, "gE", odd=True, name="odd-block-scales"),
-    _case(17, 3, 7, 80, 48, "g1"),
-    _case(40, 4, 6, 128, 64, "per-row", experts=[0, 2, 3, 5], name="experts-1-4-empty"),
-    _case(40, 2, 5, 80, 48, "gE", odd=True, name="odd-block-scales"),
-]
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
-@pytest.mark.parametrize("M, top_k, E, H, inter, scales, experts, odd", PACKED_EXPERT_CASES)
-def test_moe_experts_packed(M, top_k, E, H, inter, scales, experts, odd, dtype, poison_empty):
-    w13, w2 = _routed(E, H, inter, scales, seed=M + E, odd=odd)
-    w13p, w2p, _ = pack_experts(w13, w2)
-    weights, ids = _routing(M, top_k, E, seed=M, experts=experts)
-    x = _x(M, H, dtype, seed=M + 1)
-    got = moe_experts(x, weights, ids, w13p, w2p)
-    assert_experts_close(got, x, weights, ids, w13, w2)            # the oracle reads the checkpoint weights
+# 2. moe_experts on packed stacks against the reference on the checkpoint weights: the check matrix's
+#    PACKED_EXPERTS (lynn_kernels/moe/check.py), swept by test_moe.py's test_moe_experts_matches_reference
 
 
 # ---------------------------------------------------------------------------------------------------------------

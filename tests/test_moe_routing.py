@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_case_passes, check_cases
 
 from lynn_kernels import runtime, use_reference
 from lynn_kernels.metrics import compare
 from lynn_kernels.moe import SharedExpert, align, max_padded, reference, route
+from lynn_kernels.moe.check import ALIGNS, ROUTES
 from lynn_kernels.moe.triton_align import align_triton, launch_align
 from lynn_kernels.moe.triton_route import MAX_EXPERTS, launch_router, route_triton
 from lynn_kernels.nvfp4 import reference as nvfp4_reference
@@ -41,18 +43,15 @@ def _ids(M, top_k, E, seed=0, experts=None, dtype=torch.int32):
 # ---------------------------------------------------------------------------------------------------------------
 # 1. route: kernel against reference
 
-#: (M, E, top_k): Qwen3.5 (256, top-8) and Qwen3-Next (512, top-10) shapes with small M, E not a power of two
-ROUTE_CASES = [
-    pytest.param(33, 4, 1, id="M33-E4-k1"),
-    pytest.param(33, 4, 2, id="M33-E4-k2"),
-    pytest.param(65, 60, 1, id="M65-E60-k1"),
-    pytest.param(65, 60, 2, id="M65-E60-k2"),
-    pytest.param(65, 60, 8, id="M65-E60-k8"),
-    pytest.param(65, 60, 10, id="M65-E60-k10"),
-    pytest.param(17, 256, 8, id="M17-E256-k8"),
-    pytest.param(1, 512, 10, id="M1-E512-k10"),
-    pytest.param(5, 512, 10, id="M5-E512-k10"),
-]
+#: (M, E, top_k): the check matrix's routing shapes (``ROUTES``), without its dtypes and renormalisation
+ROUTE_CASES = [pytest.param(M, E, k, id=f"M{M}-E{E}-k{k}") for M, E, k in dict.fromkeys(r[:3] for r in ROUTES)]
+
+
+@pytest.mark.parametrize("case", check_cases("moe", "moe.route"))
+def test_route_matches_reference(case, poison_empty):
+    """The check matrix's routings (bf16 and fp32 logits, renormalised or raw): the reference's ids, its weights to
+    a few fp32 ulps, renormalised rows summing to 1."""
+    assert_case_passes(case)
 
 
 def _assert_route(got, want, M, top_k, rtol=4e-6):
@@ -69,17 +68,6 @@ def _router_rtol(dtype):
     uses its own order: 4.7e-6 measured on the H200 (M5-E60-k4-H144, 8c40726), so about twice that (not yet re-run
     there with this bound)."""
     return 1e-5 if dtype == FP32 else 4e-6
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
-@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
-@pytest.mark.parametrize("M, E, top_k", ROUTE_CASES)
-def test_route(M, E, top_k, renormalize, dtype, poison_empty):
-    logits = _logits(M, E, dtype, seed=M * E + top_k)
-    got = route(logits, top_k, renormalize)
-    _assert_route(got, reference.route(logits, top_k, renormalize), M, top_k)
-    if renormalize:
-        torch.testing.assert_close(got[0].sum(-1).cpu(), torch.ones(M), rtol=0, atol=1e-6)
 
 
 def test_route_fp16_and_strided_logits(poison_empty):
@@ -271,26 +259,17 @@ def _assert_same_bits(got, want):
         assert torch.equal(g.cpu(), w.cpu()), f"{name}: {int((g.cpu() != w.cpu()).sum())} entries differ"
 
 
-#: (M, top_k, E, block_m, experts drawn from): decode, prefill-like, awkward E, empty and crowded experts
-ALIGN_CASES = [
-    pytest.param(1, 8, 256, 16, None, id="M1-k8-E256-decode"),
-    pytest.param(1, 10, 512, 64, None, id="M1-k10-E512-bm64"),
-    pytest.param(7, 1, 5, 16, None, id="M7-k1-E5"),
-    pytest.param(16, 8, 60, 16, None, id="M16-k8-E60-one-program"),
-    pytest.param(13, 4, 8, 32, [0, 1, 2, 4, 5, 6, 7], id="M13-k4-E8-expert3-empty"),
-    pytest.param(40, 2, 6, 16, [5], id="M40-k2-E6-all-on-expert5"),
-    pytest.param(37, 8, 60, 16, None, id="M37-k8-E60-three-chunks"),
-    pytest.param(150, 2, 7, 64, [0, 3, 6], id="M150-k2-E7-bm64-three-chunks-gaps"),
-    pytest.param(24, 10, 512, 32, None, id="M24-k10-E512-two-chunks"),
-]
+@pytest.mark.parametrize("case", check_cases("moe", "moe.align"))
+def test_align_matches_reference(case, poison_empty):
+    """The check matrix's aligns (``ALIGNS``: the one-program kernel and the three-kernel path, empty and crowded
+    experts): the reference's three outputs, bit for bit."""
+    assert_case_passes(case)
 
 
-@pytest.mark.parametrize("M, top_k, E, block_m, experts", ALIGN_CASES)
-def test_align(M, top_k, E, block_m, experts, poison_empty):
+@pytest.mark.parametrize("M, top_k, E, block_m, experts", ALIGNS)
+def test_align_reference_keeps_the_contract(M, top_k, E, block_m, experts):
     ids = _ids(M, top_k, E, seed=M + E, experts=experts)
-    want = reference.align(ids, E, block_m)
-    _assert_contract(ids, E, block_m, want)
-    _assert_same_bits(align(ids, E, block_m), want)
+    _assert_contract(ids, E, block_m, reference.align(ids, E, block_m))
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
