@@ -3,6 +3,8 @@ Qwen3-Next functions, one whole HF attention layer rebuilt from the public ops, 
 
 Kernel tests run under Triton's interpreter on the CPU with small head counts and dims (the three real head dims
 each appear once at small T) and every fresh output poisoned with NaN, so an element a kernel forgets to write fails.
+The sweeps of each kernel against its reference are the family's check matrix (lynn_kernels/attention/check.py, what
+``lynn check`` and the lab run).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import oracle
+from conftest import assert_case_passes, check_cases, oracle
 
 import lynn_kernels
 from lynn_kernels import runtime
@@ -136,6 +138,13 @@ def test_reference_decode_matches_sdpa():
     assert (reference.decode_attention(q, kc, vc, ints([0, 1, 2]))[0] == 0).all()     # no keys: zeros
 
 
+def test_reference_decode_reads_a_paged_cache():
+    """The same tokens in a shuffled paged cache (a few blocks nobody uses): the same bits as the contiguous one."""
+    q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs([0, 1, 63, 65, 200], 4, 1, 32, BF16, 208, page=16)
+    want = reference.decode_attention(q, kc, vc, seq_lens, gate=g)
+    assert bit_mismatches(reference.decode_attention(q, kp, vp, seq_lens, table, gate=g), want) == 0
+
+
 ORACLE_FIXTURES = {"hf": "transformers"}
 
 
@@ -227,36 +236,9 @@ def _prefill_inputs(lens, hq, hkv, d, dtype, prefix=None, gate=True, seed=0):
     return q, k, v, g, cu, (ints(prefix) if prefix else None)
 
 
-#: (id, sequence lengths, Hq, Hkv, D, dtype, prefix_lens, gate, causal)
-PREFILL_CASES = [
-    ("T1-g1-d32-fp32", [1], 2, 2, 32, FP32, None, False, True),
-    ("T63-g4-d16-bf16-gate", [63], 4, 1, 16, BF16, None, True, True),
-    ("T65-g8-d16-fp32-gate", [65], 8, 1, 16, FP32, None, True, True),
-    ("T65-g1-d32-fp16", [65], 2, 2, 32, FP16, None, False, True),
-    ("T1000-g2-d16-bf16-gate", [1000], 2, 1, 16, BF16, None, True, True),
-    ("d64-T33-g4-bf16", [33], 4, 1, 64, BF16, None, True, True),
-    ("d128-T17-g2-fp32", [17], 2, 1, 128, FP32, None, True, True),
-    ("d256-T9-g8-bf16", [9], 8, 1, 256, BF16, None, True, True),
-    ("varlen-1,63,0,65,17-g4-fp32", [1, 63, 0, 65, 17], 4, 1, 16, FP32, None, True, True),
-    ("varlen-g3-nonpow2-bf16", [20, 7], 6, 2, 32, BF16, None, True, True),
-    ("prefix-0,5,64,130-g4-fp32", [9, 1, 70, 3], 4, 1, 32, FP32, [0, 5, 64, 130], True, True),
-    ("prefix-one-seq-bf16", [40], 2, 1, 32, BF16, [100], False, True),
-    ("noncausal-varlen-g4-fp32", [1, 63, 65], 4, 1, 16, FP32, None, True, False),
-    ("noncausal-prefix-bf16", [10, 3], 2, 2, 16, BF16, [6, 0], False, False),
-]
-
-
-@pytest.mark.parametrize("lens,hq,hkv,d,dtype,prefix,gate,causal",
-                         [pytest.param(*c[1:], id=c[0]) for c in PREFILL_CASES])
-def test_flash_attention_matches_reference(lens, hq, hkv, d, dtype, prefix, gate, causal, poison_empty):
-    q, k, v, g, cu, pre = _prefill_inputs(lens, hq, hkv, d, dtype, prefix, gate)
-    cu_arg = cu if len(lens) > 1 or prefix else None
-    got = flash_attention(q, k, v, causal=causal, gate=g, cu_seqlens=cu_arg, prefix_lens=pre)
-    want = reference.flash_attention(q, k, v, causal=causal, gate=g, cu_seqlens=cu_arg, prefix_lens=pre)
-    exact = reference.flash_attention(*f32(q, k, v), causal=causal, gate=f32(g)[0], cu_seqlens=cu_arg,
-                                      prefix_lens=pre)
-    assert got.dtype == dtype and tuple(got.shape) == tuple(q.shape)
-    assert_close(got, want, exact=exact)
+@pytest.mark.parametrize("case", check_cases("attention", "attention.prefill"))
+def test_flash_attention_matches_reference(case, poison_empty):
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("config,hq", [
@@ -325,32 +307,9 @@ def _decode_inputs(lens, hq, hkv, d, dtype, s_max, page=None, gate=True, seed=0)
     return q, kc, vc, g, ints(lens), paged
 
 
-#: (id, lengths, Hq, Hkv, D, dtype, S_max, page, num_splits)
-DECODE_CASES = [
-    ("len0,1,63,65,200-g4-d32-fp32-3splits", [0, 1, 63, 65, 200], 4, 1, 32, FP32, 208, 16, 3),
-    ("len0,1,100-g1-d16-bf16-1split", [0, 1, 100], 2, 2, 16, BF16, 112, 16, 1),
-    ("len1,129-g8-d16-fp16-4splits", [1, 129], 8, 1, 16, FP16, 160, 32, 4),
-    ("d64-g4-bf16-2splits", [37, 64], 4, 1, 64, BF16, 64, 16, 2),
-    ("d128-g2-fp32-5splits", [90], 4, 2, 128, FP32, 96, 32, 5),
-    ("d256-g8-bf16-3splits-qwen", [3, 70], 16, 2, 256, BF16, 80, 16, 3),
-    ("default-splits-g4-bf16", [1000, 5], 4, 1, 16, BF16, 1024, 64, None),
-]
-
-
-@pytest.mark.parametrize("lens,hq,hkv,d,dtype,s_max,page,splits", [pytest.param(*c[1:], id=c[0])
-                                                                   for c in DECODE_CASES])
-@pytest.mark.parametrize("gate", [True, False], ids=["gate", "nogate"])
-def test_decode_attention_matches_reference_paged_and_contiguous(lens, hq, hkv, d, dtype, s_max, page, splits,
-                                                                 gate, poison_empty):
-    q, kc, vc, g, seq_lens, (kp, vp, table) = _decode_inputs(lens, hq, hkv, d, dtype, s_max, page, gate)
-    got = decode_attention(q, kc, vc, seq_lens, gate=g, num_splits=splits)
-    want = reference.decode_attention(q, kc, vc, seq_lens, gate=g)
-    assert_close(got, want, exact=reference.decode_attention(*f32(q, kc, vc), seq_lens, gate=f32(g)[0]))
-    if lens[0] == 0:
-        assert (got[0] == 0).all(), "a sequence with no cached keys attends to nothing: zeros"
-    got_paged = decode_attention(q, kp, vp, seq_lens, table, gate=g, num_splits=splits)
-    assert bit_mismatches(got_paged, got) == 0, "the paged cache holds the same keys in the same order"
-    assert bit_mismatches(reference.decode_attention(q, kp, vp, seq_lens, table, gate=g), want) == 0
+@pytest.mark.parametrize("case", check_cases("attention", "attention.decode"))
+def test_decode_attention_matches_reference_paged_and_contiguous(case, poison_empty):
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7], ids=lambda s: f"{s}splits")
@@ -396,32 +355,9 @@ def test_decode_page_smaller_than_key_block(poison_empty):
 # 4. qk_norm_rope kernel == reference, with cache writes
 
 
-#: (id, T, Hq, Hkv, D, rotary_dim, dtype)
-ROPE_CASES = [
-    ("T1-d32-rot8-fp32", 1, 2, 1, 32, 8, FP32),
-    ("T63-d64-rot16-bf16", 63, 4, 2, 64, 16, BF16),
-    ("T65-d16-full-rot-fp16", 65, 2, 2, 16, 16, FP16),
-    ("T5-d256-rot64-bf16-qwen", 5, 16, 2, 256, 64, BF16),
-    ("T7-d128-rot32-fp32", 7, 4, 1, 128, 32, FP32),
-]
-
-
-@pytest.mark.parametrize("t,hq,hkv,d,rot,dtype", [pytest.param(*c[1:], id=c[0]) for c in ROPE_CASES])
-@pytest.mark.parametrize("tables", [False, True], ids=["theta", "tables"])
-def test_qk_norm_rope_matches_reference(t, hq, hkv, d, rot, dtype, tables, poison_empty):
-    q, k = randn((t, hq, d), dtype, 1, scale=3.0), randn((t, hkv, d), dtype, 2, scale=0.5)
-    qw, kw = randn((d,), FP32, 3, scale=0.2), randn((d,), FP32, 4, scale=0.2)
-    pos = ((torch.arange(t) * 4099 + 3) % 262144).to(runtime.DEVICE)
-    extra = {"rope_theta": 1e7}
-    if tables:
-        cos, sin = reference.rope_cos_sin(torch.arange(262144, device=runtime.DEVICE), rot, 1e7)
-        extra = {"cos": cos.to(dtype), "sin": sin.to(dtype)}
-    got = qk_norm_rope(q, k, qw, kw, pos, rotary_dim=rot, **extra)
-    want = reference.qk_norm_rope(q, k, qw, kw, pos, rotary_dim=rot, **extra)
-    exact = reference.qk_norm_rope(q.float(), k.float(), qw, kw, pos, rotary_dim=rot,
-                                   **{n: t.float() if torch.is_tensor(t) else t for n, t in extra.items()})
-    for i, name in enumerate(("q_out", "k_out")):
-        assert_close(got[i], want[i], name, exact=exact[i])
+@pytest.mark.parametrize("case", check_cases("attention", "attention.qk_norm_rope"))
+def test_qk_norm_rope_matches_reference(case, poison_empty):
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous", "paged-interleaved"])

@@ -3,7 +3,9 @@ own Qwen3-Next functions, a whole Qwen3.5 linear-attention layer (prefill and de
 
 Kernel tests run under Triton's interpreter on the CPU (heads of 32, one or two value heads per sequence, so
 each case takes about a second) with every fresh allocation poisoned with NaN. On the GPU the chunked kernel feeds
-bf16 operands to ``tl.dot`` for bf16 inputs, so its bf16 tolerance there is looser (``_assert_output``).
+bf16 operands to ``tl.dot`` for bf16 inputs, so its bf16 tolerance there is looser (``_assert_output``). The sweeps of
+each kernel against the reference are the family's check matrix (lynn_kernels/deltanet/check.py, what ``lynn check``
+and the lab run).
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import oracle
+from conftest import assert_case_passes, check_cases, oracle
 
 from lynn_kernels import deltanet, runtime, use_reference
 from lynn_kernels.deltanet import reference, triton_chunk, triton_recurrent
-from lynn_kernels.deltanet.check import check_deltanet
 from lynn_kernels.metrics import compare
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -123,68 +124,17 @@ def test_gates_match_hf_formula():
 # ---------------------------------------------------------------------------------------------------------------
 # 2. the kernels against the references
 
-#: (T, H, HV, with initial state, use_qk_l2norm, dtype): awkward lengths, HV/H = 1 and 2, both ways of everything
-CHUNK_CASES = [
-    pytest.param(1, 1, 2, True, True, BF16, id="T1-gqa2-init-l2-bf16"),
-    pytest.param(63, 2, 2, False, True, FP32, id="T63-gqa1-l2-fp32"),
-    pytest.param(64, 1, 2, True, False, FP32, id="T64-gqa2-init-fp32"),
-    pytest.param(64, 2, 2, True, True, BF16, id="T64-gqa1-init-l2-bf16"),
-    pytest.param(65, 1, 2, False, False, BF16, id="T65-gqa2-bf16"),
-    pytest.param(65, 2, 2, True, True, FP32, id="T65-gqa1-init-l2-fp32"),
-    pytest.param(150, 1, 2, True, True, BF16, id="T150-gqa2-init-l2-bf16"),
-    pytest.param(150, 2, 2, False, False, FP32, id="T150-gqa1-fp32"),
-]
+
+@pytest.mark.parametrize("case", check_cases("deltanet", "deltanet.chunk"))
+def test_chunk_kernel(case, poison_empty):
+    """One sequence, or packed ones (each also run alone: the same bits under the interpreter)."""
+    assert_case_passes(case)
 
 
-@pytest.mark.parametrize("T, H, HV, init, l2norm, dtype", CHUNK_CASES)
-def test_chunk_kernel(T, H, HV, init, l2norm, dtype, poison_empty):
-    q, k, v, g, beta, h0 = make_inputs(1, T, H, HV, 32, 32, dtype, l2norm=l2norm)
-    h0 = h0 if init else None
-    o, ht = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                            use_qk_l2norm=l2norm)
-    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, l2norm)
-    assert o.dtype == dtype and o.shape == v.shape
-    _assert_output(o, o_ref, "chunk o", chunk_dots=True)
-    _assert_state(ht, ht_ref, "chunk", bf16_dots=dtype == BF16)
-
-
-#: (B, T, H, HV, with initial state, use_qk_l2norm, dtype)
-RECURRENT_CASES = [
-    pytest.param(1, 1, 1, 2, True, True, BF16, id="B1-T1-gqa2-init-l2-bf16"),
-    pytest.param(2, 1, 2, 2, True, False, FP32, id="B2-T1-gqa1-init-fp32"),
-    pytest.param(1, 2, 2, 2, False, True, FP32, id="B1-T2-gqa1-l2-fp32"),
-    pytest.param(1, 65, 1, 2, True, True, FP32, id="B1-T65-gqa2-init-l2-fp32"),
-    pytest.param(1, 65, 2, 2, False, False, BF16, id="B1-T65-gqa1-bf16"),
-]
-
-
-@pytest.mark.parametrize("B, T, H, HV, init, l2norm, dtype", RECURRENT_CASES)
-def test_recurrent_kernel(B, T, H, HV, init, l2norm, dtype, poison_empty):
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, 32, 32, dtype, l2norm=l2norm)
-    h0 = h0 if init else None
-    o, ht = deltanet.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                use_qk_l2norm=l2norm)
-    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, l2norm)
-    assert o.dtype == dtype and o.shape == v.shape
-    _assert_output(o, o_ref, "recurrent o")
-    _assert_state(ht, ht_ref, "recurrent")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_recurrent_gates_kernel(dtype, poison_empty, device):
-    """The decode step with ``g`` and ``beta`` computed in the kernel from the layer's raw ``a``, ``b``."""
-    q, k, v, _, _, h0 = make_inputs(2, 3, 1, 2, 32, 32, dtype)
-    gen = torch.Generator().manual_seed(5)
-    a = (torch.randn(2, 3, 2, generator=gen) * 8).to(dtype).to(device)          # softplus past 20 and far below 0
-    b = torch.randn(2, 3, 2, generator=gen).to(dtype).to(device)
-    A_log = torch.rand(2, generator=gen).to(device)
-    dt_bias = torch.randn(2, generator=gen).to(dtype).to(device)
-    o, ht = deltanet.recurrent_gated_delta_rule_gates(q, k, v, A_log, a, dt_bias, b, initial_state=h0,
-                                                      output_final_state=True, use_qk_l2norm=True)
-    g, beta = reference.gates(A_log, a, dt_bias, b)
-    o_ref, ht_ref = spec_output(q, k, v, g, beta, h0, True)
-    _assert_output(o, o_ref, "gates o")
-    _assert_state(ht, ht_ref, "gates")
+@pytest.mark.parametrize("case", check_cases("deltanet", "deltanet.recurrent"))
+def test_recurrent_kernel(case, poison_empty):
+    """With g and beta given, and with them computed in the kernel from the layer's raw a, b."""
+    assert_case_passes(case)
 
 
 def test_state_in_place(poison_empty):
@@ -315,31 +265,10 @@ def _assert_conv(y, want, what="", steps=1):
     assert bool(((y.float() - want.float()).abs() <= tol).all()), f"{what}: {compare(y, want.float())}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("state", ["none", "W-1", "W"])
-@pytest.mark.parametrize("T", [1, 2, 63, 130])
-@pytest.mark.parametrize("W", [2, 3, 4])
-def test_causal_conv1d(W, T, state, dtype, poison_empty):
-    width = {"none": None, "W-1": W - 1, "W": W}[state]
-    x, w, s0 = _conv_inputs(2, T, 40, W, dtype, width)
-    y, s1 = deltanet.causal_conv1d(x, w, s0)
-    y_ref, s1_ref = reference.causal_conv1d(x, w, s0)
-    assert y.dtype == dtype and s1.dtype == dtype and s1.shape == (2, 40, width or W - 1)
-    _assert_conv(y, y_ref, "y")
-    assert torch.equal(s1, s1_ref), "the final conv state is the raw last inputs, bit for bit"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", ["W-1", "W"])
-@pytest.mark.parametrize("W", [2, 4])
-def test_causal_conv1d_update(W, width, dtype, poison_empty):
-    x, w, state = _conv_inputs(3, 1, 40, W, dtype, W - 1 if width == "W-1" else W)
-    state_ref = state.clone()
-    y = deltanet.causal_conv1d_update(x[:, 0], state, w)
-    y_ref = reference.causal_conv1d_update(x[:, 0], state_ref, w)
-    _assert_conv(y, y_ref, "y")
-    assert torch.equal(state, state_ref)
-    assert torch.equal(state[:, :, -1], x[:, 0])
+@pytest.mark.parametrize("case", check_cases("deltanet", "deltanet.conv"))
+def test_causal_conv1d(case, poison_empty):
+    """The prefill (batched, or packed and each sequence alone), its final state bit for bit, an update step."""
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -377,19 +306,9 @@ def test_conv_matches_hf(dtype):
 # 4. gated RMSNorm
 
 
-@pytest.mark.parametrize("shape", [(3, 7, 128), (5, 48)], ids=["3x7x128", "5x48"])
-@pytest.mark.parametrize("w_dtype", DTYPES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_rmsnorm(dtype, w_dtype, shape, poison_empty, make_weight):
-    x, z = make_weight(shape, dtype, seed=1) * 3, make_weight(shape, dtype, seed=2)
-    w = (1 + make_weight(shape[-1:], FP32, seed=3, scale=0.2)).to(w_dtype)
-    y = deltanet.gated_rmsnorm(x, z, w)
-    want = reference.gated_rmsnorm(x, z, w)
-    assert y.dtype == dtype
-    if dtype == BF16:     # the same roundings in the same order: equal up to one bf16 step from rsqrt/sigmoid ulps
-        assert ((y.float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-6).all()
-    else:
-        assert compare(y, want).rel_l2 < 1e-6
+@pytest.mark.parametrize("case", check_cases("deltanet", "deltanet.gated_rmsnorm"))
+def test_gated_rmsnorm(case, poison_empty):
+    assert_case_passes(case)
 
 
 @pytest.mark.parametrize("lead", ["prefill", "decode"])
@@ -476,11 +395,6 @@ def test_qwen3_5_layer_matches_hf(device):
 # ---------------------------------------------------------------------------------------------------------------
 # 6. packed sequences (cu_seqlens): one prefill of several prompts, no padding
 
-#: Sequence lengths of a packed batch: chunk boundaries inside and across sequences, an empty sequence, one alone.
-PACKED_LENGTHS = [pytest.param([1, 63, 65, 130], id="1-63-65-130"), pytest.param([5, 0, 70], id="5-0-70"),
-                  pytest.param([100], id="single-100")]
-
-
 def _cu(lens, device=None):
     """int32 ``[N+1]`` offsets of sequences of these lengths."""
     offsets = [0]
@@ -500,51 +414,6 @@ def _packed_rule_inputs(lens, dtype, l2norm, H=2, HV=4, K=16, V=16, seed=0):
     q, k, v, g, beta, _ = make_inputs(1, sum(lens), H, HV, K, V, dtype, seed=seed, l2norm=l2norm)
     h0 = make_inputs(len(lens), 1, H, HV, K, V, seed=seed + 1)[5]
     return q, k, v, g, beta, h0, _cu(lens)
-
-
-def _run_alone(fn, lens, xs, h0, **kwargs):
-    """``fn`` on each sequence alone (B = 1 calls: ``xs`` sliced along T, state row ``n``); outputs concatenated
-    along T, final states stacked."""
-    outs, states = [], []
-    for n, a, b in _spans(lens):
-        o, s = fn(*(x[:, a:b] for x in xs), initial_state=None if h0 is None else h0[n:n + 1], **kwargs)
-        outs.append(o)
-        states.append(s)
-    return torch.cat(outs, dim=1), torch.cat(states)
-
-
-#: (lengths, H, HV, with initial states, use_qk_l2norm, dtype): the longest batch with the fewest heads (interpreter
-#: time grows with chunks x heads)
-PACKED_CHUNK_CASES = [
-    pytest.param([1, 63, 65, 130], 1, 2, True, True, BF16, id="1-63-65-130-gqa2-init-l2-bf16"),
-    pytest.param([1, 63, 65, 130], 1, 2, False, True, FP32, id="1-63-65-130-gqa2-l2-fp32"),
-    pytest.param([5, 0, 70], 2, 4, True, False, FP32, id="5-0-70-gqa2-init-fp32"),
-    pytest.param([5, 0, 70], 2, 2, False, True, BF16, id="5-0-70-gqa1-l2-bf16"),
-    pytest.param([100], 2, 4, True, True, FP32, id="single-100-gqa2-init-l2-fp32"),
-    pytest.param([100], 2, 4, False, False, BF16, id="single-100-gqa2-bf16"),
-]
-
-
-@pytest.mark.parametrize("lens, H, HV, init, l2norm, dtype", PACKED_CHUNK_CASES)
-def test_chunk_kernel_packed(lens, H, HV, init, l2norm, dtype, poison_empty):
-    """Packed sequences == the reference (each sequence on its own, chunks counted from its start) == the kernel run
-    on each sequence alone; every state row written, an empty sequence's included."""
-    q, k, v, g, beta, h0, cu = _packed_rule_inputs(lens, dtype, l2norm, H=H, HV=HV)
-    h0 = h0 if init else None
-    o, ht = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                            use_qk_l2norm=l2norm, cu_seqlens=cu)
-    assert o.dtype == dtype and o.shape == v.shape and ht.shape == (len(lens), HV, 16, 16)
-    o_ref, ht_ref = reference.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, h0, True,
-                                                     l2norm, cu_seqlens=cu)
-    _assert_output(o, o_ref, "packed o", chunk_dots=True)
-    _assert_state(ht, ht_ref, "packed", bf16_dots=dtype == BF16)
-    o_alone, ht_alone = _run_alone(deltanet.chunk_gated_delta_rule, lens, (q, k, v, g, beta), h0,
-                                   output_final_state=True, use_qk_l2norm=l2norm)
-    if runtime.INTERPRET:       # the same programs on the same chunks: the same bits
-        assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)
-    else:                       # both within the bounds of the fp32 answer (a bf16 o_alone is no baseline)
-        _assert_output(o_alone, o_ref, "o alone", chunk_dots=True)
-        _assert_state(ht_alone, ht_ref, "state alone", bf16_dots=dtype == BF16)
 
 
 def test_chunk_packed_state_in_place(poison_empty):
@@ -567,31 +436,6 @@ def test_chunk_packed_all_empty():
     assert o.shape == (1, 0, 4, 16) and torch.equal(s, h0)
     _, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
     assert s.shape == (2, 4, 16, 16) and not s.any()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("state", ["none", "W-1", "W"])
-@pytest.mark.parametrize("lens", PACKED_LENGTHS + [pytest.param([2], id="single-2")])
-def test_causal_conv1d_packed(lens, state, dtype, poison_empty):
-    """Each packed sequence convolved on its own (no window crosses a boundary); the final state rows are the raw
-    last inputs of each sequence, from its initial state where it is shorter than the state (single-2, 5-0-70)."""
-    W, C = 4, 40
-    width = {"none": None, "W-1": W - 1, "W": W}[state]
-    x, w, _ = _conv_inputs(1, sum(lens), C, W, dtype, None)
-    s0 = None if width is None else _conv_inputs(len(lens), 1, C, W, dtype, width, seed=1)[2]
-    cu = _cu(lens)
-    y, s1 = deltanet.causal_conv1d(x, w, s0, cu_seqlens=cu)
-    y_ref, s1_ref = reference.causal_conv1d(x, w, s0, cu_seqlens=cu)
-    assert y.shape == x.shape and s1.shape == (len(lens), C, width or W - 1) and s1.dtype == dtype
-    _assert_conv(y, y_ref, "y")
-    assert torch.equal(s1, s1_ref), "the final conv state is the raw last inputs, bit for bit"
-    y_alone, s1_alone = _run_alone(lambda x_n, initial_state: deltanet.causal_conv1d(x_n, w, initial_state), lens,
-                                   (x,), s0)
-    if runtime.INTERPRET:       # the same sums in the same order
-        assert torch.equal(y, y_alone)
-    else:
-        _assert_conv(y, y_alone, "y vs alone")
-    assert torch.equal(s1, s1_alone)
 
 
 def test_packed_prefill_then_batched_decode(poison_empty, device):
@@ -803,12 +647,7 @@ def test_gated_rmsnorm_needs_positive_eps(fn, device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. the check table and GPU-only checks
-
-
-def test_check_deltanet_passes():
-    rows = check_deltanet()
-    assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+# 8. GPU-only checks
 
 
 @pytest.mark.gpu

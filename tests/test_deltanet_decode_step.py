@@ -1,6 +1,7 @@
 """The fused Gated DeltaNet decode step (``deltanet.gated_delta_decode``: conv update, gates, delta rule, gated
 norm in one kernel) against its reference and against the three-kernel chain it replaces, on awkward shapes, over
-consecutive steps, with strided views of fused projections; and its errors.
+consecutive steps, with strided views of fused projections; and its errors. The sweep against the reference is the
+family's check matrix (lynn_kernels/deltanet/check.py: ``STEP_SHAPES``).
 
 Under the interpreter the fused kernel gives the chain's bits (output, recurrent state and conv state). On the GPU
 its reductions run over a wider tile than the recurrent kernel's, so the output and state are compared with the
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_case_passes, check_cases
 
 from lynn_kernels import deltanet, runtime, use_reference
 from lynn_kernels.metrics import bit_mismatches, compare
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16 = torch.bfloat16
 DEV = runtime.DEVICE
 
 
@@ -57,41 +59,29 @@ def _chain(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_we
     return deltanet.gated_rmsnorm(o[:, 0], z, norm_weight, eps)
 
 
-CASES = [
-    pytest.param(1, 2, 2, 32, 32, 4, 3, id="group1"),
-    pytest.param(2, 2, 4, 32, 48, 4, 3, id="group2-V48"),
-    pytest.param(3, 1, 4, 24, 40, 4, 4, id="group4-K24-V40-S4"),     # HF keeps S = W
-    pytest.param(2, 2, 6, 16, 16, 2, 1, id="group3-W2"),
-]
+@pytest.mark.parametrize("case", check_cases("deltanet", "deltanet.decode step"))
+def test_decode_step_matches_reference(case, poison_empty):
+    """Two consecutive steps (the states carried), with the gates given or projected in the kernel: the outputs and
+    the recurrent state close to the reference's, the conv state bit-exact."""
+    assert_case_passes(case)
 
 
-@pytest.mark.parametrize("B, H, HV, K, V, W, S", CASES)
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16"),
-                                   pytest.param(FP32, id="fp32")])
-def test_decode_step_matches_reference_and_chain(B, H, HV, K, V, W, S, dtype, poison_empty):
-    """Two consecutive steps (the states carried): the output close to the reference's and the chain's (the same
-    bits under the interpreter), the recurrent state too, the conv state bit-exact."""
-    inp = _layer(B, H, HV, K, V, W, S, dtype, seed=B * 7 + HV)
-    fused, ref, chain = _clone(inp), _clone(inp), _clone(inp)
+def test_decode_step_gives_the_chains_bits(poison_empty):
+    """Two consecutive steps on odd head dims, a group of 3 value heads and a conv of width 2: the chain's output and
+    recurrent state (its bits under the interpreter), its conv state bit for bit."""
+    inp = _layer(3, 1, 3, 24, 40, W=2, S=1, seed=21)
+    fused, chain = _clone(inp), _clone(inp)
     for step in range(2):
         if step:                                     # a new token's projections, the states as they are
-            new = _layer(B, H, HV, K, V, W, S, dtype, seed=100 + step)
-            for d in (fused, ref, chain):
+            new = _layer(3, 1, 3, 24, 40, W=2, S=1, seed=22)
+            for d in (fused, chain):
                 d.update(qkv=new["qkv"], z=new["z"], a=new["a"], b=new["b"])
-        got = deltanet.gated_delta_decode(**fused)
-        want = deltanet.reference.gated_delta_decode(**ref)
-        via = _chain(**chain)
-        assert got.shape == (B, HV, V) and got.dtype == dtype
-        m = compare(got, want)
-        assert m.cosine > 0.999 and m.rel_l2 < (2e-2 if dtype != FP32 else 1e-5), (step, m)
-        assert bit_mismatches(fused["conv_state"], ref["conv_state"]) == 0
-        assert compare(fused["state"], ref["state"]).rel_l2 < 1e-5
+        got, via = deltanet.gated_delta_decode(**fused), _chain(**chain)
         if runtime.INTERPRET:
-            assert bit_mismatches(got, via) == 0, step
-            assert bit_mismatches(fused["state"], chain["state"]) == 0
+            assert bit_mismatches(got, via) == 0 and bit_mismatches(fused["state"], chain["state"]) == 0, step
         else:
-            assert compare(got, via).rel_l2 < (1e-2 if dtype != FP32 else 1e-5)
-            assert compare(fused["state"], chain["state"]).rel_l2 < 1e-5
+            assert compare(got, via).rel_l2 < 1e-2 and compare(fused["state"], chain["state"]).rel_l2 < 1e-5, step
+        assert bit_mismatches(fused["conv_state"], chain["conv_state"]) == 0
 
 
 def test_decode_step_takes_views_of_fused_projections(poison_empty):
@@ -117,41 +107,6 @@ def test_decode_step_gates_keep_their_own_dtypes(poison_empty):
     assert compare(got, want).rel_l2 < 2e-2
     if runtime.INTERPRET:
         assert bit_mismatches(got, via) == 0 and bit_mismatches(fused["state"], chain["state"]) == 0
-
-
-@pytest.mark.parametrize("B, H, HV, K, V, HD", [
-    pytest.param(1, 2, 4, 32, 32, 96, id="HD96"),
-    pytest.param(3, 1, 3, 24, 40, 1100, id="HD1100-chunks-masked"),
-])
-@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
-def test_decode_step_projects_its_gates(B, H, HV, K, V, HD, dtype, poison_empty):
-    """``x`` with ``a_weight`` / ``b_weight`` instead of ``a`` / ``b`` (the decoder's float gate weights, as
-    strided views of the fused ``in_proj_ba``): the kernel's two dot products per head give the reference's
-    ``F.linear`` gates, so the output, state and conv state of two steps match the op given those gates."""
-    import torch.nn.functional as F
-
-    gen = torch.Generator().manual_seed(HD)
-    inp = _layer(B, H, HV, K, V, dtype=dtype, seed=HD)
-    w_ba = (torch.randn(2 * HV, HD, generator=gen) * HD ** -0.5).to(dtype).to(DEV)
-    b_w, a_w = w_ba[:HV], w_ba[HV:]
-    proj, ref, given = _clone(inp), _clone(inp), _clone(inp)
-    for step in range(2):
-        x = torch.randn(B, HD, generator=gen).to(dtype).to(DEV)
-        if step:
-            new = _layer(B, H, HV, K, V, dtype=dtype, seed=300 + step)
-            for d in (proj, ref, given):
-                d.update(qkv=new["qkv"], z=new["z"])
-        for d in (proj, ref):
-            d.update(a=None, b=None)
-        given.update(a=F.linear(x, a_w), b=F.linear(x, b_w))
-        got = deltanet.gated_delta_decode(**proj, x=x, a_weight=a_w, b_weight=b_w)
-        want = deltanet.reference.gated_delta_decode(**ref, x=x, a_weight=a_w, b_weight=b_w)
-        via = deltanet.gated_delta_decode(**given)
-        tol = 2e-2 if dtype != FP32 else 1e-5
-        assert compare(got, want).rel_l2 < tol and compare(got, via).rel_l2 < tol, step
-        assert bit_mismatches(proj["conv_state"], ref["conv_state"]) == 0
-        assert compare(proj["state"], ref["state"]).rel_l2 < 1e-5
-        assert compare(proj["state"], given["state"]).rel_l2 < (1e-3 if dtype != FP32 else 1e-5)
 
 
 def test_decode_step_ticket_limit_is_named(monkeypatch):
