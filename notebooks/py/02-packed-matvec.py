@@ -1138,13 +1138,14 @@ print(render_table(verdict))
 # %% [markdown]
 # ## 5. Validation table
 #
-# `lynn check matmul` runs the three entry points on awkward shapes (M = 1, 2, 3, 17, 129; K = 208, 400, 1040,
-# 2064; bf16, fp16 and fp32; with bias) against the reference, each on the checkpoint layout and on the packed one
-# of section 4 (the `packed` rows), and up to M = 16 the packed layout's two decode kernels on their own (the
-# `gemv packed` rows), and at M = 1 and 2 `norm_linear`, the RMSNorm run inside the packed GEMV's launch (its product
-# against the reference product of its own normed rows, the normed rows within one rounding of the norm's
-# reference, the residual sum exact). Its random data puts its error figures at round-off level, where an fp16 or bf16 output can
-# flip by one unit in the last place on another machine, so its table is shown but not checked; the pass count is:
+# `lynn check matmul` runs the three entry points on the awkward shapes the tests sweep (M = 1, 2, 3, 9, 16, 17,
+# 129; K = 16 to 2064; bf16, fp16 and fp32; with and without bias) against the reference, each on the checkpoint layout
+# and on the packed one of section 4 (the `packed` rows), and up to M = 16 the packed layout's two decode kernels on
+# their own (the `gemv packed` rows), and at M = 1 and 2 `norm_linear`, the RMSNorm run inside the packed GEMV's launch
+# (its product against the reference product of its own normed rows, the normed rows within one rounding of the norm's
+# reference, the residual sum exact). Its random data puts its error figures at round-off level, where an fp16 or bf16
+# output can flip by one unit in the last place on another machine, so its table is shown but not checked; the pass
+# count is:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

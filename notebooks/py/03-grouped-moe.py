@@ -720,11 +720,11 @@ print(f"\n{sum(r['passed'] for r in val_rows)}/{len(val_rows)} passed")
 # `err_ratio` below 0.5: the kernels are about twice as accurate as a bf16 model, because they keep fp32 from the
 # weight decode to the output and round only `h` and the result.
 #
-# `lynn check moe` runs its own small cases (routing and align exactly, both expert paths, the block, and since
-# then the packed block with its norm in the router's launch, `norm_moe_block`) with the same helper; on the H200
-# it passed 11/11 compiled when it had 11 rows (`docs/reliability.md`, GPU test runs). Its `err_ratio` divides by
-# the error of the exact answer rounded once to bf16 (the best a bf16 output can be), hence about 1.3 rather than
-# 0.4. Here, under this machine's backend:
+# `lynn check moe` runs the small, awkward cases the tests sweep (routing and align exactly, both expert paths, the
+# block, and since then the packed block with its norm in the router's launch, `norm_moe_block`) with the same helper;
+# on the H200 it passed 11/11 compiled when it had 11 rows (`docs/reliability.md`, GPU test runs). Its `err_ratio`
+# divides by the error of the exact answer rounded once to bf16 (the best a bf16 output can be), hence about 1.3 rather
+# than 0.4. Here, under this machine's backend:
 
 # %%
 from lynn_kernels import check
