@@ -329,12 +329,15 @@ def read_headers(folder: Path) -> list[Entry]:
     return entries
 
 
-def read_config(raw: dict, path: Path) -> Config:
-    """:meth:`Config.from_hf` of the parsed ``config.json`` at ``path``, its errors naming the file."""
+def read_config(raw: dict, path: Path, entries: list[Entry] | None = None) -> Config:
+    """:meth:`Config.from_hf` of the parsed ``config.json`` at ``path``, its errors naming the file; with the
+    checkpoint's ``entries``, ``mtp_layers`` as the files hold them (:func:`mtp_layers_in`)."""
     try:
-        return Config.from_hf(raw, name=path.parent.name)
+        config = Config.from_hf(raw, name=path.parent.name)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+    n_mtp = mtp_layers_in(entries) if entries is not None else 0
+    return config.replace(mtp_layers=n_mtp) if n_mtp else config
 
 
 def check_counts(raw: dict, entries: list[Entry], where: Path) -> None:

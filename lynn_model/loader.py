@@ -30,7 +30,6 @@ from .checkpoint import (
     QuantConfig,
     Target,
     check_counts,
-    mtp_layers_in,
     plan,
     read_config,
     read_headers,
@@ -270,9 +269,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     raw = read_json(cfg_path)
     entries = read_headers(folder)
     check_counts(raw, entries, cfg_path)
-    config = read_config(raw, cfg_path)
-    if n_mtp := mtp_layers_in(entries):
-        config = config.replace(mtp_layers=n_mtp)
+    config = read_config(raw, cfg_path, entries)
     quant = QuantConfig.read(folder, raw)
     mods, packed = plan(config, entries, quant)
     if dtype is None:

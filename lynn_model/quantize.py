@@ -667,7 +667,7 @@ def _check_loadable(src: Path, raw: dict, entries: list) -> None:
     """Refuse, before anything is written, a SRC that ``lynn_model.from_pretrained`` would refuse (its config
     and its headers' ``entries``; no data is read)."""
     checkpoint.check_counts(raw, entries, src / "config.json")
-    checkpoint.plan(checkpoint.read_config(raw, src / "config.json"), entries, checkpoint.QuantConfig())
+    checkpoint.plan(checkpoint.read_config(raw, src / "config.json", entries), entries, checkpoint.QuantConfig())
 
 
 def format_summary(summary: dict) -> str:

@@ -25,6 +25,7 @@ from lynn_cli import main
 from lynn_kernels import nvfp4, runtime
 from lynn_kernels.metrics import bit_mismatches
 from lynn_kernels.nvfp4 import NVFP4Tensor
+from lynn_model import Config, checkpoint
 from lynn_model import quantize as lq
 from lynn_model.quantize import quantize_checkpoint
 
@@ -116,10 +117,12 @@ def _packed_copy(src: Path, dst: Path) -> Path:
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
     g = torch.Generator().manual_seed(1)
-    mtp = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,), "mtp.pre_fc_norm_embedding.weight": (64,),
-           "mtp.layers.0.self_attn.q_proj.weight": (256, 64), "mtp.layers.0.self_attn.o_proj.weight": (64, 128),
-           "mtp.layers.0.mlp.experts.gate_up_proj": (8, 64, 64), "mtp.layers.0.mlp.experts.down_proj": (8, 64, 32),
-           "mtp.layers.0.mlp.gate.weight": (8, 64)}
+    config = Config.from_pretrained(src).replace(mtp_layers=1)
+    mtp = {name + ".weight": t.shape for name, t in checkpoint.targets(config).items() if name.startswith("mtp.")}
+    x = "mtp.layers.0.mlp.experts."           # packed, as the releases store them
+    mtp = {k: v for k, v in mtp.items() if not k.startswith(x)}
+    e, n, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    mtp.update({x + "gate_up_proj": (e, 2 * n, h), x + "down_proj": (e, h, n)})
     for name, shape in mtp.items():
         out[name] = (torch.randn(shape, generator=g) * 0.02).to(BF16)
     dst.mkdir()
