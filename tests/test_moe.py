@@ -29,6 +29,7 @@ from conftest import assert_case_passes, check_cases
 from lynn_kernels import runtime, use_reference
 from lynn_kernels.metrics import bit_mismatches, compare
 from lynn_kernels.moe import SharedExpert, fuse_w13, moe_block, moe_experts, reference, route, stack_w13, triton_experts
+from lynn_kernels.moe import check as moe_check
 from lynn_kernels.moe.triton_experts import (
     block_m_for,
     launch_moe_experts,
@@ -61,17 +62,8 @@ def _experts(E, H, inter, seed=0, per_expert=True):
 
 
 def _routing(M, top_k, E, seed=0, experts=None):
-    """fp32 weights (rows sum to 1) and int32 ids: ``top_k`` distinct experts per token, or drawn from the list
-    ``experts`` with repetition (to leave experts without tokens, or to pile every token onto one)."""
-    g = _gen(seed)
-    if experts is None:
-        ids = torch.rand(M, E, generator=g).argsort(dim=-1)[:, :top_k]
-    else:
-        pool = torch.tensor(experts)
-        ids = pool[torch.randint(0, len(pool), (M, top_k), generator=g)]
-    weights = torch.rand(M, top_k, generator=g) + 0.1
-    weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(DEV), ids.to(torch.int32).to(DEV)
+    """The check's routing (:func:`lynn_kernels.moe.check.routing`) from a seed."""
+    return moe_check.routing(M, top_k, E, _gen(seed), experts)
 
 
 def _x(M, H, dtype, seed=0):

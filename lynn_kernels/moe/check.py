@@ -142,7 +142,7 @@ def _shared(kind: str | None, H: int, Is: int, gen: torch.Generator, dtype=FP32,
     return SharedExpert(s13, s2, _randn((1, H), gen, 0.1, gate_dtype))
 
 
-def _routing(M: int, top_k: int, E: int, gen: torch.Generator, experts=None):
+def routing(M: int, top_k: int, E: int, gen: torch.Generator, experts=None):
     """fp32 weights (rows sum to 1) and int32 ids: ``top_k`` distinct experts per token, or drawn from ``experts``
     with repetition (to leave experts without tokens, or to pile every token onto one)."""
     if experts is None:
@@ -258,7 +258,7 @@ def _experts(case: str, M, k, E, H, I, scales, experts, dtype) -> list[dict]:
 
     gen = _gen(case)
     w13, w2 = _experts_weights(E, H, I, gen, scales)
-    weights, ids = _routing(M, k, E, gen, experts)
+    weights, ids = routing(M, k, E, gen, experts)
     x = _randn((M, H), gen, dtype=dtype)
     return [_experts_row(case, moe_experts(x, weights, ids, w13, w2), x, weights, ids, w13, w2)]
 
@@ -269,7 +269,7 @@ def _float_experts(case: str, M, k, E, H, I, experts, dtype) -> list[dict]:
 
     gen = _gen(case)
     w13, w2 = _float_weights(E, H, I, dtype, gen)
-    weights, ids = _routing(M, k, E, gen, experts)
+    weights, ids = routing(M, k, E, gen, experts)
     x = _randn((M, H), gen, dtype=dtype)
     return [_experts_row(case, moe_experts(x, weights, ids, w13, w2), x, weights, ids, w13, w2)]
 
@@ -283,7 +283,7 @@ def _packed_experts(case: str, M, k, E, H, I, scales, experts, odd, dtype) -> li
     if odd:
         w13, w2 = _odd_blocks(w13, gen), _odd_blocks(w2, gen)
     p13, p2, _ = pack_experts(w13, w2)
-    weights, ids = _routing(M, k, E, gen, experts)
+    weights, ids = routing(M, k, E, gen, experts)
     x = _randn((M, H), gen, dtype=dtype)
     return [_experts_row(case, moe_experts(x, weights, ids, p13, p2), x, weights, ids, w13, w2)]
 
@@ -419,4 +419,4 @@ def check_moe() -> list[dict]:
     return list(iter_rows())
 
 
-__all__ = ["check_moe", "cases", "ROUTES", "ALIGNS", "EXPERTS", "FLOAT_EXPERTS", "PACKED_EXPERTS", "BLOCKS"]
+__all__ = ["check_moe", "cases", "routing", "ROUTES", "ALIGNS", "EXPERTS", "FLOAT_EXPERTS", "PACKED_EXPERTS", "BLOCKS"]
