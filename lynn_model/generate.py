@@ -283,10 +283,17 @@ def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stre
         return int(t) not in stops
 
     picks = list(live)                        # sequences that stopped at their first token take no round
-    hid_rows = torch.split(hidden, [len(o) - 1 for o in out])
+    prompt_lens = [len(o) - 1 for o in out]
+    hid_rows = torch.split(hidden, prompt_lens)
+
+    def check_finite(rows: list[int], flags: list[int]) -> None:
+        bad = next((picks[i] for i, f in zip(rows, flags) if not f), None)
+        if bad is not None:                   # as plain decoding words it, at the first token the round would emit
+            _check_finite([picks[i] for i in rows], flags, n, f"new token {len(out[bad]) - prompt_lens[bad] + 1}")
+
     speculative_decode(model, cache, [slots[b] for b in picks], [out[b] for b in picks], [first[b] for b in picks],
                        torch.cat([hid_rows[b] for b in picks]), k, budget, stops,
-                       lambda i, t: emit(picks[i], t), stats, setting)
+                       lambda i, t: emit(picks[i], t), stats, setting, check_finite=check_finite)
 
 
 def _check_finite(rows, finite: list[int], batch: int, where: str) -> None:

@@ -89,11 +89,13 @@ class MTPDrafter:
 
 def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[list[int]], first: list[int],
                        hidden: torch.Tensor, k: int, budget: int, stops: set, emit: Callable, stats,
-                       setting: Sampling | None = None, drafter=None) -> None:
+                       setting: Sampling | None = None, drafter=None, check_finite: Callable | None = None) -> None:
     """Continue sequences ``slots`` (``out[b]``: prompt and first token; ``hidden``: the prefill's rows) by
     speculative rounds until each stops or has ``budget`` more tokens. ``emit(b, token)`` takes each new token in
     order and returns whether sequence ``b`` goes on. ``setting``: the requests' sampling (None: greedy).
-    ``drafter``: :class:`MTPDrafter` by default (tests pass one that proposes chosen tokens)."""
+    ``drafter``: :class:`MTPDrafter` by default (tests pass one that proposes chosen tokens). ``check_finite(live,
+    flags)`` sees, before a round emits anything, whether the logits of each live sequence's rows it would emit from
+    are finite (1) or not (0), and may raise."""
     dev = model.device
     pick = Picker(setting, dev, model.config.vocab_size)
     drafter = drafter or MTPDrafter(model, k, pick)
@@ -107,13 +109,20 @@ def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[l
         tokens = torch.tensor([t for b in live for t in [pending[b], *drafts[b]]], dtype=torch.long, device=dev)
         logits, h = model.step(tokens, cache, run, [k + 1] * len(run), all_logits=True, unroll=True, hidden=True)
         counter = [p + j + 1 for p in starts for j in range(k + 1)]     # row j predicts the token of index L + j + 1
-        want = pick(logits, counter).view(len(run), k + 1).tolist()
+        # one host read: the picks and, as plain decoding checks them, whether each row's logits are finite
+        want, finite = torch.stack([pick(logits, counter), torch.isfinite(logits.amax(-1)).long()]).view(
+            2, len(run), k + 1).tolist()
         h = h.view(len(run), k + 1, -1)
-        keep, accepted, rows, still = [], [], [], []
+        took = []
         for i, b in enumerate(live):
             a = 0
             while a < k and drafts[b][a] == want[i][a]:
                 a += 1
+            took.append(a)
+        if check_finite is not None:
+            check_finite(live, [int(all(finite[i][:a + 1])) for i, a in enumerate(took)])
+        keep, accepted, rows, still = [], [], [], []
+        for i, (b, a) in enumerate(zip(live, took)):
             stats.drafted += k
             stats.accepted += a
             new = [*drafts[b][:a], want[i][a]]

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lynn_kernels
 import lynn_model
 from lynn_kernels import dequantize
 from lynn_kernels.matmul import PackedNVFP4
@@ -155,6 +156,25 @@ def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain
     assert 0 < stats.accepted < stats.drafted
     assert stats.verify_steps < 6                     # fewer steps than plain decoding's
     assert 1 < stats.acceptance_length <= k + 1
+
+
+def test_non_finite_logits_stop_speculative_decoding(model):
+    """The final norm damaged once the first token is out: the verify's logits are NaN, and the run stops with
+    plain decoding's NonFiniteError naming the token, before emitting anything from them (reference path)."""
+    norm, seen = model.norm.weight.clone(), []
+
+    def damage(tokens):
+        seen.append(tokens.tolist())
+        model.norm.weight.fill_(float("nan"))
+
+    try:
+        with lynn_kernels.use_reference(), pytest.raises(lynn_model.NonFiniteError,
+                                                          match=r"^the logits are not finite \(NaN or inf\) at new "
+                                                                r"token 2: "):
+            generate(model, [[1, 2, 3]], 5, mtp=2, stream=damage)
+    finally:
+        model.norm.weight.copy_(norm)
+    assert len(seen) == 1
 
 
 def test_mtp_arguments_are_checked(model):
