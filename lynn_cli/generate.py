@@ -46,7 +46,12 @@ def add(sub):
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence tokens")
     p.add_argument("--mtp", type=integer(0, 3), default=0, metavar="K",
                    help="speculative decoding: K drafts (1-3) of the checkpoint's MTP module per step, verified in one "
-                        "step of the model: the same tokens as without it, greedy or seeded (default 0: off)")
+                        "step of the model (default 0: off)")
+    p.add_argument("--mtp-rule", choices=("coupled", "rejection"), default="coupled",
+                   help="how a draft is accepted: coupled (default) keeps a draft when it is the token plain decoding "
+                        "picks there, so the text is the same as without --mtp, greedy or seeded; rejection is the "
+                        "speculative sampling test, each token distributed as plain sampling's (the same text when "
+                        "greedy)")
     p.add_argument("--unfused", action="store_true",
                    help="keep each mixer's input projections as separate GEMVs and the Gated DeltaNet decode step as "
                         "three kernels (on a GPU the compiled kernels fuse them by default: attention q|k|v, Gated "
@@ -184,7 +189,8 @@ def run(args) -> int:
         with lynn_kernels.use_reference(reference):
             lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k or None, top_p=args.top_p, seed=seed, stop_ids=stops,
-                                stream=stream, stats=stats, max_tokens=args.max_tokens, mtp=args.mtp)
+                                stream=stream, stats=stats, max_tokens=args.max_tokens, mtp=args.mtp,
+                                mtp_rule=args.mtp_rule)
     except (ValueError, lynn_model.CacheFull) as err:
         if echoed and not args.chat:
             out.write("\n")
@@ -197,7 +203,7 @@ def run(args) -> int:
         print(f"note: {note}", file=sys.stderr)
     decode = f"CUDA graph, captured in {stats.capture_s:.1f} s" if stats.cuda_graph else "eager steps"
     if args.mtp:
-        decode += (f"; {args.mtp} MTP drafts a step, {stats.accepted} of {stats.drafted} accepted, "
+        decode += (f"; {args.mtp} MTP drafts a step ({args.mtp_rule}), {stats.accepted} of {stats.drafted} accepted, "
                    f"{stats.acceptance_length:.2f} tokens per verify step")
     weights = sum(t.nbytes for t in _weights(model))
     print(f"[loaded in {load_s:.1f} s; prompt {stats.prompt_tokens} tokens at {stats.prefill_tok_s:,.1f} tok/s; "

@@ -26,6 +26,7 @@ from .cache import CacheFull
 from .graphs import DecodeStep, bucket_for
 from .model import Model
 from .sampling import Sampling, SamplingParams, _is_int, check_sampling_args, sample_rows
+from .speculative import RULES, speculative_decode
 
 
 @dataclass
@@ -73,7 +74,7 @@ class NonFiniteError(ValueError):
 
 
 def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, seed=None,
-                        max_tokens=None, mtp=0) -> None:
+                        max_tokens=None, mtp=0, mtp_rule="coupled") -> None:
     """Raise a ValueError naming the first bad argument of :func:`generate`, what it expects and what it got; needs
     no model, so it runs before the model is touched.
 
@@ -87,11 +88,12 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     check_sampling_args(temperature, top_k, top_p, seed)
     if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
         raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per step; 0: off)")
+    if mtp_rule not in RULES:
+        raise ValueError(f"mtp_rule = {mtp_rule!r}: expected one of {', '.join(map(repr, RULES))}")
 
 
 #: The most drafts :func:`generate` takes per speculative step (``mtp``).
 MAX_DRAFTS = 3
-
 
 def _prompts(input_ids) -> list[list[int]]:
     """``input_ids`` as lists of ints, checked: int64 ``[B, T]``, or ``B`` non-empty sequences of ints."""
@@ -121,7 +123,8 @@ def _prompts(input_ids) -> list[list[int]]:
 def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
              stream: Callable[[torch.Tensor], None] | None = None, stats: Stats | None = None,
-             max_tokens: int | None = None, cuda_graph: bool | None = None, mtp: int = 0) -> torch.Tensor:
+             max_tokens: int | None = None, cuda_graph: bool | None = None, mtp: int = 0,
+             mtp_rule: str = "coupled") -> torch.Tensor:
     """Continue ``B`` prompts by up to ``max_new_tokens`` tokens each.
 
     One packed prefill of the prompts, then decode steps of the whole batch through a :class:`DecodeStep`: on a GPU
@@ -149,7 +152,10 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
             needs, never more (default: no ceiling).
         cuda_graph: capture the decode step (default: on a GPU with the compiled kernels); False runs it eagerly.
         mtp: speculative decoding with ``mtp`` drafts (1-3) of the checkpoint's MTP module per step
-            (:mod:`lynn_model.speculative`): eager steps, the same tokens as without it (greedy or seeded); 0: off.
+            (:mod:`lynn_model.speculative`), eager steps; 0: off.
+        mtp_rule: how a draft is accepted. ``"coupled"``: the same tokens as without ``mtp``, greedy or seeded.
+            ``"rejection"``: the speculative sampling test, each token distributed as plain sampling's but not the
+            same draws (greedy: the same tokens under both).
 
     Returns:
         int64 ``[B, T + n]`` with ``n <= max_new_tokens`` the steps run (fewer when every sequence stopped); rows of
@@ -163,7 +169,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         CacheFull: ``max_tokens`` cannot hold the prompts and the new tokens.
     """
     check_generate_args(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        max_tokens=max_tokens, mtp=mtp)
+                        max_tokens=max_tokens, mtp=mtp, mtp_rule=mtp_rule)
     if mtp and model.mtp is None:
         raise ValueError(f"mtp = {mtp}: {model.config.name or model.config.family} has no MTP module (its checkpoint "
                          f"holds no mtp.* tensors)")
@@ -233,7 +239,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         if mtp and live and max_new_tokens > 1:
             t0 = time.perf_counter()
             _speculative(model, cache, slots, out, first, hidden, mtp, max_new_tokens - 1, stops, stream, stats, live,
-                         setting)
+                         setting, mtp_rule)
             _sync(dev)
             stats.decode_s = time.perf_counter() - t0
             return _pack(out)
@@ -266,11 +272,10 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     return _pack(out)
 
 
-def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stream, stats, live, setting) -> None:
+def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stream, stats, live, setting,
+                 rule) -> None:
     """:func:`generate`'s decode phase by speculative rounds (:func:`lynn_model.speculative.speculative_decode`):
     ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the others)."""
-    from .speculative import speculative_decode
-
     n = len(out)
 
     def emit(b: int, t: int) -> bool:
@@ -292,8 +297,8 @@ def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stre
             _check_finite([picks[i] for i in rows], flags, n, f"new token {len(out[bad]) - prompt_lens[bad] + 1}")
 
     speculative_decode(model, cache, [slots[b] for b in picks], [out[b] for b in picks], [first[b] for b in picks],
-                       torch.cat([hid_rows[b] for b in picks]), k, budget, stops,
-                       lambda i, t: emit(picks[i], t), stats, setting, check_finite=check_finite)
+                       torch.cat([hid_rows[b] for b in picks]), k, budget, lambda i, t: emit(picks[i], t), stats,
+                       [setting] * len(picks), rule, check_finite=check_finite)
 
 
 def _check_finite(rows, finite: list[int], batch: int, where: str) -> None:

@@ -194,22 +194,38 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, counter: torch.Ten
     best = x.argmax(-1)                                 # greedy rows; the first maximum: ties to the lowest id
     if params.greedy:
         return best
-    t = params.temperature.clamp_min(1e-6)[:, None]
-    if params.candidates is None:                       # no filter: every token is a candidate
-        ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
-        z = x / t
-    else:
-        vals, ids = x.topk(params.candidates, dim=-1)   # sorted, best first
-        z = vals / t
-        rank = torch.arange(params.candidates, device=x.device)[None, :]
-        k = params.top_k[:, None]
-        kth = vals.gather(-1, (k - 1).clamp(0, params.candidates - 1))     # ties with the k-th value stay, as HF
-        z = z.masked_fill((k > 0) & (vals < kth), float("-inf"))
-        p = z.softmax(-1)
-        before = p.cumsum(-1) - p                       # probability of the better tokens
-        drop = (before >= params.top_p[:, None]) & (rank > 0)
-        z = z.masked_fill(drop, float("-inf"))
+    z, ids = _candidates(x, params)
     g = -torch.log(-torch.log(uniform(params.seed, counter, ids)))
     choice = (z + g).argmax(-1, keepdim=True)
     drawn = ids.gather(-1, choice)[:, 0]
     return torch.where(params.temperature == 0, best, drawn)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 ``[B, vocab]``: the distribution :func:`sample_rows` draws each row's token from (its temperature and
+    filters applied; a greedy row's is all on its argmax)."""
+    x = logits.float()
+    p = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    if params.greedy:
+        return p
+    z, ids = _candidates(x, params)
+    drawn = torch.zeros_like(x).scatter_(1, ids, z.softmax(-1))
+    return torch.where((params.temperature == 0)[:, None], p, drawn)
+
+
+def _candidates(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, ids)``: each row's candidate tokens ``ids`` and their logits over the temperature ``z``, ``-inf``
+    where top-k or top-p drops one."""
+    t = params.temperature.clamp_min(1e-6)[:, None]
+    if params.candidates is None:                       # no filter: every token is a candidate
+        return x / t, torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    vals, ids = x.topk(params.candidates, dim=-1)       # sorted, best first
+    z = vals / t
+    rank = torch.arange(params.candidates, device=x.device)[None, :]
+    k = params.top_k[:, None]
+    kth = vals.gather(-1, (k - 1).clamp(0, params.candidates - 1))         # ties with the k-th value stay, as HF
+    z = z.masked_fill((k > 0) & (vals < kth), float("-inf"))
+    p = z.softmax(-1)
+    before = p.cumsum(-1) - p                           # probability of the better tokens
+    drop = (before >= params.top_p[:, None]) & (rank > 0)
+    return z.masked_fill(drop, float("-inf")), ids

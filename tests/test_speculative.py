@@ -115,47 +115,83 @@ def test_the_mtp_module_computes_its_formula(model, prompts):
 
 class Planted:
     """A drafter proposing the true continuation (plain greedy decoding's), wrong wherever ``wrong(b, n)`` says
-    (``n``: the index of the drafted token in its sequence), so rounds accept all, some or none of their drafts."""
+    (``n``: the index of the drafted token in its sequence), so rounds accept all, some or none of their drafts.
+    For the rejection rule it says it drew each draft for sure (``q`` all on the draft)."""
 
     def __init__(self, truth: list[list[int]], k: int, vocab: int, wrong):
         self.truth, self.k, self.vocab, self.wrong = truth, k, vocab, wrong
-        self.known: list[int] = []
+        self.order: list[int] = []
 
-    def _drafts(self) -> list[list[int]]:
+    def __call__(self, model, k, rule):
+        self.rule = rule
+        return self
+
+    def draft(self, cache, slots, nxt, hidden, lens, starts, settings):
+        self.order = self.order or list(slots)
         out = []
-        for b, n in enumerate(self.known):
+        for s, start, n in zip(slots, starts, lens):
+            b, first = self.order.index(s), start + n + 1          # the index of the first draft's token
             row = self.truth[b]
             out.append([(row[j] + (1 if self.wrong(b, j) else 0)) % self.vocab if j < len(row) else 0
-                        for j in range(n, n + self.k)])
-        return out
-
-    def start(self, cache, slots, prompts, hidden, first):
-        self.known = [len(p) + 1 for p in prompts]
-        self.slots = list(slots)
-        return self._drafts()
-
-    def advance(self, cache, slots, accepted, hidden, starts):
-        for s, a in zip(slots, accepted):
-            self.known[self.slots.index(s)] += len(a)
-        live = [self.slots.index(s) for s in slots]
-        drafts = self._drafts()
-        return [drafts[b] for b in live]
+                        for j in range(first, first + self.k)])
+        q = F.one_hot(torch.tensor(out), self.vocab).float() if self.rule == "rejection" else None
+        return out, q
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampled,rule", [(False, "coupled"), (True, "coupled"), (False, "rejection")],
+                         ids=["greedy", "sampled", "greedy-rejection"])
 def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain, plain_sampled, monkeypatch,
-                                                           sampled, k=3):
+                                                           sampled, rule, k=3):
     """Drafts right, partly right and wrong (planted): the output is plain decoding's token for token, greedy or
-    seeded sampling (the verify draws with the same noise), and the counts show every kind of round."""
+    seeded sampling under the coupled rule (the verify draws with the same noise), greedy under the rejection
+    rule; the counts show every kind of round."""
     want = plain_sampled if sampled else plain
     planted = Planted(want.tolist(), k, model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
-    monkeypatch.setattr(spec, "MTPDrafter", lambda *args: planted)
+    monkeypatch.setattr(spec, "MTPDrafter", planted)
     stats = Stats()
-    got = generate(model, prompts, 7, mtp=k, stats=stats, **(SAMPLED if sampled else {}))
+    got = generate(model, prompts, 7, mtp=k, mtp_rule=rule, stats=stats, **(SAMPLED if sampled else {}))
     assert torch.equal(got, want)
     assert 0 < stats.accepted < stats.drafted
     assert stats.verify_steps < 6                     # fewer steps than plain decoding's
     assert 1 < stats.acceptance_length <= k + 1
+
+
+def test_the_rejection_rule_keeps_the_trunks_distribution(n=40000, k=2, vocab=6):
+    """The speculative sampling test on 40,000 seeded rounds with fixed trunk rows ``p`` (temperature and top-k
+    applied) and a draft distribution ``q`` unlike them: the first token a round emits is distributed as ``p``'s
+    first row, the token after an accepted first draft as its second, each frequency within 5 standard errors;
+    the first draft is kept at the rate ``sum min(p, q)``, the most any rule keeps; the same seeds repeat."""
+    from lynn_model.sampling import Sampling, probabilities, sample_rows
+
+    g = torch.Generator().manual_seed(4)
+    trunk = torch.randn(k + 1, vocab, generator=g) * 1.5
+    logits = trunk.repeat(n, 1)                                                     # [n * (k + 1), vocab]
+    draft_logits = (trunk[:k] + torch.randn(k, vocab, generator=g)).repeat(n, 1)   # [n * k], near the trunk's
+    settings = [Sampling(0.8, top_k=5, seed=s) for s in range(n)]
+    params = spec.Params("cpu", vocab)
+    rows, drows = params(settings, k + 1), params(settings, k)
+    start = torch.randint(3, 50, (n,), generator=g)
+    counter = (start[:, None] + 1 + torch.arange(k + 1)).reshape(-1)
+    dcounter = (start[:, None] + 1 + torch.arange(k)).reshape(-1)
+    drafts = sample_rows(draft_logits, drows, dcounter).view(n, k)
+    q = probabilities(draft_logits, drows).view(n, k, vocab)
+    a, y = spec.accept_rejection(logits, rows, counter, drafts, q)
+    p = probabilities(logits[:k + 1], params(settings[:1], k + 1))
+
+    def close(tokens, want):
+        freq = torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+        err = (want.double() * (1 - want.double()) / tokens.numel()).sqrt()
+        assert ((freq - want.double()).abs() <= 5 * err + 1e-9).all(), (freq, want)
+
+    first = torch.where(a >= 1, drafts[:, 0], y)
+    close(first, p[0])
+    kept = a >= 1
+    close(torch.where(a[kept] >= 2, drafts[kept, 1], y[kept]), p[1])
+    rate, best = kept.double().mean(), torch.minimum(p[0], q[0, 0]).sum().double()
+    assert abs(rate - best) < 5 * (best * (1 - best) / n).sqrt(), (rate, best)
+    assert 0.2 < best < 0.9                             # a test with something to reject and something to keep
+    a2, y2 = spec.accept_rejection(logits, rows, counter, drafts, q)
+    assert torch.equal(a, a2) and torch.equal(y, y2)
 
 
 def test_non_finite_logits_stop_speculative_decoding(model):
@@ -183,6 +219,8 @@ def test_mtp_arguments_are_checked(model):
     bare = random_model(preset("tiny-qwen3.5").replace(num_hidden_layers=1), dtype=BF16)
     with pytest.raises(ValueError, match="no MTP module"):
         generate(bare, [[1, 2]], 3, mtp=1)
+    with pytest.raises(ValueError, match=r"mtp_rule = 'strict': expected one of 'coupled', 'rejection'"):
+        generate(model, [[1, 2]], 3, mtp=1, mtp_rule="strict")
 
 
 def test_lynn_generate_mtp_prints_the_same_text(tmp_path, capsys):
@@ -209,10 +247,21 @@ def test_lynn_generate_mtp_prints_the_same_text(tmp_path, capsys):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     args = ["generate", "--model", str(folder), "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos",
             "--backend", "reference", "Once upon a time"]
+    plain_greedy = None
     for extra in ([], ["--temperature", "0.8", "--seed", "5"]):
         assert main(args + extra) == 0
         plain = capsys.readouterr()
         assert main(args + extra + ["--mtp", "2"]) == 0
         spec_run = capsys.readouterr()
+        plain_greedy = plain_greedy if extra else plain.out
         assert spec_run.out == plain.out
-        assert "2 MTP drafts a step" in spec_run.err and "tokens per verify step" in spec_run.err
+        assert "2 MTP drafts a step (coupled)" in spec_run.err and "tokens per verify step" in spec_run.err
+    # the rejection rule: greedy, the same text; seeded, its own draws, the same on a second run
+    assert main(args + ["--mtp", "2", "--mtp-rule", "rejection"]) == 0
+    assert capsys.readouterr().out == plain_greedy
+    seeded = args + ["--temperature", "0.8", "--seed", "5", "--mtp", "2", "--mtp-rule", "rejection"]
+    runs = []
+    for _ in range(2):
+        assert main(seeded) == 0
+        runs.append(capsys.readouterr())
+    assert runs[0].out == runs[1].out and "2 MTP drafts a step (rejection)" in runs[0].err
