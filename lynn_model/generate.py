@@ -52,6 +52,9 @@ class Stats:
     drafted: int = 0                 #: drafts proposed, over all sequences and steps
     accepted: int = 0                #: of them, the drafts the trunk agreed with
     verify_steps: int = 0            #: unrolled verify steps run
+    #: each speculative round of each sequence, in order: ``(sequence, drafts, how many were kept, the trunk's
+    #: token after them)``
+    rounds: list[tuple[int, list[int], int, int]] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -175,7 +178,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
                          f"holds no mtp.* tensors)")
     rows = _prompts(input_ids)
     warn, stats = stats is None, stats if stats is not None else Stats()
-    stats.notes = []
+    stats.notes, stats.rounds = [], []
     context, longest = model.config.max_position_embeddings, max(map(len, rows))
     if longest > context:
         which = f"prompt {max(range(len(rows)), key=lambda b: len(rows[b]))} of the batch" if len(rows) > 1 else \
@@ -299,6 +302,7 @@ def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stre
     speculative_decode(model, cache, [slots[b] for b in picks], [out[b] for b in picks], [first[b] for b in picks],
                        torch.cat([hid_rows[b] for b in picks]), k, budget, lambda i, t: emit(picks[i], t), stats,
                        [setting] * len(picks), rule, check_finite=check_finite)
+    stats.rounds = [(picks[i], d, a, y) for i, d, a, y in stats.rounds]     # the batch's sequence numbers
 
 
 def _check_finite(rows, finite: list[int], batch: int, where: str) -> None:

@@ -188,6 +188,7 @@ def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[l
         for i, (b, a) in enumerate(zip(live, took)):
             stats.drafted += k
             stats.accepted += a
+            stats.rounds.append((b, list(drafts[b]), a, fix[i]))
             new = [*drafts[b][:a], fix[i]]
             going = True
             for t in new[:left[b]]:

@@ -154,6 +154,10 @@ def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain
     assert 0 < stats.accepted < stats.drafted
     assert stats.verify_steps < 6                     # fewer steps than plain decoding's
     assert 1 < stats.acceptance_length <= k + 1
+    for b, prompt in enumerate(prompts):                # the rounds' record rebuilds each sequence's tokens
+        rebuilt = [t for i, d, a, y in stats.rounds if i == b for t in [*d[:a], y]]
+        assert rebuilt[:6] == want[b, len(prompt) + 1:len(prompt) + 7].tolist()
+    assert sum(a for _, _, a, _ in stats.rounds) == stats.accepted
 
 
 def test_the_rejection_rule_keeps_the_trunks_distribution(n=40000, k=2, vocab=6):
