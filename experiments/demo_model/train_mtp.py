@@ -53,7 +53,8 @@ projection as the shipped trunk stores them), ``train_mtp_log.jsonl`` (a line pe
 (on the CPU under ``lynn_kernels.use_reference()``); the head's logits through HF and through
 ``Model.mtp_step`` on one prompt (they must agree: a difference is a forward that differs, not training); then
 ``generate`` on held-out prompts with ``mtp=0`` and ``mtp=1..3``: the same tokens or not, drafts accepted, tokens per
-verify step (``Stats.acceptance_length``), wall and CPU time. ``--verify-only DIR`` runs that check alone on
+verify step (``Stats.acceptance_length``), wall and CPU time; and sampled at ``--verify-temperature`` under both
+acceptance rules (drafts kept; the coupled rule's tokens against plain sampling's). ``--verify-only DIR`` runs that check alone on
 ``DIR/mtp.safetensors``, writing ``verify.json`` into ``--out`` (``--threads 1 --verify-reps 2`` for CPU timings on
 a shared machine).
 """
@@ -366,11 +367,13 @@ def forward_check(folder: Path, mtp_file: Path, ids: list[int]) -> dict:
 
 
 def verify(folder: Path, drafts: list[int], prompts: int, prompt_tokens: int, new_tokens: int, device: str,
-           reps: int = 1) -> dict:
+           reps: int = 1, temperature: float = 0.0) -> dict:
     """Load ``folder`` with lynn_model and compare ``generate`` with and without MTP on held-out prompts: for each
     prompt every ``mtp`` in turn (so a load that comes and goes on a shared machine falls on all of them alike),
     ``reps`` times, after one untimed warm-up call of each; a prompt's time is the least of its repeats, wall clock
-    (``seconds``) and this process's CPU time (``cpu_seconds``, which other processes' load barely moves)."""
+    (``seconds``) and this process's CPU time (``cpu_seconds``, which other processes' load barely moves). With a
+    ``temperature``, also sampled runs (seed = the prompt's number), once each, under both acceptance rules: how
+    many drafts each keeps, and whether the coupled rule gives plain sampling's tokens."""
     import lynn_kernels
     import lynn_model
 
@@ -415,6 +418,8 @@ def verify(folder: Path, drafts: list[int], prompts: int, prompt_tokens: int, ne
                     r["accepted"] += stats.accepted
                     r["verify_steps"] += stats.verify_steps
                     r["per_prompt"].append(round(stats.acceptance_length, 3))
+        if temperature:
+            result["sampled"] = sampled_acceptance(model, rows, drafts, new_tokens, temperature)
     result["load_average_after"] = os.getloadavg()[0]
     for k in ks:
         r = runs[k]
@@ -434,6 +439,38 @@ def verify(folder: Path, drafts: list[int], prompts: int, prompt_tokens: int, ne
             f"acceptance length {r['acceptance_length']}" if k else ""), flush=True)
     result["example"] = tok.decode(plain[0][len(rows[0]):])[:300]
     return result
+
+
+def sampled_acceptance(model, rows: list[list[int]], drafts: list[int], new_tokens: int, temperature: float) -> dict:
+    """Sampled generation of every prompt (seed: its number) with ``mtp = k`` under each acceptance rule: the drafts
+    kept and tokens per verify step, and for the coupled rule whether the tokens are plain sampling's."""
+    import lynn_model
+    from lynn_model.speculative import RULES
+
+    plain = [lynn_model.generate(model, [row], new_tokens, temperature=temperature, seed=i)[0].tolist()
+             for i, row in enumerate(rows)]
+    out = {"temperature": temperature}
+    for rule in RULES:
+        for k in drafts:
+            r = {"drafted": 0, "accepted": 0, "verify_steps": 0, "new_tokens": 0}
+            same = True
+            for i, row in enumerate(rows):
+                stats = lynn_model.Stats()
+                got = lynn_model.generate(model, [row], new_tokens, temperature=temperature, seed=i, mtp=k,
+                                          mtp_rule=rule, stats=stats)[0].tolist()
+                same &= got == plain[i]
+                for key in ("drafted", "accepted", "verify_steps"):
+                    r[key] += getattr(stats, key)
+                r["new_tokens"] += len(got) - len(row)
+            r["draft_acceptance"] = round(r["accepted"] / max(1, r["drafted"]), 4)
+            r["acceptance_length"] = round(1 + k * r["accepted"] / r["drafted"], 3) if r["drafted"] else 0.0
+            if rule == "coupled":
+                r["same_as_plain_sampling"] = same
+            out[f"{rule} mtp={k}"] = r
+            print(f"  sampled T={temperature} {rule} mtp={k}: drafts accepted {r['accepted']}/{r['drafted']}, "
+                  f"acceptance length {r['acceptance_length']}"
+                  + (f", same tokens as plain sampling: {same}" if rule == "coupled" else ""), flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------- main
@@ -470,6 +507,8 @@ def main():
     ap.add_argument("--verify-prompts", type=int, default=6)
     ap.add_argument("--verify-prompt-tokens", type=int, default=64)
     ap.add_argument("--verify-new-tokens", type=int, default=64)
+    ap.add_argument("--verify-temperature", type=float, default=0.8,
+                    help="also sample at this temperature under both acceptance rules (0: greedy only)")
     ap.add_argument("--verify-reps", type=int, default=1, help="timed repeats per prompt and k (the least counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args()
@@ -487,7 +526,7 @@ def main():
         dest = Path(args.verify_dir) if args.verify_dir else out / "demo-mtp"
         folder = assemble(model_dir, src / "mtp.safetensors", dest)
         res = verify(folder, drafts, args.verify_prompts, args.verify_prompt_tokens, args.verify_new_tokens,
-                     args.device, args.verify_reps)
+                     args.device, args.verify_reps, args.verify_temperature)
         if not args.verify_dir:
             shutil.rmtree(dest)
         (out / "verify.json").write_text(json.dumps(res, indent=1) + "\n")
