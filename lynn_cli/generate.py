@@ -35,6 +35,9 @@ def add(sub):
     p.add_argument("--seed", type=integer(0, 2**63 - 1), default=None,
                    help="sampling seed, 0 to 2^63-1 (default: from the clock, printed)")
     p.add_argument("--weights", choices=["auto", "nvfp4", "bf16"], default="auto")
+    p.add_argument("--lm-head", choices=["checkpoint", "nvfp4"], default="checkpoint",
+                   help="the LM head as the checkpoint holds it (default), or quantised to NVFP4 on load: a decode "
+                        "step reads 0.28x its bytes, at a perplexity cost (docs/quantization.md)")
     p.add_argument("--backend", choices=["auto", "kernels", "reference", "interpreter"], default="auto",
                    help="auto (default): the compiled kernels on a GPU, the torch reference on a CPU; kernels: the "
                         "Triton kernels (compiled, or interpreted without a GPU); reference: torch; interpreter: "
@@ -140,7 +143,7 @@ def run(args) -> int:
     try:
         tok = lynn_model.Tokenizer.from_pretrained(model_dir)
         with lynn_kernels.use_reference(reference):
-            model = lynn_model.from_pretrained(model_dir, weights=args.weights)
+            model = lynn_model.from_pretrained(model_dir, weights=args.weights, lm_head=args.lm_head)
     except (ValueError, OSError) as err:
         raise CommandError(str(err)) from None
     fused = {}
@@ -164,8 +167,9 @@ def run(args) -> int:
              "kernels": f"the Triton kernels ({lynn_kernels.backend()})",
              "interpreter": "the Triton kernels through Triton's interpreter (slow: for reading, not for speed)"}
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    head = ", NVFP4 LM head" if args.lm_head == "nvfp4" else ""
     fusion = (f", fused: {', '.join(f'{k} x{v}' for k, v in fused.items())}" if fused else "")
-    print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights, on {where[backend]}{fusion}; "
+    print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights{head}, on {where[backend]}{fusion}; "
           f"seed {seed}]", file=sys.stderr)
     stops = sorted(set(tok.stop_ids) | set(model.config.eos_token_ids)) if not args.ignore_eos else []
     stats = lynn_model.Stats()

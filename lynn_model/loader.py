@@ -40,6 +40,10 @@ from .config import Config
 from .model import Model
 
 WEIGHT_MODES = ("auto", "nvfp4", "bf16")
+#: The LM head: ``"checkpoint"`` as the files hold it (tied to the embedding where the config says so), or
+#: ``"nvfp4"``: quantised on load, whatever ``weights`` says (a tied embedding stays float for the lookup; the head
+#: becomes an NVFP4 copy of it, 0.28x the bytes a decode step reads for it).
+LM_HEAD_MODES = ("checkpoint", "nvfp4")
 #: Projections kept in a float dtype when quantising on load (``weights="nvfp4"``): the LM head, the router, the
 #: shared-expert gate and the tiny Gated DeltaNet gate projections (as every published checkpoint keeps them).
 DEFAULT_KEEP = (r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.shared_expert_gate$", r"\.linear_attn\.in_proj_(a|b|ba)$")
@@ -241,7 +245,7 @@ def split_ba(value, config: Config):
 
 def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dtype | None = None,
                     keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", progress: bool = False,
-                    layout: str = "packed", check_weights: bool = True) -> Model:
+                    layout: str = "packed", check_weights: bool = True, lm_head: str = "checkpoint") -> Model:
     """Load a HF model folder (the contract of :func:`lynn_model.from_pretrained`).
 
     Args:
@@ -257,10 +261,13 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
             ``"checkpoint"`` (kept as stored, for comparing the two).
         check_weights: refuse a tensor holding NaN or Inf, or an NVFP4 scale that is negative, zero (a global
             scale) or NaN, naming it (:class:`WeightCheck`: checked on the device, one sync per shard).
+        lm_head: ``"checkpoint"`` or ``"nvfp4"`` (:data:`LM_HEAD_MODES`): the head as stored, or quantised on
+            load with ``recipe`` (opt-in: its cost in perplexity is in docs/quantization.md).
     """
     folder = Path(path)
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights = {weights!r}: expected one of {WEIGHT_MODES}")
+    _check_lm_head(lm_head)
     if layout not in ("packed", "checkpoint"):
         raise ValueError(f"layout = {layout!r}: expected 'packed' or 'checkpoint'")
     cfg_path = folder / "config.json"
@@ -318,11 +325,26 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     if progress:
         print(file=sys.stderr)
     asm.finish()
+    if lm_head == "nvfp4":
+        quantize_lm_head(model, recipe)
     if layout == "packed":
         pack_linears(model)
         pack_moe_experts(model)
     model.eval()
     return model
+
+
+def _check_lm_head(lm_head) -> None:
+    if lm_head not in LM_HEAD_MODES:
+        raise ValueError(f"lm_head = {lm_head!r}: expected one of {LM_HEAD_MODES}")
+
+
+def quantize_lm_head(model: Model, recipe: str = "modelopt") -> None:
+    """Make ``model``'s LM head NVFP4 (from its float weight; an NVFP4 head stays as it is). A head tied to the
+    embedding becomes a quantised copy: the embedding lookup keeps the float table."""
+    w = model.lm_head.weight
+    if isinstance(w, torch.Tensor):
+        model.lm_head.weight = lynn_kernels.quantize(w, recipe=recipe)
 
 
 class WeightCheck:
@@ -476,14 +498,16 @@ def _build(asm: Assembler, m: Module, get, config: Config) -> None:
 
 
 def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype = torch.bfloat16, device=None,
-                 seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", layout: str = "packed") -> Model:
+                 seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", layout: str = "packed",
+                 lm_head: str = "checkpoint") -> Model:
     """A model of ``config`` with random weights drawn on ``device`` (benchmarks, shapes without a checkpoint):
     projections ``N(0, 1 / in_features)`` (those that write into the residual stream also times ``1 / sqrt(2 L)``,
     so the net is stable: bf16 rounding is not amplified layer after layer), norms near their identity, decays as HF
     initialises them; quantised on the device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float),
-    the projections in ``layout`` as :func:`from_pretrained` puts them."""
+    the projections in ``layout`` as :func:`from_pretrained` puts them, the LM head as ``lm_head`` says."""
     if weights not in ("nvfp4", "bf16"):
         raise ValueError(f"weights = {weights!r}: expected 'nvfp4' or 'bf16'")
+    _check_lm_head(lm_head)
     if layout not in ("packed", "checkpoint"):
         raise ValueError(f"layout = {layout!r}: expected 'packed' or 'checkpoint'")
     device = runtime.DEVICE if device is None else torch.device(device)
@@ -506,6 +530,8 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
             value = torch.randn(t.shape, generator=gen, device=device, dtype=dtype) * std
         asm.put(name, value.to(dtype), t)
     asm.finish()
+    if lm_head == "nvfp4":
+        quantize_lm_head(model, recipe)
     if layout == "packed":
         pack_linears(model)
         pack_moe_experts(model)

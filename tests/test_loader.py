@@ -719,6 +719,11 @@ def test_tied_embeddings_use_the_embedding(ckpt, tmp_path):
     edit_tensors(vl, lambda t: t.pop("lm_head.weight"))
     m = load(vl)
     assert m.lm_head.weight is m.embed_tokens
+    # lm_head="nvfp4": the head becomes an NVFP4 copy of the float table the embedding keeps
+    model = load(folder, lm_head="nvfp4")
+    assert isinstance(model.lm_head.weight, PackedNVFP4) and torch.equal(model.embed_tokens, embed)
+    assert torch.equal(lynn_kernels.dequantize(model.lm_head.weight.unpack(), torch.float32),
+                       lynn_kernels.dequantize(lynn_kernels.quantize(embed, recipe="modelopt"), torch.float32))
     edit_json(folder, lambda c: c.update(tie_word_embeddings=False))
     edit_tensors(folder, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(LoadError, match=r"missing tensors in \S+tied: lm_head\.weight"):
@@ -1093,6 +1098,8 @@ def test_bad_arguments_are_value_errors(ckpt):
     assert type(e.value) is ValueError
     with pytest.raises(ValueError, match=r"dtype = torch\.int8"):
         lynn_model.from_pretrained(ckpt("q35"), dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"lm_head = 'fp8': expected one of \('checkpoint', 'nvfp4'\)"):
+        lynn_model.from_pretrained("/nonexistent/folder", lm_head="fp8")
     with pytest.raises(LoadError, match=r"no config\.json in /nonexistent/folder"):
         lynn_model.from_pretrained("/nonexistent/folder")
 

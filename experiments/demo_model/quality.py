@@ -11,6 +11,8 @@ Every variant is a checkpoint folder written the way a user would get it and loa
   routers, gates and the tied embedding / LM head stay bf16, as published NVFP4 checkpoints keep them);
 * ``nvfp4-all``: also the Gated DeltaNet ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj`` (``--quantize-linear-attn``);
 * ``nvfp4-experts``: the routed experts only;
+* ``bf16+nvfp4-head`` / ``nvfp4-ct+nvfp4-head``: those two with the (tied) LM head quantised to NVFP4 on load
+  (``lynn_model.from_pretrained(lm_head="nvfp4")``, the modelopt recipe; the embedding lookup keeps the bf16 table);
 * ``int4-g32`` / ``int4-g128``: plain symmetric round-to-nearest int4 with one bf16 scale (``absmax / 7``) per group of
   32 or 128 weights along K, on the same modules as ``nvfp4-ct``, stored dequantised in bf16 (a reference point:
   int4 g32 spends the same 4.5 bits per weight as NVFP4's 4 bits + one 8-bit scale per 16).
@@ -79,6 +81,10 @@ def variants(tmp: Path) -> dict[str, tuple[Path, dict]]:
                                   "bytes_before": s["bytes_before"], "bytes_after": s["bytes_after"]})
     for group in (32, 128):
         out[f"int4-g{group}"] = (tmp / f"int4-g{group}", int4_folder(MODEL, tmp / f"int4-g{group}", group))
+    # the tied LM head quantised on load (lynn_model.from_pretrained(lm_head="nvfp4")), the embedding kept
+    out["bf16+nvfp4-head"] = (MODEL, {"what": "the shipped checkpoint, its LM head NVFP4 on load",
+                                      "load": {"lm_head": "nvfp4"}})
+    out["nvfp4-ct+nvfp4-head"] = (tmp / "nvfp4-ct", dict(out["nvfp4-ct"][1], load={"lm_head": "nvfp4"}))
     return out
 
 
@@ -117,7 +123,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp, where:
         for name, (folder, meta) in variants(Path(tmp)).items():
             t0 = time.perf_counter()
-            model = lynn_model.from_pretrained(folder, weights="auto", device=device)
+            model = lynn_model.from_pretrained(folder, weights="auto", device=device, **meta.get("load", {}))
             ppl, n = perplexity(model, ids.to(model.device), args.window, args.batch)
             out = lynn_model.generate(model, prompts.to(model.device), args.new, temperature=0.0)
             greedy[name] = out[:, args.prompt_len:].cpu()
