@@ -1,17 +1,24 @@
 """The serving engine (lynn_model.serve): requests join and leave the decode batch between steps, long prompts prefill
 in chunks, the cache admits what fits and queues the rest, cancel frees at once; every greedy request gets the
-tokens ``generate`` gives it alone. The demo model on the torch reference, in fp32: in bf16 a packed or chunked
-prefill rounds differently from a lone one (a CPU matmul's summation order depends on its row count), so there the
-tokens agree to rounding only."""
+tokens ``generate`` gives it alone, with speculative rounds (``mtp``) too. The demo model on the torch reference, in
+fp32: in bf16 a packed or chunked prefill rounds differently from a lone one (a CPU matmul's summation order depends
+on its row count), so there the tokens agree to rounding only."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import lynn_kernels
 import lynn_model
 from lynn_cli.generate import DEMO_MODEL
+from lynn_model import speculative as spec
+from lynn_model.checkpoint import targets
+from lynn_model.sampling import SamplingParams, sample_rows
 from lynn_model.serve import Engine, Refused
 
 CORPUS = DEMO_MODEL.parents[1] / "corpus" / "heldout.txt"
@@ -21,6 +28,24 @@ CORPUS = DEMO_MODEL.parents[1] / "corpus" / "heldout.txt"
 def model():
     with lynn_kernels.use_reference():
         return lynn_model.from_pretrained(DEMO_MODEL, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """The demo model with a random MTP module added (the demo checkpoint ships none): the same trunk, drafts the
+    trunk mostly rejects."""
+    folder = tmp_path_factory.mktemp("mtp") / "demo-mtp"
+    shutil.copytree(DEMO_MODEL, folder)
+    c = lynn_model.Config.from_pretrained(folder)
+    g = torch.Generator().manual_seed(1)
+    mtp = {name + ".weight": (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16)
+           for name, t in targets(c.replace(mtp_layers=1)).items() if name.startswith("mtp.")}
+    save_file(mtp, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with lynn_kernels.use_reference():
+        return lynn_model.from_pretrained(folder, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +327,186 @@ def test_a_step_that_raises_anywhere_ends_every_running_request_and_frees_its_sl
     c = engine.submit(ids[:6], 3)
     engine.run_until_done()
     assert c.tokens == solo(model, ids[:6], 3)
+
+
+# -- speculative rounds (mtp) ----------------------------------------------------------------------------------------
+
+class Planted:
+    """A drafter proposing each request's true continuation (``truth[request id]``: its solo tokens), wrong wherever
+    ``wrong(n)`` says (``n``: the drafted token's index among the request's new tokens), so rounds keep all, some or
+    none of their drafts; token 0 past the truth's end. For the rejection rule its ``q`` is all on the draft."""
+
+    def __init__(self, engine, wrong=lambda n: False):
+        self.engine, self.wrong, self.truth = engine, wrong, {}
+        self.calls: list[list[int]] = []                     # the slots of each drafting call
+
+    def draft(self, cache, slots, nxt, hidden, lens, starts, settings):
+        assert len(nxt) == hidden.shape[0] == sum(lens)
+        if settings is None:                                 # a prompt chunk that is not its last: no drafts
+            return [], None
+        self.calls.append(list(slots))
+        by_slot = {r.slot: r for r in self.engine._admitted}
+        out = []
+        for s, start, n in zip(slots, starts, lens):
+            r = by_slot[s]
+            truth, first = self.truth[r.id], start + n + 1 - len(r.prompt)     # the first draft's new-token index
+            out.append([(truth[j] + self.wrong(j)) % self.engine.vocab if j < len(truth) else 0
+                        for j in range(first, first + self.engine.mtp)])
+        q = None
+        if self.engine.mtp_rule == "rejection":
+            q = torch.nn.functional.one_hot(torch.tensor(out), self.engine.vocab).float()
+        return out, q
+
+
+MTP_ASKS = {"a": (0, 9, 12, {}, 0), "sampled": (50, 40, 10, dict(temperature=0.9, top_k=40, seed=5), 0),
+            "short": (100, 5, 14, {}, 1), "b": (200, 30, 9, dict(temperature=1.1, top_p=0.9, seed=3), 2),
+            "long": (300, 70, 8, {}, 2)}                     # offset, prompt length, new tokens, sampling, arrival
+
+
+@pytest.mark.parametrize("drafter,rule", [("module", "coupled"), ("planted", "coupled"), ("planted", "rejection")])
+def test_speculative_rounds_give_each_request_its_solo_tokens(model, mtp_model, ids, drafter, rule):
+    """Five requests, three rows, 32 prompt tokens a step (the 70-token prompt prefills in three chunks), two drafts
+    a round: each request gets the tokens ``generate`` gives it alone without ``mtp``, greedy and seeded, with the
+    model's (random) MTP module and with planted drafts that rounds keep all, some or none of; under the rejection
+    rule the greedy ones do, and the sampled ones their full count. The cache is empty at the end."""
+    engine = Engine(mtp_model, rows=3, max_tokens=1024, prefill_tokens=32, mtp=2, mtp_rule=rule)
+    assert not engine.steps                                  # nothing built or captured for plain decoding
+    free = engine.cache.free_tokens
+    if drafter == "planted":
+        engine.drafter = Planted(engine, wrong=lambda n: n % 4 == 3)
+    reqs, seen = {}, {name: [] for name in MTP_ASKS}
+
+    def submit(name, offset, n, new, kw):
+        def go():
+            reqs[name] = engine.submit(ids[offset:offset + n], new, **kw, on_token=lambda r, t: seen[name].append(t))
+            if drafter == "planted":
+                engine.drafter.truth[reqs[name].id] = solo(model, ids[offset:offset + n], new, **kw)
+        return go
+
+    arrivals: dict[int, list] = {}
+    for name, (offset, n, new, kw, at) in MTP_ASKS.items():
+        arrivals.setdefault(at, []).append(submit(name, offset, n, new, kw))
+    drive(engine, arrivals)
+    for name, (offset, n, new, kw, _) in MTP_ASKS.items():
+        r = reqs[name]
+        assert r.finish_reason == "length" and seen[name] == r.tokens and len(r.tokens) == new, name
+        if rule == "coupled" or not kw:
+            assert r.tokens == solo(model, ids[offset:offset + n], new, **kw), name
+    m = engine.metrics()
+    assert m["verify_steps"] == m["decode_steps"] > 0 and m["decode_rows"] > m["decode_steps"]
+    assert m["mtp_drafted"] == 2 * m["decode_rows"] and m["generated_tokens"] == sum(a[2] for a in MTP_ASKS.values())
+    if drafter == "planted":
+        assert 0 < m["mtp_accepted"] < m["mtp_drafted"] and 1 < m["mtp_acceptance_length"] < 3
+    assert m["slots_in_use"] == 0 and engine.cache.free_tokens == free
+
+
+def lone_rounds(model, prompt, n, k, rule, setting) -> list[list[int]]:
+    """The drafts of each speculative round of ``prompt`` alone, by hand from the primitives: one prefill of the
+    whole prompt, :class:`MTPDrafter` over all of it, then verify, roll back and catch up, until ``n`` tokens."""
+    cache = model.new_cache(max_batch=1, max_tokens=256)
+    s = cache.add()
+    logits, hidden = model.step(torch.tensor(prompt), cache, [s], [len(prompt)], hidden=True)
+    pending = sample_rows(logits, SamplingParams.build([setting], "cpu", model.config.vocab_size),
+                          torch.tensor([len(prompt)])).item()
+    drafter = spec.MTPDrafter(model, k, rule)
+    drafts, q = drafter.draft(cache, [s], prompt[1:] + [pending], hidden, [len(prompt)], [0], [setting])
+    rounds, made = [], 1
+    while made < n:
+        rounds.append(drafts[0])
+        start = cache.lengths[s]
+        (a,), (y,), _, h = spec.verify(model, cache, [s], [pending], drafts, [setting], rule, q)
+        cache.rollback([s], [a + 1])
+        new = [*drafts[0][:a], y]
+        made, pending = made + len(new), y
+        drafts, q = drafter.draft(cache, [s], new, h[0, :a + 1], [a + 1], [start], [setting])
+    return rounds
+
+
+def test_the_mtp_layer_runs_over_every_position_of_a_chunked_prompt(mtp_model, ids):
+    """A lone request whose 40-token prompt prefills in three chunks drafts, round after round, what the MTP module
+    drafts over the whole prompt at once (:func:`lone_rounds`): the MTP layer saw each prompt position with the
+    token after it, and caught up on each round's accepted positions; under both rules, seeded. Its tokens are
+    ``generate(..., mtp=2)``'s."""
+    prompt, kw = ids[50:90], dict(temperature=0.9, top_k=40, seed=5)
+    for rule in ("coupled", "rejection"):
+        engine = Engine(mtp_model, rows=2, max_tokens=256, prefill_tokens=16, mtp=2, mtp_rule=rule)
+        drafts, real = [], engine.drafter.draft
+        engine.drafter.draft = lambda *a: (lambda out: (drafts.extend(out[0]), out)[1])(real(*a))
+        r = engine.submit(prompt, 10, **kw)
+        engine.run_until_done()
+        want = lynn_model.generate(mtp_model, [prompt], 10, mtp=2, mtp_rule=rule, **kw)
+        assert r.tokens == want[0, len(prompt):].tolist() and engine.counters.prefill_calls == 3
+        assert drafts == lone_rounds(mtp_model, prompt, 10, 2, rule, r.sampling), rule
+
+
+def test_a_stop_id_max_new_tokens_or_a_cancel_mid_round_end_the_request_there(model, mtp_model, ids):
+    """Planted drafts all right: a round emits three tokens. A request ends on the token that ends it, inside a
+    round (its 6th of 6, its stop id, or the token whose callback cancels it): nothing after it is emitted or
+    counted, and the company keeps its solo tokens."""
+    engine = Engine(mtp_model, rows=4, max_tokens=1024, prefill_tokens=64, mtp=2)
+    planted = engine.drafter = Planted(engine)
+    prompts = {"length": ids[0:9], "stop": ids[20:40], "cancel": ids[60:70], "company": ids[90:120]}
+    truth = {name: solo(model, p, 16) for name, p in prompts.items()}        # past 14: the last drafts are right
+    # the first new token comes from the prefill, then rounds of three: 1-3, 4-6, 7-9; 5 and 8 are mid-round
+    at = next(i for i in (5, 8, 4, 7) if truth["stop"].index(truth["stop"][i]) == i)
+    seen = {name: [] for name in prompts}
+
+    def on(name):
+        def go(r, t):
+            seen[name].append(t)
+            if name == "cancel" and len(r.tokens) == 5:
+                engine.cancel(r)
+        return go
+
+    reqs = {"length": engine.submit(prompts["length"], 6, on_token=on("length")),
+            "stop": engine.submit(prompts["stop"], 14, stop_ids=[truth["stop"][at]], on_token=on("stop")),
+            "cancel": engine.submit(prompts["cancel"], 14, on_token=on("cancel")),
+            "company": engine.submit(prompts["company"], 14, on_token=on("company"))}
+    for r in reqs.values():
+        planted.truth[r.id] = truth[next(n for n in reqs if reqs[n] is r)]
+    engine.run_until_done()
+    ends = {"length": (6, "length"), "stop": (at + 1, "stop"), "cancel": (5, "cancelled"), "company": (14, "length")}
+    for name, (n, reason) in ends.items():
+        r = reqs[name]
+        assert r.tokens == truth[name][:n] == seen[name] and r.finish_reason == reason, name
+    m = engine.metrics()
+    assert m["mtp_accepted"] == m["mtp_drafted"] and m["generated_tokens"] == sum(n for n, _ in ends.values())
+    assert m["slots_in_use"] == 0 and m["cache_tokens_in_use"] == 0
+
+
+def test_non_finite_logits_in_a_verify_end_that_request_only(model, mtp_model, ids, monkeypatch):
+    engine = Engine(mtp_model, rows=2, max_tokens=256, mtp=2)
+    a, b = engine.submit(ids[0:9], 8), engine.submit(ids[20:31], 8)
+    real = mtp_model.lm_head.forward
+
+    def poisoned(x):                                         # b's three rows of the verify (a's come first)
+        out = real(x)
+        if out.shape[0] == 6:
+            out[3:] = float("nan")
+        return out
+
+    monkeypatch.setattr(mtp_model.lm_head, "forward", poisoned)
+    engine.step()                                            # the prefills (a row each), then the first round
+    monkeypatch.undo()
+    assert b.finish_reason == "error" and "not finite (NaN or inf) at new token 2" in b.error and b.tokens == \
+        solo(model, ids[20:31], 1)
+    engine.run_until_done()
+    assert a.tokens == solo(model, ids[0:9], 8)
+
+
+def test_mtp_arguments_are_checked(model, mtp_model, ids):
+    with pytest.raises(ValueError, match=r"mtp = 4: expected an int in \[0, 3\]"):
+        Engine(mtp_model, rows=1, max_tokens=64, mtp=4)
+    with pytest.raises(ValueError, match=r"mtp_rule = 'strict': expected one of 'coupled', 'rejection'"):
+        Engine(mtp_model, rows=1, max_tokens=64, mtp=1, mtp_rule="strict")
+    with pytest.raises(ValueError, match=r"mtp = 1: .* has no MTP module"):
+        Engine(model, rows=1, max_tokens=64, mtp=1)
+    with pytest.raises(ValueError, match=r"cuda_graph = True with mtp = 2: the speculative rounds run eagerly"):
+        Engine(mtp_model, rows=1, max_tokens=64, mtp=2, cuda_graph=True)
+    engine = Engine(mtp_model, rows=1, max_tokens=64, mtp=2)
+    with pytest.raises(Refused, match=r"need 65 tokens \(with the 2 a verify writes past the end\); the engine's "
+                                      r"cache holds 64 tokens \(max_tokens\)"):
+        engine.submit(ids[:50], 13)
+    r = engine.submit(ids[:50], 12)                          # 64 with the verify's 2: admitted, and runs to its end
+    engine.run_until_done()
+    assert r.tokens == solo(model, ids[:50], 12) and engine.metrics()["requests_refused"] == 1

@@ -19,6 +19,16 @@ Each :meth:`Engine.step` does one iteration, single-threaded and synchronous (a 
    steps; a change of step loads the new step's buffers from the host's copy of every row (last token, cached
    length, sampling settings).
 
+**Speculative decoding** (``mtp=K``, :mod:`lynn_model.speculative`): no decode steps are built; each prefill chunk
+also runs the model's MTP layer over its positions, and a prompt's last chunk drafts ``K`` tokens after the first
+token. Phase 3 is then one speculative round of every decoding request: one unrolled verify step of the trunk over
+each request's last token and its ``K`` drafts, the cache rolled back to the accepted prefix (before anything is
+emitted: a request that ends frees its slot), the accepted drafts and the trunk's own next token emitted one by one
+(a stop id or ``max_new_tokens`` ends the request there, and nothing after it is emitted), then the MTP layer over the
+accepted positions and ``K`` new drafts for the requests still running. A request reserves ``K`` cache tokens more
+(a verify writes up to ``K`` past its end). The rounds run eagerly (no graph yet). Under the coupled rule a request
+gets the tokens it gets without ``mtp``, greedy or seeded.
+
 A decode step writes the recurrent states of its idle rows (they are scratch, graphs.py): a request whose prompt
 is still prefilling keeps a copy of its Gated DeltaNet states between chunks, put back before its next chunk, and
 its first chunk starts from zeroed states.
@@ -56,9 +66,12 @@ import torch
 
 import lynn_kernels
 
+from .. import speculative
+from ..generate import MAX_DRAFTS
 from ..graphs import BUCKETS, DecodeStep, bucket_for
 from ..model import Model
 from ..sampling import Sampling, SamplingParams, _is_int, check_sampling_args, sample_rows
+from ..speculative import RULES
 
 #: Why a request ended: a stop id ("stop", the id is its last token), ``max_new_tokens`` ("length"),
 #: :meth:`Engine.cancel` ("cancelled"), or logits that were not finite or a step that raised ("error",
@@ -98,6 +111,8 @@ class Request:
     token_times: list[float] = field(default_factory=list)   #: when each token was handed out
     finished_at: float | None = None
     _states: list[torch.Tensor] | None = field(default=None, repr=False)   # Gated DeltaNet states between chunks
+    _drafts: list[int] | None = field(default=None, repr=False)           # with mtp: the next round's drafts
+    _q: torch.Tensor | None = field(default=None, repr=False)             # and, the rejection rule, their q [1, K, V]
 
     @property
     def done(self) -> bool:
@@ -127,6 +142,9 @@ class Counters:
     prefill_calls: int = 0
     decode_steps: int = 0
     decode_rows: int = 0                                 #: requests summed over decode steps (mean batch: / steps)
+    drafted: int = 0                                     #: with mtp: drafts verified, over requests and rounds
+    accepted: int = 0                                    #: of them, the drafts the trunk kept
+    verify_steps: int = 0                                #: with mtp: verify steps (each is the iteration's decode step)
 
 
 class Engine:
@@ -142,28 +160,44 @@ class Engine:
         pack_prefill: prefill the iteration's chunks of several requests in one :meth:`Model.step` call (fewer
             launches, faster on a GPU) instead of one call per request. Off by default: a packed prefill rounds
             differently from a lone one, so greedy tokens could part from what the request gets alone.
+        mtp: speculative decoding with ``mtp`` drafts (1 to 3) of the model's MTP module per round, eager rounds
+            instead of the decode steps (module docstring); 0: off.
+        mtp_rule: how a draft is accepted (:data:`lynn_model.speculative.RULES`): "coupled" gives the tokens of
+            plain decoding, greedy or seeded; "rejection" the speculative sampling test (the same when greedy).
 
     Build it with no other user of ``model``'s kernels in flight: on a GPU the decode steps are warmed up and
     captured here, one per bucket.
     """
 
     def __init__(self, model: Model, *, rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512,
-                 cuda_graph: bool | None = None, page_size: int = 16, pack_prefill: bool = False):
+                 cuda_graph: bool | None = None, page_size: int = 16, pack_prefill: bool = False, mtp: int = 0,
+                 mtp_rule: str = "coupled"):
         if not _is_int(rows) or rows < 1:
             raise ValueError(f"rows = {rows!r}: expected an int >= 1")
         if not _is_int(prefill_tokens) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens = {prefill_tokens!r}: expected an int >= 1")
         if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
             raise ValueError(f"max_tokens = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
+        if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
+            raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per round; 0: off)")
+        if mtp_rule not in RULES:
+            raise ValueError(f"mtp_rule = {mtp_rule!r}: expected one of {', '.join(map(repr, RULES))}")
+        if mtp and model.mtp is None:
+            raise ValueError(f"mtp = {mtp}: {model.config.name or model.config.family} has no MTP module (its "
+                             f"checkpoint holds no mtp.* tensors)")
+        if mtp and cuda_graph:
+            raise ValueError(f"cuda_graph = True with mtp = {mtp}: the speculative rounds run eagerly (no graph "
+                             f"yet); leave cuda_graph None")
         self.model, self.rows, self.prefill_tokens, self.pack_prefill = model, rows, prefill_tokens, pack_prefill
+        self.mtp, self.mtp_rule = mtp, mtp_rule
         self.context = model.config.max_position_embeddings
         self.vocab = model.config.vocab_size
         if max_tokens is None:
-            max_tokens = min(rows * self.context, DEFAULT_MAX_TOKENS)
+            max_tokens = min(rows * (self.context + mtp), DEFAULT_MAX_TOKENS)
         self.cache = model.new_cache(max_batch=rows, max_tokens=max_tokens, page_size=page_size)
         dev = model.device
         if cuda_graph is None:
-            cuda_graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
+            cuda_graph = dev.type == "cuda" and lynn_kernels.backend() == "triton" and not mtp
         # the steps replay one at a time and keep no output in the pool: one pool serves them all
         pool = torch.cuda.graph_pool_handle() if cuda_graph else None
         self.widths = sorted({b for b in BUCKETS if b < rows} | {rows})
@@ -172,7 +206,11 @@ class Engine:
         self.steps = {(w, greedy): DecodeStep(model, self.cache, w,
                                               SamplingParams.build([Sampling()] * w, dev, self.vocab) if greedy else
                                               SamplingParams.for_any(w, dev, self.vocab), graph=cuda_graph, pool=pool)
-                      for w in self.widths for greedy in (True, False)}
+                      for w in self.widths for greedy in (True, False)} if not mtp else {}
+        if mtp:
+            self.drafter = speculative.MTPDrafter(model, mtp, mtp_rule)
+            self._params = _RecentParams(dev, self.vocab)
+            self.drafter.params = self._params
         self.counters = Counters()
         self._queue: deque[Request] = deque()
         self._admitted: list[Request] = []                  # prefilling or decoding, in admission order
@@ -216,13 +254,14 @@ class Engine:
         need, page = len(ids) + max_new_tokens, self.cache.page_size
         limit = None
         if need > self.context:
-            limit = f"the model's context is {self.context:,} tokens (max_position_embeddings)"
-        elif -(-need // page) * page > self.cache.capacity_tokens:
-            limit = f"the engine's cache holds {self.cache.capacity_tokens:,} tokens (max_tokens)"
+            limit = f"need {need:,} tokens; the model's context is {self.context:,} tokens (max_position_embeddings)"
+        elif -(-(need + self.mtp) // page) * page > self.cache.capacity_tokens:
+            verify = f" (with the {self.mtp} a verify writes past the end)" if self.mtp else ""
+            limit = (f"need {need + self.mtp:,} tokens{verify}; the engine's cache holds "
+                     f"{self.cache.capacity_tokens:,} tokens (max_tokens)")
         if limit is not None:
             self.counters.refused += 1
-            raise Refused(f"the prompt's {len(ids):,} tokens and max_new_tokens = {max_new_tokens:,} need "
-                          f"{need:,} tokens; {limit}")
+            raise Refused(f"the prompt's {len(ids):,} tokens and max_new_tokens = {max_new_tokens:,} {limit}")
         r = Request(next(self._ids), ids, max_new_tokens, Sampling(temperature, top_k, top_p, seed), stops,
                     on_token, submitted_at=time.perf_counter() if arrived is None else arrived)
         self._queue.append(r)
@@ -298,14 +337,17 @@ class Engine:
                 **{f"requests_{reason}": c.finished[reason] for reason in FINISH_REASONS},
                 "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens,
                 "steps": c.steps, "prefill_calls": c.prefill_calls, "decode_steps": c.decode_steps,
-                "decode_rows": c.decode_rows}
+                "decode_rows": c.decode_rows,
+                "mtp_drafted": c.drafted, "mtp_accepted": c.accepted, "verify_steps": c.verify_steps,
+                # tokens a request gains per round (its accepted drafts and the trunk's token), as generate's Stats
+                "mtp_acceptance_length": 1 + self.mtp * c.accepted / c.drafted if c.drafted else 0.0}
 
     # -- the three phases ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
         page = self.cache.page_size
         while self._queue and not all(self.cache.active):
             r = self._queue[0]
-            need = len(r.prompt) + r.max_new_tokens
+            need = len(r.prompt) + r.max_new_tokens + self.mtp   # a verify writes up to mtp tokens past the end
             if -(-need // page) * page > self.cache.free_tokens:
                 break                                       # the head waits for pages; nothing overtakes it
             self._queue.popleft()
@@ -345,17 +387,24 @@ class Engine:
         ids = torch.tensor([t for r, n in chunks for t in r.prompt[r.prefilled:r.prefilled + n]], dtype=torch.long,
                            device=dev)
         try:
-            logits = self.model.step(ids, self.cache, [r.slot for r, _ in chunks], [n for _, n in chunks])
+            logits = self.model.step(ids, self.cache, [r.slot for r, _ in chunks], [n for _, n in chunks],
+                                     hidden=bool(self.mtp))
         except Exception as err:
             self._fail([r for r, _ in chunks], "the prefill", err)
             raise
         self.counters.prefill_calls += 1
         self.counters.prompt_tokens += ids.numel()
-        ready = []
+        if self.mtp:
+            logits, hidden = logits
+            hidden = hidden.split([n for _, n in chunks])
+        ready, starts = [], [r.prefilled for r, _ in chunks]
         for i, (r, n) in enumerate(chunks):
             r.prefilled += n
             if r.prefilled < len(r.prompt):
                 r._states = self._take_states(r.slot)
+                if self.mtp:                                # the MTP layer over the chunk: its keys and values
+                    self._draft([r], [r.prompt[starts[i] + 1:r.prefilled + 1]], hidden[i], [n], [starts[i]],
+                                drafts=False)
             else:
                 ready.append(i)
         if not ready:
@@ -370,10 +419,19 @@ class Engine:
             if not r.done:                                  # a callback may have cancelled it
                 r.status = "decode"
                 self._emit(r, t, ok, "the prompt (prefill)")
+        if self.mtp:
+            # one request a call, as its chunks: its drafts (and the rejection rule's q) never depend on the company
+            for i, t in zip(ready, first):
+                r, n = chunks[i]
+                if not r.done:
+                    self._draft([r], [[*r.prompt[starts[i] + 1:], t]], hidden[i], [n], [starts[i]])
 
     def _decode(self) -> None:
         rows = [r for r in self._admitted if r.status == "decode"]
         if not rows:
+            return
+        if self.mtp:
+            self._round(rows)
             return
         greedy = all(r.sampling.greedy for r in rows)
         step = self.steps[bucket_for(max(r.slot for r in rows) + 1, self.widths), greedy]
@@ -399,6 +457,52 @@ class Engine:
         for r in rows:
             if not r.done:                                  # a callback may have cancelled it
                 self._emit(r, tokens[r.slot], finite[r.slot], f"new token {len(r.tokens) + 1}")
+
+    def _round(self, rows: list[Request]) -> None:
+        """One speculative round of ``rows`` (module docstring)."""
+        slots = [r.slot for r in rows]
+        starts = [self.cache.lengths[s] for s in slots]
+        q = torch.cat([r._q for r in rows]) if self.mtp_rule == "rejection" else None
+        try:
+            took, fix, finite, h = speculative.verify(self.model, self.cache, slots, [r.tokens[-1] for r in rows],
+                                                      [r._drafts for r in rows], [r.sampling for r in rows],
+                                                      self.mtp_rule, q, self._params)
+            # before emitting: a request that ends releases its slot
+            self.cache.rollback(slots, [a + 1 for a in took])
+        except Exception as err:
+            self._fail(rows, "a verify step", err)
+            raise
+        c = self.counters
+        c.decode_steps += 1
+        c.verify_steps += 1
+        c.decode_rows += len(rows)
+        c.drafted += self.mtp * len(rows)
+        c.accepted += sum(took)
+        new = [[*r._drafts[:a], y] for r, a, y in zip(rows, took, fix)]
+        for r, tokens, ok in zip(rows, new, finite):
+            for t in tokens:
+                if r.done:                                  # a stop id, max_new_tokens or a callback ended it
+                    break
+                self._emit(r, t, ok, f"new token {len(r.tokens) + 1}")
+        going = [i for i, r in enumerate(rows) if not r.done]
+        if going:                                           # the MTP layer catches up on the accepted positions
+            self._draft([rows[i] for i in going], [new[i] for i in going],
+                        torch.cat([h[i, :took[i] + 1] for i in going]), [took[i] + 1 for i in going],
+                        [starts[i] for i in going])
+
+    def _draft(self, rows: list[Request], nxt: list[list[int]], hidden: torch.Tensor, lens: list[int],
+               starts: list[int], drafts: bool = True) -> None:
+        """The MTP layer over ``lens[b]`` positions of ``rows[b]`` from ``starts[b]`` (``nxt[b]``: the token after
+        each, ``hidden``: the trunk's rows there, packed), then each request's next drafts unless ``drafts`` is
+        False."""
+        try:
+            out, q = self.drafter.draft(self.cache, [r.slot for r in rows], [t for x in nxt for t in x], hidden, lens,
+                                        starts, [r.sampling for r in rows] if drafts else None)
+        except Exception as err:
+            self._fail(rows, "the MTP drafts", err)
+            raise
+        for b, (r, d) in enumerate(zip(rows, out)):
+            r._drafts, r._q = d, None if q is None else q[b:b + 1]
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _emit(self, r: Request, token: int, finite: int, where: str) -> None:
@@ -428,7 +532,7 @@ class Engine:
                 self._joined.discard(r.slot)
             self.cache.release(r.slot)
             self._admitted.remove(r)
-            r.slot, r._states = None, None
+            r.slot, r._states, r._drafts, r._q = None, None, None, None
         r.status, r.finish_reason, r.finished_at = "finished", reason, time.perf_counter()
         self.counters.finished[reason] += 1
 
@@ -447,3 +551,22 @@ class Engine:
         """Put back what :meth:`_take_states` took (None: zeros, a fresh sequence's states)."""
         for i, t in enumerate((*self.cache.conv.values(), *self.cache.state.values())):
             t[slot].zero_() if states is None else t[slot].copy_(states[i])
+
+
+class _RecentParams(speculative.Params):
+    """:class:`~lynn_model.speculative.Params` that keeps the last ``keep`` sets it built: a server's sets of requests
+    change without end, and ``Params`` keeps every set."""
+
+    def __init__(self, device, vocab: int, keep: int = 16):
+        super().__init__(device, vocab)
+        self.keep, self._recent = keep, {}
+
+    def __call__(self, settings: list[Sampling], repeat: int = 1) -> SamplingParams:
+        key = (tuple(settings), repeat)
+        built = self._recent.pop(key, None)
+        if built is None:
+            built = SamplingParams.build([s for s in settings for _ in range(repeat)], self.device, self.vocab)
+        self._recent[key] = built                          # the newest last
+        if len(self._recent) > self.keep:
+            del self._recent[next(iter(self._recent))]
+        return built
