@@ -36,6 +36,12 @@ def add(sub):
     p.add_argument("--prefill-tokens", type=integer(1, 10**6), default=512, metavar="N",
                    help="prompt tokens prefilled per engine step (default %(default)s): smaller keeps running streams "
                         "moving while a long prompt comes in")
+    p.add_argument("--mtp", type=integer(0, 3), default=0, metavar="K",
+                   help="speculative decoding: K drafts (1-3) of the checkpoint's MTP module per round, verified in "
+                        "one step of the model; eager rounds, no graph (default 0: off)")
+    p.add_argument("--mtp-rule", choices=("coupled", "rejection"), default="coupled",
+                   help="how a draft is accepted: coupled (default) gives the tokens of plain decoding, greedy or "
+                        "seeded; rejection is the speculative sampling test (the same tokens when greedy)")
     p.add_argument("--max-queue", type=integer(0, 10**6), default=64, metavar="N",
                    help="requests waiting for a slot (beyond the free slots) after which new ones get 429 (default "
                         "%(default)s)")
@@ -81,12 +87,14 @@ def run(args) -> int:
     failure: list[str] = []
     server = Server(model, weights=args.weights, dtype=dtype, backend=args.backend, rows=args.rows,
                     max_tokens=args.max_tokens, prefill_tokens=args.prefill_tokens, max_queue=args.max_queue,
-                    threads=args.threads, name=args.name or args.preset, default_max_tokens=args.default_max_tokens)
+                    threads=args.threads, name=args.name or args.preset, default_max_tokens=args.default_max_tokens,
+                    mtp=args.mtp, mtp_rule=args.mtp_rule)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     http = uvicorn.Server(config)
     server.on_failure = lambda message: (failure.append(message), setattr(http, "should_exit", True))
-    print(f"[lynn serve: {where} as '{server.name}' on http://{args.host}:{args.port}; {args.rows} rows; "
+    spec = f"{args.mtp} MTP drafts a round ({args.mtp_rule}); " if args.mtp else ""
+    print(f"[lynn serve: {where} as '{server.name}' on http://{args.host}:{args.port}; {args.rows} rows; {spec}"
           f"the model loads in the background, /health answers 503 until it is ready]", file=sys.stderr)
     http.run()
     if failure:

@@ -116,6 +116,11 @@ _SCALARS = (
     ("lynn_decode_steps_total", "counter", "Decode steps run.", "decode_steps"),
     ("lynn_decode_rows_total", "counter", "Requests summed over decode steps (mean batch: rows / steps).",
      "decode_rows"),
+    ("lynn_mtp_drafted_tokens_total", "counter", "MTP drafts verified (--mtp; tokens per round: 1 + K * accepted / "
+     "drafted).", "mtp_drafted"),
+    ("lynn_mtp_accepted_tokens_total", "counter", "MTP drafts the model kept.", "mtp_accepted"),
+    ("lynn_verify_steps_total", "counter", "Speculative verify steps run (--mtp; each is an engine step's decode "
+     "step).", "verify_steps"),
     ("lynn_queue_depth", "gauge", "Requests waiting for a cache slot.", "queue_depth"),
     ("lynn_running_requests", "gauge", "Requests admitted (prefilling or decoding).", "running"),
     ("lynn_cache_slots_in_use", "gauge", "Cache slots held by requests.", "slots_in_use"),
@@ -169,7 +174,8 @@ class Server:
             in bf16: engine.py), the checkpoint's on a GPU.
         backend: "auto" (the compiled kernels on a GPU, fused as ``lynn generate`` runs them; the torch reference on
             a CPU), "kernels" or "reference".
-        rows, max_tokens, prefill_tokens: the engine's (:class:`Engine`).
+        rows, max_tokens, prefill_tokens, mtp, mtp_rule: the engine's (:class:`Engine`): ``mtp`` drafts of the
+            checkpoint's MTP module per speculative round (0: off).
         max_queue: requests waiting for a slot (beyond the free slots the next step admits into) after which a new
             one gets 429.
         default_max_tokens: a chat request's ``max_tokens`` when it gives none (at most the context left): the
@@ -180,12 +186,13 @@ class Server:
     def __init__(self, model, *, weights: str = "auto", dtype: torch.dtype | None = None, backend: str = "auto",
                  rows: int = 8, max_tokens: int | None = None, prefill_tokens: int = 512, max_queue: int = 64,
                  threads: int = 1, name: str | None = None, on_failure: Callable[[str], None] | None = None,
-                 default_max_tokens: int = 1024):
+                 default_max_tokens: int = 1024, mtp: int = 0, mtp_rule: str = "coupled"):
         self.model = None if isinstance(model, (str, Path)) else model           # built by the caller, or loaded here
         self.model_dir = Path(model) if self.model is None else None
         self.name = name or (self.model_dir.name if self.model is None else self.model.config.family)
         self.weights, self.dtype, self.backend = weights, dtype, backend
         self.rows, self.max_tokens, self.prefill_tokens = rows, max_tokens, prefill_tokens
+        self.mtp, self.mtp_rule = mtp, mtp_rule
         self.max_queue, self.threads, self.on_failure = max_queue, threads, on_failure
         self.default_max_tokens = default_max_tokens
         self.state, self.error = "loading", None            # loading -> ready | failed
@@ -228,7 +235,7 @@ class Server:
                 self.eos = sorted(set(self.tokenizer.stop_ids) | set(model.config.eos_token_ids))
                 self.context = model.config.max_position_embeddings
                 self.engine = Engine(model, rows=self.rows, max_tokens=self.max_tokens,
-                                     prefill_tokens=self.prefill_tokens)
+                                     prefill_tokens=self.prefill_tokens, mtp=self.mtp, mtp_rule=self.mtp_rule)
             except Exception as err:                        # shown by /health and the command, not a traceback page
                 what = self.model_dir or f"the {self.name} model"
                 self.state, self.error = "failed", f"loading {what} failed: {type(err).__name__}: {err}"
