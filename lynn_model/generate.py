@@ -26,7 +26,7 @@ from .cache import CacheFull
 from .graphs import DecodeStep, bucket_for
 from .model import Model
 from .sampling import Sampling, SamplingParams, _is_int, check_sampling_args, sample_rows
-from .speculative import RULES, speculative_decode
+from .speculative import RULES, MTPDrafter, SpeculativeStep
 
 
 @dataclass
@@ -211,16 +211,17 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     stops = set(int(t) for t in (stop_ids or []))
     stats.prompt_tokens, stats.batch, stats.mtp = sum(map(len, rows)), nseq, mtp
     cache = model.new_cache(max_batch=width, max_tokens=need + 16 * nseq)     # a page of slack per sequence
-    stats.cache_bytes, stats.cuda_graph = cache.nbytes(), bool(cuda_graph) and max_new_tokens > 1 and not mtp
+    stats.cache_bytes, stats.cuda_graph = cache.nbytes(), bool(cuda_graph) and max_new_tokens > 1
     out = [list(r) for r in rows]
     if max_new_tokens == 0:
         return _pack(out)
     with torch.inference_mode():
         step = None
-        if max_new_tokens > 1 and not mtp:
+        if max_new_tokens > 1:
             t0 = time.perf_counter()
-            step = DecodeStep(model, cache, width, SamplingParams.build([setting] * width, dev, vocab),
-                              graph=cuda_graph)
+            params = SamplingParams.build([setting] * width, dev, vocab)
+            step = SpeculativeStep(model, cache, width, mtp, params, mtp_rule, graph=cuda_graph) if mtp else \
+                DecodeStep(model, cache, width, params, graph=cuda_graph)
             stats.capture_s = time.perf_counter() - t0
         slots = [cache.add() for _ in rows]
         cache.reserve(slots, [len(r) + max_new_tokens + mtp for r in rows])   # every page now: no CacheFull later
@@ -241,8 +242,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         stats.new_tokens = nseq
         if mtp and live and max_new_tokens > 1:
             t0 = time.perf_counter()
-            _speculative(model, cache, slots, out, first, hidden, mtp, max_new_tokens - 1, stops, stream, stats, live,
-                         setting, mtp_rule)
+            _speculative(step, slots, out, first, hidden, max_new_tokens - 1, stops, stream, stats, live, setting)
             _sync(dev)
             stats.decode_s = time.perf_counter() - t0
             return _pack(out)
@@ -275,34 +275,49 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     return _pack(out)
 
 
-def _speculative(model, cache, slots, out, first, hidden, k, budget, stops, stream, stats, live, setting,
-                 rule) -> None:
-    """:func:`generate`'s decode phase by speculative rounds (:func:`lynn_model.speculative.speculative_decode`):
-    ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the others)."""
-    n = len(out)
-
-    def emit(b: int, t: int) -> bool:
-        out[b].append(int(t))
-        stats.new_tokens += 1
-        if stream is not None:
-            step = [-1] * n
-            step[b] = int(t)
-            stream(torch.tensor(step, dtype=torch.long))
-        return int(t) not in stops
-
-    picks = list(live)                        # sequences that stopped at their first token take no round
+def _speculative(step: SpeculativeStep, slots, out, first, hidden, budget, stops, stream, stats, live,
+                 setting) -> None:
+    """:func:`generate`'s decode phase by speculative rounds of ``step`` (:mod:`lynn_model.speculative`), after the
+    MTP layer has run over the prompts: ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the
+    others)."""
+    model, k, n = step.model, step.k, len(out)
     prompt_lens = [len(o) - 1 for o in out]
-    hid_rows = torch.split(hidden, prompt_lens)
-
-    def check_finite(rows: list[int], flags: list[int]) -> None:
-        bad = next((picks[i] for i, f in zip(rows, flags) if not f), None)
+    hid = torch.split(hidden, prompt_lens)
+    drafter = MTPDrafter(model, k, step.rule)
+    drafts, q = drafter.draft(step.cache, [slots[b] for b in live], [t for b in live for t in out[b][1:]],
+                              torch.cat([hid[b] for b in live]), [prompt_lens[b] for b in live], [0] * len(live),
+                              [setting] * len(live))
+    step.begin([slots[b] for b in live], [first[b] for b in live], drafts, q)
+    left = {b: budget for b in live}
+    while live:
+        res = step.replay()
+        stats.verify_steps += 1
+        flags = [res[slots[b]][2] for b in live]
+        bad = next((b for b, f in zip(live, flags) if not f), None)
         if bad is not None:                   # as plain decoding words it, at the first token the round would emit
-            _check_finite([picks[i] for i in rows], flags, n, f"new token {len(out[bad]) - prompt_lens[bad] + 1}")
-
-    speculative_decode(model, cache, [slots[b] for b in picks], [out[b] for b in picks], [first[b] for b in picks],
-                       torch.cat([hid_rows[b] for b in picks]), k, budget, lambda i, t: emit(picks[i], t), stats,
-                       [setting] * len(picks), rule, check_finite=check_finite)
-    stats.rounds = [(picks[i], d, a, y) for i, d, a, y in stats.rounds]     # the batch's sequence numbers
+            _check_finite(live, flags, n, f"new token {len(out[bad]) - prompt_lens[bad] + 1}")
+        still = []
+        for b in live:
+            a, y, _, *verified = res[slots[b]][:3 + k]
+            stats.drafted += k
+            stats.accepted += a
+            stats.rounds.append((b, verified, a, y))
+            going = True
+            for t in [*verified[:a], y][:left[b]]:
+                out[b].append(t)
+                stats.new_tokens += 1
+                left[b] -= 1
+                if stream is not None:
+                    row = [-1] * n
+                    row[b] = t
+                    stream(torch.tensor(row, dtype=torch.long))
+                if t in stops:
+                    going = False
+                    break
+            if going and left[b] > 0:
+                still.append(b)
+        step.stop([slots[b] for b in live if b not in still])
+        live = still
 
 
 def _check_finite(rows, finite: list[int], batch: int, where: str) -> None:

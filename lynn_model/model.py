@@ -579,13 +579,18 @@ class Model(nn.Module):
             raise ValueError(f"hidden has shape {list(hidden.shape)}; expected [{tokens.numel()}, "
                              f"{self.config.hidden_size}] (one row per token)")
         batch = cache.plan(list(slots), list(new_lens), starts=list(starts))
-        m = self.mtp
         with lynn_kernels.trusted():
-            e = m.pre_fc_norm_embedding(F.embedding(tokens.to(self.device), self.embed_tokens))
-            h = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))      # [embedding | hidden], in that order
-            mtp_layer = m.layers[layer]
-            x, _ = mtp_layer(mtp_layer.input_layernorm(h), h, batch, cache, m.norm)
+            x = self._mtp(tokens.to(self.device), hidden, batch, cache, layer)
         return self.lm_head(x[batch.last_rows]), x
+
+    def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: Cache, layer: int = 0):
+        """The MTP module's rows ``[T, H]`` before the LM head (:meth:`mtp_step`)."""
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(F.embedding(tokens, self.embed_tokens))
+        h = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))      # [embedding | hidden], in that order
+        mtp_layer = m.layers[layer]
+        x, _ = mtp_layer(mtp_layer.input_layernorm(h), h, batch, cache, m.norm)
+        return x
 
     def _check_step(self, tokens: torch.Tensor, cache: Cache, new_lens: list[int]) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:

@@ -28,15 +28,18 @@ Two acceptance rules (``rule``); a greedy request gets the same tokens under bot
     sampling's, but the tokens differ from a plain run with the same seed. It keeps at least as many drafts as the
     coupled rule on average (the chance a draft is kept is ``sum min(p, q)``, the most any rule can keep); its
     uniforms are counter-based hashes too, so a seeded run repeats.
+
+Two ways to run rounds. :class:`SpeculativeStep` (what :func:`lynn_model.generate` runs) does a whole round on
+static buffers, captured as one CUDA graph on a GPU, for a batch that only shrinks. :func:`verify` and
+:class:`MTPDrafter` do it eagerly from the host for any set of sequences (the serving engine's batch changes every
+step).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .cache import Cache
+from .cache import Batch, Cache
 from .model import Model
 from .sampling import Sampling, SamplingParams, probabilities, sample_rows, uniform
 
@@ -160,58 +163,203 @@ def accept_rejection(logits: torch.Tensor, params: SamplingParams, counter: torc
     return a, (rest.log() + g).argmax(-1)
 
 
-def speculative_decode(model: Model, cache: Cache, slots: list[int], out: list[list[int]], first: list[int],
-                       hidden: torch.Tensor, k: int, budget: int, emit: Callable, stats,
-                       settings: list[Sampling], rule: str = "coupled", drafter=None,
-                       check_finite: Callable | None = None) -> None:
-    """Continue sequences ``slots`` (``out[b]``: prompt and first token; ``hidden``: the prefill's rows) by
-    speculative rounds until each stops or has ``budget`` more tokens. ``emit(b, token)`` takes each new token in
-    order and returns whether sequence ``b`` goes on. ``settings``: each sequence's sampling. ``drafter``:
-    :class:`MTPDrafter` by default (tests pass one that proposes chosen tokens). ``check_finite(live, flags)`` sees,
-    before a round emits anything, whether the logits of each live sequence's rows it would emit from are finite
-    (1) or not (0), and may raise."""
-    _check_rule(rule)
-    drafter = drafter or MTPDrafter(model, k, rule)
-    params = Params(model.device, model.config.vocab_size)
-    live = list(range(len(slots)))
-    nxt = [t for o in out for t in o[1:]]                     # after each prompt position: the next prompt token
-    drafts, q = drafter.draft(cache, slots, nxt, hidden, [len(o) - 1 for o in out], [0] * len(slots), settings)
-    pending, left = list(first), [budget] * len(slots)
-    while live:
-        run = [slots[b] for b in live]
-        starts = [cache.lengths[s] for s in run]
-        took, fix, finite, h = verify(model, cache, run, [pending[b] for b in live], [drafts[b] for b in live],
-                                      [settings[b] for b in live], rule, q, params)
-        if check_finite is not None:
-            check_finite(live, finite)
-        accepted, rows, still, at = [], [], [], []
-        for i, (b, a) in enumerate(zip(live, took)):
-            stats.drafted += k
-            stats.accepted += a
-            stats.rounds.append((b, list(drafts[b]), a, fix[i]))
-            new = [*drafts[b][:a], fix[i]]
-            going = True
-            for t in new[:left[b]]:
-                going = emit(b, t)
-                left[b] -= 1
-                if not going:
-                    break
-            if going and left[b] > 0:
-                still.append(b)
-                at.append(i)
-                accepted.append(new)
-                rows.append(h[i, :a + 1])
-                pending[b] = new[-1]
-        stats.verify_steps += 1
-        cache.rollback(run, [a + 1 for a in took])
-        live = still
-        if live:
-            new_drafts, q_new = drafter.draft(cache, [run[i] for i in at], [t for a in accepted for t in a],
-                                              torch.cat(rows), [len(a) for a in accepted], [starts[i] for i in at],
-                                              [settings[b] for b in live])
-            for b, d in zip(live, new_drafts):
-                drafts[b] = d
-            q = q_new
+class SpeculativeStep:
+    """One speculative round of rows ``0..rows-1`` of ``cache`` on static buffers, captured once as a CUDA graph
+    (on a GPU with the compiled kernels; eagerly elsewhere), as :class:`~lynn_model.graphs.DecodeStep` is for a
+    plain step: verify, accept, roll back, the MTP catch-up and the next ``k`` drafts all run on the device, so a
+    replay takes nothing from the host and the host reads one small tensor a round (:attr:`out`).
+
+    The buffers: ``pending`` (each row's next token, not yet run), ``drafts [rows, k]`` (and ``q [rows, k, vocab]``,
+    the distributions they were drawn from, for the rejection rule), ``lengths`` (tokens cached) and ``active``. A
+    replay verifies ``[pending, drafts]`` in one unrolled step, applies the rule, puts back the Gated DeltaNet states
+    after the last kept token (``Cache.snapshot``'s), runs the MTP layer over all ``k + 1`` verified positions (the rows
+    past the kept ones carry rejected tokens: the keys they write sit past the sequence's end, where the next round
+    overwrites them before anything reads them) and drafts ``k`` tokens after the kept ones. It leaves in :attr:`out`
+    per row ``[a, y, finite, the k drafts verified, the k next drafts]`` (drafts kept, the trunk's token after them,
+    whether the logits of the rows emitted from were finite) and updates ``pending``, ``drafts``, ``lengths`` itself. An
+    inactive row writes no key and keeps its length (its recurrent states are scratch).
+
+    ``params``: the rows' sampling, fixed for the step's life (its rows are repeated ``k + 1`` times for the
+    verify once, here). It emits what :func:`verify` would, round for round; its drafts may differ from
+    :class:`MTPDrafter`'s in rounding (the catch-up runs its rows as decode steps here, as a prefill there), which
+    moves acceptance, never a token.
+    """
+
+    def __init__(self, model: Model, cache: Cache, rows: int, k: int, params: SamplingParams, rule: str = "coupled",
+                 *, graph: bool | None = None, pool=None):
+        from .graphs import _use_graph
+
+        if model.mtp is None:
+            raise ValueError(f"{model.config.name or model.config.family}: this model has no MTP module (its "
+                             f"checkpoint holds no mtp.* tensors)")
+        _check_rule(rule)
+        if not isinstance(k, int) or not 1 <= k <= 3:
+            raise ValueError(f"k = {k!r}: expected 1, 2 or 3 drafts")
+        if rows < 1 or rows > cache.max_batch:
+            raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
+        if params.temperature.shape != (rows,):
+            raise ValueError(f"params has {tuple(params.temperature.shape)} rows of settings; expected ({rows},)")
+        if any(cache.active):
+            raise ValueError(f"build a SpeculativeStep while the cache holds no sequence (its warm-up writes states "
+                             f"and page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
+        self.model, self.cache, self.rows, self.k, self.rule, self.params = model, cache, rows, k, rule, params
+        dev, u, vocab = cache.device, k + 1, model.config.vocab_size
+        self.params_u = SamplingParams(*(t.repeat_interleave(u) for t in (params.temperature, params.top_k,
+                                                                          params.top_p, params.seed)),
+                                       params.candidates, params.greedy)
+        self.pending = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.drafts = torch.zeros(rows, k, dtype=torch.int64, device=dev)
+        self.q = torch.zeros(rows, k, vocab, dtype=torch.float32, device=dev) if rule == "rejection" else None
+        self.lengths = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(rows, 3 + 2 * k, dtype=torch.int64, device=dev)
+        width = cache.block_table.shape[1]
+        self._seq = torch.arange(rows, device=dev).repeat_interleave(u)
+        self._offset = torch.arange(u, device=dev).repeat(rows)
+        # the verify's rows (and the MTP catch-up's, at the same positions): k + 1 per sequence, each its own decode
+        pos_v = torch.zeros(rows * u, dtype=torch.int64, device=dev)
+        self.batch_v = Batch([u] * rows, [1] * rows, pos_v, None, decode=True,
+                             kv_slots=torch.zeros(rows * u, dtype=torch.int64, device=dev), rows=slice(0, rows),
+                             seq_lens=torch.zeros(rows * u, dtype=torch.int32, device=dev),
+                             block_table=torch.zeros(rows * u, width, dtype=cache.block_table.dtype, device=dev),
+                             unroll=u)
+        # a draft after a draft: one row per sequence
+        self.batch_d = Batch([1] * rows, [1] * rows, torch.zeros(rows, dtype=torch.int64, device=dev), None,
+                             decode=True, kv_slots=torch.zeros(rows, dtype=torch.int64, device=dev),
+                             rows=slice(0, rows), seq_lens=torch.zeros(rows, dtype=torch.int32, device=dev),
+                             block_table=cache.block_table[:rows])
+        self._live: list[int] = []                  # the active rows, as the host knows them
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if _use_graph(graph, dev):
+            self._capture(pool)
+
+    def _plan_verify(self) -> None:
+        """Positions, cache slots, lengths and block-table rows of the verify's ``rows * (k + 1)`` rows."""
+        b, page = self.batch_v, self.cache.page_size
+        pos = self.lengths[self._seq] + self._offset
+        active = self.active[self._seq]
+        b.block_table.copy_(self.cache.block_table[:self.rows].index_select(0, self._seq))
+        col = (pos // page).clamp_max(b.block_table.shape[1] - 1)
+        block = b.block_table.gather(1, col[:, None])[:, 0].to(torch.int64)
+        b.positions.copy_(pos)
+        b.kv_slots.copy_(torch.where(active, block * page + pos % page, -1))
+        b.seq_lens.copy_(torch.where(active, pos + 1, 0))
+
+    def _forward(self) -> None:
+        from lynn_kernels.attention import decode_plan
+
+        m, cache, n, k, u = self.model, self.cache, self.rows, self.k, self.k + 1
+        self._plan_verify()
+        tokens = torch.cat([self.pending[:, None], self.drafts], 1).view(-1)
+        x = m._trunk(tokens, self.batch_v, cache)                        # [n u, H]; snapshots the states
+        logits = m.lm_head(x)
+        counter = self.batch_v.positions + 1
+        if self.rule == "coupled":
+            want = sample_rows(logits, self.params_u, counter).view(n, u)
+            a = (want[:, :k] == self.drafts).long().cumprod(-1).sum(-1)
+            y = want.gather(1, a[:, None])[:, 0]
+        else:
+            a, y = accept_rejection(logits, self.params_u, counter, self.drafts, self.q)
+        finite = torch.isfinite(logits.amax(-1)).view(n, u).long().cumprod(-1).gather(1, a[:, None])[:, 0]
+        # the states after the last kept token, where a draft was rejected
+        at, back = torch.arange(n, device=a.device), a.clamp_max(k - 1)
+        for i in cache.snap_conv:
+            for live, saved in ((cache.conv[i], cache.snap_conv[i]), (cache.state[i], cache.snap_state[i])):
+                keep = (a == k).view(n, *[1] * (live.dim() - 1))
+                live[:n] = torch.where(keep, live[:n], saved[back, at])
+        new_len = self.lengths + (a + 1) * self.active
+        # the MTP catch-up over the verified positions: the token after each is the next draft, or y after the last
+        # kept one
+        nxt = torch.cat([self.drafts, self.drafts[:, :1]], 1).scatter(1, a[:, None], y[:, None])
+        h = m._mtp(nxt.view(-1), x, self.batch_v, cache).view(n, u, -1)[at, a]
+        drafts, dists = [], []
+        for i in range(k):
+            if i:                               # a draft after a draft: at the next position, its own hidden state
+                b = self.batch_d
+                decode_plan(new_len + i - 1, self.active, cache.block_table, cache.page_size, b.positions,
+                            b.kv_slots, b.seq_lens)
+                h = m._mtp(drafts[-1], h, b, cache)
+            logits = m.lm_head(h)
+            drafts.append(sample_rows(logits, self.params, new_len + i + 1))
+            if self.q is not None:
+                dists.append(probabilities(logits, self.params))
+        nd = torch.stack(drafts, 1)
+        self.out.copy_(torch.cat([a[:, None], y[:, None], finite[:, None], self.drafts, nd], 1))
+        self.pending.copy_(y)
+        self.drafts.copy_(nd)
+        if self.q is not None:
+            self.q.copy_(torch.stack(dists, 1))
+        self.lengths.copy_(new_len)
+
+    def _run(self) -> None:
+        import lynn_kernels
+
+        with torch.inference_mode(), lynn_kernels.trusted():
+            self._forward()
+
+    def _capture(self, pool) -> None:
+        from .graphs import _scrub, _warm_up
+
+        # warm-up near the cache's full length (the autotuners time real work), every row active; then the capture
+        cap = self.batch_v.block_table.shape[1] * self.cache.page_size
+        self.active.fill_(True)
+
+        def warm():
+            self.lengths.fill_(cap - 2 * self.k - 2)
+            self._run()
+
+        _warm_up(self.cache.device, warm)
+        self.active.fill_(False)
+        self.lengths.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        import lynn_kernels
+
+        with torch.inference_mode(), lynn_kernels.trusted(), torch.cuda.graph(self.graph, pool=pool):
+            self._forward()
+        torch.cuda.synchronize(self.cache.device)
+        _scrub(self.cache, self.rows)
+        for t in (self.pending, self.drafts, self.out):
+            t.zero_()
+
+    def begin(self, slots: list[int], pending: list[int], drafts: list[list[int]], q: torch.Tensor | None = None):
+        """Load the rounds' inputs: sequence ``slots[b]`` (a row in ``0..rows-1`` with its pages reserved for every
+        round to come, :meth:`Cache.reserve`, ``k`` tokens past its last) has next token ``pending[b]`` and drafts
+        ``drafts[b]`` (:class:`MTPDrafter`'s after its prefill; ``q`` theirs for the rejection rule); the other
+        rows idle."""
+        if len(slots) != len(pending) or len(slots) != len(drafts) or any(not 0 <= s < self.rows for s in slots):
+            raise ValueError(f"slots {slots} must be rows in 0..{self.rows - 1}, one per pending token and drafts")
+        if (q is None) != (self.q is None):
+            raise ValueError("q: the drafts' distributions go with the rejection rule, and only with it")
+        dev = self.pending.device
+        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        for t in (self.pending, self.drafts, self.lengths):
+            t.zero_()
+        self.active.fill_(False)
+        self.active[idx] = True
+        self._live = sorted(slots)
+        self.pending[idx] = torch.tensor(pending, dtype=torch.int64, device=dev)
+        self.drafts[idx] = torch.tensor(drafts, dtype=torch.int64, device=dev).view(len(slots), self.k)
+        self.lengths[idx] = torch.tensor([self.cache.lengths[s] for s in slots], dtype=torch.int64, device=dev)
+        if q is not None:
+            self.q[idx] = q.to(dev, torch.float32)
+
+    def stop(self, slots: list[int]) -> None:
+        """Rows that take no further part (a finished sequence): from the next round on they write nothing."""
+        if slots:
+            self.active[torch.tensor(slots, dtype=torch.long, device=self.active.device)] = False
+            self._live = [s for s in self._live if s not in slots]
+
+    def replay(self) -> list[list[int]]:
+        """One round of every active row; returns :attr:`out` on the host (one copy): per row ``[a, y, finite, drafts
+        verified, next drafts]``, the tokens it emits being the first ``a`` drafts verified and ``y``; advances
+        :attr:`Cache.lengths` of the active rows by ``a + 1``."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()
+        out = self.out.tolist()
+        self.cache.advance(self._live, [out[r][0] + 1 for r in self._live])
+        return out
 
 
-__all__ = ["MTPDrafter", "Params", "RULES", "accept_rejection", "speculative_decode", "verify"]
+__all__ = ["MTPDrafter", "Params", "RULES", "SpeculativeStep", "accept_rejection", "verify"]

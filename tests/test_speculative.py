@@ -113,29 +113,24 @@ def test_the_mtp_module_computes_its_formula(model, prompts):
     assert h.shape == (1, c.hidden_size)
 
 
-class Planted:
-    """A drafter proposing the true continuation (plain greedy decoding's), wrong wherever ``wrong(b, n)`` says
-    (``n``: the index of the drafted token in its sequence), so rounds accept all, some or none of their drafts.
-    For the rejection rule it says it drew each draft for sure (``q`` all on the draft)."""
+def plant(monkeypatch, truth: list[list[int]], vocab: int, wrong) -> None:
+    """Make every round of :class:`SpeculativeStep` verify chosen drafts: the true continuation (plain decoding's,
+    ``truth``: a row per slot), off by one wherever ``wrong(b, n)`` says (``n``: the index of the drafted token in
+    its sequence), so rounds keep all, some or none of them. For the rejection rule each draft is said to have been
+    drawn for sure (``q`` all on it)."""
+    replay = spec.SpeculativeStep.replay
 
-    def __init__(self, truth: list[list[int]], k: int, vocab: int, wrong):
-        self.truth, self.k, self.vocab, self.wrong = truth, k, vocab, wrong
-        self.order: list[int] = []
+    def planted(step):
+        for s in step._live:
+            n = step.cache.lengths[s] + 1                 # the index of the first draft's token
+            row = truth[s]
+            d = [(row[j] + (1 if wrong(s, j) else 0)) % vocab if j < len(row) else 0 for j in range(n, n + step.k)]
+            step.drafts[s] = torch.tensor(d)
+            if step.q is not None:
+                step.q[s] = F.one_hot(torch.tensor(d), vocab).float()
+        return replay(step)
 
-    def __call__(self, model, k, rule):
-        self.rule = rule
-        return self
-
-    def draft(self, cache, slots, nxt, hidden, lens, starts, settings):
-        self.order = self.order or list(slots)
-        out = []
-        for s, start, n in zip(slots, starts, lens):
-            b, first = self.order.index(s), start + n + 1          # the index of the first draft's token
-            row = self.truth[b]
-            out.append([(row[j] + (1 if self.wrong(b, j) else 0)) % self.vocab if j < len(row) else 0
-                        for j in range(first, first + self.k)])
-        q = F.one_hot(torch.tensor(out), self.vocab).float() if self.rule == "rejection" else None
-        return out, q
+    monkeypatch.setattr(spec.SpeculativeStep, "replay", planted)
 
 
 @pytest.mark.parametrize("sampled,rule", [(False, "coupled"), (True, "coupled"), (False, "rejection")],
@@ -146,8 +141,7 @@ def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain
     seeded sampling under the coupled rule (the verify draws with the same noise), greedy under the rejection
     rule; the counts show every kind of round."""
     want = plain_sampled if sampled else plain
-    planted = Planted(want.tolist(), k, model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
-    monkeypatch.setattr(spec, "MTPDrafter", planted)
+    plant(monkeypatch, want.tolist(), model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
     stats = Stats()
     got = generate(model, prompts, 7, mtp=k, mtp_rule=rule, stats=stats, **(SAMPLED if sampled else {}))
     assert torch.equal(got, want)
