@@ -53,17 +53,21 @@ _ACCEPT_SALT, _RESIDUAL_SALT = 0x2545F4914F6CDD1D, 0x5851F42D4C957F2D
 
 class Params:
     """:class:`SamplingParams` for rows that repeat each sequence's :class:`Sampling` ``repeat`` times, built once
-    per distinct set (a speculative round samples ``k + 1`` rows of each sequence)."""
+    per distinct set (a speculative round samples ``k + 1`` rows of each sequence); the last ``keep`` sets are kept
+    (a server's sets of requests change without end)."""
 
-    def __init__(self, device, vocab: int):
-        self.device, self.vocab, self._built = device, vocab, {}
+    def __init__(self, device, vocab: int, keep: int = 16):
+        self.device, self.vocab, self.keep, self._built = device, vocab, keep, {}
 
     def __call__(self, settings: list[Sampling], repeat: int = 1) -> SamplingParams:
         key = (tuple(settings), repeat)
-        if key not in self._built:
-            rows = [s for s in settings for _ in range(repeat)]
-            self._built[key] = SamplingParams.build(rows, self.device, self.vocab)
-        return self._built[key]
+        built = self._built.pop(key, None)
+        if built is None:
+            built = SamplingParams.build([s for s in settings for _ in range(repeat)], self.device, self.vocab)
+        self._built[key] = built                            # the newest last
+        if len(self._built) > self.keep:
+            del self._built[next(iter(self._built))]
+        return built
 
 
 def _check_rule(rule: str) -> None:

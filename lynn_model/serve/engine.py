@@ -209,8 +209,7 @@ class Engine:
                       for w in self.widths for greedy in (True, False)} if not mtp else {}
         if mtp:
             self.drafter = speculative.MTPDrafter(model, mtp, mtp_rule)
-            self._params = _RecentParams(dev, self.vocab)
-            self.drafter.params = self._params
+            self._params = self.drafter.params
         self.counters = Counters()
         self._queue: deque[Request] = deque()
         self._admitted: list[Request] = []                  # prefilling or decoding, in admission order
@@ -551,22 +550,3 @@ class Engine:
         """Put back what :meth:`_take_states` took (None: zeros, a fresh sequence's states)."""
         for i, t in enumerate((*self.cache.conv.values(), *self.cache.state.values())):
             t[slot].zero_() if states is None else t[slot].copy_(states[i])
-
-
-class _RecentParams(speculative.Params):
-    """:class:`~lynn_model.speculative.Params` that keeps the last ``keep`` sets it built: a server's sets of requests
-    change without end, and ``Params`` keeps every set."""
-
-    def __init__(self, device, vocab: int, keep: int = 16):
-        super().__init__(device, vocab)
-        self.keep, self._recent = keep, {}
-
-    def __call__(self, settings: list[Sampling], repeat: int = 1) -> SamplingParams:
-        key = (tuple(settings), repeat)
-        built = self._recent.pop(key, None)
-        if built is None:
-            built = SamplingParams.build([s for s in settings for _ in range(repeat)], self.device, self.vocab)
-        self._recent[key] = built                          # the newest last
-        if len(self._recent) > self.keep:
-            del self._recent[next(iter(self._recent))]
-        return built
