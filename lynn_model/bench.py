@@ -9,8 +9,9 @@
   (batch 8), one with the shared expert's gate unfolded and one with each mixer's input projections in one GEMV
   (``model.fuse_input_projections()``, measured last: the fusions' figures either way), then the fused step at
   batch 8 with its census (how ``lynn generate`` runs a batch of 8), then the fused step with each layer norm folded
-  into the next block's first kernel (``model.fuse_norms()``), batch 1 and 8, each with its census; prefill of 2,048 and
-  16,384 tokens, each with the profiler's kernel time beside it;
+  into the next block's first kernel (``model.fuse_norms()``), batch 1 and 8, each with its census; the fused step
+  with the opt-in NVFP4 LM head (``lm_head="nvfp4"``; not token-exact with the bf16 head), batch 1 and 8; prefill
+  of 2,048 and 16,384 tokens, each with the profiler's kernel time beside it;
 * ``lynn nvfp4 (prefill graph)``: the same prefills through a :class:`lynn_model.PrefillStep` captured for their
   length, and a 1,536-token prompt in the 2,048-row graph (padding), each checked against the eager prefill first;
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
@@ -287,6 +288,22 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
             _log(f"norms folded, batch {batch}: {err!r}")
         finally:
             model.fuse_norms(False)
+    head = model.lm_head.weight
+    try:                                         # the opt-in NVFP4 LM head (from_pretrained(lm_head="nvfp4"))
+        from lynn_model.loader import pack_linears, quantize_lm_head
+
+        quantize_lm_head(model)
+        pack_linears(model)
+        for batch in (1, 8):
+            grows, info[f"graph_b{batch}_nvfp4_head"] = graph_decode(
+                model, ids, batch, ceilings, "lynn nvfp4 (graph, fused, NVFP4 LM head)",
+                decode_bytes(model, CONTEXT) if batch == 1 else 0)
+            rows += grows
+    except Exception as err:
+        info.setdefault("graph_b1_nvfp4_head", {"error": f"{type(err).__name__}: {err}"})
+        _log(f"NVFP4 LM head: {err!r}")
+    finally:
+        model.lm_head.weight = head
     model = None
     torch.cuda.empty_cache()
     return rows, info
