@@ -7,11 +7,15 @@ prompt per sequence, batch 1 and 8. For k = 1..3 drafts:
   tokens (``Model.step(unroll=True)``, with its rollback), and of the drafts (the MTP module over 2 positions, then
   k - 1 single positions): eager steps, so this is the device's work, not what a captured graph would take end to
   end;
-* whether the verify's logits equal those of k + 1 decode steps bit for bit, and whether ``generate(mtp=k)`` gives
-  plain decoding's 32 tokens, greedy and seeded (the random MTP layer's drafts are nearly always rejected: this tests
-  the verify and the rollback, not the drafts);
-* a **projection**, labelled as one: tokens/s per sequence = acceptance length / (verify + drafts), at the
-  acceptance lengths SGLang reports for Qwen3.5 (k = 3: ~3.4), against the plain step's 1 / decode.
+* the time of one whole round captured as a CUDA graph (:class:`lynn_model.speculative.SpeculativeStep`: verify,
+  acceptance, rollback, MTP catch-up, k drafts) against the captured plain step (:class:`lynn_model.DecodeStep`),
+  CUDA events over 40 replays, median of 5, each round's inputs those the last one left (the tokens move on);
+* whether the verify's logits equal those of k + 1 decode steps bit for bit, and whether ``generate(mtp=k)`` (its
+  rounds captured) gives plain decoding's 32 tokens, greedy and seeded (the random MTP layer's drafts are nearly
+  always rejected: this tests the verify and the rollback, not the drafts);
+* a **projection**, labelled as one: tokens/s per sequence = acceptance length / round, at the acceptance lengths
+  SGLang reports for Qwen3.5 (k = 3: ~3.4), against the plain step's 1 / step; from the captured times, and from the
+  eager kernel times (verify + drafts) beside them.
 
     PYTHONPATH=. python3 experiments/mtp_verify.py
 
@@ -54,6 +58,52 @@ def kernel_us(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def replay_ms(replay, reps: int = 5, inner: int = 40) -> float:
+    """Median over ``reps`` of the GPU time per call of ``replay`` (CUDA events around ``inner`` calls), in ms."""
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / inner)
+    return statistics.median(times)
+
+
+def graph_rounds(model, config, batch: int, g) -> dict:
+    """Captured plain step and captured round of k = 1..3 drafts, ``batch`` sequences at ``PROMPT`` tokens: ms per
+    replay (greedy)."""
+    from lynn_model import DecodeStep, Sampling, SamplingParams
+    from lynn_model.speculative import MTPDrafter, SpeculativeStep
+
+    ids = torch.randint(0, config.vocab_size, (batch * PROMPT,), generator=g).cuda()
+    params = SamplingParams.build([Sampling()] * batch, "cuda", config.vocab_size)
+    out = {}
+    for k in (0, 1, 2, 3):
+        cache = model.new_cache(batch, batch * (PROMPT + 1024))
+        step = SpeculativeStep(model, cache, batch, k, params) if k else DecodeStep(model, cache, batch, params)
+        slots = [cache.add() for _ in range(batch)]
+        cache.reserve(slots, [PROMPT + 960] * batch)
+        logits, hidden = model.step(ids, cache, slots, [PROMPT] * batch, hidden=True)
+        first = logits.argmax(-1)
+        if k:
+            nxt = torch.cat([ids.view(batch, PROMPT)[:, 1:], first[:, None]], 1).reshape(-1).tolist()
+            drafts, q = MTPDrafter(model, k).draft(cache, slots, nxt, hidden, [PROMPT] * batch, [0] * batch,
+                                                   [Sampling()] * batch)
+            step.begin(slots, first.tolist(), drafts, q)
+            out[f"round_k{k}_ms"] = replay_ms(step.graph.replay)      # the device's time; no host read between
+        else:
+            step.begin(first, slots)
+            out["decode_ms"] = replay_ms(step.replay)
+        step = cache = None
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     config = lynn_model.preset("qwen3.5-35b-a3b").replace(mtp_layers=1)
     model = random_model(config, device="cuda")
@@ -73,6 +123,12 @@ def main() -> None:
                 model.step(tok[:batch], cache, slots, [1] * batch)
 
             row = {"batch": batch, "decode_us": kernel_us(decode)}
+            del cache
+            torch.cuda.empty_cache()
+            row.update(graph_rounds(model, config, batch, g))
+            cache = model.new_cache(batch, batch * (PROMPT + 512))
+            slots = [cache.add() for _ in range(batch)]
+            _, hidden = model.step(ids, cache, slots, [PROMPT] * batch, hidden=True)
             for k in (1, 2, 3):
                 mine = tok[:batch * (k + 1)]
 
@@ -109,19 +165,24 @@ def main() -> None:
         for k, acc in ASSUMED_ACCEPTANCE.items():
             t = row[f"verify_k{k}_us"] + row[f"draft_k{k}_us"]
             res["projection"][f"batch {row['batch']} k={k}"] = {
-                "assumed_acceptance_length": acc, "round_us": t, "speedup_over_decode": acc * row["decode_us"] / t}
+                "assumed_acceptance_length": acc, "round_us": t, "speedup_over_decode": acc * row["decode_us"] / t,
+                "captured_round_ms": row[f"round_k{k}_ms"], "captured_decode_ms": row["decode_ms"],
+                "captured_speedup_over_decode": acc * row["decode_ms"] / row[f"round_k{k}_ms"]}
     out_dir = Path(os.environ.get("OUT") or ROOT / "data" / "experiments" / "mtp-verify")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {path}")
-    print("batch  decode us  " + "  ".join(f"verify k={k}  draft k={k}" for k in (1, 2, 3)))
+    print("batch  decode us  " + "  ".join(f"verify k={k}  draft k={k}" for k in (1, 2, 3))
+          + "  graph: step ms  " + "  ".join(f"round k={k}" for k in (1, 2, 3)))
     for row in res["rows"]:
         print(f"{row['batch']:5d}  {row['decode_us']:9.0f}  " + "  ".join(
-            f"{row[f'verify_k{k}_us']:10.0f}  {row[f'draft_k{k}_us']:9.0f}" for k in (1, 2, 3)))
+            f"{row[f'verify_k{k}_us']:10.0f}  {row[f'draft_k{k}_us']:9.0f}" for k in (1, 2, 3))
+            + f"  {row['decode_ms']:14.3f}  " + "  ".join(f"{row[f'round_k{k}_ms']:9.3f}" for k in (1, 2, 3)))
     for name, p in res["projection"].items():
-        print(f"projection {name}: at acceptance {p['assumed_acceptance_length']}, {p['speedup_over_decode']:.2f}x "
-              f"the plain step")
+        print(f"projection {name}: at acceptance {p['assumed_acceptance_length']}, "
+              f"{p['captured_speedup_over_decode']:.2f}x the captured plain step ({p['speedup_over_decode']:.2f}x "
+              f"from eager kernel times)")
     print("exact:", res["exact"])
 
 
