@@ -155,7 +155,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
             needs, never more (default: no ceiling).
         cuda_graph: capture the decode step (default: on a GPU with the compiled kernels); False runs it eagerly.
         mtp: speculative decoding with ``mtp`` drafts (1-3) of the checkpoint's MTP module per step
-            (:mod:`lynn_model.speculative`), eager steps; 0: off.
+            (:mod:`lynn_model.speculative`), each round one :class:`SpeculativeStep` (captured like the plain step); 0:
+            off.
         mtp_rule: how a draft is accepted. ``"coupled"``: the same tokens as without ``mtp``, greedy or seeded.
             ``"rejection"``: the speculative sampling test, each token distributed as plain sampling's but not the
             same draws (greedy: the same tokens under both).
