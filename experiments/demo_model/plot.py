@@ -52,7 +52,7 @@ def quantization(out: Path) -> None:
     names = list(q["variants"])
     v = q["variants"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8.0, 3.2), dpi=100)
-    colors = ["tab:grey" if n == "bf16" else "tab:green" if n.startswith("nvfp4") else "tab:orange" for n in names]
+    colors = ["tab:grey" if n == "bf16" else "tab:green" if "nvfp4" in n else "tab:orange" for n in names]
     a.barh(names, [v[n]["perplexity"] for n in names], color=colors)
     a.set_xlim(min(v[n]["perplexity"] for n in names) * 0.95, max(v[n]["perplexity"] for n in names) * 1.02)
     a.set_xlabel("held-out perplexity")

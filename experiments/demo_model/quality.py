@@ -112,6 +112,9 @@ def main():
                          "torch reference on the CPU")
     ap.add_argument("--out", default=str(MODEL / "quality.json"))
     args = ap.parse_args()
+    # the commit the measured code is at: read before the run (a long run may see later commits land)
+    sha = os.environ.get("LYNN_GIT_SHA") or subprocess.run(["git", "rev-parse", "HEAD"], check=True, cwd=ROOT,
+                                                            capture_output=True, text=True).stdout.strip()
     tok = lynn_model.Tokenizer.from_pretrained(MODEL)
     ids = torch.tensor(tok.encode(HELDOUT.read_text()))
     starts = torch.arange(args.prompts) * (ids.numel() // args.prompts)
@@ -136,8 +139,6 @@ def main():
         rows[name]["greedy_match"] = same.float().mean().item()
         rows[name]["greedy_tokens_before_first_difference"] = first.float().mean().item()
         rows[name]["perplexity_vs_bf16"] = rows[name]["perplexity"] / rows["bf16"]["perplexity"]
-    sha = os.environ.get("LYNN_GIT_SHA") or subprocess.run(["git", "rev-parse", "HEAD"], check=True, cwd=ROOT,
-                                                            capture_output=True, text=True).stdout.strip()
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_sha": sha,
         "torch": torch.__version__, "backend": "torch reference (lynn_kernels.use_reference), CPU, bf16 activations",
