@@ -27,6 +27,9 @@ def add(sub):
     p.add_argument("--max-tokens", type=integer(1, 10**9), default=None, metavar="N",
                    help="the cache's token budget (default: the prompt plus --max-new-tokens, at most the model's "
                         "context)")
+    p.add_argument("--prefill-chunk", type=integer(1, 10**9), default=16384, metavar="N",
+                   help="the most prompt tokens one prefill call takes; a longer prompt runs in several, each "
+                        "continuing the cached prefix (default %(default)s)")
     p.add_argument("--temperature", type=number(0.0, 100.0), default=0.8, help="0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=integer(0, 2**31 - 1), default=40, help="keep the k likeliest tokens; 0: all "
                                                                            "(default 40)")
@@ -194,6 +197,7 @@ def run(args) -> int:
             lynn_model.generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k or None, top_p=args.top_p, seed=seed, stop_ids=stops,
                                 stream=stream, stats=stats, max_tokens=args.max_tokens, mtp=args.mtp,
+                                prefill_chunk=args.prefill_chunk,
                                 mtp_rule=args.mtp_rule)
     except (ValueError, lynn_model.CacheFull) as err:
         if echoed and not args.chat:

@@ -76,8 +76,13 @@ class NonFiniteError(ValueError):
     """:func:`generate` met logits that are not finite (NaN or inf): the weights or the inputs are likely damaged."""
 
 
+#: The most prompt tokens one prefill call of :func:`generate` takes (``prefill_chunk``): at the Qwen3.5-35B-A3B
+#: shape a call's activations grow with it (the routed experts' rows, the Gated DeltaNet chunk states).
+PREFILL_CHUNK = 16384
+
+
 def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, seed=None,
-                        max_tokens=None, mtp=0, mtp_rule="coupled") -> None:
+                        max_tokens=None, mtp=0, mtp_rule="coupled", prefill_chunk=PREFILL_CHUNK) -> None:
     """Raise a ValueError naming the first bad argument of :func:`generate`, what it expects and what it got; needs
     no model, so it runs before the model is touched.
 
@@ -91,6 +96,8 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     check_sampling_args(temperature, top_k, top_p, seed)
     if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
         raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per step; 0: off)")
+    if not _is_int(prefill_chunk) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk = {prefill_chunk!r}: expected an int >= 1 (prompt tokens per prefill call)")
     if mtp_rule not in RULES:
         raise ValueError(f"mtp_rule = {mtp_rule!r}: expected one of {', '.join(map(repr, RULES))}")
 
@@ -127,13 +134,13 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
              top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
              stream: Callable[[torch.Tensor], None] | None = None, stats: Stats | None = None,
              max_tokens: int | None = None, cuda_graph: bool | None = None, mtp: int = 0,
-             mtp_rule: str = "coupled") -> torch.Tensor:
+             mtp_rule: str = "coupled", prefill_chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Continue ``B`` prompts by up to ``max_new_tokens`` tokens each.
 
-    One packed prefill of the prompts, then decode steps of the whole batch through a :class:`DecodeStep`: on a GPU
-    with the compiled kernels a CUDA graph captured once (the batch padded to its bucket, 1, 2, 4, ..., 32) and
-    replayed per token, the host reading each step's tokens while the next step runs; elsewhere the same step
-    eagerly.
+    A packed prefill of the prompts (in calls of at most ``prefill_chunk`` tokens), then decode steps of the whole batch
+    through a :class:`DecodeStep`: on a GPU with the compiled kernels a CUDA graph captured once (the batch padded to
+    its bucket, 1, 2, 4, ..., 32) and replayed per token, the host reading each step's tokens while the next step runs;
+    elsewhere the same step eagerly.
 
     The model's context (``model.config.max_position_embeddings`` tokens) bounds every sequence: a prompt longer
     than it is refused; ``max_new_tokens`` beyond what fits after the longest prompt is cut to fit, and the call
@@ -157,6 +164,9 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         mtp: speculative decoding with ``mtp`` drafts (1-3) of the checkpoint's MTP module per step
             (:mod:`lynn_model.speculative`), each round one :class:`SpeculativeStep` (captured like the plain step); 0:
             off.
+        prefill_chunk: the most prompt tokens one prefill call takes: longer prompts run in several calls, each
+            continuing the cached prefix (bounded memory for a long prompt; the logits equal a single call's to
+            rounding).
         mtp_rule: how a draft is accepted. ``"coupled"``: the same tokens as without ``mtp``, greedy or seeded.
             ``"rejection"``: the speculative sampling test, each token distributed as plain sampling's but not the
             same draws (greedy: the same tokens under both).
@@ -173,7 +183,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         CacheFull: ``max_tokens`` cannot hold the prompts and the new tokens.
     """
     check_generate_args(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        max_tokens=max_tokens, mtp=mtp, mtp_rule=mtp_rule)
+                        max_tokens=max_tokens, mtp=mtp, mtp_rule=mtp_rule, prefill_chunk=prefill_chunk)
     if mtp and model.mtp is None:
         raise ValueError(f"mtp = {mtp}: {model.config.name or model.config.family} has no MTP module (its checkpoint "
                          f"holds no mtp.* tensors)")
@@ -228,10 +238,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         cache.reserve(slots, [len(r) + max_new_tokens + mtp for r in rows])   # every page now: no CacheFull later
         _sync(dev)
         t0 = time.perf_counter()
-        logits = model.step(torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev), cache, slots,
-                            [len(r) for r in rows], hidden=bool(mtp))
-        if mtp:
-            logits, hidden = logits
+        logits, hidden = _prefill(model, cache, slots, rows, prefill_chunk, bool(mtp))
         counter = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
         nxt = sample_rows(logits, SamplingParams.build([setting] * nseq, dev, vocab), counter)
         # the finite check rides on the copy of the tokens (max propagates NaN: one reduction per row)
@@ -274,6 +281,34 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         _sync(dev)
         stats.decode_s = time.perf_counter() - t0
     return _pack(out)
+
+
+def _prefill(model: Model, cache, slots: list[int], rows: list[list[int]], chunk: int, hidden: bool):
+    """The prompts through :meth:`Model.step` in calls of at most ``chunk`` tokens, in order (a prompt longer than
+    ``chunk`` in several calls, each continuing its cached prefix; short ones packed together). Returns the logits of
+    each prompt's last token ``[B, vocab]`` and, with ``hidden``, every prompt row's hidden state, packed in prompt
+    order (else None)."""
+    dev = model.device
+    pieces = [(b, s, min(chunk, len(r) - s)) for b, r in enumerate(rows) for s in range(0, len(r), chunk)]
+    calls, size = [[]], 0
+    for piece in pieces:                      # a full chunk fills a call: a prompt's pieces never share one
+        if size + piece[2] > chunk:
+            calls.append([])
+            size = 0
+        calls[-1].append(piece)
+        size += piece[2]
+    last, rows_h = [None] * len(rows), [[] for _ in rows]
+    for call in calls:
+        ids = torch.tensor([t for b, s, n in call for t in rows[b][s:s + n]], dtype=torch.long, device=dev)
+        out = model.step(ids, cache, [slots[b] for b, _, _ in call], [n for _, _, n in call], hidden=hidden)
+        logits, h = out if hidden else (out, None)
+        for i, (b, s, n) in enumerate(call):
+            if s + n == len(rows[b]):
+                last[b] = logits[i]
+        if hidden:
+            for (b, _, _), part in zip(call, h.split([n for _, _, n in call])):
+                rows_h[b].append(part)
+    return torch.stack(last), torch.cat([p for r in rows_h for p in r]) if hidden else None
 
 
 def _speculative(step: SpeculativeStep, slots, out, first, hidden, budget, stops, stream, stats, live,

@@ -206,6 +206,33 @@ def test_lynn_generate_streams_text_and_reports_speed(folder, model, capsys):
     assert main(["generate", "--model", str(folder / "missing"), "x"]) == 2
 
 
+def test_a_chunked_prefill_continues_each_prompt(model):
+    from lynn_model.generate import _prefill
+    """Prompts of 70, 23 and 9 tokens prefilled in calls of at most 16 tokens (the long one in five, continuing its
+    cached prefix; the last piece of one packed with the next prompt where they fit): each prompt's logits equal a
+    single call's to rounding (fp32), so the greedy tokens are the same."""
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (70, 23, 9)]
+    calls = []
+    step = lynn_model.Model.step
+
+    def counted(self, tokens, cache, slots, new_lens, **kw):
+        calls.append(list(new_lens))
+        return step(self, tokens, cache, slots, new_lens, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lynn_model.Model, "step", counted)
+        chunked = _greedy(model, rows, 6, prefill_chunk=16)
+    assert calls == [[16], [16], [16], [16], [6], [16], [7, 9]]        # then the decode steps (no model.step)
+    assert torch.equal(chunked, _greedy(model, rows, 6))
+    with lynn_kernels.use_reference(), torch.inference_mode():
+        cache, whole = model.new_cache(1, 128), model.new_cache(1, 128)
+        a, b = cache.add(), whole.add()
+        logits, _ = _prefill(model, cache, [a], rows[:1], 16, False)
+        want = model.step(torch.tensor(rows[0]), whole, [b], [70])
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_stopped_sequence_leaves_the_batch(model):
     """Row 0 stops at its first token (its row idles from then on); row 1 goes on (the same tokens as run alone),
     the stream shows -1 for the finished row, and the statistics count real tokens only."""
@@ -384,6 +411,7 @@ BAD_ARGS = [                 # (arguments, the name the message starts with (as 
     ({"seed": 2**63}, "seed", r"an int in \[0, 2\*\*63\)"),
     ({"seed": 10**23}, "seed", r"an int in \[0, 2\*\*63\)"),
     ({"seed": 1e23}, "seed", r"an int in \[0, 2\*\*63\)"),
+    ({"prefill_chunk": 0}, "prefill_chunk", "an int >= 1"),
 ]
 
 
