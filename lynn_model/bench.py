@@ -4,7 +4,8 @@
   head, router and gates stay bf16), run step by step from Python (``model.step``);
 * ``lynn nvfp4 (graph)``: the same model's decode step captured as a CUDA graph (:class:`lynn_model.DecodeStep`),
   batch 1 and 8, its tokens checked against the same step run eagerly; ``generate()``: what a user's call gives;
-  the census of GPU operations per part of a step; ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
+  the census of GPU operations per part of a step (each part's bytes, its ideal time at the read ceiling and the
+  efficiency beside it); ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
   weights, graph-replayed (what 4-bit weights buy); graph rows at contexts of 1k, 4k and 32k (batch 1) and 4k
   (batch 8), one with the shared expert's gate unfolded and one with each mixer's input projections in one GEMV
   (``model.fuse_input_projections()``, measured last: the fusions' figures either way), then the fused step at
@@ -81,6 +82,40 @@ def decode_bytes(model, context: int) -> int:
     kv = 2 * context * c.num_key_value_heads * c.head_dim * 2 * len(c.attention_layers)
     state = 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * len(c.linear_layers)
     return total + kv + state
+
+
+def part_bytes(model, batch: int = 1, context: int = CONTEXT) -> dict[str, int]:
+    """Bytes one decode step of ``batch`` sequences at ``context`` tokens each moves per part of :func:`census`, for
+    one layer of each kind (the census's names): every weight the part reads once a step, the routed experts
+    counted as the distinct experts ``batch`` tokens are expected to pick under uniform routing (``E (1 - (1 - k /
+    E)^batch)``), the KV cache an attention layer reads, the Gated DeltaNet recurrent and conv states read and
+    written. The ideal time of a part is these bytes at the read ceiling."""
+    from lynn_model.model import GatedDeltaNet, Linear
+
+    c, dt = model.config, model.dtype.itemsize
+
+    def weights(module) -> int:
+        total = sum(_nbytes(m.weight) for m in module.modules() if isinstance(m, Linear))
+        if isinstance(module, GatedDeltaNet):
+            total += sum(_nbytes(t) for t in (module.conv_weight, module.dt_bias, module.A_log, module.norm_weight))
+        return total
+
+    gdn = next(m for m in model.layers if m.kind != "full_attention").mixer
+    attn = next(m for m in model.layers if m.kind == "full_attention").mixer
+    moe = model.layers[0].mlp
+    e, k = c.num_experts, c.num_experts_per_tok
+    distinct = e * (1 - (1 - k / e) ** batch)
+    experts = (_nbytes(moe.w13) + _nbytes(moe.w2)) * distinct / e
+    shared = _nbytes(moe.shared.w13) + _nbytes(moe.shared.w2) + _nbytes(moe.shared.gate_weight) \
+        if moe.shared is not None else 0
+    state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * dt
+    kv = context * c.num_key_value_heads * c.head_dim * 2 * dt
+    return {"embedding": batch * c.hidden_size * dt,
+            "Gated DeltaNet mixer": weights(gdn) + batch * 2 * (state + conv),
+            "gated attention mixer": weights(attn) + batch * kv,
+            "MoE block (router, experts, shared expert)": int(_nbytes(moe.router) + experts + shared),
+            "LM head": _nbytes(model.lm_head.weight)}
 
 
 def active_params(model) -> int:
@@ -230,7 +265,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     rows.append(generate_row(model, ids, ceilings, nbytes))
     for key, batch in (("census", 1), ("census_b8", 8)):
         try:
-            info[key] = census(model, batch)
+            info[key] = census(model, batch, ceilings)
         except Exception as err:                 # the timed rows above stand; the census's failure is recorded
             info[key] = {"error": f"{type(err).__name__}: {err}"}
             _log(f"census at batch {batch} failed: {err!r}")
@@ -264,14 +299,14 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         info["graph_b1_fused_key64"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"64-bit top-k keys failed: {err!r}")
     try:                                         # the census of the step as fused
-        info["census_fused"] = census(model)
+        info["census_fused"] = census(model, 1, ceilings)
     except Exception as err:
         info["census_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"census of the fused step failed: {err!r}")
     try:                                         # batch 8 as `lynn generate` runs it (the fused forms)
         grows, info["graph_b8_fused"] = graph_decode(model, ids, 8, ceilings, "lynn nvfp4 (graph, fused)", 0)
         rows += grows
-        info["census_b8_fused"] = census(model, 8)
+        info["census_b8_fused"] = census(model, 8, ceilings)
     except Exception as err:
         info.setdefault("graph_b8_fused", {"error": f"{type(err).__name__}: {err}"})
         info["census_b8_fused"] = {"error": f"{type(err).__name__}: {err}"}
@@ -282,7 +317,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
             grows, info[key] = graph_decode(model, ids, batch, ceilings, "lynn nvfp4 (graph, fused, norms folded)",
                                             decode_bytes(model, CONTEXT) if batch == 1 else 0)
             rows += grows
-            info[key.replace("graph", "census")] = census(model, batch)
+            info[key.replace("graph", "census")] = census(model, batch, ceilings)
         except Exception as err:
             info.setdefault(key, {"error": f"{type(err).__name__}: {err}"})
             _log(f"norms folded, batch {batch}: {err!r}")
@@ -438,11 +473,12 @@ def generate_row(model, ids, ceilings: Ceilings, nbytes: int) -> Result:
                      f"{stats.capture_s:.1f} s, prefill {stats.prefill_tok_s:,.0f} tok/s")
 
 
-def census(model, batch: int = 1) -> dict:
+def census(model, batch: int = 1, ceilings: Ceilings | None = None) -> dict:
     """Kernels (GPU operations: kernels, copies, memsets) and their GPU time in one decode step of ``batch``
     sequences at ``CONTEXT`` tokens each, by part, from the CUDA profiler over one eager run of each part on a
     :class:`lynn_model.DecodeStep`'s static buffers; ``per_step`` adds them up by the layer counts, ``whole_step``
-    profiles the whole step as a check."""
+    profiles the whole step as a check. Beside each part with a byte count (:func:`part_bytes`): its bytes, its
+    ideal time at ``ceilings``' read bandwidth and the efficiency (ideal / measured)."""
     import torch.nn.functional as F
 
     import lynn_kernels
@@ -495,12 +531,19 @@ def census(model, batch: int = 1) -> dict:
                 continue
             out[name] = {"kernels": n, "us": us, "per_step": times, "detail": detail}
         n, us, _ = _profile(step._forward)
+    if ceilings is not None:
+        for name, nbytes in part_bytes(model, batch).items():
+            if name in out and out[name]["us"]:
+                ideal = nbytes / (ceilings.read_gbps * 1e3)
+                out[name].update(bytes=nbytes, ideal_us=ideal, efficiency=ideal / out[name]["us"])
     total = sum(v["kernels"] * v["per_step"] for v in out.values())
     out["per_step"] = {"kernels": total, "us": sum(v["us"] * v["per_step"] for v in out.values() if "us" in v)}
     out["whole_step"] = {"kernels": n, "us": us}
     for name, v in out.items():
         _log(f"census {name}: {v['kernels']} kernels, {v['us']:.1f} us" + (f" x {v['per_step']}" if "per_step" in v
-                                                                             and name != "per_step" else ""))
+                                                                             and name != "per_step" else "")
+             + (f"; {v['bytes'] / 1e6:.2f} MB, ideal {v['ideal_us']:.1f} us, {v['efficiency']:.0%}"
+                if "bytes" in v else ""))
         if len(v.get("detail", ())) > 1:
             _log("    " + ", ".join(f"{k} {t:.1f}" for k, t in v["detail"]))
     step = cache = None

@@ -450,3 +450,29 @@ def test_decode_bytes_counts_every_weight_kind():
     assert blocks and all(shared_slot(m.w13, m.w2, m.shared) for m in blocks)
     assert all(_nbytes(w) > 0 for m in blocks for w in (m.w13, m.w2, m.shared.w13, m.shared.w2))
     assert decode_bytes(plain, 64) <= decode_bytes(packed, 64) <= 1.03 * decode_bytes(plain, 64)
+
+
+def test_part_bytes_add_up_to_the_steps_bytes():
+    """``lynn_model.bench.part_bytes`` (the census's ideal times): over a step's layer counts the parts add up to
+    :func:`decode_bytes` plus what only the parts count (the Gated DeltaNet conv states and its small tensors); the
+    routed experts are the batch's expected distinct picks: ``top_k / E`` of the stacks for one token, nearly all of
+    them for a batch of 512."""
+    import lynn_model
+    from lynn_model.bench import _nbytes, decode_bytes, part_bytes
+
+    config = lynn_model.preset("tiny-qwen3.5-moe")
+    with lynn_kernels.use_reference():
+        model = lynn_model.loader.random_model(config, device="cpu")
+    c, parts = model.config, part_bytes(model, 1, 64)
+    gdn = next(m for m in model.layers if m.kind != "full_attention").mixer
+    extra = sum(_nbytes(t) for t in (gdn.conv_weight, gdn.dt_bias, gdn.A_log, gdn.norm_weight)) \
+        + 2 * c.conv_dim * (c.linear_conv_kernel_dim - 1) * model.dtype.itemsize
+    counts = {"embedding": 1, "Gated DeltaNet mixer": len(c.linear_layers),
+              "gated attention mixer": len(c.attention_layers),
+              "MoE block (router, experts, shared expert)": c.num_hidden_layers, "LM head": 1}
+    total = sum(parts[name] * n for name, n in counts.items())
+    assert abs(total - (decode_bytes(model, 64) + len(c.linear_layers) * extra)) <= c.num_hidden_layers
+    moe = model.layers[0].mlp
+    stacks = _nbytes(moe.w13) + _nbytes(moe.w2)
+    one, many = (part_bytes(model, b, 64)["MoE block (router, experts, shared expert)"] for b in (1, 512))
+    assert many - one == pytest.approx(stacks * (1 - c.num_experts_per_tok / c.num_experts), rel=1e-3)
