@@ -79,6 +79,19 @@ def _scrub(cache: Cache, rows: int) -> None:
         t[0].zero_()
 
 
+def check_step(model: Model, cache: Cache, rows: int, params: SamplingParams, what: str) -> None:
+    """The arguments every step on static buffers takes (``what``: its class, for the message)."""
+    if rows < 1 or rows > cache.max_batch:
+        raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
+    if params.temperature.shape != (rows,):
+        raise ValueError(f"params has {tuple(params.temperature.shape)} rows of settings; expected ({rows},)")
+    if any(cache.active):
+        raise ValueError(f"build a {what} while the cache holds no sequence (its warm-up writes states and page 0); "
+                         f"active now: {[s for s, a in enumerate(cache.active) if a]}")
+    if cache.config != model.config or cache.device != model.device:
+        raise ValueError("the cache was built for another model: use model.new_cache(...)")
+
+
 class DecodeStep:
     """One decode step of rows ``0..rows-1`` of ``cache`` on static buffers (see the module docstring).
 
@@ -90,15 +103,7 @@ class DecodeStep:
 
     def __init__(self, model: Model, cache: Cache, rows: int, params: SamplingParams, *, graph: bool | None = None,
                  pool=None, pdl: bool = True):
-        if rows < 1 or rows > cache.max_batch:
-            raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
-        if params.temperature.shape != (rows,):
-            raise ValueError(f"params has {tuple(params.temperature.shape)} rows of settings; expected ({rows},)")
-        if any(cache.active):
-            raise ValueError(f"build a DecodeStep while the cache holds no sequence (its warm-up writes states and "
-                             f"page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
-        if cache.config != model.config or cache.device != model.device:
-            raise ValueError("the cache was built for another model: use model.new_cache(...)")
+        check_step(model, cache, rows, params, "DecodeStep")
         self.model, self.cache, self.rows, self.params, self.pdl = model, cache, rows, params, pdl
         dev = cache.device
         self.out = torch.zeros(2, rows, dtype=torch.int64, device=dev)   # one copy brings both to the host

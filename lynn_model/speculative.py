@@ -39,7 +39,11 @@ from __future__ import annotations
 
 import torch
 
+import lynn_kernels
+from lynn_kernels.attention import decode_plan
+
 from .cache import Batch, Cache
+from .graphs import _scrub, _use_graph, _warm_up, check_step
 from .model import Model
 from .sampling import Sampling, SamplingParams, probabilities, sample_rows, uniform
 
@@ -191,7 +195,6 @@ class SpeculativeStep:
 
     def __init__(self, model: Model, cache: Cache, rows: int, k: int, params: SamplingParams, rule: str = "coupled",
                  *, graph: bool | None = None, pool=None):
-        from .graphs import _use_graph
 
         if model.mtp is None:
             raise ValueError(f"{model.config.name or model.config.family}: this model has no MTP module (its "
@@ -199,13 +202,7 @@ class SpeculativeStep:
         _check_rule(rule)
         if not isinstance(k, int) or not 1 <= k <= 3:
             raise ValueError(f"k = {k!r}: expected 1, 2 or 3 drafts")
-        if rows < 1 or rows > cache.max_batch:
-            raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
-        if params.temperature.shape != (rows,):
-            raise ValueError(f"params has {tuple(params.temperature.shape)} rows of settings; expected ({rows},)")
-        if any(cache.active):
-            raise ValueError(f"build a SpeculativeStep while the cache holds no sequence (its warm-up writes states "
-                             f"and page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
+        check_step(model, cache, rows, params, "SpeculativeStep")
         self.model, self.cache, self.rows, self.k, self.rule, self.params = model, cache, rows, k, rule, params
         dev, u, vocab = cache.device, k + 1, model.config.vocab_size
         self.params_u = SamplingParams(*(t.repeat_interleave(u) for t in (params.temperature, params.top_k,
@@ -250,8 +247,6 @@ class SpeculativeStep:
         b.seq_lens.copy_(torch.where(active, pos + 1, 0))
 
     def _forward(self) -> None:
-        from lynn_kernels.attention import decode_plan
-
         m, cache, n, k, u = self.model, self.cache, self.rows, self.k, self.k + 1
         self._plan_verify()
         tokens = torch.cat([self.pending[:, None], self.drafts], 1).view(-1)
@@ -296,14 +291,10 @@ class SpeculativeStep:
         self.lengths.copy_(new_len)
 
     def _run(self) -> None:
-        import lynn_kernels
-
         with torch.inference_mode(), lynn_kernels.trusted():
             self._forward()
 
     def _capture(self, pool) -> None:
-        from .graphs import _scrub, _warm_up
-
         # warm-up near the cache's full length (the autotuners time real work), every row active; then the capture
         cap = self.batch_v.block_table.shape[1] * self.cache.page_size
         self.active.fill_(True)
@@ -316,8 +307,6 @@ class SpeculativeStep:
         self.active.fill_(False)
         self.lengths.zero_()
         self.graph = torch.cuda.CUDAGraph()
-        import lynn_kernels
-
         with torch.inference_mode(), lynn_kernels.trusted(), torch.cuda.graph(self.graph, pool=pool):
             self._forward()
         torch.cuda.synchronize(self.cache.device)
