@@ -133,17 +133,16 @@ def plant(monkeypatch, truth: list[list[int]], vocab: int, wrong) -> None:
     monkeypatch.setattr(spec.SpeculativeStep, "replay", planted)
 
 
-@pytest.mark.parametrize("sampled,rule", [(False, "coupled"), (True, "coupled"), (False, "rejection")],
-                         ids=["greedy", "sampled", "greedy-rejection"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain, plain_sampled, monkeypatch,
-                                                           sampled, rule, k=3):
+                                                           sampled, k=3):
     """Drafts right, partly right and wrong (planted): the output is plain decoding's token for token, greedy or
-    seeded sampling under the coupled rule (the verify draws with the same noise), greedy under the rejection
-    rule; the counts show every kind of round."""
+    seeded sampling (the coupled rule: the verify draws with the same noise); the counts show every kind of round.
+    (The rejection rule's acceptance is tested on its own below, and end to end by ``lynn generate``.)"""
     want = plain_sampled if sampled else plain
     plant(monkeypatch, want.tolist(), model.config.vocab_size, lambda b, j: (j + b) % 4 == 0)
     stats = Stats()
-    got = generate(model, prompts, 7, mtp=k, mtp_rule=rule, stats=stats, **(SAMPLED if sampled else {}))
+    got = generate(model, prompts, 7, mtp=k, stats=stats, **(SAMPLED if sampled else {}))
     assert torch.equal(got, want)
     assert 0 < stats.accepted < stats.drafted
     assert stats.verify_steps < 6                     # fewer steps than plain decoding's
@@ -152,6 +151,33 @@ def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain
         rebuilt = [t for i, d, a, y in stats.rounds if i == b for t in [*d[:a], y]]
         assert rebuilt[:6] == want[b, len(prompt) + 1:len(prompt) + 7].tolist()
     assert sum(a for _, _, a, _ in stats.rounds) == stats.accepted
+
+
+def test_a_sequence_that_stops_leaves_the_round_and_the_others_go_on(model, prompts, plain):
+    """A stop id the first sequence emits at its 4th new token (the second goes on): the speculative run stops it
+    there too (its row idles in the step), and the second sequence's tokens are unchanged."""
+    end = len(prompts[0]) + 4
+    stop = plain[0, end - 1].item()
+    assert stop not in plain[0, len(prompts[0]):end - 1].tolist() + plain[1, len(prompts[1]):].tolist()
+    want = plain.clone()
+    want[0, end:] = stop                             # plain decoding with the stop id: the row ends there, padded
+    assert torch.equal(generate(model, prompts, 7, stop_ids=[stop], mtp=2), want)
+
+
+def test_speculative_step_arguments_are_checked(model):
+    from lynn_model.sampling import Sampling, SamplingParams
+
+    cache = model.new_cache(2, 64)
+    params = SamplingParams.build([Sampling()] * 2, "cpu", model.config.vocab_size)
+    with pytest.raises(ValueError, match=r"k = 4: expected 1, 2 or 3 drafts"):
+        spec.SpeculativeStep(model, cache, 2, 4, params)
+    with pytest.raises(ValueError, match=r"rule = 'greedy': expected one of 'coupled', 'rejection'"):
+        spec.SpeculativeStep(model, cache, 2, 2, params, "greedy")
+    with pytest.raises(ValueError, match=r"params has \(2,\) rows of settings; expected \(1,\)"):
+        spec.SpeculativeStep(model, cache, 1, 2, params)
+    step = spec.SpeculativeStep(model, cache, 2, 2, params)
+    with pytest.raises(ValueError, match="q: the drafts' distributions go with the rejection rule"):
+        step.begin([0], [1], [[2, 3]], torch.zeros(1, 2, model.config.vocab_size))
 
 
 def test_the_rejection_rule_keeps_the_trunks_distribution(n=40000, k=2, vocab=6):
