@@ -289,3 +289,22 @@ def test_lynn_generate_mtp_prints_the_same_text(tmp_path, capsys):
         assert main(seeded) == 0
         runs.append(capsys.readouterr())
     assert runs[0].out == runs[1].out and "2 MTP drafts a step (rejection)" in runs[0].err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset_name", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_gpu_captured_rounds_give_the_eager_rounds_tokens(preset_name, rule):
+    """The whole round captured as one CUDA graph (SpeculativeStep on the compiled kernels, fused as ``lynn
+    generate`` runs it) and the same round run eagerly give the same tokens over 24 new tokens of a batch of 3
+    (bucket 4: an idle row), greedy and sampled; greedy and coupled-sampled, plain decoding's tokens."""
+    config = preset(preset_name).replace(num_hidden_layers=4, mtp_layers=1)
+    model = random_model(config, weights="nvfp4", device="cuda", seed=4)
+    model.fuse_for_decode()
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randint(0, config.vocab_size, (4 + 6 * b,), generator=gen).tolist() for b in range(3)]
+    for kw in ({}, {"temperature": 0.9, "top_k": 40, "seed": 5}):
+        runs = [generate(model, rows, 24, mtp=3, mtp_rule=rule, cuda_graph=graph, **kw) for graph in (False, True)]
+        assert torch.equal(runs[0], runs[1])
+        if rule == "coupled" or not kw:
+            assert torch.equal(runs[1], generate(model, rows, 24, **kw))
