@@ -54,9 +54,9 @@ projection as the shipped trunk stores them), ``train_mtp_log.jsonl`` (a line pe
 ``Model.mtp_step`` on one prompt (they must agree: a difference is a forward that differs, not training); then
 ``generate`` on held-out prompts with ``mtp=0`` and ``mtp=1..3``: the same tokens or not, drafts accepted, tokens per
 verify step (``Stats.acceptance_length``), wall and CPU time; and sampled at ``--verify-temperature`` under both
-acceptance rules (drafts kept; the coupled rule's tokens against plain sampling's). ``--verify-only DIR`` runs that check alone on
-``DIR/mtp.safetensors``, writing ``verify.json`` into ``--out`` (``--threads 1 --verify-reps 2`` for CPU timings on
-a shared machine).
+acceptance rules (drafts kept; the coupled rule's tokens against plain sampling's). ``--verify-only DIR`` runs that
+check alone on ``DIR/mtp.safetensors``, writing ``verify.json`` into ``--out`` (``--threads 1 --verify-reps 2`` for CPU
+timings on a shared machine).
 """
 
 from __future__ import annotations
@@ -525,8 +525,14 @@ def main():
         out.mkdir(parents=True, exist_ok=True)
         dest = Path(args.verify_dir) if args.verify_dir else out / "demo-mtp"
         folder = assemble(model_dir, src / "mtp.safetensors", dest)
+        prov = provenance()                       # the commit the check runs at (it may differ from the training's)
         res = verify(folder, drafts, args.verify_prompts, args.verify_prompt_tokens, args.verify_new_tokens,
                      args.device, args.verify_reps, args.verify_temperature)
+        res = {**{k: prov[k] for k in ("date", "git_sha", "git_dirty", "torch", "python")},
+               "command": "PYTHONPATH=. python3 experiments/demo_model/train_mtp.py --verify-only DIR " + " ".join(
+                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                   if k in ("device", "threads", "verify_reps", "verify_temperature", "verify_drafts",
+                            "verify_prompts", "verify_new_tokens") and v is not None), **res}
         if not args.verify_dir:
             shutil.rmtree(dest)
         (out / "verify.json").write_text(json.dumps(res, indent=1) + "\n")
