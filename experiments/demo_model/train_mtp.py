@@ -521,6 +521,8 @@ def main():
         return
     drafts = [int(k) for k in args.verify_drafts.split(",") if k]
 
+    from lynn_kernels.bench.harness import provenance
+
     def run_verify(src: Path, out: Path) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         dest = Path(args.verify_dir) if args.verify_dir else out / "demo-mtp"
@@ -541,8 +543,6 @@ def main():
     if args.verify_only:                          # DIR may be read-only (a device run's files): write into --out
         run_verify(Path(args.verify_only), Path(args.out))
         return
-
-    from lynn_kernels.bench.harness import provenance
 
     t_start = time.perf_counter()
     device = torch.device(args.device)
