@@ -6,18 +6,13 @@ on its row count), so there the tokens agree to rounding only."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import lynn_kernels
 import lynn_model
 from lynn_cli.generate import DEMO_MODEL
 from lynn_model import speculative as spec
-from lynn_model.checkpoint import targets
 from lynn_model.sampling import SamplingParams, sample_rows
 from lynn_model.serve import Engine, Refused
 
@@ -31,21 +26,10 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    """The demo model with a random MTP module added (the demo checkpoint ships none): the same trunk, drafts the
-    trunk mostly rejects."""
-    folder = tmp_path_factory.mktemp("mtp") / "demo-mtp"
-    shutil.copytree(DEMO_MODEL, folder)
-    c = lynn_model.Config.from_pretrained(folder)
-    g = torch.Generator().manual_seed(1)
-    mtp = {name + ".weight": (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16)
-           for name, t in targets(c.replace(mtp_layers=1)).items() if name.startswith("mtp.")}
-    save_file(mtp, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with lynn_kernels.use_reference():
-        return lynn_model.from_pretrained(folder, dtype=torch.float32, device="cpu")
+def mtp_model(model):
+    """The demo model with its trained MTP head (``data/models/lynn-demo/mtp.safetensors``)."""
+    assert model.mtp is not None
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +351,7 @@ MTP_ASKS = {"a": (0, 9, 12, {}, 0), "sampled": (50, 40, 10, dict(temperature=0.9
 def test_speculative_rounds_give_each_request_its_solo_tokens(model, mtp_model, ids, drafter, rule):
     """Five requests, three rows, 32 prompt tokens a step (the 70-token prompt prefills in three chunks), two drafts
     a round: each request gets the tokens ``generate`` gives it alone without ``mtp``, greedy and seeded, with the
-    model's (random) MTP module and with planted drafts that rounds keep all, some or none of; under the rejection
+    model's trained MTP head and with planted drafts that rounds keep all, some or none of; under the rejection
     rule the greedy ones do, and the sampled ones their full count. The cache is empty at the end."""
     engine = Engine(mtp_model, rows=3, max_tokens=1024, prefill_tokens=32, mtp=2, mtp_rule=rule)
     assert not engine.steps                                  # nothing built or captured for plain decoding
@@ -499,8 +483,10 @@ def test_mtp_arguments_are_checked(model, mtp_model, ids):
         Engine(mtp_model, rows=1, max_tokens=64, mtp=4)
     with pytest.raises(ValueError, match=r"mtp_rule = 'strict': expected one of 'coupled', 'rejection'"):
         Engine(mtp_model, rows=1, max_tokens=64, mtp=1, mtp_rule="strict")
+    bare = lynn_model.loader.random_model(lynn_model.preset("tiny-qwen3.5").replace(num_hidden_layers=1),
+                                          dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"mtp = 1: .* has no MTP module"):
-        Engine(model, rows=1, max_tokens=64, mtp=1)
+        Engine(bare, rows=1, max_tokens=64, mtp=1)
     with pytest.raises(ValueError, match=r"cuda_graph = True with mtp = 2: the speculative rounds run eagerly"):
         Engine(mtp_model, rows=1, max_tokens=64, mtp=2, cuda_graph=True)
     engine = Engine(mtp_model, rows=1, max_tokens=64, mtp=2)

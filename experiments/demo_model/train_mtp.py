@@ -1,7 +1,7 @@
 """Train a multi-token prediction (MTP) head for the demo model, its trunk frozen, and measure what it buys.
 
 The question: how many drafts of a small MTP head does ``lynn_model.generate(mtp=k)`` get accepted on the demo model
-(``data/models/lynn-demo``, shipped without an MTP module), and is what the training script measures the same thing
+(``data/models/lynn-demo``, its trunk as first trained), and is what the training script measures the same thing
 the decoder sees? The head is Qwen3.5's (vLLM's Qwen3.5 / Qwen3-Next MTP model), built from HF transformers parts so
 that it trains with autograd: for position ``p``::
 
