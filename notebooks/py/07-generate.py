@@ -19,18 +19,21 @@
 # Notebook 06 checked the decoder against HF on random weights. Random weights say nothing about text, so the
 # workbench ships a model that has learnt some: `data/models/lynn-demo`, a tiny Qwen3.5-MoE (11.6M parameters)
 # trained for six minutes on an H200 on public-domain English (Jane Austen, the World English Bible, Moby Dick,
-# the State of the Union addresses). It is what `lynn generate` runs when no `--model` is given. This notebook:
+# the State of the Union addresses), with a multi-token prediction head (1.4M parameters more) trained afterwards
+# for speculative decoding. It is what `lynn generate` runs when no `--model` is given. This notebook:
 #
 # 1. loads it with `lynn_model` and its tokenizer: the configuration and where the parameters are
 # 2. tokenization: text to ids and back
 # 3. generation: greedy and sampled, and what temperature, top-k, top-p and the seed do to the next-token
 #    distribution
 # 4. the token stream with the probability of every token and its top-5 alternatives, coloured, and an explorer
-# 5. perplexity: computed live on a small held-out slice, then the committed table for bf16, NVFP4 and int4, and
+# 5. speculative decoding: the model's MTP head drafts tokens, the trunk verifies them; which drafts it keeps,
+#    token by token, under greedy and sampled decoding, and what it costs on a CPU
+# 6. perplexity: computed live on a small held-out slice, then the committed table for bf16, NVFP4 and int4, and
 #    bf16 against NVFP4 on one prompt, live
-# 6. the training run: loss curves and provenance
-# 7. `lynn generate` on the H200, from committed output
-# 8. `lynn serve`: the model behind an OpenAI-compatible HTTP server, started here and talked to with the `openai`
+# 7. the training run: loss curves and provenance
+# 8. `lynn generate` on the H200, from committed output
+# 9. `lynn serve`: the model behind an OpenAI-compatible HTTP server, started here and talked to with the `openai`
 #    client
 #
 # Everything runs on the CPU on the torch reference path (`lynn_kernels.use_reference()`), in bf16 as the model is
@@ -84,7 +87,7 @@ print(lk.device_summary())
 #
 # `lynn_model.from_pretrained(folder)` reads `config.json` into a `Config` and the safetensors shards into a
 # `Model`; `lynn_model.Tokenizer.from_pretrained(folder)` reads `tokenizer.json` and the chat template. The
-# weights stay as stored (bf16) unless `weights="nvfp4"` asks for them to be quantised on load (section 5).
+# weights stay as stored (bf16) unless `weights="nvfp4"` asks for them to be quantised on load (section 6).
 
 # %%
 with lk.use_reference():
@@ -108,10 +111,12 @@ print(f"generation  {read_json(DEMO_MODEL / 'generation_config.json')}")
 # %% [markdown]
 # Where the parameters are, counted from the checkpoint's safetensors headers (`checkpoint.read_headers`, no data
 # read). A token runs through 2 of the 8 routed experts of each layer, so only part of the model is active per
-# token:
+# token; the MTP module only drafts tokens for speculative decoding (section 5) and takes no part in a plain step:
 
 # %%
 def group(name):
+    if name.startswith("mtp."):
+        return "MTP module (section 5)"
     if "embed_tokens" in name:
         return "embedding (= LM head, tied)"
     if ".mlp.experts." in name:
@@ -131,11 +136,13 @@ counts = Counter()
 for e in checkpoint.read_headers(DEMO_MODEL):
     counts[group(e.name)] += math.prod(e.shape)
 total = sum(counts.values())
-routed = counts["routed experts"]
-active = total - routed * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+head = counts["MTP module (section 5)"]
+trunk = total - head
+active = trunk - counts["routed experts"] * (1 - cfg.num_experts_per_tok / cfg.num_experts)
 print(render_table([{"part": k, "parameters": f"{v:,}", "share": f"{v / total:.1%}"}
                     for k, v in counts.most_common()]))
-print(f"\ntotal {total:,} parameters ({total * 2 / 1e6:.1f} MB in bf16); active per token about {active / 1e6:.2f}M")
+print(f"\nthe trunk: {trunk:,} parameters ({trunk * 2 / 1e6:.1f} MB in bf16), active per token about "
+      f"{active / 1e6:.2f}M; the MTP module: {head:,} more")
 
 # %% [markdown]
 # ## 2. Tokenization
@@ -367,7 +374,7 @@ display(HTML(render_stream(prompt_ids, stream)))
 
 # %% [markdown]
 # The mean of `-log p` over the stream is the model's cross-entropy on its own sample: low, since `T = 0.8` and the
-# cut-offs favour likely tokens. Section 5 computes the same quantity on text the model has never seen:
+# cut-offs favour likely tokens. Section 6 computes the same quantity on text the model has never seen:
 
 # %%
 logp = [math.log(p) for _, p, _ in stream]
@@ -434,9 +441,229 @@ display(widgets.VBox([c_[0], widgets.HBox(c_[1:3]), widgets.HBox(c_[3:]),
 # %% [markdown]
 # Things to try: temperature 0 (greedy: one candidate at every position); a high temperature with top-k off, then
 # the same with top-k 10; the same settings with another seed. Positions where the grey bars are nearly level are
-# where two runs, or two versions of the weights, are most likely to part (section 5).
+# where two runs, or two versions of the weights, are most likely to part (section 6).
 #
-# ## 5. Perplexity, and what 4-bit weights cost
+# ## 5. Speculative decoding with the MTP head
+#
+# Qwen3.5 checkpoints carry a **multi-token prediction (MTP) module**: one extra decoder layer that reads the
+# trunk's last hidden state and the token just chosen and guesses the token after that; fed its own output, it
+# guesses on. `generate(..., mtp=k)` lets it **draft** `k` tokens, then runs the trunk once over the known token and
+# the `k` drafts (one **verify** step of `k + 1` tokens, each computed as its own decode step would compute it),
+# keeps the drafts up to the first one the trunk rejects and appends the trunk's own token after them: one
+# to `k + 1` tokens per step of the trunk, and greedy output is plain greedy's, token for token. The round in full,
+# and why it is exact, is in [docs/decoder.md](../docs/decoder.md), section 5 ("Speculative decoding").
+#
+# The demo model's head (`mtp.safetensors`) was trained after the trunk, the trunk frozen, by
+# `experiments/demo_model/train_mtp.py`. Its record, where *agreement* is how often, on held-out text, the head's
+# best guess for the token after next is the trunk's own greedy token (a forecast of how often a greedy first draft
+# is kept), and the check that the decoder's `Model.mtp_step` computes the head the training script trained:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+MTP_DIR = TRAINING / "mtp"
+rec = read_json(MTP_DIR / "train_mtp_record.json")
+print(render_table([
+    {"": "date, device", "head": f"{rec['date'][:16].replace('T', ' ')}, {rec['gpu']}"},
+    {"": "commit, torch", "head": f"{rec['git_sha'][:7]}{' (dirty)' if rec['git_dirty'] else ''}, {rec['torch']}"},
+    {"": "parameters", "head": f"{rec['head_parameters']:,} (warm start: {rec['warm_start']})"},
+    {"": "steps", "head": f"{rec['steps']:,} of {rec['batch']} x {rec['seq']} tokens ({rec['epochs']:.2f} epochs), "
+                          f"{rec['train_seconds']:.0f} s"},
+    {"": "agreement with the trunk", "head": f"{rec['initial']['agreement']:.3f} at the start, "
+                                             f"{rec['best']['agreement']:.3f} kept (step {rec['best']['step']:,})"},
+]))
+verify = read_json(MTP_DIR / "verify.json")
+fc = verify["forward_check"]
+print(f"\nHF head (training) vs Model.mtp_step, fp32, {fc['positions']} positions: logits "
+      f"{fc['max_abs_logit_diff']:.1e} apart at most (of {fc['max_abs_logit']:.1f}), the same top-1 at "
+      f"{fc['top1_same']:.0%}")
+print("\n" + rec["command"])
+
+# %% [markdown]
+# Greedy, 48 tokens after the notebook's prompt, plainly and with three drafts per step:
+
+# %%
+SPEC_NEW, K = 48, 3
+plain_stats, spec_stats = lynn_model.Stats(), lynn_model.Stats()
+with lk.use_reference():
+    plain = lynn_model.generate(model, PROMPT, SPEC_NEW, stats=plain_stats)
+    spec = lynn_model.generate(model, PROMPT, SPEC_NEW, mtp=K, stats=spec_stats)
+assert torch.equal(spec, plain), f"greedy with mtp={K} must give plain greedy's tokens"
+print(f"mtp={K}: the same {SPEC_NEW} tokens as plain greedy")
+print(render_table([
+    {"": "plain", "steps of the trunk after the prefill": plain_stats.decode_steps, "drafts": "-", "kept": "-",
+     "tokens per step": "1"},
+    {"": f"mtp={K}", "steps of the trunk after the prefill": spec_stats.verify_steps, "drafts": spec_stats.drafted,
+     "kept": f"{spec_stats.accepted} ({spec_stats.accepted / spec_stats.drafted:.0%})",
+     "tokens per step": f"{spec_stats.acceptance_length:.2f}"}]))
+
+# %% [markdown]
+# Tokens per step is the **acceptance length**: the drafts kept per round plus the trunk's own token
+# (`Stats.acceptance_length`).
+#
+# **Drafts accepted and rejected, token by token.** `stats.rounds` holds each round as `(sequence, drafts, how
+# many were kept, the trunk's token after them)`, and a round emits `drafts[:kept] + [token]`. Below, each round
+# starts at a thin bar: the drafts the trunk kept on green, the first draft it rejected struck through on red, then
+# the trunk's own token on blue, the one that replaces the rejected draft, or, in bold, the bonus token after all
+# three drafts were kept. The first new token comes from the prefill, before any round. Hover over a round for
+# all its drafts:
+
+# %%
+KEPT, REJECTED, TRUNK = "#b5e3ad", "#f4a6a6", "#c4d8f2"
+
+
+def render_rounds(prompt, first, rounds, n):
+    """HTML: the prompt in grey, the prefill's token, then the rounds of `Stats.rounds` up to `n` new tokens in
+    all: each round's kept drafts, its first rejected draft and the trunk's token after them."""
+    spans = [f'<span style="color:#777">{html.escape(tok.decode(prompt))}</span>{piece(first)}']
+    left = n - 1
+    for i, (_, drafts, kept, y) in enumerate(rounds):
+        emitted = (drafts[:kept] + [y])[:left]             # the last round stops at n tokens
+        parts = [f'<span style="background:{KEPT}">{piece(d)}</span>' for d in emitted[:kept]]
+        if len(emitted) == kept + 1:
+            if kept < len(drafts):
+                parts.append(f'<span style="background:{REJECTED};text-decoration:line-through">'
+                             f'{piece(drafts[kept])}</span>')
+            bold = "font-weight:bold;" if kept == len(drafts) else ""
+            parts.append(f'<span style="background:{TRUNK};{bold}">{piece(y)}</span>')
+        tip = (f"round {i}: drafts " + ", ".join(repr(tok.decode([d])) for d in drafts)
+               + f"; {kept} kept; the trunk's token {tok.decode([y])!r}")
+        spans.append(f'<span title="{html.escape(tip)}" style="border-left:1px solid #666">{"".join(parts)}</span>')
+        left -= len(emitted)
+    key = " ".join(f'<span style="background:{c};{s}padding:0 4px">{w}</span>' for c, s, w in (
+        (KEPT, "", "draft kept"), (REJECTED, "text-decoration:line-through;", "draft rejected"),
+        (TRUNK, "", "the trunk's token"), (TRUNK, "font-weight:bold;", "bonus token")))
+    return (f'<div style="font-family:monospace;line-height:1.7;max-width:60em">{"".join(spans)}</div>'
+            f'<div style="font-size:80%;margin-top:4px">{key}</div>')
+
+
+new = spec[0, len(prompt_ids):].tolist()
+emitted = [new[0]] + [t for _, drafts, kept, y in spec_stats.rounds for t in drafts[:kept] + [y]]
+assert emitted[:SPEC_NEW] == new, "the rounds emit generate's tokens"
+display(HTML(render_rounds(prompt_ids, new[0], spec_stats.rounds, SPEC_NEW)))
+
+kept = [a for _, _, a, _ in spec_stats.rounds]
+reached = [sum(a >= j for a in kept) for j in range(K + 1)]       # rounds whose first j drafts were all kept
+print(f"{len(kept)} rounds; keeping 0, 1, 2, 3 drafts: {', '.join(str(kept.count(j)) for j in range(K + 1))}")
+print("draft j kept, of the rounds that kept the drafts before it: " + ", ".join(
+    f"j = {j + 1}: {reached[j + 1]}/{reached[j]}" for j in range(K)))
+
+# %% [markdown]
+# The drafts that pass are the glue of the text and the ends of words (", and", " had been", "night" after the
+# trunk's " fort"); the head and the trunk part at content words (" sitting" where the trunk says " there",
+# " course" where it says " way"). The same rounds as a picture: the drafts each round kept, and for each draft
+# position the share kept of the rounds that reached it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 2.4), gridspec_kw={"width_ratios": [3, 1]})
+ax1.bar(range(len(kept)), kept, color=["tab:green" if a == K else "tab:olive" for a in kept])
+ax1.axhline(spec_stats.acceptance_length - 1, color="k", lw=0.8, ls="--")
+ax1.set_yticks(range(K + 1))
+ax1.set_xlabel("round")
+ax1.set_ylabel("drafts kept")
+ax1.set_title(f"greedy, mtp={K}: drafts kept per round (dashed: the mean)", fontsize=8)
+ax2.bar(range(1, K + 1), [reached[j + 1] / max(1, reached[j]) for j in range(K)], color="tab:green")
+ax2.set_xticks(range(1, K + 1))
+ax2.set_ylim(0, 1)
+ax2.set_xlabel("draft position j")
+ax2.set_title("kept, given j - 1 kept", fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Sampling: two acceptance rules.** With a temperature the trunk's token is a draw, and a draft can pass in two
+# ways (`mtp_rule`). *Coupled* (the default) keeps a draft when it is the very token plain sampling draws there:
+# the head draws its drafts with the same seeded Gumbel noise as the trunk (section 3), so the text is plain seeded
+# sampling's, token for token. *Rejection* is the speculative sampling test (Leviathan et al., Chen et al., 2023): a
+# draft `d` drawn from the head's distribution `q` is kept with probability `min(1, p(d) / q(d))`, `p` the
+# trunk's, and the first one rejected is redrawn from `max(0, p - q)`, normalised; each token is distributed as plain
+# sampling's, but the text is not a plain run's with the same seed. With the settings and seed of section 3
+# (`T = 0.8`, top-k 40, top-p 0.95, seed 0):
+
+# %%
+label, kw = SETTINGS[1]
+sampled = {}
+with lk.use_reference():
+    for rule in ("coupled", "rejection"):
+        st = lynn_model.Stats()
+        out = lynn_model.generate(model, PROMPT, NEW, **kw, mtp=K, mtp_rule=rule, stats=st)
+        sampled[rule] = (out, st)
+        print(f"{rule:9}: {st.accepted}/{st.drafted} drafts kept, the same {NEW} tokens as plain sampling in "
+              f"section 3: {torch.equal(out, outs[label])}")
+        print(wrap("..." + tok.decode(out[0, len(prompt_ids):].tolist())))
+
+# %% [markdown]
+# 24 tokens are a small sample. The committed check counts more: six held-out prompts of 64 tokens,
+# 64 new tokens each, at `T = 0.8` (no top-k or top-p), seeded, under both rules and `k = 1, 2, 3`
+# (`data/models/lynn-demo/training/mtp/verify.json`, written by `train_mtp.py` after training):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+samp = verify["sampled"]
+print(f"T = {samp['temperature']}, {verify['prompts']} prompts of {verify['prompt_tokens']} tokens, "
+      f"{verify['new_tokens']} new tokens each, seed = the prompt's number")
+print(render_table([{"rule": rule, "k": k, "drafts kept": f"{v['accepted']}/{v['drafted']} "
+                     f"({v['draft_acceptance']:.0%})", "tokens per step": f"{v['acceptance_length']:.2f}",
+                     "the same tokens as plain sampling": {True: "yes", False: "no"}.get(
+                         v.get("same_as_plain_sampling"), "-")}
+                    for rule in ("coupled", "rejection") for k in (1, 2, 3)
+                    for v in [samp[f"{rule} mtp={k}"]]]))
+fig, ax = plt.subplots(figsize=(5, 2.4))
+for j, (rule, c) in enumerate((("coupled", "tab:blue"), ("rejection", "tab:orange"))):
+    ax.bar([k + (j - 0.5) * 0.35 for k in (1, 2, 3)], [samp[f"{rule} mtp={k}"]["acceptance_length"]
+                                                      for k in (1, 2, 3)], 0.35, color=c, label=rule)
+ax.set_xticks([1, 2, 3])
+ax.set_xlabel("drafts per step k")
+ax.set_ylim(1, None)
+ax.set_ylabel("tokens per step")
+ax.set_title(f"sampled at T = {samp['temperature']}: tokens per step by rule", fontsize=8)
+ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Rejection keeps more: a draft passes with probability `sum min(p, q)` over the vocabulary, the overlap of the two
+# distributions and the most any rule can keep, where the coupled rule needs the head's draw and the trunk's, made
+# with the same noise from different distributions, to land on the same token. What the coupled rule buys with its
+# lower rate is the text itself: a seeded request writes plain sampling's tokens at any `k`, wherever a row's
+# logits come out the same bits whatever the rows beside it (docs/decoder.md). The torch reference path does not
+# quite give that: in the committed check one of the 18 seeded runs (`k = 3`) parted from plain sampling, at a
+# token where the verify row's logits and the decode step's differ by a rounding and the draw fell on the other
+# side. The greedy runs kept plain decoding's tokens at every `k` (below).
+#
+# **What it costs here.** The same check timed `generate`, greedy, with `mtp = 0..3` on the torch reference path
+# of a 2-core CPU, one thread. A round there (`k` drafts of the head, a verify of `k + 1` tokens, the head's
+# catch-up) costs 1.6, 2.1 and 2.7 plain steps at `k = 1, 2, 3`, more than the 1.49, 1.72 and 1.85 tokens it
+# yields, so MTP is slower on this path:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+runs_v = verify["runs"]
+plain_step = runs_v["mtp=0"]["cpu_seconds"] / runs_v["mtp=0"]["new_tokens"]    # each plain token is one step
+print(f"{verify['prompts']} prompts x {verify['new_tokens']} tokens, greedy, torch reference, "
+      f"{verify['torch_threads']} thread, the least of {verify['reps']} runs; load average "
+      f"{verify['load_average_before']:.1f} before, {verify['load_average_after']:.1f} after; "
+      f"{verify['date'][:16].replace('T', ' ')}, git {verify['git_sha'][:7]}"
+      f"{' (dirty)' if verify['git_dirty'] else ''}, torch {verify['torch']}")
+rows = []
+for k in range(4):
+    v = runs_v[f"mtp={k}"]
+    # + each prompt's prefill, which gives its first token
+    steps = v.get("verify_steps", v["new_tokens"] - verify["prompts"]) + verify["prompts"]
+    rows.append({"mtp": k, "tok/s": f"{v['tok_s']:.1f}", "tokens per CPU s": f"{v['tok_per_cpu_s']:.1f}",
+                 "vs mtp=0": f"{v['tok_per_cpu_s'] / runs_v['mtp=0']['tok_per_cpu_s']:.2f}x",
+                 "tokens per step": f"{v.get('acceptance_length', 1.0):.2f}",
+                 "a round costs (plain steps)": f"{v['cpu_seconds'] / steps / plain_step:.2f}",
+                 "the same tokens as mtp=0": {True: "yes", False: "no"}.get(v.get("same_as_mtp0"), "-")})
+print(render_table(rows))
+
+# %% [markdown]
+# MTP pays where a verify of `k + 1` tokens costs little more than a step of one: on a GPU, where a decode step of
+# a large model is bound by reading its weights, once per step whatever the number of tokens. The H200 figures
+# (the demo model with its head, and `experiments/mtp_verify.py` at the Qwen3.5-35B-A3B shape) are not measured
+# yet.
+#
+# ## 6. Perplexity, and what 4-bit weights cost
 #
 # The standard measure of a language model is its **cross-entropy** on held-out text: the mean, over every
 # position, of `-log p(the actual next token | the text before it)`, in nats. Its exponential is the
@@ -521,7 +748,8 @@ print(render_table([{"variant": k, "weights": weight_bytes(v), "perplexity": f"{
                      "vs bf16": "-" if k == "bf16" else f"{v['perplexity'] / base - 1:+.1%}",
                      "greedy equal": f"{v['greedy_match']:.2f}",
                      "tokens before first difference": f"{v['greedy_tokens_before_first_difference']:.1f}",
-                     "H200 kernels: perplexity": f"{h200[k]['perplexity']:.2f}"} for k, v in variants.items()]))
+                     "H200 kernels: perplexity": f"{h200[k]['perplexity']:.2f}" if k in h200 else "not measured"}
+                    for k, v in variants.items()]))
 cpu_g, gpu_g = (torch.tensor(q["greedy_tokens"]["bf16"]) for q in (quality, quality_h200))
 same = cpu_g == gpu_g
 floor = same.float().mean().item()
@@ -534,10 +762,11 @@ print(f"\nthe same bf16 weights, CPU reference vs H200 kernels: greedy equal {fl
 names_v = [k for k in variants if k != "bf16"]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
 xs = range(len(names_v))
-colour_v = ["tab:blue" if k.startswith("nvfp4") else "tab:green" for k in names_v]
+colour_v = ["tab:blue" if "nvfp4" in k else "tab:green" for k in names_v]
 ax1.bar(xs, [100 * (variants[k]["perplexity"] / base - 1) for k in names_v], color=colour_v)
-ax1.plot(xs, [100 * (h200[k]["perplexity"] / h200["bf16"]["perplexity"] - 1) for k in names_v], "k_", ms=14,
-         label="H200 kernels")
+on_h200 = [i for i, k in enumerate(names_v) if k in h200]          # the variants measured there too
+ax1.plot(on_h200, [100 * (h200[names_v[i]]["perplexity"] / h200["bf16"]["perplexity"] - 1) for i in on_h200], "k_",
+         ms=14, label="H200 kernels")
 ax1.set_ylabel("perplexity vs bf16 (%)")
 ax1.set_title("held-out perplexity cost (lower is better)", fontsize=8)
 ax1.legend(fontsize=7)
@@ -615,7 +844,7 @@ if diff is not None:
 # A near-tie between the top two, which a 4-bit rounding of the weights tips the other way; from there on each
 # model continues its own text, both in the same voice.
 #
-# ## 6. The training run
+# ## 7. The training run
 #
 # `experiments/demo_model/train.py` trained the model on the H200 in one run of six minutes: AdamW, peak learning
 # rate 2e-3 with warm-up and a cosine decay, batches of 32 x 512 tokens, bf16 autocast, the router's
@@ -670,7 +899,7 @@ plt.show()
 # The held-out loss of the evaluation (64 windows, 3.71 nats, perplexity 40.9) is a sample of the held-out set;
 # over all of it, the committed table above gives 39.3.
 #
-# ## 7. On the H200
+# ## 8. On the H200
 #
 # On a GPU `lynn generate` runs the same model on the compiled Triton kernels. The committed output
 # (`data/models/lynn-demo/generate-h200.txt`) is two runs measured there: the first, 64 greedy tokens in a fresh
@@ -711,11 +940,11 @@ print("the H200's greedy run and this CPU's greedy 64 tokens (torch reference), 
 # Text streams to stdout, the statistics to stderr. On a CPU the same commands run the torch reference path (and
 # say so); `--backend interpreter` runs the Triton kernels through Triton's interpreter instead (slow). A seed
 # repeats a run on the same kind of device only: the draws' noise is the same integers everywhere, but the two
-# devices' bf16 arithmetic differs in the last bits (section 5), and once one token differs the texts part, so a
+# devices' bf16 arithmetic differs in the last bits (section 6), and once one token differs the texts part, so a
 # CPU run with `--seed 1` writes a different text in the same voice. The perplexity table is reproduced by `python experiments/demo_model/quality.py`
 # (CPU, about 12 minutes) and `python experiments/demo_model/quality.py --kernels` (GPU, about a minute).
 #
-# ## 8. Talking to a running server
+# ## 9. Talking to a running server
 #
 # `lynn serve` puts the model behind an OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions`
 # (streamed or not), `/v1/models`, `/health` and `/metrics` (docs/serving.md). Its engine batches requests
@@ -842,4 +1071,4 @@ print("engine thread stopped:", not server.thread.is_alive())
 # The demo model makes the cost of the format measurable: 1.6% in perplexity for the default NVFP4 targets.
 # `docs/quantization.md` has the whole record (corpus, tokenizer, training, the table); `docs/decoder.md` the
 # decoder the model runs on, and docs/history/decode.md the decode step as a CUDA graph on the H200;
-# docs/serving.md the server of section 8.
+# docs/serving.md the server of section 9.
