@@ -85,6 +85,11 @@ def check_step(model: Model, cache: Cache, rows: int, params: SamplingParams, wh
         raise ValueError(f"rows = {rows}: expected 1..{cache.max_batch} (the cache's max_batch)")
     if params.temperature.shape != (rows,):
         raise ValueError(f"params has {tuple(params.temperature.shape)} rows of settings; expected ({rows},)")
+    check_cache(model, cache, what)
+
+
+def check_cache(model: Model, cache: Cache, what: str) -> None:
+    """A step on static buffers is built on an empty cache of ``model``'s (``what``: its class, for the message)."""
     if any(cache.active):
         raise ValueError(f"build a {what} while the cache holds no sequence (its warm-up writes states and page 0); "
                          f"active now: {[s for s, a in enumerate(cache.active) if a]}")
@@ -250,11 +255,7 @@ class PrefillStep:
             raise ValueError(f"tokens = {tokens!r}: expected a positive int (the rows every prefill runs in)")
         if tokens > cache.capacity_tokens:
             raise ValueError(f"tokens = {tokens} exceeds the cache's {cache.capacity_tokens} tokens")
-        if any(cache.active):
-            raise ValueError(f"build a PrefillStep while the cache holds no sequence (its warm-up writes states and "
-                             f"page 0); active now: {[s for s, a in enumerate(cache.active) if a]}")
-        if cache.config != model.config or cache.device != model.device:
-            raise ValueError("the cache was built for another model: use model.new_cache(...)")
+        check_cache(model, cache, "PrefillStep")
         self.model, self.cache, self.tokens = model, cache, tokens
         dev = cache.device
         self.ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
