@@ -26,7 +26,7 @@ from .cache import CacheFull
 from .graphs import DecodeStep, bucket_for
 from .model import Model
 from .sampling import Sampling, SamplingParams, _is_int, check_sampling_args, sample_rows
-from .speculative import RULES, MTPDrafter, SpeculativeStep
+from .speculative import RULES, MTPDrafter, SpeculativeStep, spare_tokens
 
 
 @dataclass
@@ -201,7 +201,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
                            f"is {context:,} tokens and the {'longest ' if len(rows) > 1 else ''}prompt has "
                            f"{longest:,}")
         max_new_tokens = context - longest
-    need = sum(len(r) + max_new_tokens + mtp for r in rows)    # a verify runs up to mtp tokens past the end
+    spare = spare_tokens(mtp)                                   # speculative rounds write past the end
+    need = sum(len(r) + max_new_tokens + spare for r in rows)
     if max_tokens is not None and max_tokens < need:
         prompts = f"the prompt's {len(rows[0]):,} tokens" if len(rows) == 1 else \
             f"the {len(rows)} prompts' {sum(map(len, rows)):,} tokens"
@@ -235,10 +236,11 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
                 DecodeStep(model, cache, width, params, graph=cuda_graph)
             stats.capture_s = time.perf_counter() - t0
         slots = [cache.add() for _ in rows]
-        cache.reserve(slots, [len(r) + max_new_tokens + mtp for r in rows])   # every page now: no CacheFull later
+        cache.reserve(slots, [len(r) + max_new_tokens + spare for r in rows])   # every page now: no CacheFull later
         _sync(dev)
         t0 = time.perf_counter()
-        logits, hidden = _prefill(model, cache, slots, rows, prefill_chunk, bool(mtp))
+        drafter = MTPDrafter(model, mtp, mtp_rule) if mtp else None
+        logits, finals = _prefill(model, cache, slots, rows, prefill_chunk, drafter)
         counter = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
         nxt = sample_rows(logits, SamplingParams.build([setting] * nseq, dev, vocab), counter)
         # the finite check rides on the copy of the tokens (max propagates NaN: one reduction per row)
@@ -250,7 +252,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         stats.new_tokens = nseq
         if mtp and live and max_new_tokens > 1:
             t0 = time.perf_counter()
-            _speculative(step, slots, out, first, hidden, max_new_tokens - 1, stops, stream, stats, live, setting)
+            _speculative(step, drafter, slots, out, first, finals, max_new_tokens - 1, stops, stream, stats, live,
+                         setting)
             _sync(dev)
             stats.decode_s = time.perf_counter() - t0
             return _pack(out)
@@ -283,11 +286,12 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
     return _pack(out)
 
 
-def _prefill(model: Model, cache, slots: list[int], rows: list[list[int]], chunk: int, hidden: bool):
+def _prefill(model: Model, cache, slots: list[int], rows: list[list[int]], chunk: int, drafter=None):
     """The prompts through :meth:`Model.step` in calls of at most ``chunk`` tokens, in order (a prompt longer than
     ``chunk`` in several calls, each continuing its cached prefix; short ones packed together). Returns the logits of
-    each prompt's last token ``[B, vocab]`` and, with ``hidden``, every prompt row's hidden state, packed in prompt
-    order (else None)."""
+    each prompt's last token ``[B, vocab]``, and, with an MTP ``drafter``, each prompt's last piece ``(start, length,
+    the trunk's hidden rows)``: the MTP layer has run over the pieces before it, call by call (the token after a
+    piece's last position is the next prompt token), and runs over the last once the first new token is known."""
     dev = model.device
     pieces = [(b, s, min(chunk, len(r) - s)) for b, r in enumerate(rows) for s in range(0, len(r), chunk)]
     calls, size = [[]], 0
@@ -297,32 +301,43 @@ def _prefill(model: Model, cache, slots: list[int], rows: list[list[int]], chunk
             size = 0
         calls[-1].append(piece)
         size += piece[2]
-    last, rows_h = [None] * len(rows), [[] for _ in rows]
+    last, finals = [None] * len(rows), [None] * len(rows)
     for call in calls:
         ids = torch.tensor([t for b, s, n in call for t in rows[b][s:s + n]], dtype=torch.long, device=dev)
-        out = model.step(ids, cache, [slots[b] for b, _, _ in call], [n for _, _, n in call], hidden=hidden)
-        logits, h = out if hidden else (out, None)
+        out = model.step(ids, cache, [slots[b] for b, _, _ in call], [n for _, _, n in call],
+                         hidden=drafter is not None)
+        logits, h = out if drafter is not None else (out, None)
+        early = []
         for i, (b, s, n) in enumerate(call):
             if s + n == len(rows[b]):
                 last[b] = logits[i]
-        if hidden:
-            for (b, _, _), part in zip(call, h.split([n for _, _, n in call])):
-                rows_h[b].append(part)
-    return torch.stack(last), torch.cat([p for r in rows_h for p in r]) if hidden else None
+        if drafter is None:
+            continue
+        parts = h.split([n for _, _, n in call])
+        for (b, s, n), part in zip(call, parts):
+            if s + n == len(rows[b]):
+                finals[b] = (s, n, part)
+            else:
+                early.append((b, s, n, part))
+        if early:                             # the MTP layer's keys over these positions; no drafts yet
+            drafter.draft(cache, [slots[b] for b, _, _, _ in early],
+                          [t for b, s, n, _ in early for t in rows[b][s + 1:s + n + 1]],
+                          torch.cat([p for *_, p in early]), [n for _, _, n, _ in early],
+                          [s for _, s, _, _ in early], None)
+    return torch.stack(last), finals
 
 
-def _speculative(step: SpeculativeStep, slots, out, first, hidden, budget, stops, stream, stats, live,
-                 setting) -> None:
-    """:func:`generate`'s decode phase by speculative rounds of ``step`` (:mod:`lynn_model.speculative`), after the
-    MTP layer has run over the prompts: ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the
-    others)."""
-    model, k, n = step.model, step.k, len(out)
+def _speculative(step: SpeculativeStep, drafter: MTPDrafter, slots, out, first, finals, budget, stops, stream,
+                 stats, live, setting) -> None:
+    """:func:`generate`'s decode phase by speculative rounds of ``step`` (:mod:`lynn_model.speculative`): the MTP
+    layer over each prompt's last piece (``finals``, from :func:`_prefill`) and the first drafts, then the rounds;
+    ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the others)."""
+    k, n = step.k, len(out)
     prompt_lens = [len(o) - 1 for o in out]
-    hid = torch.split(hidden, prompt_lens)
-    drafter = MTPDrafter(model, k, step.rule)
-    drafts, q = drafter.draft(step.cache, [slots[b] for b in live], [t for b in live for t in out[b][1:]],
-                              torch.cat([hid[b] for b in live]), [prompt_lens[b] for b in live], [0] * len(live),
-                              [setting] * len(live))
+    drafts, q = drafter.draft(step.cache, [slots[b] for b in live],
+                              [t for b in live for t in out[b][finals[b][0] + 1:]],
+                              torch.cat([finals[b][2] for b in live]), [finals[b][1] for b in live],
+                              [finals[b][0] for b in live], [setting] * len(live))
     step.begin([slots[b] for b in live], [first[b] for b in live], drafts, q)
     left = {b: budget for b in live}
     while live:

@@ -74,6 +74,13 @@ class Params:
         return built
 
 
+def spare_tokens(k: int) -> int:
+    """Cache positions a sequence's rounds may write past its last token with ``k`` drafts a round, to reserve with
+    it: a last round's verify writes ``k - 1`` past it, and when it kept every draft, :class:`SpeculativeStep`'s next
+    drafts ``2k - 2``."""
+    return max(0, 2 * k - 2)
+
+
 def _check_rule(rule: str) -> None:
     if rule not in RULES:
         raise ValueError(f"rule = {rule!r}: expected one of {', '.join(map(repr, RULES))}")
@@ -188,9 +195,9 @@ class SpeculativeStep:
     inactive row writes no key and keeps its length (its recurrent states are scratch).
 
     ``params``: the rows' sampling, fixed for the step's life (its rows are repeated ``k + 1`` times for the
-    verify once, here). It emits what :func:`verify` would, round for round; its drafts may differ from
-    :class:`MTPDrafter`'s in rounding (the catch-up runs its rows as decode steps here, as a prefill there), which
-    moves acceptance, never a token.
+    verify once, here). Its drafts may differ from :class:`MTPDrafter`'s in rounding (the catch-up runs its rows as
+    decode steps here, as a prefill there): under the coupled rule that moves acceptance, never a token; under the
+    rejection rule the tokens too (each still distributed as plain sampling's).
     """
 
     def __init__(self, model: Model, cache: Cache, rows: int, k: int, params: SamplingParams, rule: str = "coupled",
@@ -316,13 +323,15 @@ class SpeculativeStep:
 
     def begin(self, slots: list[int], pending: list[int], drafts: list[list[int]], q: torch.Tensor | None = None):
         """Load the rounds' inputs: sequence ``slots[b]`` (a row in ``0..rows-1`` with its pages reserved for every
-        round to come, :meth:`Cache.reserve`, ``k`` tokens past its last) has next token ``pending[b]`` and drafts
-        ``drafts[b]`` (:class:`MTPDrafter`'s after its prefill; ``q`` theirs for the rejection rule); the other
-        rows idle."""
+        round to come, :meth:`Cache.reserve`, :func:`spare_tokens` past its last) has next token ``pending[b]`` and
+        drafts ``drafts[b]`` (:class:`MTPDrafter`'s after its prefill; ``q`` theirs for the rejection rule); the
+        other rows idle."""
         if len(slots) != len(pending) or len(slots) != len(drafts) or any(not 0 <= s < self.rows for s in slots):
             raise ValueError(f"slots {slots} must be rows in 0..{self.rows - 1}, one per pending token and drafts")
         if (q is None) != (self.q is None):
             raise ValueError("q: the drafts' distributions go with the rejection rule, and only with it")
+        for s in slots:
+            self.cache._check_slot(s)
         dev = self.pending.device
         idx = torch.tensor(slots, dtype=torch.long, device=dev)
         for t in (self.pending, self.drafts, self.lengths):
@@ -355,4 +364,4 @@ class SpeculativeStep:
         return out
 
 
-__all__ = ["MTPDrafter", "Params", "RULES", "SpeculativeStep", "accept_rejection", "verify"]
+__all__ = ["MTPDrafter", "Params", "RULES", "SpeculativeStep", "accept_rejection", "spare_tokens", "verify"]

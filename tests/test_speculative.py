@@ -294,3 +294,37 @@ def test_gpu_captured_rounds_give_the_eager_rounds_tokens(preset_name, rule):
         assert torch.equal(runs[0], runs[1])
         if rule == "coupled" or not kw:
             assert torch.equal(runs[1], generate(model, rows, 24, **kw))
+
+
+def test_rounds_write_only_into_their_own_pages(model, monkeypatch, k=3):
+    """Drafts always right (planted), so every round keeps all three: a 15-token prompt and 14 new tokens (the
+    first from the prefill, then rounds of 4, 4, 4 and a last one with one token left, whose next drafts reach
+    2k - 1 = 5 positions past its start, the 17th past the prompt: the first of a page the sequence would not own
+    with k spare tokens only). Every key a round writes (the verify's, the MTP catch-up's and the drafts') lands in a
+    page of its own sequence, none in another's (page 0 is slot 0's first page: an unassigned block-table entry
+    points there)."""
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(0, model.config.vocab_size, (15,), generator=g).tolist() for _ in range(2)]
+    truth = generate(model, rows, 20).tolist()                # past the end too: the last drafts are right
+    plant(monkeypatch, truth, model.config.vocab_size, lambda b, j: False)
+    writes = []
+    plan, draft_plan = spec.SpeculativeStep._plan_verify, spec.decode_plan
+
+    def record_verify(step):
+        plan(step)
+        writes.append((step, step.batch_v.kv_slots.view(step.rows, -1).clone()))
+
+    def record_draft(lengths, active, block_table, page, positions, kv_slots, seq_lens):
+        draft_plan(lengths, active, block_table, page, positions, kv_slots, seq_lens)
+        writes.append((None, kv_slots.view(-1, 1).clone()))
+
+    monkeypatch.setattr(spec.SpeculativeStep, "_plan_verify", record_verify)
+    monkeypatch.setattr(spec, "decode_plan", record_draft)
+    stats = Stats()
+    assert torch.equal(generate(model, rows, 14, mtp=k, stats=stats), torch.tensor(truth)[:, :15 + 14])
+    assert stats.accepted == stats.drafted                 # every round kept all its drafts
+    cache = next(s for s, _ in writes if s is not None).cache
+    for _, slots in writes:
+        for row, got in enumerate(slots.tolist()):
+            pages = {s // cache.page_size for s in got if s >= 0}
+            assert pages <= set(cache._blocks[row]), (row, sorted(pages), cache._blocks[row])
