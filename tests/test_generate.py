@@ -228,7 +228,7 @@ def test_a_chunked_prefill_continues_each_prompt(model):
     with lynn_kernels.use_reference(), torch.inference_mode():
         cache, whole = model.new_cache(1, 128), model.new_cache(1, 128)
         a, b = cache.add(), whole.add()
-        logits, _ = _prefill(model, cache, [a], rows[:1], 16, False)
+        logits, _ = _prefill(model, cache, [a], rows[:1], 16)
         want = model.step(torch.tensor(rows[0]), whole, [b], [70])
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
