@@ -26,7 +26,7 @@ from .cache import CacheFull
 from .graphs import DecodeStep, bucket_for
 from .model import Model
 from .sampling import Sampling, SamplingParams, _is_int, check_sampling_args, sample_rows
-from .speculative import RULES, MTPDrafter, SpeculativeStep, spare_tokens
+from .speculative import MAX_DRAFTS, RULES, MTPDrafter, SpeculativeStep, spare_tokens
 
 
 @dataclass
@@ -101,9 +101,6 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     if mtp_rule not in RULES:
         raise ValueError(f"mtp_rule = {mtp_rule!r}: expected one of {', '.join(map(repr, RULES))}")
 
-
-#: The most drafts :func:`generate` takes per speculative step (``mtp``).
-MAX_DRAFTS = 3
 
 def _prompts(input_ids) -> list[list[int]]:
     """``input_ids`` as lists of ints, checked: int64 ``[B, T]``, or ``B`` non-empty sequences of ints."""

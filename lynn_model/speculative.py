@@ -50,6 +50,10 @@ from .sampling import Sampling, SamplingParams, probabilities, sample_rows, unif
 #: The acceptance rules (module docstring).
 RULES = ("coupled", "rejection")
 
+#: The most drafts a round takes (``k``; ``generate(mtp=)``, ``Engine(mtp=)``): the cache keeps Gated DeltaNet
+#: snapshots for this many tokens of an unrolled step.
+MAX_DRAFTS = 3
+
 # the rejection rule's two streams of uniforms (its acceptance tests, its residual draws) are the request's seed
 # mixed with these, so they stay apart from each other and from the stream the drafts and plain sampling draw from
 _ACCEPT_SALT, _RESIDUAL_SALT = 0x2545F4914F6CDD1D, 0x5851F42D4C957F2D
@@ -207,7 +211,7 @@ class SpeculativeStep:
             raise ValueError(f"{model.config.name or model.config.family}: this model has no MTP module (its "
                              f"checkpoint holds no mtp.* tensors)")
         _check_rule(rule)
-        if not isinstance(k, int) or not 1 <= k <= 3:
+        if not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
             raise ValueError(f"k = {k!r}: expected 1, 2 or 3 drafts")
         check_step(model, cache, rows, params, "SpeculativeStep")
         self.model, self.cache, self.rows, self.k, self.rule, self.params = model, cache, rows, k, rule, params
@@ -364,4 +368,5 @@ class SpeculativeStep:
         return out
 
 
-__all__ = ["MTPDrafter", "Params", "RULES", "SpeculativeStep", "accept_rejection", "spare_tokens", "verify"]
+__all__ = ["MAX_DRAFTS", "MTPDrafter", "Params", "RULES", "SpeculativeStep", "accept_rejection", "spare_tokens",
+           "verify"]

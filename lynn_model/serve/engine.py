@@ -67,11 +67,10 @@ import torch
 import lynn_kernels
 
 from .. import speculative
-from ..generate import MAX_DRAFTS
 from ..graphs import BUCKETS, DecodeStep, bucket_for
 from ..model import Model
 from ..sampling import Sampling, SamplingParams, _is_int, check_sampling_args, sample_rows
-from ..speculative import RULES
+from ..speculative import MAX_DRAFTS, RULES
 
 #: Why a request ended: a stop id ("stop", the id is its last token), ``max_new_tokens`` ("length"),
 #: :meth:`Engine.cancel` ("cancelled"), or logits that were not finite or a step that raised ("error",
