@@ -12,7 +12,8 @@
   batch 8 with its census (how ``lynn generate`` runs a batch of 8), then the fused step with each layer norm folded
   into the next block's first kernel (``model.fuse_norms()``), batch 1 and 8, each with its census; the fused step
   with the opt-in NVFP4 LM head (``lm_head="nvfp4"``; not token-exact with the bf16 head), batch 1 and 8; prefill
-  of 2,048 and 16,384 tokens, each with the profiler's kernel time beside it;
+  of 2,048 and 16,384 tokens, each with the profiler's kernel time beside it and a census of the prefill's kernels by
+  part (time, share, TFLOP/s and fraction of the bf16 peak: :func:`prefill_census`);
 * ``lynn nvfp4 (prefill graph)``: the same prefills through a :class:`lynn_model.PrefillStep` captured for their
   length, and a 1,536-token prompt in the 2,048-row graph (padding), each checked against the eager prefill first;
 * ``HF transformers bf16 (eager)``: the HF class of the same config, random bf16 weights, its own cache, in the
@@ -217,6 +218,12 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
                          note=f"{n * 1e3 / statistics.median(times):,.0f} tok/s; its kernels {k_ms:.1f} ms "
                               f"({n * 1e3 / k_ms:,.0f} tok/s if launches cost nothing)", validation=val))
         _log(f"{name}: prefill {n}: {statistics.median(times):.1f} ms, kernels {k_ms:.1f} ms")
+    for n in PREFILLS:                           # where a prefill's time goes
+        try:
+            info[f"prefill_census_{n}"] = prefill_census(model, ids[:n], cache, ceilings)
+        except Exception as err:                 # recorded; the rows above stand
+            info[f"prefill_census_{n}"] = {"error": f"{type(err).__name__}: {err}"}
+            _log(f"prefill census {n} failed: {err!r}")
     for n, size in GRAPH_PREFILLS:
         try:
             row, info[f"prefill_graph_{n}_in_{size}"] = graph_prefill(model, ids, n, size, ceilings, val)
@@ -547,6 +554,88 @@ def census(model, batch: int = 1, ceilings: Ceilings | None = None) -> dict:
         if len(v.get("detail", ())) > 1:
             _log("    " + ", ".join(f"{k} {t:.1f}" for k, t in v["detail"]))
     step = cache = None
+    return out
+
+
+#: the parts of a prefill, by kernel name (first match wins): what :func:`prefill_census` groups the profile into
+PREFILL_PARTS = (
+    ("routed experts: gate_up", r"_moe_(packed_)?gate_up_kernel"),
+    ("routed experts: down", r"_moe_(packed_)?down_kernel"),
+    ("MoE combine", r"_moe_combine_kernel"),
+    ("MoE routing (router, top-k, align)", r"_route|_router|_align_"),
+    ("dense projections: dequantise", r"dequantize_kernel"),
+    ("dense projections: GEMM (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90_"),
+    ("attention: flash prefill", r"_flash_prefill_kernel"),
+    ("attention: q/k norm, RoPE", r"_qk_norm_rope_kernel"),
+    ("Gated DeltaNet: conv", r"_causal_conv1d_kernel"),
+    ("Gated DeltaNet: chunk kernels", r"_chunk_|_gated_rmsnorm"),
+    ("norms", r"rmsnorm"),
+    ("other (copies, casts, elementwise)", r""),
+)
+
+
+def prefill_flops(model, n: int) -> dict[str, float]:
+    """FLOPs of a fresh ``n``-token prefill per part of :data:`PREFILL_PARTS` that has a count: the routed experts'
+    ``top_k`` rows per token (gate_up ``2 n k H 2I``, down ``2 n k I H`` a layer), causal attention
+    (``2 n^2 heads head_dim`` a layer: QK^T and PV over half the square), and the dense projections: every other
+    multiply of :func:`active_params` (the shared expert, router and gates included), the LM head for the last token
+    only."""
+    from lynn_model.model import SparseMoE
+
+    c = model.config
+    moe_layers = sum(1 for m in model.layers if isinstance(m.mlp, SparseMoE))
+    k, H, I = c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    gate_up, down = 2 * n * k * H * 2 * I * moe_layers, 2 * n * k * I * H * moe_layers
+    head = c.hidden_size * c.vocab_size
+    dense = 2 * n * (active_params(model) - 3 * k * I * H * moe_layers - head) + 2 * head
+    attention = 2 * n * n * c.num_attention_heads * c.head_dim * len(c.attention_layers)
+    return {"routed experts: gate_up": gate_up, "routed experts: down": down,
+            "dense projections: GEMM (cuBLAS)": dense, "attention: flash prefill": attention}
+
+
+def group_prefill(detail: list[tuple[str, float]], flops: dict[str, float], ceilings: Ceilings | None) -> dict:
+    """Kernels ``(name, us)`` summed per part of :data:`PREFILL_PARTS`, each with its share of the whole and, where
+    ``flops`` counts it, its TFLOP/s and the fraction of the bf16 peak."""
+    import re
+
+    out = {name: {"kernels": 0, "us": 0.0, "names": {}} for name, _ in PREFILL_PARTS}
+    for kernel, us in detail:
+        part = next(name for name, pattern in PREFILL_PARTS if re.search(pattern, kernel))
+        out[part]["kernels"] += 1
+        out[part]["us"] += us
+        out[part]["names"][kernel] = out[part]["names"].get(kernel, 0.0) + us
+    total = sum(v["us"] for v in out.values())
+    for name, v in out.items():
+        v["share"] = v["us"] / total if total else 0.0
+        if name in flops and v["us"]:
+            v["tflops"] = flops[name] / (v["us"] * 1e6)
+            if ceilings is not None:
+                v["frac_of_bf16_peak"] = v["tflops"] / ceilings.bf16_tflops
+    out = {k: v for k, v in out.items() if v["kernels"]}
+    out["total"] = {"kernels": sum(v["kernels"] for v in out.values()), "us": total}
+    return out
+
+
+def prefill_census(model, ids: torch.Tensor, cache, ceilings: Ceilings | None = None) -> dict:
+    """The GPU operations of one fresh prefill of ``ids`` (``model.step``, the profile whose sum is the median of 5)
+    grouped into the parts of :data:`PREFILL_PARTS`, with their time, share, TFLOP/s and fraction of the bf16 peak
+    (:func:`prefill_flops`). Logged largest first."""
+    n = len(ids)
+
+    def prefill():
+        s = cache.add()
+        model.step(ids, cache, [s], [n])
+        cache.release(s)
+
+    with torch.no_grad():
+        _, _, detail = _profile(prefill)
+    out = group_prefill(detail, prefill_flops(model, n), ceilings)
+    _log(f"prefill census, {n} tokens: {out['total']['us'] / 1e3:.1f} ms of kernels")
+    for name, v in sorted(out.items(), key=lambda kv: -kv[1]["us"]):
+        if name != "total":
+            _log(f"  {name}: {v['kernels']} kernels, {v['us'] / 1e3:.1f} ms ({v['share']:.1%})"
+                 + (f", {v['tflops']:.0f} TFLOP/s" if "tflops" in v else "")
+                 + (f" ({v['frac_of_bf16_peak']:.0%} of peak)" if "frac_of_bf16_peak" in v else ""))
     return out
 
 

@@ -476,3 +476,32 @@ def test_part_bytes_add_up_to_the_steps_bytes():
     stacks = _nbytes(moe.w13) + _nbytes(moe.w2)
     one, many = (part_bytes(model, b, 64)["MoE block (router, experts, shared expert)"] for b in (1, 512))
     assert many - one == pytest.approx(stacks * (1 - c.num_experts_per_tok / c.num_experts), rel=1e-3)
+
+
+def test_prefill_census_groups_kernels_into_parts():
+    """``lynn_model.bench.group_prefill``: each kernel lands in its part (the first pattern that matches; what
+    matches none is "other"), times add up, and a part with FLOPs gets TFLOP/s and its fraction of the peak; the
+    routed experts' FLOPs are ``top_k`` rows per token, the dense ones the rest of :func:`active_params`."""
+    import lynn_model
+    from lynn_model.bench import active_params, group_prefill, prefill_flops
+
+    detail = [("_moe_gate_up_kernel", 100.0), ("sm90_xmma_gemm_bf16bf16", 50.0), ("_moe_gate_up_kernel", 100.0),
+              ("_chunk_kkt_kernel", 5.0), ("_gated_rmsnorm_kernel", 3.0), ("_rmsnorm_kernel", 2.0),
+              ("elementwise_kernel", 10.0)]
+    out = group_prefill(detail, {"routed experts: gate_up": 4e8}, harness.Ceilings(1.0, 1.0, 1000.0))
+    assert out["routed experts: gate_up"]["kernels"] == 2 and out["routed experts: gate_up"]["us"] == 200.0
+    assert out["routed experts: gate_up"]["tflops"] == pytest.approx(2.0)
+    assert out["routed experts: gate_up"]["frac_of_bf16_peak"] == pytest.approx(0.002)
+    assert out["Gated DeltaNet: chunk kernels"]["us"] == 8.0 and out["norms"]["us"] == 2.0
+    assert out["other (copies, casts, elementwise)"]["us"] == 10.0
+    assert out["total"] == {"kernels": 7, "us": 270.0}
+    assert "tflops" not in out["dense projections: GEMM (cuBLAS)"]
+
+    with lynn_kernels.use_reference():
+        model = lynn_model.loader.random_model(lynn_model.preset("tiny-qwen3.5-moe"), device="cpu")
+    c, n = model.config, 10
+    f = prefill_flops(model, n)
+    head = c.hidden_size * c.vocab_size
+    routed = f["routed experts: gate_up"] + f["routed experts: down"]
+    assert f["routed experts: gate_up"] == 2 * f["routed experts: down"]
+    assert routed + f["dense projections: GEMM (cuBLAS)"] == 2 * n * (active_params(model) - head) + 2 * head
