@@ -87,13 +87,20 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     no model, so it runs before the model is touched.
 
     ``max_new_tokens``: an int >= 0; ``max_tokens``: None or an int >= 1; the sampling settings as
-    :func:`lynn_model.sampling.check_sampling_args` takes them (``top_k`` 0 or None: no limit).
+    :func:`lynn_model.sampling.check_sampling_args` takes them (``top_k`` 0 or None: no limit), ``seed`` also a
+    list of such seeds (one per prompt: :func:`generate` checks their number).
     """
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens = {max_new_tokens!r}: expected an int >= 0")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise ValueError(f"max_tokens = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
-    check_sampling_args(temperature, top_k, top_p, seed)
+    if isinstance(seed, (list, tuple)):
+        if not seed:
+            raise ValueError("seed = []: expected an int, or one int per prompt")
+        for s in seed:
+            check_sampling_args(temperature, top_k, top_p, s)
+    else:
+        check_sampling_args(temperature, top_k, top_p, seed)
     if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
         raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per step; 0: off)")
     if not _is_int(prefill_chunk) or prefill_chunk < 1:
@@ -128,7 +135,7 @@ def _prompts(input_ids) -> list[list[int]]:
 
 
 def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
+             top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_ids: Sequence[int] | None = None,
              stream: Callable[[torch.Tensor], None] | None = None, stats: Stats | None = None,
              max_tokens: int | None = None, cuda_graph: bool | None = None, mtp: int = 0,
              mtp_rule: str = "coupled", prefill_chunk: int = PREFILL_CHUNK) -> torch.Tensor:
@@ -149,7 +156,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         temperature, top_k, top_p: sampling (see :func:`lynn_model.sample`); ``temperature=0.0`` is greedy;
             ``top_k`` 0 or None is no limit.
         seed: the requests' stream of draws (:mod:`lynn_model.sampling`): a seeded call repeats exactly, on the
-            graph and the eager path alike. None: a seed drawn from torch's host generator.
+            graph and the eager path alike. One int: every prompt draws from that stream (identical prompts give
+            identical tokens); a list: a seed per prompt. None: a seed drawn from torch's host generator.
         stop_ids: a sequence ends after emitting one of these; the others go on.
         stream: called after each step with ``[B]`` tokens: the new one of each live sequence, ``-1`` for one that
             has finished. A finished sequence stops writing its cache; its row idles in the batch.
@@ -211,7 +219,11 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
             warnings.warn(note, stacklevel=2)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
-    setting = Sampling(temperature, top_k, top_p, seed)
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(rows)
+    if len(seeds) != len(rows):
+        raise ValueError(f"seed holds {len(seeds)} seeds for {len(rows)} prompts: expected one per prompt (or one "
+                         f"int for all)")
+    settings = [Sampling(temperature, top_k, top_p, s) for s in seeds]      # row b: prompt b (its slot, below)
     dev, vocab, nseq = model.device, model.config.vocab_size, len(rows)
     if cuda_graph is None:
         cuda_graph = dev.type == "cuda" and lynn_kernels.backend() == "triton"
@@ -228,18 +240,19 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         step = None
         if max_new_tokens > 1:
             t0 = time.perf_counter()
-            params = SamplingParams.build([setting] * width, dev, vocab)
+            params = SamplingParams.build(settings + settings[:1] * (width - nseq), dev, vocab)
             step = SpeculativeStep(model, cache, width, mtp, params, mtp_rule, graph=cuda_graph) if mtp else \
                 DecodeStep(model, cache, width, params, graph=cuda_graph)
             stats.capture_s = time.perf_counter() - t0
         slots = [cache.add() for _ in rows]
+        assert slots == list(range(nseq))          # a fresh cache: prompt b's slot is the params' row b
         cache.reserve(slots, [len(r) + max_new_tokens + spare for r in rows])   # every page now: no CacheFull later
         _sync(dev)
         t0 = time.perf_counter()
         drafter = MTPDrafter(model, mtp, mtp_rule) if mtp else None
         logits, finals = _prefill(model, cache, slots, rows, prefill_chunk, drafter)
         counter = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
-        nxt = sample_rows(logits, SamplingParams.build([setting] * nseq, dev, vocab), counter)
+        nxt = sample_rows(logits, SamplingParams.build(settings, dev, vocab), counter)
         # the finite check rides on the copy of the tokens (max propagates NaN: one reduction per row)
         first, finite = torch.stack([nxt, torch.isfinite(logits.amax(-1)).long()]).tolist()
         _sync(dev)
@@ -250,7 +263,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         if mtp and live and max_new_tokens > 1:
             t0 = time.perf_counter()
             _speculative(step, drafter, slots, out, first, finals, max_new_tokens - 1, stops, stream, stats, live,
-                         setting)
+                         settings)
             _sync(dev)
             stats.decode_s = time.perf_counter() - t0
             return _pack(out)
@@ -325,7 +338,7 @@ def _prefill(model: Model, cache, slots: list[int], rows: list[list[int]], chunk
 
 
 def _speculative(step: SpeculativeStep, drafter: MTPDrafter, slots, out, first, finals, budget, stops, stream,
-                 stats, live, setting) -> None:
+                 stats, live, settings) -> None:
     """:func:`generate`'s decode phase by speculative rounds of ``step`` (:mod:`lynn_model.speculative`): the MTP
     layer over each prompt's last piece (``finals``, from :func:`_prefill`) and the first drafts, then the rounds;
     ``stream`` gets a ``[B]`` tensor per token a sequence emits (``-1`` for the others)."""
@@ -334,7 +347,7 @@ def _speculative(step: SpeculativeStep, drafter: MTPDrafter, slots, out, first, 
     drafts, q = drafter.draft(step.cache, [slots[b] for b in live],
                               [t for b in live for t in out[b][finals[b][0] + 1:]],
                               torch.cat([finals[b][2] for b in live]), [finals[b][1] for b in live],
-                              [finals[b][0] for b in live], [setting] * len(live))
+                              [finals[b][0] for b in live], [settings[b] for b in live])
     step.begin([slots[b] for b in live], [first[b] for b in live], drafts, q)
     left = {b: budget for b in live}
     while live:

@@ -328,3 +328,27 @@ def test_rounds_write_only_into_their_own_pages(model, monkeypatch, k=3):
         for row, got in enumerate(slots.tolist()):
             pages = {s // cache.page_size for s in got if s >= 0}
             assert pages <= set(cache._blocks[row]), (row, sorted(pages), cache._blocks[row])
+
+
+def test_rejection_rule_samples_as_plain_sampling_does(model, prompts, monkeypatch, n=256, k=2, new=4):
+    """Model level, the rejection rule: ``n`` copies of one prompt, a seed each (T 1, top-k 2), drafts planted as
+    the greedy continuation with ``q`` all on them (some kept, most not); each new token's histogram against plain
+    sampling's with other seeds passes a two-sample chi-square test (threshold ~p = 1e-4). Checked to fail (chi-square
+    over 10x its threshold at 512 copies) for a rule that redraws a rejection from ``p`` instead of ``max(0, p - q)``
+    and for one that keeps every draft."""
+    greedy = generate(model, [prompts[0]], new + k)[0].tolist()
+    opts = dict(temperature=1.0, top_k=2)
+    with lynn_kernels.use_reference():
+        want = generate(model, [prompts[0]] * n, new, seed=list(range(n, 2 * n)), **opts)
+        plant(monkeypatch, [greedy] * n, model.config.vocab_size, lambda b, j: False)
+        stats = Stats()
+        got = generate(model, [prompts[0]] * n, new, seed=list(range(n)), mtp=k, mtp_rule="rejection", stats=stats,
+                       **opts)
+    assert 0.05 < stats.accepted / stats.drafted < 0.9         # both branches of the rule ran, often
+    vocab = model.config.vocab_size
+    for t in range(len(prompts[0]), len(prompts[0]) + new):
+        a, b = (torch.bincount(x[:, t], minlength=vocab).double() for x in (got, want))
+        cells = (a + b) > 0
+        chi2 = ((a - b)[cells] ** 2 / (a + b)[cells]).sum().item()
+        dof = int(cells.sum()) - 1
+        assert dof >= 1 and chi2 < dof + 5 * (2 * dof) ** 0.5, (t, chi2, dof, a[cells], b[cells])
