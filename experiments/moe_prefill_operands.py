@@ -1,0 +1,209 @@
+"""The routed experts' prefill GEMMs with the decoded weight tile as ``tl.dot``'s second operand: can they pipeline?
+
+The shipped prefill kernels (``moe.gate_up``, ``moe.down``) compute ``acc[N, M] = W_tile @ x_tile^T``: the weight
+tile, decoded in registers, is the first operand, which ``wgmma`` may read from registers, and Triton 3.6's
+pipeliner then lets a wgmma read registers the next loop step rewrites (docs/history/compiler-fault.md). So on
+Hopper they compile with one stage (``runtime.register_dot_stages``) and run at ~20% of the bf16 peak. ``wgmma``
+reads its *second* operand from shared memory only: the variants here swap the operands, ``acc[M, N] = x_tile @
+W_tile^T``, so the decoded tile goes through shared memory and x (loaded as it is, no conversion) can be
+pipelined. Everything else is the shipped kernels' (a ``lab.edit`` of their source: the same decode, the same
+epilogue, the same K order).
+
+For Qwen3.5-35B-A3B's experts (E 256, top-8, H 2048, I 512, random NVFP4, the checkpoint layout) at 2,048 and
+16,384 tokens, each tile config of the variants against the shipped op:
+
+* exactness: the variant's output against the shipped op's (bits, and rel_l2);
+* the race: 200 calls with memory scribbled between them, every output against the first (a pipelining fault
+  shows as changing bits);
+* the TTGIR of each compiled variant: register-operand dots and the largest ``pendings`` of their waits (exposed:
+  both);
+* time: CUDA events over 10 calls, median of 5; TFLOP/s and the fraction of the measured bf16 peak.
+
+    PYTHONPATH=. python3 experiments/moe_prefill_operands.py
+
+Writes ``data/experiments/moe-prefill-operands/<sha>.json`` (``$OUT`` instead when set). GPU only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="moe-operands-"))   # a fresh cache to scan
+
+import torch  # noqa: E402
+
+from lynn_kernels import lab, runtime  # noqa: E402
+from lynn_kernels.bench.harness import measure_ceilings, provenance  # noqa: E402
+from lynn_kernels.lab.shapes import MODELS, moe_experts_shapes  # noqa: E402
+from lynn_kernels.moe import moe_experts  # noqa: E402
+from lynn_kernels.moe import triton_experts as te  # noqa: E402
+
+GATE_UP = {
+    "acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)":
+    "acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+    "acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)":
+    "acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+    "xt = tl.load(x_ptr + token[None, :].to(tl.int64) * stride_xm + offs_k[:, None],\n"
+    "                     mask=(offs_k[:, None] < H) & valid[None, :], other=0)\n"
+    "        xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)":
+    "xt = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_xm + offs_k[None, :],\n"
+    "                     mask=valid[:, None] & (offs_k[None, :] < H), other=0)\n"
+    "        if INTERPRET:\n"
+    "            xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)\n"
+    "        else:\n"
+    "            xt = xt.to(DOT_DTYPE)",
+    "acc_gate = tl.dot(wt, xt, acc_gate, input_precision=PRECISION)":
+    "acc_gate = tl.dot(xt, tl.trans(wt), acc_gate, input_precision=PRECISION)",
+    "acc_up = tl.dot(wt, xt, acc_up, input_precision=PRECISION)":
+    "acc_up = tl.dot(xt, tl.trans(wt), acc_up, input_precision=PRECISION)",
+    "gate = acc_gate * g_gate[:, None]": "gate = acc_gate * g_gate[None, :]",
+    "(acc_up * g_up[:, None])": "(acc_up * g_up[None, :])",
+    "tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None]":
+    "tl.store(h_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :]",
+    "mask=mask_n[:, None] & valid[None, :])": "mask=valid[:, None] & mask_n[None, :])",
+}
+DOWN = {
+    "acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)": "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+    "ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + offs_k[:, None],\n"
+    "                     mask=(offs_k[:, None] < I) & valid[None, :], other=0)":
+    "ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :],\n"
+    "                     mask=valid[:, None] & (offs_k[None, :] < I), other=0)",
+    "acc = tl.dot(wt, ht, acc, input_precision=PRECISION)":
+    "acc = tl.dot(ht, tl.trans(wt), acc, input_precision=PRECISION)",
+    "y = acc * g * w[None, :]": "y = acc * g * w[:, None]",
+    "tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None]":
+    "tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :]",
+    "mask=mask_n[:, None] & valid[None, :])": "mask=valid[:, None] & mask_n[None, :])",
+}
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of both GEMMs
+CONFIGS = [(64, 128, 4, 1), (64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3),
+           (128, 64, 8, 4)]
+TOKENS = (2048, 16384)
+
+
+def variants():
+    gate_up = lab.edit("moe.gate_up", GATE_UP, name="_moe_gate_up_b_kernel")
+    down = lab.edit("moe.down", DOWN, name="_moe_down_b_kernel")
+    return (lab.variant("moe.moe_experts", gate_up, kernel="moe.gate_up"),
+            lab.variant("moe.moe_experts", down, kernel="moe.down"))
+
+
+@contextlib.contextmanager
+def tiles(n: int, k: int, warps: int, stages: int, pipelined: bool):
+    """The prefill GEMMs' tiles for the block; ``pipelined``: the stage count as asked (the hazard switch off)."""
+    was_cfg, was_hazard = dict(te.PREFILL_CONFIG), runtime.register_dot_hazard_here
+    te.PREFILL_CONFIG.clear()
+    te.PREFILL_CONFIG.update(BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
+    if pipelined:
+        runtime.register_dot_hazard_here = lambda: False
+    try:
+        yield
+    finally:
+        te.PREFILL_CONFIG.clear()
+        te.PREFILL_CONFIG.update(was_cfg)
+        runtime.register_dot_hazard_here = was_hazard
+
+
+def time_ms(fn, reps: int = 5, inner: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / inner)
+    return statistics.median(out)
+
+
+def churn(fn, first: torch.Tensor, calls: int = 200) -> int:
+    """Calls whose output's bits differ from ``first``, memory scribbled on between calls."""
+    wrong = 0
+    for _ in range(calls):
+        junk = torch.full((64 << 20,), float("nan"), device="cuda")
+        del junk
+        if not torch.equal(fn(), first):
+            wrong += 1
+    return wrong
+
+
+def ttgir_scan() -> dict:
+    """Per variant kernel name: register-operand dots and the largest pendings, over the cache's TTGIR files."""
+    out = {}
+    for path in glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.ttgir")):
+        meta = path[:-len(".ttgir")] + ".json"
+        name = json.load(open(meta)).get("name", "") if os.path.exists(meta) else ""
+        if "_b_kernel" not in name and "gate_up_kernel" not in name and "down_kernel" not in name:
+            continue
+        text = open(path).read()
+        dots = [line for line in text.splitlines() if "ttng.warp_group_dot %" in line]
+        rs = sum(1 for d in dots if "#ttg.dot_op<{opIdx = 0" in d.split(" : ", 1)[-1].split(" * ", 1)[0])
+        pend = [int(p) for p in re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", text)]
+        key = f"{name} stages={json.load(open(meta)).get('num_stages')} warps={json.load(open(meta)).get('num_warps')}"
+        out[key] = {"wgmma_dots": len(dots), "register_a_dots": rs, "max_pendings": max(pend, default=0),
+                    "exposed": rs > 0 and max(pend, default=0) > 0}
+    return out
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("moe_prefill_operands.py times GPU kernels: no GPU here")
+    ceilings = measure_ceilings()
+    res = {"provenance": provenance("PYTHONPATH=. python3 experiments/moe_prefill_operands.py"),
+           "ceilings": ceilings.as_dict(), "rows": []}
+    gate_up, down = variants()
+    d = MODELS["qwen3.5-35b-a3b"]
+    for m in TOKENS:
+        shape = moe_experts_shapes(d, m)[0]
+        args, _, _ = shape.make()
+        flops = shape.flops
+        with torch.inference_mode():
+            want = moe_experts(*args)                          # the shipped op as it ships (1 stage on 3.6)
+            ms = time_ms(lambda: moe_experts(*args))
+            res["rows"].append({"tokens": m, "kernel": "shipped", "ms": ms, "tflops": flops / ms / 1e9,
+                                "frac_of_peak": flops / ms / 1e9 / ceilings.bf16_tflops})
+            print(f"{m:6d} shipped                      {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+            for n, k, warps, stages in CONFIGS:
+                row = {"tokens": m, "kernel": "b-operand", "BLOCK_N": n, "BLOCK_K": k, "num_warps": warps,
+                       "num_stages": stages}
+                try:
+                    with tiles(n, k, warps, stages, pipelined=True), lab.using(gate_up, down, count=False):
+                        got = moe_experts(*args)
+                        row["same_bits"] = bool(torch.equal(got, want))
+                        diff = (got.float() - want.float()).norm() / want.float().norm()
+                        row["rel_l2"] = diff.item()
+                        row["ms"] = time_ms(lambda: moe_experts(*args))
+                        row["wrong_calls"] = churn(lambda: moe_experts(*args), got, 200 if m == 2048 else 50)
+                    row["tflops"] = flops / row["ms"] / 1e9
+                    row["frac_of_peak"] = row["tflops"] / ceilings.bf16_tflops
+                    print(f"{m:6d} b-operand N{n} K{k} w{warps} s{stages}  {row['ms']:7.3f} ms {row['tflops']:6.0f} "
+                          f"TFLOP/s, same bits {row['same_bits']}, rel_l2 {row['rel_l2']:.1e}, wrong calls "
+                          f"{row['wrong_calls']}", flush=True)
+                except Exception as err:                   # a config that does not compile (shared memory) is a row
+                    row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    print(f"{m:6d} b-operand N{n} K{k} w{warps} s{stages}  failed: {row['error'][:120]}", flush=True)
+                res["rows"].append(row)
+    res["ttgir"] = ttgir_scan()
+    for name, v in sorted(res["ttgir"].items()):
+        print(f"ttgir {name}: {v}")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "data/experiments/moe-prefill-operands"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
