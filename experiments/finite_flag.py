@@ -14,15 +14,10 @@ kernels: gather, isfinite, copy), the reduction 14.4 and 15.5 us, against a 2.08
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 
-from lynn_kernels.bench.harness import graph_us, provenance
+from lynn_kernels.bench.harness import graph_us, provenance, save_experiment
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 248_320
 
 
@@ -49,11 +44,7 @@ def main() -> None:
         for name, fn in forms(logits, out).items():
             res["us_per_call"][f"{name} rows={rows}"] = us = graph_us([fn] * 100)
             print(f"{name:>14} rows={rows}: {us:6.2f} us")
-    out_dir = Path(os.environ.get("OUT") or ROOT / "data" / "experiments" / "finite-flag")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_experiment("finite-flag", res)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,13 @@ Writes ``data/experiments/long-prompt/<sha>.json`` (``$OUT`` instead when set). 
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 
 import lynn_model
-from lynn_kernels.bench.harness import provenance
+from lynn_kernels.bench.harness import provenance, save_experiment
 from lynn_kernels.metrics import compare
 from lynn_model.loader import random_model
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 131_072
 CHECK = 32_768
 CHUNKS = (16_384, 8_192)
@@ -80,11 +75,7 @@ def main() -> None:
               f"{peak / 1e9:.1f} GB ({(peak - base) / 1e9:.1f} above the weights), "
               f"cache {stats.cache_bytes / 1e9:.2f} GB", flush=True)
 
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "data" / "experiments" / "long-prompt"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_experiment("long-prompt", res)
 
 
 if __name__ == "__main__":

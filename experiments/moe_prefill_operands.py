@@ -34,15 +34,13 @@ import re
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="moe-operands-"))   # a fresh cache to scan
 
 import torch  # noqa: E402
 
 from lynn_kernels import lab, runtime  # noqa: E402
-from lynn_kernels.bench.harness import measure_ceilings, provenance  # noqa: E402
+from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment  # noqa: E402
 from lynn_kernels.lab.shapes import MODELS, moe_experts_shapes  # noqa: E402
 from lynn_kernels.moe import moe_experts  # noqa: E402
 from lynn_kernels.moe import triton_experts as te  # noqa: E402
@@ -198,11 +196,7 @@ def main() -> None:
     res["ttgir"] = ttgir_scan()
     for name, v in sorted(res["ttgir"].items()):
         print(f"ttgir {name}: {v}")
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "data/experiments/moe-prefill-operands"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_experiment("moe-prefill-operands", res)
 
 
 if __name__ == "__main__":
