@@ -17,7 +17,8 @@ For Qwen3.5-35B-A3B's experts (E 256, top-8, H 2048, I 512, random NVFP4, the ch
   shows as changing bits);
 * the TTGIR of each compiled variant: register-operand dots and the largest ``pendings`` of their waits (exposed:
   both);
-* time: CUDA events over 10 calls, median of 5; TFLOP/s and the fraction of the measured bf16 peak.
+* time: ``triton.testing.do_bench`` (median, L2 flushed between calls); TFLOP/s and the fraction of the
+  measured bf16 peak.
 
     PYTHONPATH=. python3 experiments/moe_prefill_operands.py
 
@@ -31,7 +32,6 @@ import glob
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 
@@ -40,7 +40,7 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="moe-operands-
 import torch  # noqa: E402
 
 from lynn_kernels import lab, runtime  # noqa: E402
-from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment  # noqa: E402
+from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment, time_fn  # noqa: E402
 from lynn_kernels.lab.shapes import MODELS, moe_experts_shapes  # noqa: E402
 from lynn_kernels.moe import moe_experts  # noqa: E402
 from lynn_kernels.moe import triton_experts as te  # noqa: E402
@@ -111,20 +111,6 @@ def tiles(n: int, k: int, warps: int, stages: int, pipelined: bool):
         runtime.register_dot_hazard_here = was_hazard
 
 
-def time_ms(fn, reps: int = 5, inner: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / inner)
-    return statistics.median(out)
-
 
 def churn(fn, first: torch.Tensor, calls: int = 200) -> int:
     """Calls whose output's bits differ from ``first``, memory scribbled on between calls."""
@@ -169,7 +155,7 @@ def main() -> None:
         flops = shape.flops
         with torch.inference_mode():
             want = moe_experts(*args)                          # the shipped op as it ships (1 stage on 3.6)
-            ms = time_ms(lambda: moe_experts(*args))
+            ms = time_fn(lambda: moe_experts(*args))[0]
             res["rows"].append({"tokens": m, "kernel": "shipped", "ms": ms, "tflops": flops / ms / 1e9,
                                 "frac_of_peak": flops / ms / 1e9 / ceilings.bf16_tflops})
             print(f"{m:6d} shipped                      {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
@@ -182,7 +168,7 @@ def main() -> None:
                         row["same_bits"] = bool(torch.equal(got, want))
                         diff = (got.float() - want.float()).norm() / want.float().norm()
                         row["rel_l2"] = diff.item()
-                        row["ms"] = time_ms(lambda: moe_experts(*args))
+                        row["ms"] = time_fn(lambda: moe_experts(*args))[0]
                         row["wrong_calls"] = churn(lambda: moe_experts(*args), got, 200 if m == 2048 else 50)
                     row["tflops"] = flops / row["ms"] / 1e9
                     row["frac_of_peak"] = row["tflops"] / ceilings.bf16_tflops
