@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from lynn_kernels import lab, runtime  # noqa: E402
 from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment, time_fn  # noqa: E402
-from lynn_kernels.lab.shapes import MODELS, moe_experts_shapes  # noqa: E402
+from lynn_kernels.lab.shapes import BUILDERS, MODELS  # noqa: E402
 from lynn_kernels.moe import moe_experts  # noqa: E402
 from lynn_kernels.moe import triton_experts as te  # noqa: E402
 
@@ -150,7 +150,7 @@ def main() -> None:
     gate_up, down = variants()
     d = MODELS["qwen3.5-35b-a3b"]
     for m in TOKENS:
-        shape = moe_experts_shapes(d, m)[0]
+        shape = BUILDERS["moe.moe_experts"](d, m)[0]
         args, _, _ = shape.make()
         flops = shape.flops
         with torch.inference_mode():
