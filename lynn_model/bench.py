@@ -559,12 +559,12 @@ def census(model, batch: int = 1, ceilings: Ceilings | None = None) -> dict:
 
 #: the parts of a prefill, by kernel name (first match wins): what :func:`prefill_census` groups the profile into
 PREFILL_PARTS = (
-    ("routed experts: gate_up", r"_moe_(packed_)?gate_up_kernel"),
-    ("routed experts: down", r"_moe_(packed_)?down_kernel"),
+    ("experts (routed + shared): gate_up", r"_moe_(packed_)?gate_up_kernel"),
+    ("experts (routed + shared): down", r"_moe_(packed_)?down_kernel"),
     ("MoE combine", r"_moe_combine_kernel"),
     ("MoE routing (router, top-k, align)", r"_route|_router|_align_"),
     ("dense projections: dequantise", r"dequantize_kernel"),
-    ("dense projections: GEMM (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90_"),
+    ("dense projections: GEMM", r"gemm|nvjet|cutlass|xmma|sm90_"),
     ("attention: flash prefill", r"_flash_prefill_kernel"),
     ("attention: q/k norm, RoPE", r"_qk_norm_rope_kernel"),
     ("Gated DeltaNet: conv", r"_causal_conv1d_kernel"),
@@ -575,22 +575,23 @@ PREFILL_PARTS = (
 
 
 def prefill_flops(model, n: int) -> dict[str, float]:
-    """FLOPs of a fresh ``n``-token prefill per part of :data:`PREFILL_PARTS` that has a count: the routed experts'
-    ``top_k`` rows per token (gate_up ``2 n k H 2I``, down ``2 n k I H`` a layer), causal attention
-    (``2 n^2 heads head_dim`` a layer: QK^T and PV over half the square), and the dense projections: every other
-    multiply of :func:`active_params` (the shared expert, router and gates included), the LM head for the last token
-    only."""
+    """FLOPs of a fresh ``n``-token prefill per part of :data:`PREFILL_PARTS` that has a count: the experts' rows
+    (the routed experts' ``top_k`` per token and the shared expert's one, which a prefill runs through the same two
+    kernels: gate_up ``2 n (k I + Is) 2H``, down ``2 n (k I + Is) H`` a layer), causal attention (``2 n^2 heads
+    head_dim`` a layer: QK^T and PV over half the square), and the dense projections: every other multiply of
+    :func:`active_params` (router and gates included), the LM head for the last token only."""
     from lynn_model.model import SparseMoE
 
     c = model.config
     moe_layers = sum(1 for m in model.layers if isinstance(m.mlp, SparseMoE))
-    k, H, I = c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
-    gate_up, down = 2 * n * k * H * 2 * I * moe_layers, 2 * n * k * I * H * moe_layers
+    rows = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size   # per token
+    H = c.hidden_size
+    gate_up, down = 2 * n * rows * 2 * H * moe_layers, 2 * n * rows * H * moe_layers
     head = c.hidden_size * c.vocab_size
-    dense = 2 * n * (active_params(model) - 3 * k * I * H * moe_layers - head) + 2 * head
+    dense = 2 * n * (active_params(model) - 3 * rows * H * moe_layers - head) + 2 * head
     attention = 2 * n * n * c.num_attention_heads * c.head_dim * len(c.attention_layers)
-    return {"routed experts: gate_up": gate_up, "routed experts: down": down,
-            "dense projections: GEMM (cuBLAS)": dense, "attention: flash prefill": attention}
+    return {"experts (routed + shared): gate_up": gate_up, "experts (routed + shared): down": down,
+            "dense projections: GEMM": dense, "attention: flash prefill": attention}
 
 
 def group_prefill(detail: list[tuple[str, float]], flops: dict[str, float], ceilings: Ceilings | None) -> dict:

@@ -481,27 +481,30 @@ def test_part_bytes_add_up_to_the_steps_bytes():
 def test_prefill_census_groups_kernels_into_parts():
     """``lynn_model.bench.group_prefill``: each kernel lands in its part (the first pattern that matches; what
     matches none is "other"), times add up, and a part with FLOPs gets TFLOP/s and its fraction of the peak; the
-    routed experts' FLOPs are ``top_k`` rows per token, the dense ones the rest of :func:`active_params`."""
+    experts' FLOPs are ``top_k`` routed rows and the shared expert's per token, the dense ones the rest of
+    :func:`active_params`."""
     import lynn_model
     from lynn_model.bench import active_params, group_prefill, prefill_flops
 
     detail = [("_moe_gate_up_kernel", 100.0), ("sm90_xmma_gemm_bf16bf16", 50.0), ("_moe_gate_up_kernel", 100.0),
               ("_chunk_kkt_kernel", 5.0), ("_gated_rmsnorm_kernel", 3.0), ("_rmsnorm_kernel", 2.0),
               ("elementwise_kernel", 10.0)]
-    out = group_prefill(detail, {"routed experts: gate_up": 4e8}, harness.Ceilings(1.0, 1.0, 1000.0))
-    assert out["routed experts: gate_up"]["kernels"] == 2 and out["routed experts: gate_up"]["us"] == 200.0
-    assert out["routed experts: gate_up"]["tflops"] == pytest.approx(2.0)
-    assert out["routed experts: gate_up"]["frac_of_bf16_peak"] == pytest.approx(0.002)
+    gate_up = "experts (routed + shared): gate_up"
+    out = group_prefill(detail, {gate_up: 4e8}, harness.Ceilings(1.0, 1.0, 1000.0))
+    assert out[gate_up]["kernels"] == 2 and out[gate_up]["us"] == 200.0
+    assert out[gate_up]["tflops"] == pytest.approx(2.0) and out[gate_up]["frac_of_bf16_peak"] == pytest.approx(0.002)
     assert out["Gated DeltaNet: chunk kernels"]["us"] == 8.0 and out["norms"]["us"] == 2.0
     assert out["other (copies, casts, elementwise)"]["us"] == 10.0
     assert out["total"] == {"kernels": 7, "us": 270.0}
-    assert "tflops" not in out["dense projections: GEMM (cuBLAS)"]
+    assert "tflops" not in out["dense projections: GEMM"]
 
     with lynn_kernels.use_reference():
         model = lynn_model.loader.random_model(lynn_model.preset("tiny-qwen3.5-moe"), device="cpu")
     c, n = model.config, 10
     f = prefill_flops(model, n)
     head = c.hidden_size * c.vocab_size
-    routed = f["routed experts: gate_up"] + f["routed experts: down"]
-    assert f["routed experts: gate_up"] == 2 * f["routed experts: down"]
-    assert routed + f["dense projections: GEMM (cuBLAS)"] == 2 * n * (active_params(model) - head) + 2 * head
+    experts = f["experts (routed + shared): gate_up"] + f["experts (routed + shared): down"]
+    assert f["experts (routed + shared): gate_up"] == 2 * f["experts (routed + shared): down"]
+    rows = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
+    assert c.shared_expert_intermediate_size and experts == 2 * n * 3 * rows * c.hidden_size * c.num_hidden_layers
+    assert experts + f["dense projections: GEMM"] == 2 * n * (active_params(model) - head) + 2 * head
