@@ -508,3 +508,28 @@ def test_prefill_census_groups_kernels_into_parts():
     rows = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
     assert c.shared_expert_intermediate_size and experts == 2 * n * 3 * rows * c.hidden_size * c.num_hidden_layers
     assert experts + f["dense projections: GEMM"] == 2 * n * (active_params(model) - head) + 2 * head
+
+
+def test_report_renders_the_censuses():
+    """docs/performance.md's census tables: a decode census with its bytes gets the ideal and efficiency columns
+    (and without them, none), parts not in the sum show no step time; a prefill census is sorted by time with its
+    TFLOP/s where counted."""
+    from lynn_kernels.bench import report
+
+    part = {"kernels": 3, "us": 20.0, "per_step": 40, "bytes": 17e6, "ideal_us": 4.2, "efficiency": 0.21}
+    c = {"MoE block": part, "MoE block, other form (not in the sum)": {"kernels": 1, "us": 9.0, "per_step": 0},
+         "LM head": {"kernels": 2, "us": 200.0, "per_step": 1}, "per_step": {"kernels": 122, "us": 1000.0},
+         "whole_step": {"kernels": 122, "us": 1050.0}}
+    lines = report._census_table(c)
+    assert lines[0].endswith("| MB | ideal us | efficiency |")
+    assert "| MoE block | 3 | 20.0 | 40 | 800.0 | 80.0% | 17.00 | 4.2 | 21% |" in lines
+    assert "| MoE block, other form (not in the sum) | 1 | 9.0 | 0 | - | - | - | - | - |" in lines
+    assert "| LM head | 2 | 200.0 | 1 | 200.0 | 20.0% | - | - | - |" in lines
+    plain = report._census_table({k: {x: y for x, y in v.items() if x not in ("bytes", "ideal_us", "efficiency")}
+                                  for k, v in c.items()})
+    assert "efficiency" not in plain[0] and "| MoE block | 3 | 20.0 | 40 | 800.0 | 80.0% |" in plain
+    p = report._prefill_census_table({"norms": {"kernels": 4, "us": 500.0, "share": 0.1},
+                                      "gate_up": {"kernels": 2, "us": 4000.0, "share": 0.8, "tflops": 150.0,
+                                                  "frac_of_bf16_peak": 0.22},
+                                      "total": {"kernels": 6, "us": 5000.0}})
+    assert p[2] == "| gate_up | 2 | 4.00 | 80.0% | 150 | 22% |" and p[3] == "| norms | 4 | 0.50 | 10.0% | - | - |"

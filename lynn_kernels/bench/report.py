@@ -354,6 +354,66 @@ def markdown_rows(op: str, gpu: str = "h200") -> str:
     return "\n".join(lines)
 
 
+#: The censuses a decoder's results file may hold (``lynn_model.bench.census`` / ``prefill_census``), in the order
+#: the doc shows them: (key in the file's ``info``, what was profiled).
+CENSUSES = (("census_fused", "one decode step as `lynn generate` runs it (fused), batch 1"),
+            ("census_b8_fused", "the same step at batch 8"),
+            ("prefill_census_2048", "a fresh prefill of 2,048 tokens"),
+            ("prefill_census_16384", "a fresh prefill of 16,384 tokens"))
+
+
+def _census_table(c: dict) -> list[str]:
+    """A decode census: per part its kernels, GPU time a call, calls a step, and, where the run recorded them, its
+    bytes, the ideal time at the read ceiling and the efficiency."""
+    parts = {k: v for k, v in c.items() if k not in ("per_step", "whole_step") and "error" not in v}
+    ideal = any("bytes" in v for v in parts.values())
+    more = (" MB | ideal us | efficiency |", "---|---|---|") if ideal else ("", "")
+    lines = ["| part | kernels | us a call | calls a step | us a step | share |" + more[0],
+             "|---|---|---|---|---|---|" + more[1]]
+    total = c["per_step"]["us"]
+    for name, v in parts.items():
+        step = v["us"] * v["per_step"]
+        us_step = f"{step:,.1f}" if v["per_step"] else "-"
+        share = f"{100 * step / total:.1f}%" if step else "-"
+        eff = ""
+        if ideal:
+            eff = (f" {v['bytes'] / 1e6:,.2f} | {v['ideal_us']:,.1f} | {100 * v['efficiency']:.0f}% |" if "bytes" in v
+                   else " - | - | - |")
+        lines.append(f"| {name} | {v['kernels']} | {v['us']:,.1f} | {v['per_step']} | {us_step} | {share} |{eff}")
+    blank = " | | |" if ideal else ""
+    lines.append(f"| **sum of the parts** | {c['per_step']['kernels']} | | | {total:,.1f} | 100% |{blank}")
+    whole = c["whole_step"]
+    lines.append(f"| the whole step, profiled | {whole['kernels']} | | | {whole['us']:,.1f} | |{blank}")
+    return lines
+
+
+def _prefill_census_table(c: dict) -> list[str]:
+    """A prefill census: per part its kernels, GPU time, share and, where counted, TFLOP/s and the peak's fraction."""
+    lines = ["| part | kernels | ms | share | TFLOP/s | of bf16 peak |", "|---|---|---|---|---|---|"]
+    parts = sorted(((k, v) for k, v in c.items() if k != "total"), key=lambda kv: -kv[1]["us"])
+    for name, v in parts:
+        rate = f"{v['tflops']:,.0f}" if "tflops" in v else "-"
+        frac = f"{100 * v['frac_of_bf16_peak']:.0f}%" if "frac_of_bf16_peak" in v else "-"
+        lines.append(f"| {name} | {v['kernels']} | {v['us'] / 1e3:,.2f} | {100 * v['share']:.1f}% | {rate} | {frac} |")
+    lines.append(f"| **all kernels** | {c['total']['kernels']} | {c['total']['us'] / 1e3:,.2f} | 100% | | |")
+    return lines
+
+
+def markdown_census(op: str, gpu: str = "h200") -> str:
+    """The censuses of a decoder's results file (:data:`CENSUSES`), each a table under a line naming it; ``""``
+    when it holds none."""
+    doc, out = load(op, gpu), []
+    for preset, info in (doc.get("info") or {}).items():
+        for key, what in CENSUSES:
+            c = info.get(key)
+            if not c or "error" in c:
+                continue
+            table = _prefill_census_table(c) if key.startswith("prefill") else _census_table(c)
+            out.append(f"Census of {preset}: {what} (GPU time by part from the CUDA profiler, `info.{key}`).\n\n"
+                       + "\n".join(table))
+    return "\n\n".join(out)
+
+
 TIMED_OPS = ("attention.prefill", "attention.decode", "deltanet.chunk", "deltanet.recurrent", "deltanet.conv",
              "moe.block")
 #: Every op with a table in docs/performance.md.
@@ -371,7 +431,8 @@ def markdown(op: str, gpu: str = "h200") -> str:
     if op in TIMED_OPS:
         return markdown_timed_side_by_side(op, gpu)
     if op in ROW_OPS:
-        return markdown_rows(op, gpu)
+        census = markdown_census(op, gpu)
+        return markdown_rows(op, gpu) + (f"\n\n{census}" if census else "")
     return markdown_side_by_side(op, gpu)
 
 
