@@ -67,7 +67,7 @@ def main() -> None:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         run = {"prefill_chunk": chunk, "prefill_s": stats.prefill_s, "prefill_tok_s": stats.prefill_tok_s,
-               "decode_tok_s": stats.new_tokens / stats.decode_s if stats.decode_s else 0.0,
+               "decode_tok_s": stats.decode_tok_s,
                "cache_gb": stats.cache_bytes / 1e9, "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - base) / 1e9,
                "new_tokens": out.shape[-1] - PROMPT if out.dim() > 1 else len(out)}
         res["runs"].append(run)

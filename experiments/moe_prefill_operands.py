@@ -35,7 +35,7 @@ import re
 import sys
 import tempfile
 
-os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="moe-operands-"))   # a fresh cache to scan
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-operands-")   # a fresh cache: every kernel compiles
 
 import torch  # noqa: E402
 
@@ -123,21 +123,27 @@ def churn(fn, first: torch.Tensor, calls: int = 200) -> int:
     return wrong
 
 
-def ttgir_scan() -> dict:
-    """Per variant kernel name: register-operand dots and the largest pendings, over the cache's TTGIR files."""
-    out = {}
-    for path in glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.ttgir")):
-        meta = path[:-len(".ttgir")] + ".json"
-        name = json.load(open(meta)).get("name", "") if os.path.exists(meta) else ""
-        if "_b_kernel" not in name and "gate_up_kernel" not in name and "down_kernel" not in name:
+def ttgir_scan(seen: set) -> list[dict]:
+    """The expert kernels compiled since the last scan (TTGIR files of the cache not in ``seen``, which it updates):
+    per kernel its name, stages and warps, the wgmma dots, those with a register operand and the largest pendings of
+    their waits (exposed: both)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.ttgir"))):
+        if path in seen:
+            continue
+        seen.add(path)
+        meta_path = path[:-len(".ttgir")] + ".json"
+        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+        name = meta.get("name", "")
+        if "gate_up" not in name and "down" not in name:
             continue
         text = open(path).read()
         dots = [line for line in text.splitlines() if "ttng.warp_group_dot %" in line]
         rs = sum(1 for d in dots if "#ttg.dot_op<{opIdx = 0" in d.split(" : ", 1)[-1].split(" * ", 1)[0])
-        pend = [int(p) for p in re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", text)]
-        key = f"{name} stages={json.load(open(meta)).get('num_stages')} warps={json.load(open(meta)).get('num_warps')}"
-        out[key] = {"wgmma_dots": len(dots), "register_a_dots": rs, "max_pendings": max(pend, default=0),
-                    "exposed": rs > 0 and max(pend, default=0) > 0}
+        pend = max((int(p) for p in re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", text)), default=0)
+        out.append({"kernel": name, "num_stages": meta.get("num_stages"), "num_warps": meta.get("num_warps"),
+                    "wgmma_dots": len(dots), "register_a_dots": rs, "max_pendings": pend,
+                    "exposed": rs > 0 and pend > 0, "cache_entry": os.path.basename(os.path.dirname(path))})
     return out
 
 
@@ -149,6 +155,8 @@ def main() -> None:
            "ceilings": ceilings.as_dict(), "rows": []}
     gate_up, down = variants()
     d = MODELS["qwen3.5-35b-a3b"]
+    seen: set = set()
+    ttgir_scan(seen)                                           # whatever the cache held before: not ours
     for m in TOKENS:
         shape = BUILDERS["moe.moe_experts"](d, m)[0]
         args, _, _ = shape.make()
@@ -157,7 +165,8 @@ def main() -> None:
             want = moe_experts(*args)                          # the shipped op as it ships (1 stage on 3.6)
             ms = time_fn(lambda: moe_experts(*args))[0]
             res["rows"].append({"tokens": m, "kernel": "shipped", "ms": ms, "tflops": flops / ms / 1e9,
-                                "frac_of_peak": flops / ms / 1e9 / ceilings.bf16_tflops})
+                                "frac_of_peak": flops / ms / 1e9 / ceilings.bf16_tflops,
+                                "ttgir": ttgir_scan(seen)})     # compiled by this row (none: an earlier one's)
             print(f"{m:6d} shipped                      {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
             for n, k, warps, stages in CONFIGS:
                 row = {"tokens": m, "kernel": "b-operand", "BLOCK_N": n, "BLOCK_K": k, "num_warps": warps,
@@ -165,6 +174,7 @@ def main() -> None:
                 try:
                     with tiles(n, k, warps, stages, pipelined=True), lab.using(gate_up, down, count=False):
                         got = moe_experts(*args)
+                        row["ttgir"] = ttgir_scan(seen)    # compiled by this config (none: at an earlier M)
                         row["same_bits"] = bool(torch.equal(got, want))
                         diff = (got.float() - want.float()).norm() / want.float().norm()
                         row["rel_l2"] = diff.item()
@@ -179,9 +189,12 @@ def main() -> None:
                     row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                     print(f"{m:6d} b-operand N{n} K{k} w{warps} s{stages}  failed: {row['error'][:120]}", flush=True)
                 res["rows"].append(row)
-    res["ttgir"] = ttgir_scan()
-    for name, v in sorted(res["ttgir"].items()):
-        print(f"ttgir {name}: {v}")
+    for row in res["rows"]:
+        for t in row.get("ttgir", ()):
+            print(f"ttgir {row['kernel']} N{row.get('BLOCK_N', '-')} K{row.get('BLOCK_K', '-')}: {t['kernel']} "
+                  f"stages {t['num_stages']} warps {t['num_warps']}: {t['wgmma_dots']} wgmma dots, "
+                  f"{t['register_a_dots']} register-operand, max pendings {t['max_pendings']}"
+                  f"{', EXPOSED' if t['exposed'] else ''}")
     save_experiment("moe-prefill-operands", res)
 
 

@@ -97,8 +97,13 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
     if isinstance(seed, (list, tuple)):
         if not seed:
             raise ValueError("seed = []: expected an int, or one int per prompt")
-        for s in seed:
-            check_sampling_args(temperature, top_k, top_p, s)
+        for i, s in enumerate(seed):
+            try:
+                check_sampling_args(temperature, top_k, top_p, s)
+                if s is None:
+                    raise ValueError("seed = None: expected an int in [0, 2**63)")
+            except ValueError as err:
+                raise ValueError(f"seed[{i}]: {err}") from None
     else:
         check_sampling_args(temperature, top_k, top_p, seed)
     if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
@@ -221,8 +226,8 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         seed = int(torch.randint(0, 2**62, (1,)).item())
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(rows)
     if len(seeds) != len(rows):
-        raise ValueError(f"seed holds {len(seeds)} seeds for {len(rows)} prompts: expected one per prompt (or one "
-                         f"int for all)")
+        raise ValueError(f"seed: {len(seeds)} seeds for {len(rows)} prompts: expected one per prompt (or one int "
+                         f"for all)")
     settings = [Sampling(temperature, top_k, top_p, s) for s in seeds]      # row b: prompt b (its slot, below)
     dev, vocab, nseq = model.device, model.config.vocab_size, len(rows)
     if cuda_graph is None:

@@ -152,10 +152,11 @@ def test_greedy_equals_top_k_1_and_seeded_sampling_repeats(model):
     both = _greedy(model, torch.cat([ids, ids]), 6, temperature=1.5, seed=[11, 2])    # a seed per prompt
     assert both[0].tolist() == a[0].tolist()
     assert both[1].tolist() == _greedy(model, ids, 6, temperature=1.5, seed=2)[0].tolist()
-    with pytest.raises(ValueError, match="^seed holds 1 seeds for 2 prompts"):
+    with pytest.raises(ValueError, match="^seed: 1 seeds for 2 prompts"):
         _greedy(model, torch.cat([ids, ids]), 2, seed=[1])
-    with pytest.raises(ValueError, match=r"^seed = -1: expected an int"):
-        lynn_model.check_generate_args(2, seed=[1, -1])
+    for bad in (-1, None):
+        with pytest.raises(ValueError, match=rf"^seed\[1\]: seed = {bad}: expected an int"):
+            lynn_model.check_generate_args(2, seed=[1, bad])
 
 
 def test_stop_ids_stream_and_varlen_batch(model):
