@@ -620,7 +620,8 @@ def group_prefill(detail: list[tuple[str, float]], flops: dict[str, float], ceil
 def prefill_census(model, ids: torch.Tensor, cache, ceilings: Ceilings | None = None) -> dict:
     """The GPU operations of one fresh prefill of ``ids`` (``model.step``, the profile whose sum is the median of 5)
     grouped into the parts of :data:`PREFILL_PARTS`, with their time, share, TFLOP/s and fraction of the bf16 peak
-    (:func:`prefill_flops`). Logged largest first."""
+    (:func:`prefill_flops`; the dense projections' TFLOP/s is their GEMMs' alone, their weights' dequantise a part
+    beside it). Logged largest first."""
     n = len(ids)
 
     def prefill():
