@@ -94,18 +94,15 @@ def check_generate_args(max_new_tokens, *, temperature=0.0, top_k=None, top_p=No
         raise ValueError(f"max_new_tokens = {max_new_tokens!r}: expected an int >= 0")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise ValueError(f"max_tokens = {max_tokens!r}: expected an int >= 1 (the cache's token budget)")
-    if isinstance(seed, (list, tuple)):
-        if not seed:
-            raise ValueError("seed = []: expected an int, or one int per prompt")
-        for i, s in enumerate(seed):
-            try:
-                check_sampling_args(temperature, top_k, top_p, s)
-                if s is None:
-                    raise ValueError("seed = None: expected an int in [0, 2**63)")
-            except ValueError as err:
-                raise ValueError(f"seed[{i}]: {err}") from None
-    else:
-        check_sampling_args(temperature, top_k, top_p, seed)
+    seeds = isinstance(seed, (list, tuple))
+    check_sampling_args(temperature, top_k, top_p, None if seeds else seed)
+    if seeds and not seed:
+        raise ValueError("seed = []: expected an int, or one int per prompt")
+    for i, s in enumerate(seed if seeds else ()):      # each element a seed of its own (None is not one)
+        try:
+            check_sampling_args(seed=s if s is not None else -1)
+        except ValueError:
+            raise ValueError(f"seed[{i}]: seed = {s!r}: expected an int in [0, 2**63)") from None
     if not _is_int(mtp) or not 0 <= mtp <= MAX_DRAFTS:
         raise ValueError(f"mtp = {mtp!r}: expected an int in [0, {MAX_DRAFTS}] (drafts per step; 0: off)")
     if not _is_int(prefill_chunk) or prefill_chunk < 1:

@@ -212,7 +212,7 @@ class SpeculativeStep:
                              f"checkpoint holds no mtp.* tensors)")
         _check_rule(rule)
         if not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
-            raise ValueError(f"k = {k!r}: expected 1, 2 or 3 drafts")
+            raise ValueError(f"k = {k!r}: expected an int in [1, {MAX_DRAFTS}] (drafts a round)")
         check_step(model, cache, rows, params, "SpeculativeStep")
         self.model, self.cache, self.rows, self.k, self.rule, self.params = model, cache, rows, k, rule, params
         dev, u, vocab = cache.device, k + 1, model.config.vocab_size

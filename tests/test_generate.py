@@ -157,6 +157,8 @@ def test_greedy_equals_top_k_1_and_seeded_sampling_repeats(model):
     for bad in (-1, None):
         with pytest.raises(ValueError, match=rf"^seed\[1\]: seed = {bad}: expected an int"):
             lynn_model.check_generate_args(2, seed=[1, bad])
+    with pytest.raises(ValueError, match=r"^temperature = -1: "):          # named as itself beside a seed list
+        lynn_model.check_generate_args(2, temperature=-1, seed=[1, 2])
 
 
 def test_stop_ids_stream_and_varlen_batch(model):

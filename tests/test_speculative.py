@@ -169,7 +169,7 @@ def test_speculative_step_arguments_are_checked(model):
 
     cache = model.new_cache(2, 64)
     params = SamplingParams.build([Sampling()] * 2, "cpu", model.config.vocab_size)
-    with pytest.raises(ValueError, match=r"k = 4: expected 1, 2 or 3 drafts"):
+    with pytest.raises(ValueError, match=r"k = 4: expected an int in \[1, 3\] \(drafts a round\)"):
         spec.SpeculativeStep(model, cache, 2, 4, params)
     with pytest.raises(ValueError, match=r"rule = 'greedy': expected one of 'coupled', 'rejection'"):
         spec.SpeculativeStep(model, cache, 2, 2, params, "greedy")
