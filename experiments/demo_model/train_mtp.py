@@ -189,7 +189,8 @@ class MTPHead(nn.Module):
         self._router_logits = []
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
         pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
-        x = self.layers[0](x, position_embeddings=self.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
+        rope = self.rotary_emb(x, pos[None].expand(3, -1, -1))   # the 3 rope sections' positions (text: all equal)
+        x = self.layers[0](x, position_embeddings=rope, attention_mask=None, position_ids=pos)
         return self.norm(x), self._router_logits
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
