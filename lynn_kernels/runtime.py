@@ -364,11 +364,12 @@ def register_dot_hazard_here() -> bool:
 def register_dot_stages(stages: int, requested: bool = False) -> int:
     """``num_stages`` for a kernel whose ``tl.dot`` takes a register operand: ``stages``, or 1 where
     :func:`register_dot_hazard_here` says this Triton would pipeline it unsafely. Called at launch time by the
-    packed and checkpoint-layout GEMM (its autotune configs, in the pruner) and tensor-core GEMV, the MoE prefill
-    expert kernels and the router. Attention and the Gated DeltaNet kernels keep their stages: their loops rescale
-    or consume the accumulator every step (docs/history/compiler-fault.md says what is and is not known).
-    ``requested``: the caller asked for ``stages`` (a ``config=`` override); overriding it then warns, so a sweep
-    does not time one stage under another's name."""
+    packed and checkpoint-layout GEMM (its autotune configs, in the pruner) and tensor-core GEMV, and the router.
+    The MoE prefill expert kernels put their decoded tile in the dot's second operand instead, which wgmma reads
+    from shared memory. Attention and the Gated DeltaNet kernels keep their stages: their loops rescale or consume
+    the accumulator every step (docs/history/compiler-fault.md says what is and is not known). ``requested``: the
+    caller asked for ``stages`` (a ``config=`` override); overriding it then warns, so a sweep does not time one
+    stage under another's name."""
     if not register_dot_hazard_here() or stages <= 1:
         return stages
     if requested:

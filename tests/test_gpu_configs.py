@@ -154,7 +154,7 @@ def test_moe_decode_gpu_tiles(M, poison_empty):
 
 
 def test_moe_prefill_gpu_tiles_and_combine(poison_empty):
-    """The H200's prefill tile (BLOCK_N 64, BLOCK_K 128) over H, I not multiples of it, then the combine step with
+    """Each GPU prefill tile (PREFILL_CONFIGS) over H, I not multiples of its BLOCK_K, then the combine step with
     the GPU's tile (4 tokens x 512 of H per program) directly, bit for bit against the same sum in torch."""
     E, top_k, H, I, M = 6, 2, 208, 96, 40
     w13, w2 = _experts(E, H, I, seed=5)
@@ -162,8 +162,9 @@ def test_moe_prefill_gpu_tiles_and_combine(poison_empty):
     weights, ids = _routing(M, E, top_k, seed=8)
     exact = moe_reference.moe_experts(x.float(), weights, ids, w13, w2)
     shared = randn(M, H, seed=9)
-    got = _run_experts(x, weights, ids, w13, w2, triton_experts.PREFILL_CONFIG, shared_out=shared)
-    assert_one_rounding(got, exact + shared, "prefill + shared", 2.0)
+    for _, config in triton_experts.PREFILL_CONFIGS:              # each tile, whatever M it is chosen for
+        got = _run_experts(x, weights, ids, w13, w2, config, shared_out=shared)
+        assert_one_rounding(got, exact + shared, f"prefill + shared {config}", 2.0)
 
     H2 = 1100                                             # 3 BLOCK_H tiles, the last partial; 10 BLOCK_T tiles
     slots, shared = randn(M * top_k, H2, seed=10), randn(M, H2, seed=11)

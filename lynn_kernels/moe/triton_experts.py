@@ -42,8 +42,10 @@ DECODE_MAX_M = GEMV_MAX_M
 #: order; the switch exists so the benchmark can time both (docs/history/decode.md, issue 16).
 FOLD_SHARED_GATE = True
 
-#: GPU tiles of the prefill GEMM kernels (starting points from the matmul's small-M GEMM configs).
-PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+#: GPU tiles of the prefill GEMM kernels: ``(up to M tokens, config)``, the first that fits (the last: any M).
+#: Swept at 2,048 and 16,384 tokens of Qwen3.5-35B-A3B's experts (data/experiments/moe-prefill-operands/).
+PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}),
+                   (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,9 +73,10 @@ def _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE: tl.constexpr, BLOCK_M: t
 def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, FLOAT_W: tl.constexpr, PACKED_DECODE: tl.constexpr,
                  INTERPRET: tl.constexpr, PACKED_LAYOUT: tl.constexpr = False, ACC_UNIT: tl.constexpr = 1.0):
-    """W[offs_n, k0:k0+BLOCK_K] of one expert ``[N, K]`` in ``DOT_DTYPE``, the first ``tl.dot`` operand: float
-    weights (x's dtype) loaded as they are, or NVFP4 decoded by the matmul's ``w_tile`` (from either layout; the
-    tile is ``W / ACC_UNIT``)."""
+    """W[offs_n, k0:k0+BLOCK_K] of one expert ``[N, K]`` in ``DOT_DTYPE``, which the kernels transpose into
+    ``tl.dot``'s second operand (wgmma reads that one from shared memory, so they pipeline safely;
+    docs/history/compiler-fault.md): float weights (x's dtype) loaded as they are, or NVFP4 decoded by the
+    matmul's ``w_tile`` (from either layout; the tile is ``W / ACC_UNIT``)."""
     if FLOAT_W:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
@@ -102,25 +105,28 @@ def _moe_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, 2 * I, H, FLOAT_W, PACKED_LAYOUT)   # expert e, [2I, H]
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + token[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
-                     mask=(offs_k[:, None] < H) & valid[None, :], other=0)
-        xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                      # [BLOCK_K, BLOCK_M]
+        xt = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                     mask=valid[:, None] & (offs_k[None, :] < H), other=0)
+        if INTERPRET:
+            xt = to_float32(xt, X_DTYPE, INTERPRET).to(DOT_DTYPE)                  # [BLOCK_M, BLOCK_K]
+        else:
+            xt = xt.to(DOT_DTYPE)
         wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
                           FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # gate rows [BN, BK]
-        acc_gate = tl.dot(wt, xt, acc_gate, input_precision=PRECISION)
+        acc_gate = tl.dot(xt, tl.trans(wt), acc_gate, input_precision=PRECISION)   # the tile via shared memory
         wt = _weight_tile(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
                           FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # up rows
-        acc_up = tl.dot(wt, xt, acc_up, input_precision=PRECISION)
+        acc_up = tl.dot(xt, tl.trans(wt), acc_up, input_precision=PRECISION)
     g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW,
                                ACC_UNIT)                                           # [BLOCK_N] each
-    gate = acc_gate * g_gate[:, None]
-    h = gate * tl.sigmoid(gate) * (acc_up * g_up[:, None])                         # [BLOCK_N, BLOCK_M]
-    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + offs_n[:, None], _round_h(h, X_DTYPE, DOT_DTYPE, INTERPRET),
-             mask=mask_n[:, None] & valid[None, :])
+    gate = acc_gate * g_gate[None, :]
+    h = gate * tl.sigmoid(gate) * (acc_up * g_up[None, :])                         # [BLOCK_M, BLOCK_N]
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :], _round_h(h, X_DTYPE, DOT_DTYPE, INTERPRET),
+             mask=valid[:, None] & mask_n[None, :])
 
 
 MOE_GATE_UP = runtime.Kernel("moe.gate_up", _moe_gate_up_kernel)
@@ -143,19 +149,19 @@ def _moe_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, H, I, FLOAT_W, PACKED_LAYOUT)   # expert e of [E, H, I]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + offs_k[:, None],
-                     mask=(offs_k[:, None] < I) & valid[None, :], other=0).to(DOT_DTYPE)   # [BLOCK_K, BLOCK_M]
+        ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :],
+                     mask=valid[:, None] & (offs_k[None, :] < I), other=0).to(DOT_DTYPE)   # [BLOCK_M, BLOCK_K]
         wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
                           FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(wt, ht, acc, input_precision=PRECISION)
+        acc = tl.dot(ht, tl.trans(wt), acc, input_precision=PRECISION)
     g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, ACC_UNIT)
     w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)   # routing weight [BLOCK_M]
-    y = acc * g * w[None, :]
-    tl.store(out_ptr + slot[None, :].to(tl.int64) * stride_om + offs_n[:, None], cast_output(y, OUT_DTYPE, INTERPRET),
-             mask=mask_n[:, None] & valid[None, :])
+    y = acc * g * w[:, None]
+    tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :], cast_output(y, OUT_DTYPE, INTERPRET),
+             mask=valid[:, None] & mask_n[None, :])
 
 
 MOE_DOWN = runtime.Kernel("moe.down", _moe_down_kernel)
@@ -198,6 +204,11 @@ class MoEWorkspace(NamedTuple):
     out_slots: torch.Tensor         #: fp32 [M * top_k, H] (prefill; unused when top_k = 1 without a shared expert)
 
 
+def prefill_config(M: int) -> dict:
+    """The prefill GEMMs' GPU tiles for a batch of ``M`` tokens (:data:`PREFILL_CONFIGS`)."""
+    return dict(next(c for m, c in PREFILL_CONFIGS if m is None or M <= m))
+
+
 def block_m_for(M: int, top_k: int, num_experts: int) -> int:
     """Rows of a prefill tile: 16, 32 or 64, by the expected rows per used expert (``M * top_k`` over at most
     ``min(E, M * top_k)`` experts): padding costs up to ``BLOCK_M - 1`` rows per expert."""
@@ -233,20 +244,20 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     M, H = x2.shape
     I = h.shape[-1]
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
-    asked = "num_stages" in (config or {})
-    meta, warps, stages = _tiles(I, H, PREFILL_CONFIG, config, w13.packed)
+    tiles = prefill_config(M)
+    meta, warps, stages = _tiles(I, H, tiles, config, w13.packed)
     MOE_GATE_UP.current()[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, **flags, BLOCK_M=block_m, **meta,
-        num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))  # tl.dot, decoded tile
-    meta, warps, stages = _tiles(H, I, PREFILL_CONFIG, config, w13.packed)
+        num_warps=warps, num_stages=stages)     # the decoded tile is the dot's 2nd operand: pipelining is safe
+    meta, warps, stages = _tiles(H, I, tiles, config, w13.packed)
     MOE_DOWN.current()[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta,
-        num_warps=warps, num_stages=runtime.register_dot_stages(stages, requested=asked))
+        num_warps=warps, num_stages=stages)
 
 
 def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None = None, *, kernel=None) -> None:

@@ -542,7 +542,7 @@ for M_ in (1, 4, 16, 17, 512, 4096):
                           "down programs": M_ * triton.cdiv(H, down["BLOCK_N"]),
                           "BLOCK_N up / down": f"{up['BLOCK_N']} / {down['BLOCK_N']}"})
     else:
-        cfg = triton_experts.PREFILL_CONFIG
+        cfg = triton_experts.prefill_config(M_)
         bm = triton_experts.block_m_for(M_, TOP_K, E)
         blocks = spec.max_padded(S_, E, bm) // bm
         grid_rows.append({"M": M_, "path": "prefill (align, tl.dot)", "slots": S_, "BLOCK_M": bm,
