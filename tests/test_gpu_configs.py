@@ -153,18 +153,22 @@ def test_moe_decode_gpu_tiles(M, poison_empty):
         assert_one_rounding(_run_experts(x, weights, ids, w13, w2, config), exact, f"decode M{M} {config}", 2.0)
 
 
-def test_moe_prefill_gpu_tiles_and_combine(poison_empty):
-    """Each GPU prefill tile (PREFILL_CONFIGS) over H, I not multiples of its BLOCK_K, then the combine step with
-    the GPU's tile (4 tokens x 512 of H per program) directly, bit for bit against the same sum in torch."""
+def test_moe_prefill_gpu_tiles_and_combine(poison_empty, monkeypatch):
+    """Each GPU prefill tile (PREFILL_CONFIGS, the large-M one at 64- and 128-row tiles) over H, I not multiples of
+    its BLOCK_K, then the combine step with the GPU's tile (4 tokens x 512 of H per program) directly, bit for bit
+    against the same sum in torch."""
     E, top_k, H, I, M = 6, 2, 208, 96, 40
     w13, w2 = _experts(E, H, I, seed=5)
     x = randn(M, H, seed=7, dtype=BF16)
     weights, ids = _routing(M, E, top_k, seed=8)
     exact = moe_reference.moe_experts(x.float(), weights, ids, w13, w2)
     shared = randn(M, H, seed=9)
-    for _, config in triton_experts.PREFILL_CONFIGS:              # each tile, whatever M it is chosen for
+    for tokens, block_m in ((M, None), (1 << 20, 64), (1 << 20, 128)):   # each tile, whatever M picks it
+        config = triton_experts.prefill_config(tokens, block_m or 64)
+        if block_m:
+            monkeypatch.setattr(triton_experts, "block_m_for", lambda *_, b=block_m: b)
         got = _run_experts(x, weights, ids, w13, w2, config, shared_out=shared)
-        assert_one_rounding(got, exact + shared, f"prefill + shared {config}", 2.0)
+        assert_one_rounding(got, exact + shared, f"prefill + shared {config}, BLOCK_M {block_m}", 2.0)
 
     H2 = 1100                                             # 3 BLOCK_H tiles, the last partial; 10 BLOCK_T tiles
     slots, shared = randn(M * top_k, H2, seed=10), randn(M, H2, seed=11)

@@ -195,7 +195,7 @@ def test_paths_and_block_m(monkeypatch):
         weights, ids = _routing(M, 2, 4, seed=M)
         moe_experts_triton(_x(M, 64, FP32), weights, ids, w13, w2)
     assert calls == [16]
-    assert [block_m_for(M, 8, 256) for M in (64, 512, 1024, 4096)] == [16, 16, 32, 64]
+    assert [block_m_for(M, 8, 256) for M in (64, 512, 1024, 4096, 8192, 8256)] == [16, 16, 32, 64, 64, 128]
     assert block_m_for(20, 2, 512) == 16                      # bounded by the slots, not E
 
 

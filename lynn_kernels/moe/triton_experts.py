@@ -42,10 +42,11 @@ DECODE_MAX_M = GEMV_MAX_M
 #: order; the switch exists so the benchmark can time both (docs/history/decode.md, issue 16).
 FOLD_SHARED_GATE = True
 
-#: GPU tiles of the prefill GEMM kernels: ``(up to M tokens, config)``, the first that fits (the last: any M).
-#: Swept at 2,048 and 16,384 tokens of Qwen3.5-35B-A3B's experts (data/experiments/moe-prefill-operands/).
+#: GPU tiles of the prefill GEMM kernels: ``(up to M tokens, config)``, the first that fits (the last: any M); a
+#: 128-row tile (:func:`block_m_for`) takes ``warps_128`` warps. Swept at 2,048 and 16,384 tokens of
+#: Qwen3.5-35B-A3B's experts on an H100 (data/experiments/moe-prefill-tiles/).
 PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}),
-                   (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}))
+                   (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "warps_128": 8}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -204,16 +205,22 @@ class MoEWorkspace(NamedTuple):
     out_slots: torch.Tensor         #: fp32 [M * top_k, H] (prefill; unused when top_k = 1 without a shared expert)
 
 
-def prefill_config(M: int) -> dict:
-    """The prefill GEMMs' GPU tiles for a batch of ``M`` tokens (:data:`PREFILL_CONFIGS`)."""
-    return dict(next(c for m, c in PREFILL_CONFIGS if m is None or M <= m))
+def prefill_config(M: int, block_m: int = 64) -> dict:
+    """The prefill GEMMs' GPU tiles for a batch of ``M`` tokens in tiles of ``block_m`` rows
+    (:data:`PREFILL_CONFIGS`)."""
+    config = dict(next(c for m, c in PREFILL_CONFIGS if m is None or M <= m))
+    warps_128 = config.pop("warps_128", config["num_warps"])
+    if block_m >= 128:
+        config["num_warps"] = warps_128
+    return config
 
 
 def block_m_for(M: int, top_k: int, num_experts: int) -> int:
-    """Rows of a prefill tile: 16, 32 or 64, by the expected rows per used expert (``M * top_k`` over at most
-    ``min(E, M * top_k)`` experts): padding costs up to ``BLOCK_M - 1`` rows per expert."""
+    """Rows of a prefill tile: 16, 32, 64 or 128, by the expected rows per used expert (``M * top_k`` over at most
+    ``min(E, M * top_k)`` experts): padding costs up to ``BLOCK_M - 1`` rows per expert, and a taller tile decodes
+    each weight tile for more rows (128 from 257 rows an expert: 512 at 16,384 tokens of top-8 of 256)."""
     per_expert = runtime.cdiv(M * top_k, max(1, min(num_experts, M * top_k)))
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 256 else 128
 
 
 def intermediate_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -244,7 +251,7 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     M, H = x2.shape
     I = h.shape[-1]
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
-    tiles = prefill_config(M)
+    tiles = prefill_config(M, block_m)
     meta, warps, stages = _tiles(I, H, tiles, config, w13.packed)
     MOE_GATE_UP.current()[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,

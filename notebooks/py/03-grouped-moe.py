@@ -486,10 +486,11 @@ print("toy vs moe.reference.moe_experts (fp32): max_abs", r3(compare(toy, want_t
 # * the weights stay **NVFP4**: each program decodes its `[BLOCK_N, BLOCK_K]` weight tile from codes and E4M3
 #   scales in registers (the matmul family's `w_tile`, notebook 02) and feeds a bf16 `tl.dot` on the GPU (fp32
 #   under the interpreter); the expert's global scale multiplies the fp32 accumulator once, in the epilogue;
-# * it computes the transposed product (weight tile first, token rows second), so the weight supplies the wide
-#   side of the MMA and a tile of 16 token rows is enough;
+# * it computes `x_tile @ W_tile^T`: the token rows are the dot's first operand and the decoded weight tile is
+#   transposed into the second, which Hopper's wgmma reads from shared memory, so the kernel can pipeline its loads
+#   (a decoded tile as the *first* operand stays in registers, where Triton 3.6 pipelines it unsafely);
 # * `h = silu(gate) * up` is rounded once to x's dtype; everything else is fp32 up to the single output rounding;
-# * `BLOCK_M` follows the expected rows per expert (16, 32 or 64: `block_m_for`), and the grid is sized by the
+# * `BLOCK_M` follows the expected rows per expert (16, 32, 64 or 128: `block_m_for`), and the grid is sized by the
 #   static bound `P_max`;
 # * **decode path** (`M <= 16`): no align step and no combine launch. A slot is one row of x against one expert:
 #   on tensor cores it would be 1 row of a 16-row tile, and the work is decoding the weight. So the decode kernels
@@ -542,8 +543,8 @@ for M_ in (1, 4, 16, 17, 512, 4096):
                           "down programs": M_ * triton.cdiv(H, down["BLOCK_N"]),
                           "BLOCK_N up / down": f"{up['BLOCK_N']} / {down['BLOCK_N']}"})
     else:
-        cfg = triton_experts.prefill_config(M_)
         bm = triton_experts.block_m_for(M_, TOP_K, E)
+        cfg = triton_experts.prefill_config(M_, bm)
         blocks = spec.max_padded(S_, E, bm) // bm
         grid_rows.append({"M": M_, "path": "prefill (align, tl.dot)", "slots": S_, "BLOCK_M": bm,
                           "gate_up programs": blocks * triton.cdiv(I, cfg["BLOCK_N"]),
@@ -1157,9 +1158,9 @@ display(widgets.VBox([widgets.HBox(c[:3]), c[3], out]))
 
 # %% [markdown]
 # Things to try: at skew 0, raise M from 16 to 2048 and watch the padding factor fall towards 1 (the reason
-# `block_m_for` waits for 32 and 64 rows per expert before choosing those tiles); at skew 1, see a handful of
-# experts take most slots (on a GPU, one long row of tiles for them and many idle ones); drop to M = 1 and see why
-# the decode path does not align at all.
+# `block_m_for` waits for 32, 64 and 257 rows per expert before choosing the 32-, 64- and 128-row tiles); at skew
+# 1, see a handful of experts take most slots (on a GPU, one long row of tiles for them and many idle ones); drop
+# to M = 1 and see why the decode path does not align at all.
 #
 # ## Pointers
 #
