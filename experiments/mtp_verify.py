@@ -105,6 +105,13 @@ def graph_rounds(model, config, batch: int, g) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes to time (one device call "
+                    "may not hold both: batch 1 took ~3 minutes on an H100)")
+    ap.add_argument("--skip-generate", action="store_true", help="skip the generate(mtp=k) token checks")
+    args = ap.parse_args()
     config = lynn_model.preset("qwen3.5-35b-a3b").replace(mtp_layers=1)
     model = random_model(config, device="cuda")
     model.fuse_for_decode()
@@ -112,7 +119,7 @@ def main() -> None:
                  "rows": [], "exact": {}, "projection": {}}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for batch in (1, 8):
+        for batch in args.batches:
             cache = model.new_cache(batch, batch * (PROMPT + 512))
             slots = [cache.add() for _ in range(batch)]
             ids = torch.randint(0, config.vocab_size, (batch * PROMPT,), generator=g).cuda()
@@ -150,17 +157,27 @@ def main() -> None:
             res["exact"][key] = _unrolled_equal(model, config, batch, g)
             print(row, res["exact"], flush=True)
             torch.cuda.empty_cache()
-        prompts = torch.randint(0, config.vocab_size, (1, 256), generator=g).cuda()
-        plain = lynn_model.generate(model, prompts, 32)
-        sampled = dict(temperature=0.8, top_k=50, seed=3)
-        plain_sampled = lynn_model.generate(model, prompts, 32, **sampled)
-        for k in (1, 3):
-            stats = Stats()
-            got = lynn_model.generate(model, prompts, 32, mtp=k, stats=stats)
-            res["exact"][f"generate mtp={k}, 32 tokens"] = bool(torch.equal(got.cpu(), plain.cpu()))
-            res["exact"][f"generate mtp={k} verify steps"] = stats.verify_steps
-        got = lynn_model.generate(model, prompts, 32, mtp=3, **sampled)
-        res["exact"]["generate mtp=3 sampled (seeded), 32 tokens"] = bool(torch.equal(got.cpu(), plain_sampled.cpu()))
+        if not args.skip_generate:
+            _generate_checks(model, torch.randint(0, config.vocab_size, (1, 256), generator=g).cuda(), res)
+    _finish(res)
+
+
+def _generate_checks(model, prompts, res: dict) -> None:
+    """``generate(mtp=k)`` against plain decoding, 32 tokens of one 256-token prompt, greedy and seeded."""
+    plain = lynn_model.generate(model, prompts, 32)
+    sampled = dict(temperature=0.8, top_k=50, seed=3)
+    plain_sampled = lynn_model.generate(model, prompts, 32, **sampled)
+    for k in (1, 3):
+        stats = Stats()
+        got = lynn_model.generate(model, prompts, 32, mtp=k, stats=stats)
+        res["exact"][f"generate mtp={k}, 32 tokens"] = bool(torch.equal(got.cpu(), plain.cpu()))
+        res["exact"][f"generate mtp={k} verify steps"] = stats.verify_steps
+    got = lynn_model.generate(model, prompts, 32, mtp=3, **sampled)
+    res["exact"]["generate mtp=3 sampled (seeded), 32 tokens"] = bool(torch.equal(got.cpu(), plain_sampled.cpu()))
+
+
+def _finish(res: dict) -> None:
+    """The projections from the timed rows, the JSON, the table."""
     for row in res["rows"]:
         for k, acc in ASSUMED_ACCEPTANCE.items():
             t = row[f"verify_k{k}_us"] + row[f"draft_k{k}_us"]
