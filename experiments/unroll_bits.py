@@ -24,7 +24,7 @@ import lynn_model
 from lynn_kernels.bench.harness import provenance, save_experiment
 from lynn_model.loader import random_model
 
-CASES = ((1, 2), (1, 4), (8, 4))          # (batch, tokens a sequence)
+CASES = ((1, 2), (1, 3), (1, 4), (8, 2), (8, 3), (8, 4))     # (batch, tokens a sequence): k = 1..3
 
 
 def watched(model) -> dict[str, nn.Module]:
