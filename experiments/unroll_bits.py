@@ -6,7 +6,7 @@ cut to 4 layers (3 Gated DeltaNet, 1 attention; random NVFP4 weights, fused as `
 64-token prompt per sequence, then ``U`` tokens as one unrolled step and as ``U`` decode steps, with a forward hook
 on every layer's mixer, MoE block and each projection inside the mixer. Per module: whether its input and its output
 have the same bits both ways, and the largest difference of the output; the first module whose output differs while
-its input does not is the culprit. Batch 1 with U = 2 and 4, batch 8 with U = 4.
+its input does not is the culprit. Batch 1 and 8, U = 2, 3 and 4.
 
     PYTHONPATH=. python3 experiments/unroll_bits.py
 
