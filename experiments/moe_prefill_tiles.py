@@ -1,12 +1,13 @@
 """The routed experts' prefill GEMMs: the shipped kernels' tiles, and a dequantise-then-grouped-GEMM candidate.
 
-For Qwen3.5-35B-A3B's experts (E 256, top-8, H 2048, I 512, random NVFP4, the checkpoint layout) at 2,048 and
-16,384 tokens:
+For Qwen3.5-35B-A3B's experts (E 256, top-8, H 2048, I 512, random NVFP4, the checkpoint layout) at 1,024, 2,048
+and 16,384 tokens (1,024 picks 32-row tiles, where the operand swap measured slower: docs/history/compiler-fault.md):
 
 * the shipped op (``moe_experts``, the tiles ``PREFILL_CONFIGS`` picks for M), then each tile config below
-  (``BLOCK_N``, ``BLOCK_K``, warps, stages) at the shipped ``BLOCK_M`` and at 128 rows: exactness against the
-  shipped op (bits, rel_l2), 50 calls with memory scribbled on between them (a pipelining fault shows as changing
-  bits), time (``triton.testing.do_bench`` median, L2 flushed), TFLOP/s and the fraction of the measured bf16 peak;
+  (``BLOCK_N``, ``BLOCK_K``, warps, stages) at the shipped ``BLOCK_M``, at 128 rows and (1,024 tokens) at 64 rows:
+  exactness against the shipped op (bits, rel_l2), 50 calls with memory scribbled on between them (a pipelining
+  fault shows as changing bits), time (``triton.testing.do_bench`` median, L2 flushed), TFLOP/s and the fraction
+  of the measured bf16 peak;
 * **dequantise once, then ``torch._grouped_mm``** (what the dense projections do, with the experts): both stacks
   decoded to bf16 (a 1.6 GB workspace at this shape: 256 x 3 x 512 x 2048 x 2 bytes), the slots sorted by expert,
   x gathered, two grouped GEMMs with the SwiGLU between them, each slot scaled by its routing weight and the
@@ -33,7 +34,7 @@ from lynn_kernels.moe import triton_experts as te
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of both GEMMs
 CONFIGS = [(64, 128, 4, 1), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3)]
-TOKENS = (2048, 16384)
+TOKENS = (1024, 2048, 16384)
 
 
 @contextlib.contextmanager
@@ -111,7 +112,7 @@ def main() -> None:
                                 "block_m": te.block_m_for(m, args[2].shape[1], args[3].shape[0]), "ms": ms,
                                 "tflops": flops / ms / 1e9, "frac_of_peak": flops / ms / 1e9 / peak})
             print(f"{m:6d} shipped {te.prefill_config(m)}  {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-            for block_m in (None, 128):
+            for block_m in (None, 64, 128) if m < 2048 else (None, 128):    # 1,024 tokens picks 32 rows
                 for n, k, warps, stages in CONFIGS:
                     row = {"tokens": m, "kernel": "tiles", "BLOCK_N": n, "BLOCK_K": k, "num_warps": warps,
                            "num_stages": stages, "block_m": block_m or "shipped"}
