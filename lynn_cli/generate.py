@@ -38,9 +38,10 @@ def add(sub):
     p.add_argument("--seed", type=integer(0, 2**63 - 1), default=None,
                    help="sampling seed, 0 to 2^63-1 (default: from the clock, printed)")
     p.add_argument("--weights", choices=["auto", "nvfp4", "bf16"], default="auto")
-    p.add_argument("--lm-head", choices=["checkpoint", "nvfp4"], default="checkpoint",
+    p.add_argument("--lm-head", choices=["checkpoint", "nvfp4", "nvfp4-drafts"], default="checkpoint",
                    help="the LM head as the checkpoint holds it (default), or quantised to NVFP4 on load: a decode "
-                        "step reads 0.28x its bytes, at a perplexity cost (docs/quantization.md)")
+                        "step reads 0.28x its bytes, at a perplexity cost (docs/quantization.md); nvfp4-drafts: "
+                        "the checkpoint's head, and an NVFP4 copy for the --mtp drafts only (the same tokens)")
     p.add_argument("--backend", choices=["auto", "kernels", "reference", "interpreter"], default="auto",
                    help="auto (default): the compiled kernels on a GPU, the torch reference on a CPU; kernels: the "
                         "Triton kernels (compiled, or interpreted without a GPU); reference: torch; interpreter: "
@@ -170,7 +171,7 @@ def run(args) -> int:
              "kernels": f"the Triton kernels ({lynn_kernels.backend()})",
              "interpreter": "the Triton kernels through Triton's interpreter (slow: for reading, not for speed)"}
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
-    head = ", NVFP4 LM head" if args.lm_head == "nvfp4" else ""
+    head = {"nvfp4": ", NVFP4 LM head", "nvfp4-drafts": ", NVFP4 draft head"}.get(args.lm_head, "")
     fusion = (f", fused: {', '.join(f'{k} x{v}' for k, v in fused.items())}" if fused else "")
     print(f"[{model_dir.name}: {model.config.family}, {args.weights} weights{head}, on {where[backend]}{fusion}; "
           f"seed {seed}]", file=sys.stderr)

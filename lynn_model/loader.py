@@ -43,7 +43,7 @@ WEIGHT_MODES = ("auto", "nvfp4", "bf16")
 #: The LM head: ``"checkpoint"`` as the files hold it (tied to the embedding where the config says so), or
 #: ``"nvfp4"``: quantised on load, whatever ``weights`` says (a tied embedding stays float for the lookup; the head
 #: becomes an NVFP4 copy of it, 0.28x the bytes a decode step reads for it).
-LM_HEAD_MODES = ("checkpoint", "nvfp4")
+LM_HEAD_MODES = ("checkpoint", "nvfp4", "nvfp4-drafts")
 #: Projections kept in a float dtype when quantising on load (``weights="nvfp4"``): the LM head, the router, the
 #: shared-expert gate and the tiny Gated DeltaNet gate projections (as every published checkpoint keeps them).
 DEFAULT_KEEP = (r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.shared_expert_gate$", r"\.linear_attn\.in_proj_(a|b|ba)$")
@@ -261,8 +261,10 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
             ``"checkpoint"`` (kept as stored, for comparing the two).
         check_weights: refuse a tensor holding NaN or Inf, or an NVFP4 scale that is negative, zero (a global
             scale) or NaN, naming it (:class:`WeightCheck`: checked on the device, one sync per shard).
-        lm_head: ``"checkpoint"`` or ``"nvfp4"`` (:data:`LM_HEAD_MODES`): the head as stored, or quantised on
-            load with ``recipe`` (opt-in: its cost in perplexity is in docs/quantization.md).
+        lm_head: ``"checkpoint"``, ``"nvfp4"`` or ``"nvfp4-drafts"`` (:data:`LM_HEAD_MODES`): the head as
+            stored, or quantised on load with ``recipe`` (opt-in: its cost in perplexity is in
+            docs/quantization.md), or kept as stored with an NVFP4 copy that only the MTP module's drafts read
+            (:func:`quantize_draft_head`: the output stays plain decoding's, only acceptance can change).
     """
     folder = Path(path)
     if weights not in WEIGHT_MODES:
@@ -325,8 +327,7 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     if progress:
         print(file=sys.stderr)
     asm.finish()
-    if lm_head == "nvfp4":
-        quantize_lm_head(model, recipe)
+    _head(model, lm_head, recipe)
     if layout == "packed":
         pack_linears(model)
         pack_moe_experts(model)
@@ -337,6 +338,29 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
 def _check_lm_head(lm_head) -> None:
     if lm_head not in LM_HEAD_MODES:
         raise ValueError(f"lm_head = {lm_head!r}: expected one of {LM_HEAD_MODES}")
+
+
+def _head(model: Model, lm_head: str, recipe: str) -> None:
+    if lm_head == "nvfp4":
+        quantize_lm_head(model, recipe)
+    elif lm_head == "nvfp4-drafts":
+        if model.mtp is None:
+            raise ValueError(f"lm_head = 'nvfp4-drafts': {model.config.name or model.config.family} has no MTP "
+                             f"module to draft with (its checkpoint holds no mtp.* tensors)")
+        quantize_draft_head(model, recipe)
+
+
+def quantize_draft_head(model: Model, recipe: str = "modelopt") -> None:
+    """Give ``model``'s MTP drafts an NVFP4 copy of the LM head (:attr:`Model.draft_head`), about a quarter of a
+    bf16 head's bytes read per draft; the trunk keeps its head, so every emitted token is still the trunk's (a
+    draft only changes how often it is accepted). A head already NVFP4 is used as it is."""
+    from .model import Linear
+
+    w = model.lm_head.weight
+    if isinstance(w, torch.Tensor):
+        head = Linear(model.lm_head.in_features, model.lm_head.out_features)
+        head.weight = lynn_kernels.quantize(w, recipe=recipe)
+        model.draft_head = head
 
 
 def quantize_lm_head(model: Model, recipe: str = "modelopt") -> None:
@@ -530,8 +554,7 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
             value = torch.randn(t.shape, generator=gen, device=device, dtype=dtype) * std
         asm.put(name, value.to(dtype), t)
     asm.finish()
-    if lm_head == "nvfp4":
-        quantize_lm_head(model, recipe)
+    _head(model, lm_head, recipe)
     if layout == "packed":
         pack_linears(model)
         pack_moe_experts(model)

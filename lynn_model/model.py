@@ -450,6 +450,8 @@ class Model(nn.Module):
         self.norm = Norm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
         self.mtp = MTP(c) if c.mtp_layers else None
+        #: the head the MTP module's drafts read (None: ``lm_head``); :func:`lynn_model.loader.quantize_draft_head`
+        self.draft_head: Linear | None = None
         self.fused_norms = False                               # decode: each norm in the next block's first launch
 
     @property
@@ -581,7 +583,11 @@ class Model(nn.Module):
         batch = cache.plan(list(slots), list(new_lens), starts=list(starts))
         with lynn_kernels.trusted():
             x = self._mtp(tokens.to(self.device), hidden, batch, cache, layer)
-        return self.lm_head(x[batch.last_rows]), x
+        return self.draft_logits(x[batch.last_rows]), x
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The MTP module's logits of rows ``x``: through :attr:`draft_head` where there is one, else the LM head."""
+        return (self.lm_head if self.draft_head is None else self.draft_head)(x)
 
     def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache: Cache, layer: int = 0):
         """The MTP module's rows ``[T, H]`` before the LM head (:meth:`mtp_step`)."""

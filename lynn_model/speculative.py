@@ -289,7 +289,7 @@ class SpeculativeStep:
                 decode_plan(new_len + i - 1, self.active, cache.block_table, cache.page_size, b.positions,
                             b.kv_slots, b.seq_lens)
                 h = m._mtp(drafts[-1], h, b, cache)
-            logits = m.lm_head(h)
+            logits = m.draft_logits(h)
             drafts.append(sample_rows(logits, self.params, new_len + i + 1))
             if self.q is not None:
                 dists.append(probabilities(logits, self.params))

@@ -1098,7 +1098,7 @@ def test_bad_arguments_are_value_errors(ckpt):
     assert type(e.value) is ValueError
     with pytest.raises(ValueError, match=r"dtype = torch\.int8"):
         lynn_model.from_pretrained(ckpt("q35"), dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"lm_head = 'fp8': expected one of \('checkpoint', 'nvfp4'\)"):
+    with pytest.raises(ValueError, match=r"lm_head = 'fp8': expected one of \('checkpoint', 'nvfp4', 'nvfp4-drafts'\)"):
         lynn_model.from_pretrained("/nonexistent/folder", lm_head="fp8")
     with pytest.raises(LoadError, match=r"no config\.json in /nonexistent/folder"):
         lynn_model.from_pretrained("/nonexistent/folder")

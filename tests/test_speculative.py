@@ -153,6 +153,28 @@ def test_speculative_decoding_emits_plain_decodings_tokens(model, prompts, plain
     assert sum(a for _, _, a, _ in stats.rounds) == stats.accepted
 
 
+def test_an_nvfp4_draft_head_changes_the_drafts_not_the_tokens(model, prompts, plain):
+    """``lm_head="nvfp4-drafts"``: the trunk keeps its bf16 head, the MTP module's logits come from an NVFP4 copy
+    (its dequantised weight is the quantised head's), and greedy speculative decoding still emits plain decoding's
+    tokens; a model without an MTP module refuses the mode, naming it."""
+    c = model.config
+    drafting = random_model(c, dtype=BF16, seed=3, lm_head="nvfp4-drafts")     # the fixture's weights
+    assert torch.equal(drafting.lm_head.weight, model.lm_head.weight) and model.draft_head is None
+    assert isinstance(drafting.draft_head.weight, PackedNVFP4)
+    assert torch.equal(drafting.draft_head.weight.dequantize(),
+                       dequantize(lynn_kernels.quantize(model.lm_head.weight)))
+    cache, s = _prefilled(drafting, prompts[0])
+    hidden = torch.randn(1, c.hidden_size, generator=torch.Generator().manual_seed(2)).to(BF16)
+    logits, h = drafting.mtp_step(torch.tensor([5]), hidden, cache, [s], [1], [len(prompts[0]) - 1])
+    assert torch.equal(logits, drafting.draft_head(h))
+    assert not torch.equal(logits, drafting.lm_head(h))
+    stats = Stats()
+    assert torch.equal(generate(drafting, prompts, 7, mtp=2, stats=stats), plain)
+    assert stats.drafted > 0
+    with pytest.raises(ValueError, match=r"lm_head = 'nvfp4-drafts': .* has no MTP module"):
+        random_model(c.replace(mtp_layers=0), dtype=BF16, lm_head="nvfp4-drafts")
+
+
 def test_a_sequence_that_stops_leaves_the_round_and_the_others_go_on(model, prompts, plain):
     """A stop id the first sequence emits at its 4th new token (the second goes on): the speculative run stops it
     there too (its row idles in the step), and the second sequence's tokens are unchanged."""

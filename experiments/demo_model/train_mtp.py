@@ -368,20 +368,21 @@ def forward_check(folder: Path, mtp_file: Path, ids: list[int]) -> dict:
 
 
 def verify(folder: Path, drafts: list[int], prompts: int, prompt_tokens: int, new_tokens: int, device: str,
-           reps: int = 1, temperature: float = 0.0) -> dict:
+           reps: int = 1, temperature: float = 0.0, lm_head: str = "checkpoint") -> dict:
     """Load ``folder`` with lynn_model and compare ``generate`` with and without MTP on held-out prompts: for each
     prompt every ``mtp`` in turn (so a load that comes and goes on a shared machine falls on all of them alike),
     ``reps`` times, after one untimed warm-up call of each; a prompt's time is the least of its repeats, wall clock
     (``seconds``) and this process's CPU time (``cpu_seconds``, which other processes' load barely moves). With a
     ``temperature``, also sampled runs (seed = the prompt's number), once each, under both acceptance rules: how
-    many drafts each keeps, and whether the coupled rule gives plain sampling's tokens."""
+    many drafts each keeps, and whether the coupled rule gives plain sampling's tokens. ``lm_head``: the
+    loader's mode (``"nvfp4-drafts"``: the drafts read an NVFP4 copy of the head)."""
     import lynn_kernels
     import lynn_model
 
     ref = device == "cpu"
     tok = lynn_model.Tokenizer.from_pretrained(folder)
     rows = heldout_prompts(tok, prompts, prompt_tokens)
-    result = {"folder": str(folder), "device": device, "reference_ops": ref, "prompts": len(rows),
+    result = {"folder": str(folder), "device": device, "reference_ops": ref, "lm_head": lm_head, "prompts": len(rows),
               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "reps": reps,
               "torch_threads": torch.get_num_threads(),
               "forward_check": forward_check(folder, folder / "mtp.safetensors", rows[0]),
@@ -391,7 +392,7 @@ def verify(folder: Path, drafts: list[int], prompts: int, prompt_tokens: int, ne
     runs = {k: {"seconds": 0.0, "cpu_seconds": 0.0, "new_tokens": 0, "drafted": 0, "accepted": 0,
                 "verify_steps": 0, "same_as_mtp0": True, "per_prompt": []} for k in ks}
     with lynn_kernels.use_reference() if ref else contextlib.nullcontext():
-        model = lynn_model.from_pretrained(folder, device=device)
+        model = lynn_model.from_pretrained(folder, device=device, lm_head=lm_head)
         result["mtp_layers"] = model.config.mtp_layers
         for k in ks:                                   # warm-up
             lynn_model.generate(model, [rows[0]], 8, mtp=k)
@@ -511,6 +512,9 @@ def main():
     ap.add_argument("--verify-temperature", type=float, default=0.8,
                     help="also sample at this temperature under both acceptance rules (0: greedy only)")
     ap.add_argument("--verify-reps", type=int, default=1, help="timed repeats per prompt and k (the least counts)")
+    ap.add_argument("--verify-lm-head", default="checkpoint", choices=["checkpoint", "nvfp4", "nvfp4-drafts"],
+                    help="the loader's LM head mode for the check (nvfp4-drafts: drafts read an NVFP4 copy)")
+    ap.add_argument("--verify-name", default="verify.json", help="the result's file name in --out")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args()
     model_dir = Path(args.model)
@@ -530,15 +534,15 @@ def main():
         folder = assemble(model_dir, src / "mtp.safetensors", dest)
         prov = provenance()                       # the commit the check runs at (it may differ from the training's)
         res = verify(folder, drafts, args.verify_prompts, args.verify_prompt_tokens, args.verify_new_tokens,
-                     args.device, args.verify_reps, args.verify_temperature)
+                     args.device, args.verify_reps, args.verify_temperature, args.verify_lm_head)
         res = {**{k: prov[k] for k in ("date", "git_sha", "git_dirty", "torch", "python")},
                "command": "PYTHONPATH=. python3 experiments/demo_model/train_mtp.py --verify-only DIR " + " ".join(
                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                    if k in ("device", "threads", "verify_reps", "verify_temperature", "verify_drafts",
-                            "verify_prompts", "verify_new_tokens") and v is not None), **res}
+                            "verify_prompts", "verify_new_tokens", "verify_lm_head") and v is not None), **res}
         if not args.verify_dir:
             shutil.rmtree(dest)
-        (out / "verify.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / args.verify_name).write_text(json.dumps(res, indent=1) + "\n")
         return res
 
     if args.verify_only:                          # DIR may be read-only (a device run's files): write into --out
