@@ -111,11 +111,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes to time (one device call "
                     "may not hold both: batch 1 took ~3 minutes on an H100)")
     ap.add_argument("--skip-generate", action="store_true", help="skip the generate(mtp=k) token checks")
+    ap.add_argument("--lm-head", default="checkpoint", choices=["checkpoint", "nvfp4-drafts"],
+                    help="nvfp4-drafts: the drafts read an NVFP4 copy of the LM head (time them both ways)")
     args = ap.parse_args()
     config = lynn_model.preset("qwen3.5-35b-a3b").replace(mtp_layers=1)
-    model = random_model(config, device="cuda")
+    model = random_model(config, device="cuda", lm_head=args.lm_head)
     model.fuse_for_decode()
-    res: dict = {"provenance": provenance(), "setup": {"preset": config.name, "prompt": PROMPT, "fused": True},
+    res: dict = {"provenance": provenance(), "setup": {"preset": config.name, "prompt": PROMPT, "fused": True,
+                                                       "lm_head": args.lm_head},
                  "rows": [], "exact": {}, "projection": {}}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -187,7 +190,8 @@ def _finish(res: dict) -> None:
                 "captured_speedup_over_decode": acc * row["decode_ms"] / row[f"round_k{k}_ms"]}
     out_dir = Path(os.environ.get("OUT") or ROOT / "data" / "experiments" / "mtp-verify")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{res['provenance']['git_sha'][:7]}.json"
+    head = res["setup"]["lm_head"]
+    path = out_dir / f"{res['provenance']['git_sha'][:7]}{'' if head == 'checkpoint' else '-' + head}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {path}")
     print("batch  decode us  " + "  ".join(f"verify k={k}  draft k={k}" for k in (1, 2, 3))
