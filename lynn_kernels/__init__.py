@@ -5,7 +5,7 @@ kernel module below is defined under the right backend.
 """
 
 from . import runtime  # noqa: I001  (must come first: it chooses the Triton backend)
-from .runtime import backend, device_summary, programmatic_launches, trusted, use_reference
+from .runtime import as_batch, backend, device_summary, programmatic_launches, trusted, use_reference
 from .metrics import Metrics, compare, render_table
 from . import nvfp4
 from .nvfp4 import NVFP4Tensor, dequantize, quantize
@@ -20,7 +20,7 @@ from .norm import rmsnorm
 
 __version__ = "0.1.0"
 
-__all__ = ["runtime", "backend", "device_summary", "programmatic_launches", "trusted", "use_reference",
+__all__ = ["runtime", "as_batch", "backend", "device_summary", "programmatic_launches", "trusted", "use_reference",
            "Metrics", "compare", "render_table",
            "nvfp4", "NVFP4Tensor", "quantize", "dequantize",
            "matmul", "NVFP4Linear", "PackedNVFP4", "nvfp4_linear", "pack", "quantize_linears",

@@ -116,6 +116,31 @@ def trusted(enabled: bool = True):
         _trusted.reset(token)
 
 
+_as_batch: contextvars.ContextVar[int | None] = contextvars.ContextVar("lynn_as_batch", default=None)
+
+
+@contextlib.contextmanager
+def as_batch(rows: int | None):
+    """Inside the block, every op that picks a kernel or its tiles by its number of rows picks them as for a call of
+    ``rows`` rows, so each row gets the bits such a call would give it: a speculative verify runs ``k + 1`` tokens
+    of each of ``rows`` sequences and must sum each one as the decode step of ``rows`` rows does. An op of more rows
+    runs in pieces that each sum a row as that call would (one launch where the kernel's sums do not depend on its
+    row count, else ``rows`` rows a launch). ``None`` undoes an outer one."""
+    if rows is not None and (not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"as_batch(rows): rows must be a positive int or None, got {rows!r}")
+    token = _as_batch.set(rows)
+    try:
+        yield
+    finally:
+        _as_batch.reset(token)
+
+
+def batch_rows(m: int) -> int:
+    """The row count an op of ``m`` rows chooses its kernel by: ``m``, or :func:`as_batch`'s inside one."""
+    rows = _as_batch.get()
+    return m if rows is None else rows
+
+
 def values_checkable() -> bool:
     """Whether an op may read index or value tensors back to validate them: not inside :func:`trusted`, and not
     while a CUDA graph is being captured (a read-back would break the capture)."""

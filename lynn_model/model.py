@@ -48,6 +48,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
             return nvfp4_linear(x, self.weight)
+        rows = x.numel() // max(1, x.shape[-1])
+        like = lynn_kernels.runtime.batch_rows(rows)
+        if like < rows:                  # as_batch: cuBLAS picks its kernel by M, so `like` rows a call
+            return torch.cat([F.linear(p, self.weight) for p in x.reshape(rows, -1).split(like)]).view(
+                *x.shape[:-1], -1)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -558,13 +563,15 @@ class Model(nn.Module):
             # trusted: the token ids are checked above; every other value the layers could check by reading it back
             # (cache slots, positions, offsets, routing) the model makes itself, and each read-back is a host sync
             # that lets the GPU drain (docs/decoder.md, "Host syncs")
-            with lynn_kernels.trusted():
+            # unrolled: each row computed as the decode step of len(slots) rows computes it (token-exact verify)
+            with lynn_kernels.trusted(), lynn_kernels.as_batch(len(slots) if unroll else None):
                 x = self._trunk(tokens.to(self.device), batch, cache)
         except BaseException:
             cache.mark_broken(list(slots))            # some layers already wrote their states
             raise
         cache.advance(list(slots), list(new_lens), unroll=unroll)
-        logits = self.lm_head(x if all_logits else x[batch.last_rows])
+        with lynn_kernels.as_batch(len(slots) if unroll else None):
+            logits = self.lm_head(x if all_logits else x[batch.last_rows])
         return (logits, x) if hidden else logits
 
     def mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: Cache, slots: list[int],

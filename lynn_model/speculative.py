@@ -261,8 +261,9 @@ class SpeculativeStep:
         m, cache, n, k, u = self.model, self.cache, self.rows, self.k, self.k + 1
         self._plan_verify()
         tokens = torch.cat([self.pending[:, None], self.drafts], 1).view(-1)
-        x = m._trunk(tokens, self.batch_v, cache)                        # [n u, H]; snapshots the states
-        logits = m.lm_head(x)
+        with lynn_kernels.as_batch(n):               # each row summed as the decode step of n rows sums it
+            x = m._trunk(tokens, self.batch_v, cache)                    # [n u, H]; snapshots the states
+            logits = m.lm_head(x)
         counter = self.batch_v.positions + 1
         if self.rule == "coupled":
             want = sample_rows(logits, self.params_u, counter).view(n, u)

@@ -195,8 +195,26 @@ def test_paths_and_block_m(monkeypatch):
         weights, ids = _routing(M, 2, 4, seed=M)
         moe_experts_triton(_x(M, 64, FP32), weights, ids, w13, w2)
     assert calls == [16]
-    assert [block_m_for(M, 8, 256) for M in (64, 512, 1024, 4096, 8192, 8256)] == [16, 16, 32, 64, 64, 128]
+    assert [block_m_for(M, 8, 256) for M in (64, 512, 1024, 4096, 8192, 8256)] == [16, 16, 64, 64, 64, 128]
     assert block_m_for(20, 2, 512) == 16                      # bounded by the slots, not E
+
+
+def test_as_batch_runs_a_block_as_calls_of_that_many_rows(monkeypatch):
+    """Inside ``as_batch(1)`` a block of 20 tokens (past the decode path's 16) runs in pieces on the decode path, each
+    token getting the bits of a block of one token; outside, it takes the prefill path (align)."""
+    calls = []
+    real = triton_experts.launch_align
+    monkeypatch.setattr(triton_experts, "launch_align", lambda *a: calls.append(1) or real(*a))
+    w13, w2 = _experts(6, 64, 32, seed=1)
+    router = (torch.randn(6, 64, generator=_gen(3)) * 0.1).to(BF16).to(DEV)
+    x, shared = _x(20, 64, BF16, seed=4), _shared(64, 32, seed=5)
+    with runtime.as_batch(1):
+        got = moe_block(x, router, w13, w2, shared, top_k=2)
+    assert calls == []
+    alone = torch.cat([moe_block(x[i:i + 1], router, w13, w2, shared, top_k=2) for i in range(20)])
+    assert torch.equal(got, alone), bit_mismatches(got, alone)
+    moe_block(x, router, w13, w2, shared, top_k=2)
+    assert calls == [1]                                         # the routed experts' align
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -318,6 +318,34 @@ def test_gpu_captured_rounds_give_the_eager_rounds_tokens(preset_name, rule):
             assert torch.equal(runs[1], generate(model, rows, 24, **kw))
 
 
+@pytest.mark.gpu
+def test_gpu_an_unrolled_step_is_its_decode_steps_at_qwen35_widths():
+    """Qwen3.5-35B-A3B's widths cut to four layers (three Gated DeltaNet, one attention; random NVFP4, fused as ``lynn
+    generate`` runs it): one unrolled step of 2, 3 and 4 tokens a sequence gives its decode steps' logits bit for bit,
+    at batch 1 and 8. Its kernels pick tiles by row count (the packed GEMV's tile, the MoE decode tiles, the KV
+    splits, cuBLAS's kernel for the bf16 LM head): the verify picks the decode step's (``as_batch``)."""
+    config = preset("qwen3.5-35b-a3b").replace(num_hidden_layers=4)
+    model = random_model(config, device="cuda")
+    model.fuse_for_decode()
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for batch, u in ((1, 2), (1, 3), (1, 4), (8, 2), (8, 4)):
+            ids = torch.randint(0, config.vocab_size, (batch * 64,), generator=gen).cuda()
+            extra = torch.randint(0, config.vocab_size, (batch, u), generator=gen).cuda()
+            runs = []
+            for unrolled in (False, True):
+                cache = model.new_cache(batch, batch * 128)
+                slots = [cache.add() for _ in range(batch)]
+                model.step(ids, cache, slots, [64] * batch)
+                if unrolled:
+                    runs.append(model.step(extra.reshape(-1), cache, slots, [u] * batch, all_logits=True, unroll=True))
+                else:
+                    steps = [model.step(extra[:, j].contiguous(), cache, slots, [1] * batch) for j in range(u)]
+                    runs.append(torch.stack(steps, 1).reshape(batch * u, -1))
+            assert torch.equal(runs[0], runs[1]), \
+                f"batch {batch}, {u} tokens: largest logit difference {(runs[0] - runs[1]).abs().max().item():.3g}"
+
+
 def test_rounds_write_only_into_their_own_pages(model, monkeypatch, k=3):
     """Drafts always right (planted), so every round keeps all three: a 15-token prompt and 14 new tokens (the
     first from the prefill, then rounds of 4, 4, 4 and a last one with one token left, whose next drafts reach

@@ -191,7 +191,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_table=None, sca
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    splits = num_splits or default_num_splits(q.shape[0], k_cache.shape[2], cache.capacity)
+    splits = num_splits or default_num_splits(runtime.batch_rows(q.shape[0]), k_cache.shape[2], cache.capacity)
     return launch_decode(q, k_cache, v_cache, seq_lens, block_table, gate, out, splits,
                          q.shape[-1] ** -0.5 if scale is None else scale)
 

@@ -50,7 +50,7 @@ from ..runtime import cast_output, kernel_view, to_float32
 from ..triton_shared import MMA_UNIT, kernel_constexprs, packed_w_tile, split_k_counter, split_k_for, w_tile
 from .packed import CHUNK, PackedNVFP4
 from .spec import GEMV_MAX_M, check_linear_args
-from .triton_packed import NORM_MAX_K, _bias_arg, _sm_count, launch_packed_gemv
+from .triton_packed import NORM_MAX_K, _bias_arg, _sm_count, launch_packed_gemv, packed_gemv_config
 
 # ---------------------------------------------------------------------------------------------------------------
 # the split-K epilogue
@@ -479,9 +479,37 @@ def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | No
     """Host side of :func:`lynn_kernels.matmul.nvfp4_linear`: the GEMV for M <= 16; above, the GEMM kernel or, for
     a packed weight and a 16-bit x from DEQUANT_MIN_M rows on, the weight dequantised once and cuBLAS."""
     x2, y = _prepare(x, w, bias)
-    if x2.shape[0] > 0:
-        (_launch_small if x2.shape[0] <= GEMV_MAX_M else _launch_large)(x2, w, bias, y)
+    m = x2.shape[0]
+    like = runtime.batch_rows(m)
+    if m > 0 and like != m:
+        _launch_as_batch(x2, w, bias, y, like)
+    elif m > 0:
+        (_launch_small if m <= GEMV_MAX_M else _launch_large)(x2, w, bias, y)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _launch_as_batch(x2, w, bias, y, like: int):
+    """Inside :func:`runtime.as_batch`: each row of ``x2`` summed as a call of ``like`` rows sums it, in as few
+    launches as the kernels allow: the packed GEMV with ``like`` rows' tile takes 4 rows a launch, the tensor-core
+    GEMV (its sums do not depend on M) 16, the GEMM paths ``like`` rows a launch."""
+    m, (n, k) = x2.shape[0], w.shape
+    if like <= GEMV_MAX_M and isinstance(w, PackedNVFP4) and use_packed_gemv(like, n):
+        step, cfg = 4, packed_gemv_config(n, k, _sm_count(x2.device), like)
+
+        def launch(xs, ys):
+            launch_packed_gemv(xs, w, bias, ys, config=cfg, pdl=runtime.pdl())
+    elif like <= GEMV_MAX_M:
+        step = GEMV_MAX_M
+
+        def launch(xs, ys):
+            launch_gemv(xs, w, bias, ys)
+    else:
+        step = like
+
+        def launch(xs, ys):
+            _launch_large(xs, w, bias, ys)
+    for r in range(0, m, step):
+        launch(x2[r:r + step], y[r:r + step])
 
 
 def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float = 1e-6, *,
@@ -499,7 +527,8 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float
     n, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not (isinstance(w, PackedNVFP4) and m > 0 and use_packed_gemv(m, n) and k <= NORM_MAX_K
+    like = runtime.batch_rows(m)                  # as_batch: the tile of a call of `like` rows
+    if not (isinstance(w, PackedNVFP4) and 0 < m <= 4 and use_packed_gemv(like, n) and k <= NORM_MAX_K
             and norm_weight.dtype in runtime.TORCH_TO_TL):
         return norm_spec.norm_then(rmsnorm, lambda xn: nvfp4_linear_triton(xn, w), x, norm_weight, eps, residual)
     norm_spec.check_devices(x=x, norm_weight=norm_weight, residual=residual)
@@ -508,7 +537,8 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float
     xn = torch.empty((m, k), dtype=x.dtype, device=x.device)
     h = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch_packed_gemv(x2, w, None, y, pdl=runtime.pdl(),
+    config = None if like == m else packed_gemv_config(n, k, _sm_count(x2.device), like)
+    launch_packed_gemv(x2, w, None, y, config=config, pdl=runtime.pdl(),
                        norm=(r2, norm_weight.contiguous(), float(eps), xn, h))
     lead = x.shape[:-1]
     y, xn = y.reshape(*lead, n), xn.reshape(*lead, k)

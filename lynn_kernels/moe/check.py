@@ -48,7 +48,7 @@ ALIGNS = ((1, 8, 256, 16, None), (1, 10, 512, 64, None), (7, 1, 5, 16, None), (1
 
 #: ``moe_experts`` on NVFP4 experts: (M, top_k, E, H, I, global scales "g1" (one) or "gE" (one per expert), the
 #: experts ids are drawn from (None: top_k distinct of all), x dtype). Both paths and the boundary between them
-#: (M = 16 | 17), every prefill BLOCK_M (16, 32, 64), H and I multiples of 16 but not of 64 (80, 48).
+#: (M = 16 | 17), the prefill BLOCK_Ms up to 64 (16, 64), H and I multiples of 16 but not of 64 (80, 48).
 EXPERTS = ((1, 1, 7, 80, 48, "g1", None, FP32), (5, 8, 16, 64, 32, "gE", None, BF16),
            (16, 3, 7, 80, 48, "gE", None, FP32), (17, 3, 7, 80, 48, "g1", None, BF16),
            (33, 2, 6, 64, 32, "gE", (4,), FP32), (40, 4, 6, 128, 64, "gE", (0, 2, 3, 5), BF16),

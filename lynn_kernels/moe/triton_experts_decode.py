@@ -374,7 +374,7 @@ def _launch_packed_decode(x2, weights, ids, slots: int, w13: _Weights, w2: _Weig
     M, H = x2.shape
     I = h.shape[-1]
     f = _flags(x2.dtype, False, runtime.INTERPRET, True)
-    batch = M > 2
+    batch = runtime.batch_rows(M) > 2                 # as_batch: the tiles of that many rows
     meta, warps = _packed_tiles(I, H, PACKED_UP_CONFIGS[batch], config)
     even_k = H % 128 == 0 and (H // 8) % meta["TW"] == 0
     MOE_PACKED_GATE_UP.current()[(M * slots, runtime.cdiv(I, meta["BLOCK_N"]))](
@@ -407,7 +407,7 @@ def _launch_decode(x2, weights, ids, top_k, w13: _Weights, w2: _Weights, float_w
     I = h.shape[-1]
     f = _flags(x2.dtype, float_w, runtime.INTERPRET)
     flags = {k: f[k] for k in ("FLOAT_W", "X_DTYPE", "PACKED_DECODE", "ACC_UNIT", "INTERPRET")}
-    batch = M > 2
+    batch = runtime.batch_rows(M) > 2                 # as_batch: the tiles of that many rows
     meta, warps, stages = _tiles(I, H, DECODE_UP_CONFIGS[batch], config)
     MOE_DECODE_GATE_UP.current()[(M * top_k, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, ids, h,
