@@ -320,13 +320,15 @@ def test_gpu_captured_rounds_give_the_eager_rounds_tokens(preset_name, rule):
 
 @pytest.mark.gpu
 def test_gpu_an_unrolled_step_is_its_decode_steps_at_qwen35_widths():
-    """Qwen3.5-35B-A3B's widths cut to four layers (three Gated DeltaNet, one attention; random NVFP4, fused as ``lynn
-    generate`` runs it): one unrolled step of 2, 3 and 4 tokens a sequence gives its decode steps' logits bit for bit,
-    at batch 1 and 8. Its kernels pick tiles by row count (the packed GEMV's tile, the MoE decode tiles, the KV
-    splits, cuBLAS's kernel for the bf16 LM head): the verify picks the decode step's (``as_batch``)."""
-    config = preset("qwen3.5-35b-a3b").replace(num_hidden_layers=4)
+    """Qwen3.5-35B-A3B's widths cut to four layers (three Gated DeltaNet, one attention) and 64 experts (random
+    NVFP4, fused as ``lynn generate`` runs it): one unrolled step of 2, 3 and 4 tokens a sequence gives its decode
+    steps' logits bit for bit, at batch 1 and 8. Its kernels pick tiles by row count (the packed GEMV's tile, the MoE
+    decode tiles, the KV splits, cuBLAS's kernel for the bf16 LM head): the verify picks the decode step's
+    (``as_batch``). 64 experts, not 256, and the memory given back: the other test workers share the GPU."""
+    config = preset("qwen3.5-35b-a3b").replace(num_hidden_layers=4, num_experts=64)
     model = random_model(config, device="cuda")
     model.fuse_for_decode()
+    torch.cuda.empty_cache()
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for batch, u in ((1, 2), (1, 3), (1, 4), (8, 2), (8, 4)):
@@ -344,6 +346,8 @@ def test_gpu_an_unrolled_step_is_its_decode_steps_at_qwen35_widths():
                     runs.append(torch.stack(steps, 1).reshape(batch * u, -1))
             assert torch.equal(runs[0], runs[1]), \
                 f"batch {batch}, {u} tokens: largest logit difference {(runs[0] - runs[1]).abs().max().item():.3g}"
+    del model, runs
+    torch.cuda.empty_cache()
 
 
 def test_rounds_write_only_into_their_own_pages(model, monkeypatch, k=3):
