@@ -111,8 +111,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes to time (one device call "
                     "may not hold both: batch 1 took ~3 minutes on an H100)")
     ap.add_argument("--skip-generate", action="store_true", help="skip the generate(mtp=k) token checks")
-    ap.add_argument("--lm-head", default="checkpoint", choices=["checkpoint", "nvfp4-drafts"],
-                    help="nvfp4-drafts: the drafts read an NVFP4 copy of the LM head (time them both ways)")
+    ap.add_argument("--lm-head", default="checkpoint", choices=["checkpoint", "nvfp4", "nvfp4-drafts"],
+                    help="nvfp4: the trunk and the drafts read an NVFP4 head (the verify's rows then share one read "
+                         "of it: the tensor-core GEMV sums a row alike at any row count); nvfp4-drafts: only the "
+                         "drafts do")
     args = ap.parse_args()
     config = lynn_model.preset("qwen3.5-35b-a3b").replace(mtp_layers=1)
     model = random_model(config, device="cuda", lm_head=args.lm_head)
