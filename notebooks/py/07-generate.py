@@ -500,6 +500,23 @@ print(render_table([
 # Tokens per step is the **acceptance length**: the drafts kept per round plus the trunk's own token
 # (`Stats.acceptance_length`).
 #
+# **On a GPU the verify's rows must be summed as the decode step sums them.** The compiled kernels choose their tiles
+# by how many rows they get (one or two rows take the packed GEMV, more the tensor-core GEMV; the MoE decode tiles,
+# the attention's KV splits and cuBLAS's kernel for the bf16 LM head change too), and another tile sums a row in
+# another order, so its logits can differ in the last bits and a near-tie goes the other way. The verify therefore
+# runs inside `lynn_kernels.as_batch(n)`: every op picks what a call of `n` rows (the decode step's) picks and runs
+# the `n (k + 1)` rows in pieces that each sum a row that way. On this CPU every row is summed alike anyway; the
+# committed GPU check, at Qwen3.5-35B-A3B's widths (four layers, random weights) and on the demo model:
+
+# %%
+unroll = read_json(ROOT / "data/experiments/unroll-bits/bfb0a2b-h100.json")
+print(render_table([{"batch": c["batch"], "tokens a sequence (k + 1)": c["tokens"],
+                     "unrolled logits = the decode steps'": c["logits_equal"]} for c in unroll["cases"]]))
+gpu = read_json(MTP_DIR / "verify-h100.json")
+print(f"\ndemo model on {unroll['provenance']['gpu']}, greedy, {gpu['prompts']} prompts: " + "; ".join(
+    f"mtp={k}: {'the same' if gpu['runs'][f'mtp={k}']['same_as_mtp0'] else 'NOT the same'} "
+    f"{gpu['runs'][f'mtp={k}']['new_tokens']} tokens as plain" for k in (1, 2, 3)))
+#
 # **Drafts accepted and rejected, token by token.** `stats.rounds` holds each round as `(sequence, drafts, how
 # many were kept, the trunk's token after them)`, and a round emits `drafts[:kept] + [token]`. Below, each round
 # starts at a thin bar: the drafts the trunk kept on green, the first draft it rejected struck through on red, then
