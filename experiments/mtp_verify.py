@@ -35,6 +35,7 @@ import lynn_model
 from lynn_kernels.bench.harness import provenance
 from lynn_model.generate import Stats
 from lynn_model.loader import random_model
+from lynn_model.speculative import unrolled_and_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 4096
@@ -159,7 +160,7 @@ def main() -> None:
                 row[f"verify_k{k}_us"], row[f"draft_k{k}_us"] = kernel_us(verify), kernel_us(draft)
             res["rows"].append(row)
             key = f"unrolled step of 3 = 3 decode steps, batch {batch}"
-            res["exact"][key] = _unrolled_equal(model, config, batch, g)
+            res["exact"][key] = bool(torch.equal(*unrolled_and_steps(model, batch, 3, g)))
             print(row, res["exact"], flush=True)
             torch.cuda.empty_cache()
         if not args.skip_generate:
@@ -207,23 +208,6 @@ def _finish(res: dict) -> None:
               f"{p['captured_speedup_over_decode']:.2f}x the captured plain step ({p['speedup_over_decode']:.2f}x "
               f"from eager kernel times)")
     print("exact:", res["exact"])
-
-
-def _unrolled_equal(model, config, batch: int, g) -> bool:
-    """A fresh cache, a 64-token prompt per sequence: three decode steps against one unrolled step of three."""
-    ids = torch.randint(0, config.vocab_size, (batch * 64,), generator=g).cuda()
-    extra = torch.randint(0, config.vocab_size, (batch, 3), generator=g).cuda()
-    got = []
-    for unrolled in (False, True):
-        cache = model.new_cache(batch, batch * 128)
-        slots = [cache.add() for _ in range(batch)]
-        model.step(ids, cache, slots, [64] * batch)
-        if unrolled:
-            got.append(model.step(extra.reshape(-1), cache, slots, [3] * batch, all_logits=True, unroll=True))
-        else:
-            rows = [model.step(extra[:, j].contiguous(), cache, slots, [1] * batch) for j in range(3)]
-            got.append(torch.stack(rows, 1).reshape(batch * 3, -1))
-    return bool(torch.equal(got[0], got[1]))
 
 
 if __name__ == "__main__":

@@ -369,5 +369,27 @@ class SpeculativeStep:
         return out
 
 
+def unrolled_and_steps(model: Model, batch: int, tokens: int, generator: torch.Generator, *,
+                       prompt: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The check behind token-exact speculative decoding: ``batch`` sequences, each a random ``prompt``-token prompt
+    then ``tokens`` random tokens run once as one unrolled step (a verify's) and once, from a fresh cache, as
+    ``tokens`` decode steps. Returns both logits, ``[batch * tokens, vocab]`` each, sequence-major; the verify keeps
+    plain decoding's tokens where they are equal bit for bit."""
+    vocab, dev = model.config.vocab_size, model.device
+    ids = torch.randint(0, vocab, (batch * prompt,), generator=generator).to(dev)
+    extra = torch.randint(0, vocab, (batch, tokens), generator=generator).to(dev)
+    runs = []
+    for unrolled in (True, False):
+        cache = model.new_cache(batch, batch * 2 * max(prompt, tokens))
+        slots = [cache.add() for _ in range(batch)]
+        model.step(ids, cache, slots, [prompt] * batch)
+        if unrolled:
+            runs.append(model.step(extra.reshape(-1), cache, slots, [tokens] * batch, all_logits=True, unroll=True))
+        else:
+            steps = [model.step(extra[:, j].contiguous(), cache, slots, [1] * batch) for j in range(tokens)]
+            runs.append(torch.stack(steps, 1).reshape(batch * tokens, -1))
+    return runs[0], runs[1]
+
+
 __all__ = ["MAX_DRAFTS", "MTPDrafter", "Params", "RULES", "SpeculativeStep", "accept_rejection", "spare_tokens",
-           "verify"]
+           "unrolled_and_steps", "verify"]

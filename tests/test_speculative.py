@@ -82,6 +82,13 @@ def test_an_unrolled_step_is_its_decode_steps_and_rolls_back(model, prompts):
         cache2.rollback([s2], [1])
 
 
+def test_an_unrolled_step_of_two_sequences_is_their_decode_steps(model):
+    """``unrolled_and_steps`` (the GPU test's check, below) at batch 2: the verify's rows, sequence-major, are the
+    decode steps' bit for bit."""
+    unrolled, steps = spec.unrolled_and_steps(model, 2, 3, torch.Generator().manual_seed(2), prompt=8)
+    assert unrolled.shape == (6, model.config.vocab_size) and torch.equal(unrolled, steps)
+
+
 def test_the_mtp_module_computes_its_formula(model, prompts):
     """``mtp_step`` over a prompt, then one position more from its cache, against the formula written out: the
     zero-centred norms of the next token's embedding and of the hidden state, joined in that order, ``fc``, the
@@ -332,18 +339,7 @@ def test_gpu_an_unrolled_step_is_its_decode_steps_at_qwen35_widths():
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for batch, u in ((1, 2), (1, 3), (1, 4), (8, 2), (8, 4)):
-            ids = torch.randint(0, config.vocab_size, (batch * 64,), generator=gen).cuda()
-            extra = torch.randint(0, config.vocab_size, (batch, u), generator=gen).cuda()
-            runs = []
-            for unrolled in (False, True):
-                cache = model.new_cache(batch, batch * 128)
-                slots = [cache.add() for _ in range(batch)]
-                model.step(ids, cache, slots, [64] * batch)
-                if unrolled:
-                    runs.append(model.step(extra.reshape(-1), cache, slots, [u] * batch, all_logits=True, unroll=True))
-                else:
-                    steps = [model.step(extra[:, j].contiguous(), cache, slots, [1] * batch) for j in range(u)]
-                    runs.append(torch.stack(steps, 1).reshape(batch * u, -1))
+            runs = spec.unrolled_and_steps(model, batch, u, gen)
             assert torch.equal(runs[0], runs[1]), \
                 f"batch {batch}, {u} tokens: largest logit difference {(runs[0] - runs[1]).abs().max().item():.3g}"
     del model, runs
