@@ -141,6 +141,20 @@ def batch_rows(m: int) -> int:
     return m if rows is None else rows
 
 
+def in_calls_of(fn, x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """``fn`` over the rows of ``x2 [M, ...]`` as calls of exactly ``rows`` rows (the last piece padded with zero
+    rows, their output dropped), concatenated: each row gets the bits a call of ``rows`` rows gives it, for an ``fn``
+    that computes each row from its own input only (:func:`as_batch`)."""
+    m = x2.shape[0]
+    outs = []
+    for r in range(0, m, rows):
+        piece = x2[r:r + rows]
+        if piece.shape[0] < rows:
+            piece = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], *piece.shape[1:])])
+        outs.append(fn(piece))
+    return torch.cat(outs)[:m]
+
+
 def values_checkable() -> bool:
     """Whether an op may read index or value tensors back to validate them: not inside :func:`trusted`, and not
     while a CUDA graph is being captured (a read-back would break the capture)."""

@@ -50,9 +50,9 @@ class Linear(nn.Module):
             return nvfp4_linear(x, self.weight)
         rows = x.numel() // max(1, x.shape[-1])
         like = lynn_kernels.runtime.batch_rows(rows)
-        if like < rows:                  # as_batch: cuBLAS picks its kernel by M, so `like` rows a call
-            return torch.cat([F.linear(p, self.weight) for p in x.reshape(rows, -1).split(like)]).view(
-                *x.shape[:-1], -1)
+        if like != rows and rows:        # as_batch: cuBLAS picks its kernel by M, so exactly `like` rows a call
+            return lynn_kernels.runtime.in_calls_of(lambda p: F.linear(p, self.weight), x.reshape(rows, -1),
+                                                    like).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -556,21 +556,23 @@ class Model(nn.Module):
         row, ``[T, vocab]``); with ``hidden``, ``(logits, final-normed hidden states [T, H])`` (what the MTP module
         reads). A decode step when every sequence adds one token to a non-empty past; ``unroll``: each sequence's
         ``U`` tokens run as ``U`` decode steps in one call (the same arithmetic per token; a speculative verify,
-        which :meth:`Cache.rollback` can cut short)."""
+        which :meth:`Cache.rollback` can cut short), each row summed as a decode step of ``len(slots)`` rows sums
+        it, or of an outer :func:`lynn_kernels.as_batch`'s rows (a batch that decodes in a larger bucket)."""
         self._check_step(tokens, cache, new_lens)
         batch = cache.plan(list(slots), list(new_lens), unroll=unroll)
+        as_rows = lynn_kernels.runtime.batch_rows(len(slots)) if unroll else None
         try:
             # trusted: the token ids are checked above; every other value the layers could check by reading it back
             # (cache slots, positions, offsets, routing) the model makes itself, and each read-back is a host sync
             # that lets the GPU drain (docs/decoder.md, "Host syncs")
-            # unrolled: each row computed as the decode step of len(slots) rows computes it (token-exact verify)
-            with lynn_kernels.trusted(), lynn_kernels.as_batch(len(slots) if unroll else None):
+            # unrolled: each row computed as the decode step of len(slots) rows (or an outer as_batch's) computes it
+            with lynn_kernels.trusted(), lynn_kernels.as_batch(as_rows):
                 x = self._trunk(tokens.to(self.device), batch, cache)
         except BaseException:
             cache.mark_broken(list(slots))            # some layers already wrote their states
             raise
         cache.advance(list(slots), list(new_lens), unroll=unroll)
-        with lynn_kernels.as_batch(len(slots) if unroll else None):
+        with lynn_kernels.as_batch(as_rows):
             logits = self.lm_head(x if all_logits else x[batch.last_rows])
         return (logits, x) if hidden else logits
 

@@ -201,7 +201,8 @@ def test_paths_and_block_m(monkeypatch):
 
 def test_as_batch_runs_a_block_as_calls_of_that_many_rows(monkeypatch):
     """Inside ``as_batch(1)`` a block of 20 tokens (past the decode path's 16) runs in pieces on the decode path, each
-    token getting the bits of a block of one token; outside, it takes the prefill path (align)."""
+    token getting the bits of a block of one token; outside, it takes the prefill path (align); inside ``as_batch(17)``
+    it runs as blocks of exactly 17 tokens, the last padded."""
     calls = []
     real = triton_experts.launch_align
     monkeypatch.setattr(triton_experts, "launch_align", lambda *a: calls.append(1) or real(*a))
@@ -215,6 +216,11 @@ def test_as_batch_runs_a_block_as_calls_of_that_many_rows(monkeypatch):
     assert torch.equal(got, alone), bit_mismatches(got, alone)
     moe_block(x, router, w13, w2, shared, top_k=2)
     assert calls == [1]                                         # the routed experts' align
+    with runtime.as_batch(17):                                  # prefill tiles: calls of exactly 17 tokens
+        got = moe_block(x, router, w13, w2, shared, top_k=2)
+    padded = torch.cat([x, x.new_zeros(14, 64)])
+    alone = torch.cat([moe_block(padded[r:r + 17], router, w13, w2, shared, top_k=2) for r in (0, 17)])[:20]
+    assert torch.equal(got, alone), bit_mismatches(got, alone)
 
 
 # ---------------------------------------------------------------------------------------------------------------

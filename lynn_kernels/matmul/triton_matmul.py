@@ -491,7 +491,7 @@ def nvfp4_linear_triton(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | No
 def _launch_as_batch(x2, w, bias, y, like: int):
     """Inside :func:`runtime.as_batch`: each row of ``x2`` summed as a call of ``like`` rows sums it, in as few
     launches as the kernels allow: the packed GEMV with ``like`` rows' tile takes 4 rows a launch, the tensor-core
-    GEMV (its sums do not depend on M) 16, the GEMM paths ``like`` rows a launch."""
+    GEMV (its sums do not depend on M) 16, the GEMM paths ``like`` rows a launch (the last padded to ``like``)."""
     m, (n, k) = x2.shape[0], w.shape
     if like <= GEMV_MAX_M and isinstance(w, PackedNVFP4) and use_packed_gemv(like, n):
         step, cfg = 4, packed_gemv_config(n, k, _sm_count(x2.device), like)
@@ -504,10 +504,12 @@ def _launch_as_batch(x2, w, bias, y, like: int):
         def launch(xs, ys):
             launch_gemv(xs, w, bias, ys)
     else:
-        step = like
-
-        def launch(xs, ys):
+        def piece(xs):
+            ys = torch.empty((xs.shape[0], n), dtype=y.dtype, device=y.device)
             _launch_large(xs, w, bias, ys)
+            return ys
+        y.copy_(runtime.in_calls_of(piece, x2, like))
+        return
     for r in range(0, m, step):
         launch(x2[r:r + step], y[r:r + step])
 

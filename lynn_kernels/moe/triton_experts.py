@@ -389,10 +389,12 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
         x2 = x2.contiguous()
     M = x2.shape[0]
     like = runtime.batch_rows(M)
-    if like < M and M > DECODE_MAX_M:        # as_batch: pieces that each take the path of `like` rows
-        step = like if like > DECODE_MAX_M else DECODE_MAX_M
-        return torch.cat([moe_block_triton(p, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
-                          for p in x2.split(step)]).reshape(x.shape)
+    if like != M and max(like, M) > DECODE_MAX_M:     # as_batch: pieces that each take the path of `like` rows
+        def block(p):
+            return moe_block_triton(p, router_weight, w13, w2, shared, top_k=top_k, renormalize=renormalize)
+        if like > DECODE_MAX_M:                      # the prefill path's tiles follow M: exactly `like` rows a call
+            return runtime.in_calls_of(block, x2, like).reshape(x.shape)
+        return torch.cat([block(p) for p in x2.split(DECODE_MAX_M)]).reshape(x.shape)   # decode path: by rows
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(x.shape)

@@ -462,9 +462,11 @@ class Engine:
         starts = [self.cache.lengths[s] for s in slots]
         q = torch.cat([r._q for r in rows]) if self.mtp_rule == "rejection" else None
         try:
-            took, fix, finite, h = speculative.verify(self.model, self.cache, slots, [r.tokens[-1] for r in rows],
-                                                      [r._drafts for r in rows], [r.sampling for r in rows],
-                                                      self.mtp_rule, q, self._params)
+            # summed as the plain step of this batch's bucket would sum each row: the tokens of a run without mtp
+            with lynn_kernels.as_batch(bucket_for(max(slots) + 1, self.widths)):
+                took, fix, finite, h = speculative.verify(self.model, self.cache, slots, [r.tokens[-1] for r in rows],
+                                                          [r._drafts for r in rows], [r.sampling for r in rows],
+                                                          self.mtp_rule, q, self._params)
             # before emitting: a request that ends releases its slot
             self.cache.rollback(slots, [a + 1 for a in took])
         except Exception as err:
