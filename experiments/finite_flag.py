@@ -7,7 +7,7 @@ GPU only. Discussed in docs/reliability.md (damaged and hostile inputs).
 
     PYTHONPATH=. python3 experiments/finite_flag.py
 
-Writes ``data/experiments/finite-flag/<sha>.json`` (``$OUT`` instead when set); ``cdea5f0.json`` measured the reduction
+Writes ``data/experiments/finite-flag/<sha>.json`` (under ``$OUT`` when set); ``cdea5f0.json`` measured the reduction
 (+15 us a step); ``ce403bc.json`` all three: the gather adds 8.6 us at batch 1 and 8.3 us at batch 8 (three small
 kernels: gather, isfinite, copy), the reduction 14.4 and 15.5 us, against a 2.08 ms fused step.
 """

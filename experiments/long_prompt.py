@@ -8,7 +8,7 @@ token's logits of a chunked prefill equal an unchunked one's within rounding.
 
     PYTHONPATH=. python3 experiments/long_prompt.py
 
-Writes ``data/experiments/long-prompt/<sha>.json`` (``$OUT`` instead when set). GPU only.
+Writes ``data/experiments/long-prompt/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
 
 from __future__ import annotations

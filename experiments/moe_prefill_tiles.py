@@ -16,7 +16,7 @@ and 16,384 tokens (1,024 picks 32-row tiles, where the operand swap measured slo
 
     PYTHONPATH=. python3 experiments/moe_prefill_tiles.py
 
-Writes ``data/experiments/moe-prefill-tiles/<sha>.json`` (``$OUT`` instead when set). GPU only.
+Writes ``data/experiments/moe-prefill-tiles/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ its input does not is the culprit. Batch 1 and 8, U = 2, 3 and 4.
 
     PYTHONPATH=. python3 experiments/unroll_bits.py
 
-Writes ``data/experiments/unroll-bits/<sha>.json`` (``$OUT`` instead when set). GPU only.
+Writes ``data/experiments/unroll-bits/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
 
 from __future__ import annotations

@@ -292,6 +292,17 @@ def test_git_state_ignores_the_output_folders(repo, monkeypatch):
     assert harness.git_state(repo, extra_clean=(repo,))["git_dirty"] is True
 
 
+def test_experiments_in_one_device_call_keep_their_own_files(tmp_path, monkeypatch, capsys):
+    """Under ``$OUT`` each experiment writes ``<name>/<sha7>.json``: two of them in one call at one commit do not
+    overwrite each other."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    res = {"provenance": {"git_sha": "0123456789ab"}}
+    paths = [harness.save_experiment(name, {**res, "name": name}) for name in ("unroll-bits", "moe-prefill-tiles")]
+    assert paths == [tmp_path / "unroll-bits" / "0123456.json", tmp_path / "moe-prefill-tiles" / "0123456.json"]
+    assert [json.loads(p.read_text())["name"] for p in paths] == ["unroll-bits", "moe-prefill-tiles"]
+    capsys.readouterr()
+
+
 def test_git_state_prefers_git_to_the_environment(repo, monkeypatch):
     """In a checkout the environment cannot override what git says; a disagreeing LYNN_GIT_SHA is only recorded."""
     head = _run_git(repo, "rev-parse", "HEAD")

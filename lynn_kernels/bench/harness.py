@@ -338,9 +338,9 @@ def results_path(op: str, gpu: str | None = None, root: Path | None = None) -> P
 
 def save_experiment(name: str, res: dict) -> Path:
     """Write an experiment's result ``res`` (with ``res["provenance"]`` from :func:`provenance`) as
-    ``data/experiments/<name>/<sha7>.json``, or under ``$OUT`` when it is set (a device run); print and return the
-    path."""
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "data" / "experiments" / name
+    ``data/experiments/<name>/<sha7>.json``, or as ``$OUT/<name>/<sha7>.json`` when ``OUT`` is set (a device run:
+    several experiments in one call keep their own files); print and return the path."""
+    out_dir = (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "data" / "experiments") / name
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{(res['provenance'].get('git_sha') or 'nogit')[:7]}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
