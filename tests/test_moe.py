@@ -223,6 +223,38 @@ def test_as_batch_runs_a_block_as_calls_of_that_many_rows(monkeypatch):
     assert torch.equal(got, alone), bit_mismatches(got, alone)
 
 
+@pytest.mark.parametrize("dtype, per_row", [(BF16, False), (FP16, True)], ids=["bf16", "fp16-per-row-scales"])
+def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, monkeypatch):
+    """The prefill path that decodes packed stacks once (``DECODED_MIN_M`` tokens on) multiplies the same tiles as
+    the kernels that decode in their loop: a block (routed experts and the shared expert) gets the same bits either
+    way; ``decoded=True`` on unpacked stacks is an error naming what it takes."""
+    from lynn_kernels.moe import pack_experts
+
+    E, H, inter, M = 6, 256, 128, 40
+    w13, w2 = _experts(E, H, inter, seed=7)
+    shared = _shared(H, inter, seed=8)
+    if per_row:                                                 # w13's gate and up rows under their own scales
+        ratio = torch.cat([torch.ones(inter), torch.full((inter,), 3.0)]).to(DEV)
+        w13 = NVFP4Tensor(w13.codes, w13.scales, (w13.global_scale[:, None] * ratio).contiguous())
+    p13, p2, pshared = pack_experts(w13, w2, shared)
+    router = (torch.randn(E, H, generator=_gen(9)) * 0.1).to(dtype).to(DEV)
+    x = _x(M, H, dtype, seed=10)
+    pshared = pshared._replace(gate_weight=pshared.gate_weight.to(dtype))
+    launches = []
+    real = triton_experts.decode_experts
+    monkeypatch.setattr(triton_experts, "decode_experts", lambda name, *a: launches.append(name) or real(name, *a))
+    looped = moe_block(x, router, p13, p2, pshared, top_k=2)
+    assert launches == []
+    monkeypatch.setattr(triton_experts, "DECODED_MIN_M", M)
+    decoded = moe_block(x, router, p13, p2, pshared, top_k=2)
+    assert launches == ["shared.w13", "shared.w2", "w13", "w2"]
+    assert torch.equal(decoded, looped), bit_mismatches(decoded, looped)
+    weights, ids = _routing(M, 2, E, seed=11)
+    with pytest.raises(ValueError, match="decoded=True decodes packed expert stacks"):
+        triton_experts.launch_moe_experts(x, weights, ids, w13, w2, torch.empty_like(x),
+                                          triton_experts.moe_workspace(M, 2, E, H, inter, dtype, DEV), decoded=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. moe_block against the reference and against HF transformers
 

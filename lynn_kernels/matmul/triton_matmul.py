@@ -39,6 +39,7 @@ so they live in :mod:`lynn_kernels.triton_shared`; every helper here is private 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -391,16 +392,19 @@ def use_dequant_gemm(m: int, w, x_dtype: torch.dtype, bias=None) -> bool:
 def launch_packed_dequantize(w: PackedNVFP4, out: torch.Tensor, config: dict | None = None, *,
                              kernel=None) -> torch.Tensor:
     """Launch only: ``w`` into a contiguous ``out [N, K]`` (bf16 / fp16 / fp32) as ``e2m1 * s * 2^-19`` (fp16:
-    ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are the caller's. ``kernel``
-    (a ``@triton.jit`` function with ``_packed_dequantize_kernel``'s parameters) replaces the shipped kernel."""
-    n, k = w.shape
+    ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are the caller's. ``w`` may
+    also be a stack of packed weights (a ``PackedExperts`` ``[E, N, K]``, ``out`` of that shape): its rows are
+    decoded one after another. ``kernel`` (a ``@triton.jit`` function with ``_packed_dequantize_kernel``'s
+    parameters) replaces the shipped kernel."""
+    *rows, k = w.shape
+    n = math.prod(rows)
     meta = {**DEQUANT_CONFIG, **(config or {})}
     if meta["BLOCK_K"] % CHUNK:
         raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: the dequantise tile covers whole chunks of {CHUNK}")
     warps = meta.pop("num_warps")
     grid = (runtime.cdiv(n, meta["BLOCK_N"]), runtime.cdiv(k, meta["BLOCK_K"]))
     PACKED_DEQUANTIZE.current(kernel)[grid](
-        w.words, w.scales, kernel_view(out), n, k, w.words.shape[1],
+        w.words, w.scales, kernel_view(out), n, k, w.words.shape[-1],
         OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], BF16_ASM=not runtime.INTERPRET and out.dtype == torch.bfloat16,
         UNSCALED=out.dtype == torch.float16, **meta, **runtime.kernel_flags(), num_warps=warps)
     return out

@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
 from ..runtime import cast_output, kernel_view, to_float32
-from ..triton_shared import w_tile
+from ..triton_shared import MMA_UNIT, w_tile
 from . import spec
 from .packed import shared_slot
 from .spec import SharedExpert
@@ -48,6 +48,14 @@ FOLD_SHARED_GATE = True
 PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}),
                    (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "warps_128": 8}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
+
+#: From this many tokens of a 16-bit x, the prefill path decodes packed expert stacks once per call into a workspace
+#: in x's dtype (``E x 3I x H`` elements: 1.6 GB for Qwen3.5-35B-A3B, 3.2 GB for Qwen3-Next-80B-A3B, freed after the
+#: call) and its GEMM kernels load those tiles instead of decoding them in the loop: the same values, so the same
+#: products, with the decode's ALU work out of the tensor cores' way (:func:`use_decoded_experts`).
+DECODED_MIN_M = 4096
+#: The decoded path's GEMM tiles (``block_m_for`` rows).
+DECODED_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernels
@@ -82,7 +90,9 @@ def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
                     mask=mask_n[:, None] & (offs_k[None, :] < K), other=0)
-        return to_float32(w, X_DTYPE, INTERPRET).to(DOT_DTYPE)                        # [BLOCK_N, BLOCK_K]
+        if INTERPRET:                                                                 # bf16 arrives as its bits
+            return to_float32(w, X_DTYPE, INTERPRET).to(DOT_DTYPE)                    # [BLOCK_N, BLOCK_K]
+        return w.to(DOT_DTYPE)         # x's dtype already on the GPU: straight from shared memory to the MMA
     else:
         return w_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE, PACKED_DECODE,
                       INTERPRET, PACKED_LAYOUT, ACC_UNIT)
@@ -92,7 +102,7 @@ def _weight_tile(w_ptr, scales_ptr, offs_n, mask_n, k0, K, BLOCK_N: tl.constexpr
 def _moe_gate_up_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, h_ptr,
     S, H, I, stride_xm, G_STRIDE,
-    TOP_K: tl.constexpr, DENSE: tl.constexpr, FLOAT_W: tl.constexpr, G_PER_ROW: tl.constexpr,
+    TOP_K: tl.constexpr, DENSE: tl.constexpr, FLOAT_W: tl.constexpr, NO_G: tl.constexpr, G_PER_ROW: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
@@ -122,7 +132,7 @@ def _moe_gate_up_kernel(
         wt = _weight_tile(codes_e, scales_e, offs_n + I, mask_n, k0, H, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
                           FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # up rows
         acc_up = tl.dot(xt, tl.trans(wt), acc_up, input_precision=PRECISION)
-    g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, FLOAT_W, G_PER_ROW,
+    g_gate, g_up = _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N, NO_G, G_PER_ROW,
                                ACC_UNIT)                                           # [BLOCK_N] each
     gate = acc_gate * g_gate[None, :]
     h = gate * tl.sigmoid(gate) * (acc_up * g_up[None, :])                         # [BLOCK_M, BLOCK_N]
@@ -137,7 +147,7 @@ MOE_GATE_UP = runtime.Kernel("moe.gate_up", _moe_gate_up_kernel)
 def _moe_down_kernel(
     h_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, weights_ptr, out_ptr,
     S, H, I, stride_om, G_STRIDE,
-    DENSE: tl.constexpr, FLOAT_W: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    DENSE: tl.constexpr, FLOAT_W: tl.constexpr, NO_G: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
@@ -158,7 +168,7 @@ def _moe_down_kernel(
         wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
                           FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # [BLOCK_N, BLOCK_K]
         acc = tl.dot(ht, tl.trans(wt), acc, input_precision=PRECISION)
-    g = _w2_global(g_ptr, e * G_STRIDE, FLOAT_W, ACC_UNIT)
+    g = _w2_global(g_ptr, e * G_STRIDE, NO_G, ACC_UNIT)
     w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)   # routing weight [BLOCK_M]
     y = acc * g * w[:, None]
     tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :], cast_output(y, OUT_DTYPE, INTERPRET),
@@ -245,14 +255,39 @@ def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype:
                         torch.empty((slot_rows, H), dtype=torch.float32, device=device))
 
 
+def use_decoded_experts(M: int, w13, w2, x_dtype: torch.dtype) -> bool:
+    """The prefill dispatch: decode the expert stacks once (:func:`decode_experts`) for packed stacks
+    (:class:`~.packed.PackedExperts`, the decoder's layout) and a 16-bit x from :data:`DECODED_MIN_M` tokens on."""
+    return (M >= DECODED_MIN_M and x_dtype in (torch.bfloat16, torch.float16) and spec.is_packed(w13)
+            and spec.is_packed(w2))
+
+
+def decode_experts(name: str, w, x_dtype: torch.dtype) -> _Weights:
+    """The kernel arguments of a packed weight (a stack ``[E, N, K]``, or one expert ``[N, K]``) decoded into a new
+    workspace of x's dtype: each element is the tile the GEMM kernels would decode in their loop (``e2m1 * s`` times
+    the power of two :func:`_flags` gives as ``ACC_UNIT``, exact), the global scales still the epilogue's."""
+    from ..matmul.triton_matmul import launch_packed_dequantize
+
+    a = _weights(name, w, w.dim() == 3, name.endswith("w13"))
+    ws = kernel_view(launch_packed_dequantize(w, torch.empty(tuple(w.shape), dtype=x_dtype, device=w.device)))
+    return _Weights(ws, ws, a.g, a.g_stride, a.g_per_row)
+
+
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
-                h, dest, dense: bool, block_m: int, config: dict | None = None) -> None:
+                h, dest, dense: bool, block_m: int, config: dict | None = None, decoded: bool = False) -> None:
     """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
-    itself)."""
+    itself). ``decoded``: ``w13`` / ``w2`` are packed weights decoded by :func:`decode_experts` (float tiles, the
+    packed path's global scales and ``ACC_UNIT``)."""
     M, H = x2.shape
     I = h.shape[-1]
-    flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
-    tiles = prefill_config(M, block_m)
+    if decoded:
+        flags = dict(_flags(x2.dtype, False, runtime.INTERPRET, True), FLOAT_W=True, PACKED_DECODE=False,
+                     ACC_UNIT=1.0 if x2.dtype == torch.float16 else MMA_UNIT.value)     # as the decode left it
+        tiles = dict(DECODED_CONFIG)
+    else:
+        flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
+        tiles = prefill_config(M, block_m)
+    flags["NO_G"] = float_w
     meta, warps, stages = _tiles(I, H, tiles, config, w13.packed)
     MOE_GATE_UP.current()[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
@@ -289,13 +324,15 @@ def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None 
 
 def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2, out: torch.Tensor,
                        ws: MoEWorkspace, shared_out: torch.Tensor | None = None,
-                       config: dict | None = None) -> torch.Tensor:
-    """Launch only (no checks, no host sync; the one allocation is the align step's small int32 workspace, made on
-    the stream, so capturing in a CUDA graph works): ``x2 [M, H]`` (unit stride along H) into ``out [M, H]``
-    (x's dtype, unit stride along H) with the buffers of :func:`moe_workspace`. ``w13`` / ``w2``: NVFP4, or float
-    tensors of x's dtype (contiguous, else copied on every call). ``shared_out`` (fp32 ``[M, H]``, contiguous) is
-    added in the combine step (the shared expert's weighted output). ``config`` (``BLOCK_N``, ``BLOCK_K``,
-    ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests and experiments)."""
+                       config: dict | None = None, decoded: bool | None = None) -> torch.Tensor:
+    """Launch only (no checks, no host sync; the allocations are the align step's small int32 workspace and, on
+    the decoded path, the decoded stacks, made on the stream, so capturing in a CUDA graph works): ``x2 [M, H]``
+    (unit stride along H) into ``out [M, H]`` (x's dtype, unit stride along H) with the buffers of
+    :func:`moe_workspace`. ``w13`` / ``w2``: NVFP4, or float tensors of x's dtype (contiguous, else copied on every
+    call). ``shared_out`` (fp32 ``[M, H]``, contiguous) is added in the combine step (the shared expert's weighted
+    output). ``config`` (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests
+    and experiments). ``decoded`` forces the prefill path to decode packed stacks once (True) or in the loop
+    (False); None: :func:`use_decoded_experts`."""
     M, H = x2.shape
     top_k = ids.shape[1]
     E = w13.shape[0]
@@ -313,8 +350,15 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     block_m = block_m_for(M, top_k, E)
     launch_align(ids, E, block_m, ws.sorted_slots, ws.block_expert, ws.num_padded)
     to_out = top_k == 1 and shared_out is None
+    if decoded is None:
+        decoded = use_decoded_experts(M, w13, w2, x2.dtype)
+    elif decoded and not (spec.is_packed(w13) and spec.is_packed(w2)):
+        raise ValueError("decoded=True decodes packed expert stacks (PackedExperts: pack_experts); these are "
+                         f"{type(w13).__name__} / {type(w2).__name__}")
+    if decoded:
+        a13, a2 = decode_experts("w13", w13, x2.dtype), decode_experts("w2", w2, x2.dtype)
     _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
-                float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config)
+                float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded)
     if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
@@ -355,7 +399,11 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
         _launch_decode(x2, gate, gate, 1, a13, a2, float_w, h, dest, None, True)
         return dest
     block_m = max(16, min(64, runtime.next_power_of_2(M)))
-    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, a13, a2, float_w, h, dest, True, block_m)
+    decoded = use_decoded_experts(M, shared.w13, shared.w2, x2.dtype)
+    if decoded:
+        a13, a2 = decode_experts("shared.w13", shared.w13, x2.dtype), decode_experts("shared.w2", shared.w2, x2.dtype)
+    _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, a13, a2, float_w, h, dest, True, block_m,
+                decoded=decoded)
     return dest
 
 

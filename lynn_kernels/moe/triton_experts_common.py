@@ -51,12 +51,12 @@ def _expert(w_ptr, scales_ptr, e, N, K, FLOAT_W: tl.constexpr, PACKED_LAYOUT: tl
 
 
 @triton.jit
-def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, FLOAT_W: tl.constexpr,
+def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, NO_G: tl.constexpr,
                 G_PER_ROW: tl.constexpr, ACC_UNIT: tl.constexpr):
     """The global scales of expert ``e``'s gate rows ``offs_n`` and up rows ``I + offs_n``, fp32 ``[BLOCK_N]`` each,
-    times ``ACC_UNIT`` (undoing the power of two the weight decode leaves): 1 for float weights; one per row
-    with ``G_PER_ROW`` (``g[e * 2I + row]``: per-shard gate / up scales); else one, ``g[e * G_STRIDE]``."""
-    if FLOAT_W:
+    times ``ACC_UNIT`` (undoing the power of two the weight decode leaves): 1 with ``NO_G`` (float weights); one per
+    row with ``G_PER_ROW`` (``g[e * 2I + row]``: per-shard gate / up scales); else one, ``g[e * G_STRIDE]``."""
+    if NO_G:
         g_gate = tl.full((BLOCK_N,), 1.0, tl.float32)
         g_up = g_gate
     elif G_PER_ROW:
@@ -70,10 +70,10 @@ def _w13_global(g_ptr, e, offs_n, mask_n, I, G_STRIDE, BLOCK_N: tl.constexpr, FL
 
 
 @triton.jit
-def _w2_global(g_ptr, offs, FLOAT_W: tl.constexpr, ACC_UNIT: tl.constexpr):
-    """``g[offs]`` (one expert's, or ``[TOP_K_P2]`` experts') times ``ACC_UNIT``; 1 for float weights (``g_ptr``
-    unused)."""
-    if FLOAT_W:
+def _w2_global(g_ptr, offs, NO_G: tl.constexpr, ACC_UNIT: tl.constexpr):
+    """``g[offs]`` (one expert's, or ``[TOP_K_P2]`` experts') times ``ACC_UNIT``; 1 with ``NO_G`` (float weights:
+    ``g_ptr`` unused)."""
+    if NO_G:
         g = (offs * 0).to(tl.float32) + 1.0
     else:
         g = tl.load(g_ptr + offs) * ACC_UNIT

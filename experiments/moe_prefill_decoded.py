@@ -1,0 +1,192 @@
+"""The routed experts' prefill with the packed stacks decoded once per call (``decoded=True``) against the kernels
+that decode each weight tile in their loop (the path before it), then what that does to a whole prefill.
+
+1. **The op** (``launch_moe_experts`` on packed stacks, the decoder's layout; random NVFP4, routing from the lab's
+   shapes) for Qwen3.5-35B-A3B at 2,048, 4,096, 8,192 and 16,384 tokens and Qwen3-Next-80B-A3B at 16,384: the
+   looped path at its shipped tiles; the decode of both stacks alone; the decoded path at each tile config below
+   (``BLOCK_N``, ``BLOCK_K``, warps, stages) at the shipped ``BLOCK_M`` and at 128 rows: bits against the looped
+   path, rel_l2 against the fp32 reference, 20 calls with freed memory scribbled on between them (a pipelining
+   fault shows as changing bits), time (``do_bench`` median, L2 flushed), TFLOP/s and the fraction of the measured
+   bf16 peak, with and without the decode counted.
+2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with the decoded
+   path off and on (``DECODED_MIN_M``): the kernel census of a 16,384-token prefill by part, the graph-captured
+   prefill of 2,048 and 16,384 tokens, and the last token's logits of the two paths against each other.
+
+    PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--skip-model]
+
+Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+
+from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment, time_fn
+from lynn_kernels.lab.shapes import BUILDERS, MODELS
+from lynn_kernels.moe import pack_experts, reference
+from lynn_kernels.moe import triton_experts as te
+
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of both GEMMs on the decoded tiles
+CONFIGS = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4)]
+CASES = (("qwen3.5-35b-a3b", 2048), ("qwen3.5-35b-a3b", 4096), ("qwen3.5-35b-a3b", 8192),
+         ("qwen3.5-35b-a3b", 16384), ("qwen3-next-80b-a3b", 16384))
+
+
+@contextlib.contextmanager
+def block_m(rows: int | None):
+    """Every prefill tile ``rows`` tall inside the block (None: as shipped)."""
+    was = te.block_m_for
+    if rows is not None:
+        te.block_m_for = lambda M, top_k, E: rows
+    try:
+        yield
+    finally:
+        te.block_m_for = was
+
+
+def churn(fn, first: torch.Tensor, calls: int = 20) -> int:
+    """Calls whose output's bits differ from ``first``, freed memory scribbled on between calls."""
+    wrong = 0
+    for _ in range(calls):
+        junk = torch.full((64 << 20,), float("nan"), device="cuda")
+        del junk
+        if not torch.equal(fn(), first):
+            wrong += 1
+    return wrong
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def op_rows(peak: float) -> list[dict]:
+    rows = []
+    for model, m in CASES:
+        rows += case_rows(model, m, peak)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def case_rows(model: str, m: int, peak: float) -> list[dict]:
+    """The op's rows for ``m`` tokens of ``model``'s experts (section 1 of the module docstring)."""
+    rows = []
+    d = MODELS[model]
+    shape = BUILDERS["moe.moe_experts"](d, m)[0]
+    (x, weights, ids, w13, w2), _, _ = shape.make()
+    p13, p2, _ = pack_experts(w13, w2)
+    E, H, inter, top_k = w13.shape[0], x.shape[1], w2.shape[-1], ids.shape[1]
+    flops = shape.flops
+    out = torch.empty_like(x)
+
+    def run(decoded, config=None, ws=None):
+        te.launch_moe_experts(x, weights, ids, p13, p2, out, ws, config=config, decoded=decoded)
+        return out
+
+    with torch.inference_mode():
+        want = reference.moe_experts(x, weights, ids, w13, w2)
+        ws = te.moe_workspace(m, top_k, E, H, inter, x.dtype, x.device)
+        looped = run(False, ws=ws).clone()
+        ms = time_fn(lambda: run(False, ws=ws))[0]
+        base = {"model": model, "tokens": m, "E": E, "top_k": top_k}
+        bm = te.block_m_for(m, top_k, E)
+        rows.append({**base, "path": "looped (shipped)", "config": te.prefill_config(m, bm), "block_m": bm,
+                     "ms": ms, "rel_l2_vs_reference": rel_l2(looped, want),
+                     "tflops": flops / ms / 1e9, "frac_of_peak": flops / ms / 1e9 / peak})
+        print(f"{model} {m:6d} looped  {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+        dq = time_fn(lambda: (te.decode_experts("w13", p13, x.dtype), te.decode_experts("w2", p2, x.dtype)))[0]
+        nbytes = 2 * E * 3 * inter * H
+        rows.append({**base, "path": "decode both stacks", "ms": dq, "workspace_bytes": nbytes,
+                     "gbps_written": nbytes / dq / 1e6})
+        print(f"{model} {m:6d} decode  {dq:7.3f} ms ({nbytes / 1e9:.2f} GB written)", flush=True)
+        for rows_m in (None, 128):
+            if rows_m is not None and te.block_m_for(m, top_k, E) == rows_m:
+                continue
+            for n, k, warps, stages in CONFIGS:
+                cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+                row = {**base, "path": "decoded", "config": cfg, "block_m": rows_m or "shipped"}
+                try:
+                    with block_m(rows_m):
+                        ws_m = te.moe_workspace(m, top_k, E, H, inter, x.dtype, x.device)
+                        got = run(True, cfg, ws_m).clone()
+                        row["same_bits_as_looped"] = bool(torch.equal(got, looped))
+                        row["rel_l2_vs_looped"] = rel_l2(got, looped)
+                        row["rel_l2_vs_reference"] = rel_l2(got, want)
+                        row["ms"] = time_fn(lambda: run(True, cfg, ws_m))[0]
+                        row["wrong_calls"] = churn(lambda: run(True, cfg, ws_m), got)
+                    row["without_decode_ms"] = row["ms"] - dq            # align, GEMMs, combine
+                    row["tflops"] = flops / row["ms"] / 1e9
+                    row["frac_of_peak"] = row["tflops"] / peak
+                    row["frac_of_peak_without_decode"] = flops / row["without_decode_ms"] / 1e9 / peak
+                    print(f"{model} {m:6d} decoded BM{rows_m or '-'} N{n} K{k} w{warps} s{stages} "
+                          f"{row['ms']:7.3f} ms {row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}; "
+                          f"without the decode {row['frac_of_peak_without_decode']:.1%}), same bits "
+                          f"{row['same_bits_as_looped']}, wrong calls {row['wrong_calls']}", flush=True)
+                except Exception as err:           # a tile that does not compile (shared memory) is a row
+                    row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    print(f"{model} {m:6d} decoded BM{rows_m or '-'} N{n} K{k} w{warps} s{stages} failed: "
+                          f"{row['error'][:120]}", flush=True)
+                rows.append(row)
+    return rows
+
+
+def model_rows(ceilings) -> dict:
+    import lynn_model
+    from lynn_kernels.metrics import compare
+    from lynn_model.bench import graph_prefill, prefill_census
+    from lynn_model.loader import random_model
+
+    cfg = lynn_model.preset("qwen3.5-35b-a3b")
+    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (16384 + 64,), device="cuda", generator=gen)
+    cache = model.new_cache(max_batch=1, max_tokens=16384 + 64)
+    res, logits = {}, {}
+    shipped = te.DECODED_MIN_M
+    for label, threshold in (("looped", 1 << 40), ("decoded", shipped)):
+        te.DECODED_MIN_M = threshold
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            s = cache.add()
+            logits[label] = model.step(ids[:16384], cache, [s], [16384]).float()
+            cache.release(s)
+        part = {"peak_gb_16384_eager": torch.cuda.max_memory_allocated() / 1e9,
+                "census_16384": prefill_census(model, ids[:16384], cache, ceilings)}
+        for n in (2048, 16384):
+            try:
+                _, part[f"graph_{n}"] = graph_prefill(model, ids, n, n, ceilings, {})
+            except Exception as err:
+                part[f"graph_{n}"] = {"error": f"{type(err).__name__}: {err}"}
+        res[label] = part
+        print(f"{label}: " + ", ".join(f"{n}: {part[f'graph_{n}'].get('tok_s', float('nan')):,.0f} tok/s"
+                                       for n in (2048, 16384)), flush=True)
+    te.DECODED_MIN_M = shipped
+    m = compare(logits["decoded"], logits["looped"])
+    res["logits_decoded_vs_looped"] = {"cosine": m.cosine, "max_abs": m.max_abs,
+                                       "bit_equal": bool(torch.equal(logits["decoded"], logits["looped"]))}
+    print(f"16,384-token prefill, last logits decoded vs looped: {res['logits_decoded_vs_looped']}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-model", action="store_true", help="the op's rows only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("moe_prefill_decoded.py times GPU kernels: no GPU here")
+    ceilings = measure_ceilings()
+    command = "PYTHONPATH=. python3 experiments/moe_prefill_decoded.py" + (" --skip-model" if args.skip_model else "")
+    res = {"provenance": provenance(command), "ceilings": ceilings.as_dict(),
+           "shipped": {"DECODED_MIN_M": te.DECODED_MIN_M, "DECODED_CONFIG": te.DECODED_CONFIG}}
+    res["rows"] = op_rows(ceilings.bf16_tflops)
+    save_experiment("moe-prefill-decoded", res)
+    if not args.skip_model:
+        res["prefill"] = model_rows(ceilings)
+        save_experiment("moe-prefill-decoded", res)
+
+
+if __name__ == "__main__":
+    main()
