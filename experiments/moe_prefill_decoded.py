@@ -1,18 +1,18 @@
-"""The routed experts' prefill with the packed stacks decoded once per call (``decoded=True``) against the kernels
-that decode each weight tile in their loop (the path before it), then what that does to a whole prefill.
+"""The routed experts' prefill with the packed ``w13`` decoded once per call (``decoded=True``) against the kernels
+that decode each weight tile in their loop, then what that does to a whole prefill.
 
 1. **The op** (``launch_moe_experts`` on packed stacks, the decoder's layout; random NVFP4, routing from the lab's
-   shapes) for Qwen3.5-35B-A3B at 2,048, 4,096, 8,192 and 16,384 tokens and Qwen3-Next-80B-A3B at 16,384: the
-   looped path at its shipped tiles; the decode of both stacks alone; the decoded path at each tile config below
-   (``BLOCK_N``, ``BLOCK_K``, warps, stages) at the shipped ``BLOCK_M`` and at 128 rows: bits against the looped
-   path, rel_l2 against the fp32 reference, 20 calls with freed memory scribbled on between them (a pipelining
-   fault shows as changing bits), time (``do_bench`` median, L2 flushed), TFLOP/s and the fraction of the measured
-   bf16 peak, with and without the decode counted.
+   shapes) for Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B at ``--tokens``: the looped path at its shipped tiles and at
+   256-row tiles (``LOOPED_256``); the decode of ``w13`` alone at each of ``DECODE_TILES``; the decoded path (gate_up
+   on the decoded tiles, down as shipped) at each gate_up tile config of ``CONFIGS`` (``BLOCK_N``, ``BLOCK_K``,
+   warps, stages): bits against the looped path, rel_l2 against the fp32 reference, 20 calls with freed memory
+   scribbled on between them (a pipelining fault shows as changing bits), time (``do_bench`` median, L2 flushed),
+   TFLOP/s and the fraction of the measured bf16 peak, with and without the decode counted.
 2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with the decoded
    path off and on (``DECODED_MIN_M``): the kernel census of a 16,384-token prefill by part, the graph-captured
-   prefill of 2,048 and 16,384 tokens, and the last token's logits of the two paths against each other.
+   prefill of 2,048, 8,192 and 16,384 tokens, and the last token's logits of the two paths against each other.
 
-    PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--skip-model]
+    PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -27,13 +27,17 @@ import torch
 
 from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment, time_fn
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
+from lynn_kernels.matmul.triton_matmul import launch_packed_dequantize
 from lynn_kernels.moe import pack_experts, reference
 from lynn_kernels.moe import triton_experts as te
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of both GEMMs on the decoded tiles
-CONFIGS = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4)]
-CASES = (("qwen3.5-35b-a3b", 2048), ("qwen3.5-35b-a3b", 4096), ("qwen3.5-35b-a3b", 8192),
-         ("qwen3.5-35b-a3b", 16384), ("qwen3-next-80b-a3b", 16384))
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up on the decoded tiles
+CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 8, 4), (64, 64, 4, 4)]
+#: the looped path's tiles (both GEMMs) at 256 rows: a weight tile decoded once for twice the rows
+LOOPED_256 = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (128, 128, 8, 2)]
+#: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
+DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
+MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
 
 
 @contextlib.contextmanager
@@ -63,11 +67,12 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def op_rows(peak: float) -> list[dict]:
+def op_rows(peak: float, tokens) -> list[dict]:
     rows = []
-    for model, m in CASES:
-        rows += case_rows(model, m, peak)
-        torch.cuda.empty_cache()
+    for model in MODELS_RUN:
+        for m in tokens:
+            rows += case_rows(model, m, peak)
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -97,39 +102,61 @@ def case_rows(model: str, m: int, peak: float) -> list[dict]:
                      "ms": ms, "rel_l2_vs_reference": rel_l2(looped, want),
                      "tflops": flops / ms / 1e9, "frac_of_peak": flops / ms / 1e9 / peak})
         print(f"{model} {m:6d} looped  {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-        dq = time_fn(lambda: (te.decode_experts("w13", p13, x.dtype), te.decode_experts("w2", p2, x.dtype)))[0]
-        nbytes = 2 * E * 3 * inter * H
-        rows.append({**base, "path": "decode both stacks", "ms": dq, "workspace_bytes": nbytes,
-                     "gbps_written": nbytes / dq / 1e6})
-        print(f"{model} {m:6d} decode  {dq:7.3f} ms ({nbytes / 1e9:.2f} GB written)", flush=True)
-        for rows_m in (None, 128):
-            if rows_m is not None and te.block_m_for(m, top_k, E) == rows_m:
-                continue
-            for n, k, warps, stages in CONFIGS:
-                cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
-                row = {**base, "path": "decoded", "config": cfg, "block_m": rows_m or "shipped"}
-                try:
-                    with block_m(rows_m):
-                        ws_m = te.moe_workspace(m, top_k, E, H, inter, x.dtype, x.device)
-                        got = run(True, cfg, ws_m).clone()
-                        row["same_bits_as_looped"] = bool(torch.equal(got, looped))
-                        row["rel_l2_vs_looped"] = rel_l2(got, looped)
-                        row["rel_l2_vs_reference"] = rel_l2(got, want)
-                        row["ms"] = time_fn(lambda: run(True, cfg, ws_m))[0]
-                        row["wrong_calls"] = churn(lambda: run(True, cfg, ws_m), got)
-                    row["without_decode_ms"] = row["ms"] - dq            # align, GEMMs, combine
-                    row["tflops"] = flops / row["ms"] / 1e9
-                    row["frac_of_peak"] = row["tflops"] / peak
-                    row["frac_of_peak_without_decode"] = flops / row["without_decode_ms"] / 1e9 / peak
-                    print(f"{model} {m:6d} decoded BM{rows_m or '-'} N{n} K{k} w{warps} s{stages} "
-                          f"{row['ms']:7.3f} ms {row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}; "
-                          f"without the decode {row['frac_of_peak_without_decode']:.1%}), same bits "
-                          f"{row['same_bits_as_looped']}, wrong calls {row['wrong_calls']}", flush=True)
-                except Exception as err:           # a tile that does not compile (shared memory) is a row
-                    row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                    print(f"{model} {m:6d} decoded BM{rows_m or '-'} N{n} K{k} w{warps} s{stages} failed: "
-                          f"{row['error'][:120]}", flush=True)
-                rows.append(row)
+        nbytes = 2 * E * 2 * inter * H
+        dest = torch.empty(tuple(p13.shape), dtype=x.dtype, device=x.device)
+        for n, k, warps in DECODE_TILES:
+            cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}
+            t = time_fn(lambda: launch_packed_dequantize(p13, dest, cfg))[0]
+            rows.append({**base, "path": "decode w13", "config": cfg, "ms": t, "workspace_bytes": nbytes,
+                         "gbps_written": nbytes / t / 1e6})
+            print(f"{model} {m:6d} decode w13 N{n} K{k} w{warps} {t:7.3f} ms ({nbytes / 1e9:.2f} GB, "
+                  f"{nbytes / t / 1e6:,.0f} GB/s written)", flush=True)
+        dest = None                                   # the workspace back before the rest
+        dq = time_fn(lambda: te.decode_experts("w13", p13, x.dtype))[0]
+        rows.append({**base, "path": "decode w13 (shipped tile)", "ms": dq, "workspace_bytes": nbytes})
+        for n, k, warps, stages in LOOPED_256:
+            cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+            row = {**base, "path": "looped", "config": cfg, "block_m": 256}
+            try:
+                with block_m(256):
+                    ws_m = te.moe_workspace(m, top_k, E, H, inter, x.dtype, x.device)
+                    got = run(False, cfg, ws_m).clone()
+                    row["same_bits_as_looped"] = bool(torch.equal(got, looped))
+                    row["rel_l2_vs_reference"] = rel_l2(got, want)
+                    row["ms"] = time_fn(lambda: run(False, cfg, ws_m))[0]
+                    row["wrong_calls"] = churn(lambda: run(False, cfg, ws_m), got)
+                row["tflops"] = flops / row["ms"] / 1e9
+                row["frac_of_peak"] = row["tflops"] / peak
+                print(f"{model} {m:6d} looped BM256 N{n} K{k} w{warps} s{stages} {row['ms']:7.3f} ms "
+                      f"{row['tflops']:6.0f} TFLOP/s, same bits {row['same_bits_as_looped']}, wrong calls "
+                      f"{row['wrong_calls']}", flush=True)
+            except Exception as err:               # a tile that does not fit (registers, shared memory) is a row
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                print(f"{model} {m:6d} looped BM256 N{n} K{k} w{warps} s{stages} failed: {row['error'][:120]}",
+                      flush=True)
+            rows.append(row)
+        for n, k, warps, stages in CONFIGS:
+            cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+            row = {**base, "path": "decoded w13", "config": cfg, "block_m": bm}
+            try:
+                got = run(True, cfg, ws).clone()
+                row["same_bits_as_looped"] = bool(torch.equal(got, looped))
+                row["rel_l2_vs_reference"] = rel_l2(got, want)
+                row["ms"] = time_fn(lambda: run(True, cfg, ws))[0]
+                row["wrong_calls"] = churn(lambda: run(True, cfg, ws), got)
+                row["without_decode_ms"] = row["ms"] - dq            # align, GEMMs, combine
+                row["tflops"] = flops / row["ms"] / 1e9
+                row["frac_of_peak"] = row["tflops"] / peak
+                row["frac_of_peak_without_decode"] = flops / row["without_decode_ms"] / 1e9 / peak
+                print(f"{model} {m:6d} decoded w13 N{n} K{k} w{warps} s{stages} {row['ms']:7.3f} ms "
+                      f"{row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}; without the decode "
+                      f"{row['frac_of_peak_without_decode']:.1%}), same bits {row['same_bits_as_looped']}, wrong "
+                      f"calls {row['wrong_calls']}", flush=True)
+            except Exception as err:               # a tile that does not compile (shared memory) is a row
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                print(f"{model} {m:6d} decoded w13 N{n} K{k} w{warps} s{stages} failed: {row['error'][:120]}",
+                      flush=True)
+            rows.append(row)
     return rows
 
 
@@ -155,7 +182,7 @@ def model_rows(ceilings) -> dict:
             cache.release(s)
         part = {"peak_gb_16384_eager": torch.cuda.max_memory_allocated() / 1e9,
                 "census_16384": prefill_census(model, ids[:16384], cache, ceilings)}
-        for n in (2048, 16384):
+        for n in (2048, 8192, 16384):
             try:
                 _, part[f"graph_{n}"] = graph_prefill(model, ids, n, n, ceilings, {})
             except Exception as err:
@@ -173,15 +200,17 @@ def model_rows(ceilings) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384], help="the op's token counts")
     ap.add_argument("--skip-model", action="store_true", help="the op's rows only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_prefill_decoded.py times GPU kernels: no GPU here")
     ceilings = measure_ceilings()
-    command = "PYTHONPATH=. python3 experiments/moe_prefill_decoded.py" + (" --skip-model" if args.skip_model else "")
+    command = ("PYTHONPATH=. python3 experiments/moe_prefill_decoded.py --tokens " + " ".join(map(str, args.tokens))
+               + (" --skip-model" if args.skip_model else ""))
     res = {"provenance": provenance(command), "ceilings": ceilings.as_dict(),
            "shipped": {"DECODED_MIN_M": te.DECODED_MIN_M, "DECODED_CONFIG": te.DECODED_CONFIG}}
-    res["rows"] = op_rows(ceilings.bf16_tflops)
+    res["rows"] = op_rows(ceilings.bf16_tflops, args.tokens)
     save_experiment("moe-prefill-decoded", res)
     if not args.skip_model:
         res["prefill"] = model_rows(ceilings)

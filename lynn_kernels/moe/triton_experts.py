@@ -49,12 +49,13 @@ PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_s
                    (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "warps_128": 8}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
-#: From this many tokens of a 16-bit x, the prefill path decodes packed expert stacks once per call into a workspace
-#: in x's dtype (``E x 3I x H`` elements: 1.6 GB for Qwen3.5-35B-A3B, 3.2 GB for Qwen3-Next-80B-A3B, freed after the
-#: call) and its GEMM kernels load those tiles instead of decoding them in the loop: the same values, so the same
-#: products, with the decode's ALU work out of the tensor cores' way (:func:`use_decoded_experts`).
+#: From this many tokens of a 16-bit x, the prefill path decodes packed ``w13`` stacks once per call into a workspace
+#: in x's dtype (``E x 2I x H`` elements: 1.07 GB for Qwen3.5-35B-A3B, 2.1 GB for Qwen3-Next-80B-A3B, freed after the
+#: call) and the gate_up kernel loads those tiles instead of decoding them in its loop: the same values, so the same
+#: products, with the decode's ALU work out of the tensor cores' way (:func:`use_decoded_experts`). The down kernel
+#: keeps decoding in its loop: on decoded tiles it was no faster (data/experiments/moe-prefill-decoded/).
 DECODED_MIN_M = 4096
-#: The decoded path's GEMM tiles (``block_m_for`` rows).
+#: The gate_up kernel's tiles on decoded weights (``block_m_for`` rows).
 DECODED_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype:
 
 
 def use_decoded_experts(M: int, w13, w2, x_dtype: torch.dtype) -> bool:
-    """The prefill dispatch: decode the expert stacks once (:func:`decode_experts`) for packed stacks
+    """The prefill dispatch: decode ``w13`` once (:func:`decode_experts`) for packed stacks
     (:class:`~.packed.PackedExperts`, the decoder's layout) and a 16-bit x from :data:`DECODED_MIN_M` tokens on."""
     return (M >= DECODED_MIN_M and x_dtype in (torch.bfloat16, torch.float16) and spec.is_packed(w13)
             and spec.is_packed(w2))
@@ -276,29 +277,31 @@ def decode_experts(name: str, w, x_dtype: torch.dtype) -> _Weights:
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
                 h, dest, dense: bool, block_m: int, config: dict | None = None, decoded: bool = False) -> None:
     """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
-    itself). ``decoded``: ``w13`` / ``w2`` are packed weights decoded by :func:`decode_experts` (float tiles, the
-    packed path's global scales and ``ACC_UNIT``)."""
+    itself). ``decoded``: ``w13`` is a packed weight decoded by :func:`decode_experts` (float tiles, the packed
+    path's global scales and ``ACC_UNIT``), which gate_up runs at :data:`DECODED_CONFIG` (``config`` then replaces
+    that, and down keeps its shipped tiles)."""
     M, H = x2.shape
     I = h.shape[-1]
+    flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w2.packed)
+    tiles = prefill_config(M, block_m)
     if decoded:
-        flags = dict(_flags(x2.dtype, False, runtime.INTERPRET, True), FLOAT_W=True, PACKED_DECODE=False,
-                     ACC_UNIT=1.0 if x2.dtype == torch.float16 else MMA_UNIT.value)     # as the decode left it
-        tiles = dict(DECODED_CONFIG)
+        up_flags = dict(_flags(x2.dtype, False, runtime.INTERPRET, True), FLOAT_W=True, PACKED_DECODE=False,
+                        ACC_UNIT=1.0 if x2.dtype == torch.float16 else MMA_UNIT.value)   # as the decode left it
+        meta, warps, stages = _tiles(I, H, DECODED_CONFIG, config)
+        config = None
     else:
-        flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w13.packed)
-        tiles = prefill_config(M, block_m)
-    flags["NO_G"] = float_w
-    meta, warps, stages = _tiles(I, H, tiles, config, w13.packed)
+        up_flags = flags
+        meta, warps, stages = _tiles(I, H, tiles, config, w13.packed)
     MOE_GATE_UP.current()[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
-        TOP_K=top_k, DENSE=dense, G_PER_ROW=w13.g_per_row, **flags, BLOCK_M=block_m, **meta,
+        TOP_K=top_k, DENSE=dense, NO_G=float_w, G_PER_ROW=w13.g_per_row, **up_flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)     # the decoded tile is the dot's 2nd operand: pipelining is safe
-    meta, warps, stages = _tiles(H, I, tiles, config, w13.packed)
+    meta, warps, stages = _tiles(H, I, tiles, config, w2.packed)
     MOE_DOWN.current()[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
-        DENSE=dense, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
+        DENSE=dense, NO_G=float_w, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta,
         num_warps=warps, num_stages=stages)
 
@@ -331,8 +334,8 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     :func:`moe_workspace`. ``w13`` / ``w2``: NVFP4, or float tensors of x's dtype (contiguous, else copied on every
     call). ``shared_out`` (fp32 ``[M, H]``, contiguous) is added in the combine step (the shared expert's weighted
     output). ``config`` (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``) replaces both GEMMs' tiles (tests
-    and experiments). ``decoded`` forces the prefill path to decode packed stacks once (True) or in the loop
-    (False); None: :func:`use_decoded_experts`."""
+    and experiments; on the decoded path gate_up's only). ``decoded`` forces the prefill path to decode a packed
+    ``w13`` once (True) or in the loop (False); None: :func:`use_decoded_experts`."""
     M, H = x2.shape
     top_k = ids.shape[1]
     E = w13.shape[0]
@@ -356,7 +359,7 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
         raise ValueError("decoded=True decodes packed expert stacks (PackedExperts: pack_experts); these are "
                          f"{type(w13).__name__} / {type(w2).__name__}")
     if decoded:
-        a13, a2 = decode_experts("w13", w13, x2.dtype), decode_experts("w2", w2, x2.dtype)
+        a13 = decode_experts("w13", w13, x2.dtype)
     _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
                 float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded)
     if not to_out:
@@ -401,7 +404,7 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
     block_m = max(16, min(64, runtime.next_power_of_2(M)))
     decoded = use_decoded_experts(M, shared.w13, shared.w2, x2.dtype)
     if decoded:
-        a13, a2 = decode_experts("shared.w13", shared.w13, x2.dtype), decode_experts("shared.w2", shared.w2, x2.dtype)
+        a13 = decode_experts("shared.w13", shared.w13, x2.dtype)
     _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, a13, a2, float_w, h, dest, True, block_m,
                 decoded=decoded)
     return dest
