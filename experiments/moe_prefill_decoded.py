@@ -9,7 +9,7 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    scribbled on between them (a pipelining fault shows as changing bits), time (``do_bench`` median, L2 flushed),
    TFLOP/s and the fraction of the measured bf16 peak, with and without the decode counted.
 2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with the decoded
-   path off and on (``DECODED_MIN_M``): the kernel census of a 16,384-token prefill by part, the graph-captured
+   path off and on (``DECODED_MIN_ROWS``): the kernel census of a 16,384-token prefill by part, the graph-captured
    prefill of 2,048, 8,192 and 16,384 tokens, and the last token's logits of the two paths against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
@@ -172,9 +172,9 @@ def model_rows(ceilings) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (16384 + 64,), device="cuda", generator=gen)
     cache = model.new_cache(max_batch=1, max_tokens=16384 + 64)
     res, logits = {}, {}
-    shipped = te.DECODED_MIN_M
+    shipped = te.DECODED_MIN_ROWS
     for label, threshold in (("looped", 1 << 40), ("decoded", shipped)):
-        te.DECODED_MIN_M = threshold
+        te.DECODED_MIN_ROWS = threshold
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
             s = cache.add()
@@ -190,7 +190,7 @@ def model_rows(ceilings) -> dict:
         res[label] = part
         print(f"{label}: " + ", ".join(f"{n}: {part[f'graph_{n}'].get('tok_s', float('nan')):,.0f} tok/s"
                                        for n in (2048, 16384)), flush=True)
-    te.DECODED_MIN_M = shipped
+    te.DECODED_MIN_ROWS = shipped
     m = compare(logits["decoded"], logits["looped"])
     res["logits_decoded_vs_looped"] = {"cosine": m.cosine, "max_abs": m.max_abs,
                                        "bit_equal": bool(torch.equal(logits["decoded"], logits["looped"]))}
@@ -209,7 +209,8 @@ def main() -> None:
     command = ("PYTHONPATH=. python3 experiments/moe_prefill_decoded.py --tokens " + " ".join(map(str, args.tokens))
                + (" --skip-model" if args.skip_model else ""))
     res = {"provenance": provenance(command), "ceilings": ceilings.as_dict(),
-           "shipped": {"DECODED_MIN_M": te.DECODED_MIN_M, "DECODED_CONFIG": te.DECODED_CONFIG}}
+           "shipped": {"DECODED_MIN_ROWS": te.DECODED_MIN_ROWS, "DECODED_CONFIG": te.DECODED_CONFIG,
+                       "DECODE_EXPERTS_CONFIG": te.DECODE_EXPERTS_CONFIG}}
     res["rows"] = op_rows(ceilings.bf16_tflops, args.tokens)
     save_experiment("moe-prefill-decoded", res)
     if not args.skip_model:

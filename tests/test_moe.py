@@ -225,9 +225,9 @@ def test_as_batch_runs_a_block_as_calls_of_that_many_rows(monkeypatch):
 
 @pytest.mark.parametrize("dtype, per_row", [(BF16, False), (FP16, True)], ids=["bf16", "fp16-per-row-scales"])
 def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, monkeypatch):
-    """The prefill path that decodes packed ``w13`` once (``DECODED_MIN_M`` tokens on) multiplies the same tiles as
-    the kernel that decodes in its loop: a block (routed experts and the shared expert) gets the same bits either
-    way; ``decoded=True`` on unpacked stacks is an error naming what it takes."""
+    """The prefill path that decodes packed ``w13`` once (``DECODED_MIN_ROWS`` rows an expert on) multiplies the
+    same tiles as the kernel that decodes in its loop: a block (routed experts and the shared expert) gets the same
+    bits either way; ``decoded=True`` on unpacked stacks is an error naming what it takes."""
     from lynn_kernels.moe import pack_experts
 
     E, H, inter, M = 6, 256, 128, 40
@@ -245,7 +245,7 @@ def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, monkeypatch):
     monkeypatch.setattr(triton_experts, "decode_experts", lambda name, *a: launches.append(name) or real(name, *a))
     looped = moe_block(x, router, p13, p2, pshared, top_k=2)
     assert launches == []
-    monkeypatch.setattr(triton_experts, "DECODED_MIN_M", M)
+    monkeypatch.setattr(triton_experts, "DECODED_MIN_ROWS", 13)      # 40 tokens x top-2 over 6 experts: 13.3
     decoded = moe_block(x, router, p13, p2, pshared, top_k=2)
     assert launches == ["shared.w13", "w13"]
     assert torch.equal(decoded, looped), bit_mismatches(decoded, looped)
@@ -691,6 +691,29 @@ def test_moe_packed_real_shapes_variants_gpu(variant, M):
     x = _x(M, H, dtype, seed=57)
     router = (torch.randn(E, H, generator=_gen(58)) * 0.05).to(dtype).to(DEV)
     _packed_block_close(x, router, w13, w2, shared, top_k)
+
+
+@pytest.mark.gpu
+def test_decoded_experts_real_shape_gpu():
+    """The decoded prefill path (``w13`` decoded once, gate_up on its tiles) at Qwen3.5-35B-A3B's experts and 4,096
+    tokens, compiled: the looped path's bits, against the reference, and the same bits on a second call."""
+    from lynn_kernels.moe import pack_experts
+
+    E, top_k, H, inter, M = 256, 8, 2048, 512, 4096
+    w13, w2 = _real_experts(E, H, inter)
+    p13, p2, _ = pack_experts(w13, w2)
+    x = _x(M, H, BF16, seed=59)
+    router = (torch.randn(E, H, generator=_gen(60)) * 0.05).to(BF16).to(DEV)
+    weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
+
+    def run(decoded):
+        ws = triton_experts.moe_workspace(M, top_k, E, H, inter, BF16, DEV)
+        return triton_experts.launch_moe_experts(x, weights, ids, p13, p2, torch.empty_like(x), ws, decoded=decoded)
+
+    got, looped = run(True), run(False)
+    assert bit_mismatches(got, looped) == 0, "the decoded tiles gave other bits than the loop decode"
+    assert_experts_close(got, x, weights, ids, w13, w2, what="decoded w13")
+    assert bit_mismatches(got, run(True)) == 0, "not deterministic"
 
 
 def _packed_block_close(x, router, w13, w2, shared, top_k):

@@ -49,12 +49,17 @@ PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_s
                    (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "warps_128": 8}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
-#: From this many tokens of a 16-bit x, the prefill path decodes packed ``w13`` stacks once per call into a workspace
-#: in x's dtype (``E x 2I x H`` elements: 1.07 GB for Qwen3.5-35B-A3B, 2.1 GB for Qwen3-Next-80B-A3B, freed after the
-#: call) and the gate_up kernel loads those tiles instead of decoding them in its loop: the same values, so the same
-#: products, with the decode's ALU work out of the tensor cores' way (:func:`use_decoded_experts`). The down kernel
-#: keeps decoding in its loop: on decoded tiles it was no faster (data/experiments/moe-prefill-decoded/).
-DECODED_MIN_M = 4096
+#: From this many rows an expert on average (``M * top_k / E``) with a 16-bit x, the prefill path decodes packed
+#: ``w13`` stacks once per call into a workspace in x's dtype (``E x 2I x H`` elements: 1.07 GB for Qwen3.5-35B-A3B,
+#: 2.1 GB for Qwen3-Next-80B-A3B, freed after the call) and the gate_up kernel loads those tiles instead of decoding
+#: them in its loop: the same values, so the same products and bits, with the decode's ALU work out of the tensor
+#: cores' way (:func:`use_decoded_experts`). The decode costs a fixed 0.5 ms (1 ms for 512 experts) a layer on an
+#: H100; the gain grows with the rows: the routed experts took 3.78 ms instead of 3.97 at 512 rows an expert
+#: (Qwen3.5-35B-A3B, 16,384 tokens), 5.57 instead of 5.29 at 320 (Qwen3-Next-80B-A3B, 16,384 tokens). The down
+#: kernel keeps decoding in its loop: on decoded tiles it was no faster. data/experiments/moe-prefill-decoded/.
+DECODED_MIN_ROWS = 512
+#: The dequantise kernel's tile on an expert stack (2.12 TB/s written against 1.98 at the dense projections' tile).
+DECODE_EXPERTS_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
 #: The gate_up kernel's tiles on decoded weights (``block_m_for`` rows).
 DECODED_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
@@ -256,11 +261,12 @@ def moe_workspace(M: int, top_k: int, num_experts: int, H: int, I: int, x_dtype:
                         torch.empty((slot_rows, H), dtype=torch.float32, device=device))
 
 
-def use_decoded_experts(M: int, w13, w2, x_dtype: torch.dtype) -> bool:
+def use_decoded_experts(M: int, top_k: int, w13, w2, x_dtype: torch.dtype) -> bool:
     """The prefill dispatch: decode ``w13`` once (:func:`decode_experts`) for packed stacks
-    (:class:`~.packed.PackedExperts`, the decoder's layout) and a 16-bit x from :data:`DECODED_MIN_M` tokens on."""
-    return (M >= DECODED_MIN_M and x_dtype in (torch.bfloat16, torch.float16) and spec.is_packed(w13)
-            and spec.is_packed(w2))
+    (:class:`~.packed.PackedExperts`, the decoder's layout) and a 16-bit x from :data:`DECODED_MIN_ROWS` rows an
+    expert on average."""
+    return (x_dtype in (torch.bfloat16, torch.float16) and spec.is_packed(w13) and spec.is_packed(w2)
+            and M * top_k >= DECODED_MIN_ROWS * w13.shape[0])
 
 
 def decode_experts(name: str, w, x_dtype: torch.dtype) -> _Weights:
@@ -270,7 +276,8 @@ def decode_experts(name: str, w, x_dtype: torch.dtype) -> _Weights:
     from ..matmul.triton_matmul import launch_packed_dequantize
 
     a = _weights(name, w, w.dim() == 3, name.endswith("w13"))
-    ws = kernel_view(launch_packed_dequantize(w, torch.empty(tuple(w.shape), dtype=x_dtype, device=w.device)))
+    ws = torch.empty(tuple(w.shape), dtype=x_dtype, device=w.device)
+    ws = kernel_view(launch_packed_dequantize(w, ws, None if runtime.INTERPRET else DECODE_EXPERTS_CONFIG))
     return _Weights(ws, ws, a.g, a.g_stride, a.g_per_row)
 
 
@@ -354,7 +361,7 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     launch_align(ids, E, block_m, ws.sorted_slots, ws.block_expert, ws.num_padded)
     to_out = top_k == 1 and shared_out is None
     if decoded is None:
-        decoded = use_decoded_experts(M, w13, w2, x2.dtype)
+        decoded = use_decoded_experts(M, top_k, w13, w2, x2.dtype)
     elif decoded and not (spec.is_packed(w13) and spec.is_packed(w2)):
         raise ValueError("decoded=True decodes packed expert stacks (PackedExperts: pack_experts); these are "
                          f"{type(w13).__name__} / {type(w2).__name__}")
@@ -391,10 +398,11 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 
 def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Tensor, h: torch.Tensor,
-                         dest: torch.Tensor) -> torch.Tensor:
+                         dest: torch.Tensor, decoded: bool = False) -> torch.Tensor:
     """Launch only: ``dest [M, H]`` fp32 ``= gate[t] * down(silu(gate_proj(x_t)) * up_proj(x_t))`` with ``gate`` fp32
     ``[M]`` (the sigmoid of the shared expert gate) and ``h [M, Is]`` (:func:`intermediate_dtype`): the two GEMM
-    kernels in dense mode (token rows, one expert)."""
+    kernels in dense mode (token rows, one expert); ``decoded``: a packed ``w13`` decoded once
+    (:func:`decode_experts`, past the decode path's ``M``)."""
     M = x2.shape[0]
     float_w = not spec.is_nvfp4(shared.w13)
     a13, a2 = _weights("shared.w13", shared.w13, False, True), _weights("shared.w2", shared.w2, False, False)
@@ -402,7 +410,6 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
         _launch_decode(x2, gate, gate, 1, a13, a2, float_w, h, dest, None, True)
         return dest
     block_m = max(16, min(64, runtime.next_power_of_2(M)))
-    decoded = use_decoded_experts(M, shared.w13, shared.w2, x2.dtype)
     if decoded:
         a13 = decode_experts("shared.w13", shared.w13, x2.dtype)
     _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, a13, a2, float_w, h, dest, True, block_m,
@@ -481,14 +488,15 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
             logits = F.linear(x2, router_weight)
         launch_route(logits, top_k, renormalize, weights, ids)
     shared_out = None
+    decoded = M > DECODE_MAX_M and use_decoded_experts(M, top_k, w13, w2, x.dtype)
     if shared is not None:
         if gate is None:
             gate = torch.sigmoid(x2.float() @ shared.gate_weight.float().t()).view(-1)   # fp32 [M]
         h = torch.empty((M, shared.w2.shape[-1]), dtype=intermediate_dtype(x.dtype), device=x.device)
         shared_out = torch.empty((M, H), dtype=torch.float32, device=x.device)
-        launch_shared_expert(x2, shared, gate, h, shared_out)
+        launch_shared_expert(x2, shared, gate, h, shared_out, decoded and spec.is_packed(shared.w13))
     ws = moe_workspace(M, top_k, E, H, I, x.dtype, x.device)
-    launch_moe_experts(x2, weights, ids, w13, w2, out, ws, shared_out)
+    launch_moe_experts(x2, weights, ids, w13, w2, out, ws, shared_out, decoded=decoded)
     return out.reshape(x.shape)
 
 
