@@ -563,7 +563,7 @@ PREFILL_PARTS = (
     ("experts (routed + shared): down", r"_moe_(packed_)?down_kernel"),
     ("MoE combine", r"_moe_combine_kernel"),
     ("MoE routing (router, top-k, align)", r"_route|_router|_align_"),
-    ("dense projections: dequantise", r"dequantize_kernel"),
+    ("weights' dequantise (dense projections; experts' w13 in long prefills)", r"dequantize_kernel"),
     ("dense projections: GEMM", r"gemm|nvjet|cutlass|xmma|sm90_"),
     ("attention: flash prefill", r"_flash_prefill_kernel"),
     ("attention: q/k norm, RoPE", r"_qk_norm_rope_kernel"),
