@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment, time_fn
+from lynn_kernels.bench.harness import churn_calls, measure_ceilings, provenance, save_experiment, time_fn
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
 from lynn_kernels.matmul.triton_matmul import launch_packed_dequantize
 from lynn_kernels.moe import pack_experts, reference
@@ -50,17 +50,6 @@ def block_m(rows: int | None):
         yield
     finally:
         te.block_m_for = was
-
-
-def churn(fn, first: torch.Tensor, calls: int = 20) -> int:
-    """Calls whose output's bits differ from ``first``, freed memory scribbled on between calls."""
-    wrong = 0
-    for _ in range(calls):
-        junk = torch.full((64 << 20,), float("nan"), device="cuda")
-        del junk
-        if not torch.equal(fn(), first):
-            wrong += 1
-    return wrong
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -124,7 +113,7 @@ def case_rows(model: str, m: int, peak: float) -> list[dict]:
                     row["same_bits_as_looped"] = bool(torch.equal(got, looped))
                     row["rel_l2_vs_reference"] = rel_l2(got, want)
                     row["ms"] = time_fn(lambda: run(False, cfg, ws_m))[0]
-                    row["wrong_calls"] = churn(lambda: run(False, cfg, ws_m), got)
+                    row["wrong_calls"] = churn_calls(lambda: run(False, cfg, ws_m), got, 20)
                 row["tflops"] = flops / row["ms"] / 1e9
                 row["frac_of_peak"] = row["tflops"] / peak
                 print(f"{model} {m:6d} looped BM256 N{n} K{k} w{warps} s{stages} {row['ms']:7.3f} ms "
@@ -143,7 +132,7 @@ def case_rows(model: str, m: int, peak: float) -> list[dict]:
                 row["same_bits_as_looped"] = bool(torch.equal(got, looped))
                 row["rel_l2_vs_reference"] = rel_l2(got, want)
                 row["ms"] = time_fn(lambda: run(True, cfg, ws))[0]
-                row["wrong_calls"] = churn(lambda: run(True, cfg, ws), got)
+                row["wrong_calls"] = churn_calls(lambda: run(True, cfg, ws), got, 20)
                 row["without_decode_ms"] = row["ms"] - dq            # align, GEMMs, combine
                 row["tflops"] = flops / row["ms"] / 1e9
                 row["frac_of_peak"] = row["tflops"] / peak

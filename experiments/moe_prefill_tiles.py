@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lynn_kernels.bench.harness import measure_ceilings, provenance, save_experiment, time_fn
+from lynn_kernels.bench.harness import churn_calls, measure_ceilings, provenance, save_experiment, time_fn
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
 from lynn_kernels.moe import moe_experts
 from lynn_kernels.moe import triton_experts as te
@@ -48,17 +48,6 @@ def tiles(n: int, k: int, warps: int, stages: int, block_m: int | None):
         yield
     finally:
         te.PREFILL_CONFIGS, te.block_m_for = was_cfg, was_bm
-
-
-def churn(fn, first: torch.Tensor, calls: int = 50) -> int:
-    """Calls whose output's bits differ from ``first``, memory scribbled on between calls."""
-    wrong = 0
-    for _ in range(calls):
-        junk = torch.full((64 << 20,), float("nan"), device="cuda")
-        del junk
-        if not torch.equal(fn(), first):
-            wrong += 1
-    return wrong
 
 
 def grouped_parts(x, weights, ids, w13, w2):
@@ -122,7 +111,7 @@ def main() -> None:
                             row["same_bits"] = bool(torch.equal(got, want))
                             row["rel_l2"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
                             row["ms"] = time_fn(lambda: moe_experts(*args))[0]
-                            row["wrong_calls"] = churn(lambda: moe_experts(*args), got)
+                            row["wrong_calls"] = churn_calls(lambda: moe_experts(*args), got)
                         row["tflops"] = flops / row["ms"] / 1e9
                         row["frac_of_peak"] = row["tflops"] / peak
                         print(f"{m:6d} BM{block_m or '-'} N{n} K{k} w{warps} s{stages}  {row['ms']:7.3f} ms "

@@ -215,6 +215,19 @@ def host_us(fn: Callable[[], object], n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def churn_calls(fn: Callable[[], torch.Tensor], first: torch.Tensor, calls: int = 50) -> int:
+    """How many of ``calls`` calls of ``fn`` return other bits than ``first``, 256 MB of freed GPU memory scribbled
+    on (NaN) before each: a kernel that reads memory it did not write, or a pipelining fault, shows as changing
+    bits."""
+    wrong = 0
+    for _ in range(calls):
+        junk = torch.full((64 << 20,), float("nan"), device="cuda")
+        del junk
+        if not torch.equal(fn(), first):
+            wrong += 1
+    return wrong
+
+
 def kernel_ms(fn: Callable[[], object], n: int = 30) -> float:
     """Median over ``n`` calls of the summed GPU duration of the kernels one call launches (CUDA profiler).
 
