@@ -490,7 +490,7 @@ print("toy vs moe.reference.moe_experts (fp32): max_abs", r3(compare(toy, want_t
 #   transposed into the second, which Hopper's wgmma reads from shared memory, so the kernel can pipeline its loads
 #   (a decoded tile as the *first* operand stays in registers, where Triton 3.6 pipelines it unsafely);
 # * `h = silu(gate) * up` is rounded once to x's dtype; everything else is fp32 up to the single output rounding;
-# * `BLOCK_M` follows the expected rows per expert (16, 32, 64 or 128: `block_m_for`), and the grid is sized by the
+# * `BLOCK_M` follows the expected rows per expert (16, 64 or 128: `block_m_for`), and the grid is sized by the
 #   static bound `P_max`;
 # * **decode path** (`M <= 16`): no align step and no combine launch. A slot is one row of x against one expert:
 #   on tensor cores it would be 1 row of a 16-row tile, and the work is decoding the weight. So the decode kernels
@@ -1063,6 +1063,37 @@ else:
 # shape. The layout alone (packed, still five launches) gives 58% and 76% of that gain, the shared slot the rest.
 # In the decoder (`lynn bench decoder`, notebook 06) the Qwen3.5 decode step went from 3.52 to 2.97 ms. The router
 # (6.5 us for a 1 MB product) now takes about as long as either expert kernel (docs/moe.md, section 6).
+
+# %% [markdown]
+# ### 6c. Long prefills: `w13` decoded once
+#
+# In a long prefill every weight tile is read by many row blocks (512 rows an expert at 16,384 tokens of Qwen3.5),
+# and the kernel decodes it again in each one: the gate_up kernel spends its time decoding, not multiplying. From
+# `DECODED_MIN_ROWS` rows an expert on average, `launch_moe_experts` decodes the packed `w13` stack once into a
+# workspace of x's dtype (the matmul's dequantise kernel: each element the exact tile the loop would decode) and
+# gate_up loads those tiles. The tensor cores get the same values, so the output keeps its bits. On the block above
+# (bf16 x, 40 tokens), both paths forced:
+
+# %%
+M_ = 40
+x_d = randn(M_, H_P, seed=95).to(BF16).to(DEVICE)
+w_d, ids_d = moe.route((x_d.float() @ router_p.t()).to(BF16), K_P)
+outs = {}
+for decoded in (False, True):
+    ws_d = triton_experts.moe_workspace(M_, K_P, E_P, H_P, I_P, BF16, DEVICE)
+    outs[decoded] = triton_experts.launch_moe_experts(x_d, w_d, ids_d, pw13, pw2, torch.empty_like(x_d), ws_d,
+                                                      decoded=decoded)
+print(f"rows an expert: {M_ * K_P / E_P:.1f}; the rule decodes from {triton_experts.DECODED_MIN_ROWS}: "
+      f"{triton_experts.use_decoded_experts(M_, K_P, pw13, pw2, BF16)}")
+print("decoded w13 vs the loop decode:", bit_mismatches(outs[True], outs[False]), "elements differ in their bits")
+print(f"workspace at Qwen3.5-35B-A3B: 256 x {2 * 512} x 2048 bf16 = {256 * 2 * 512 * 2048 * 2 / 1e9:.2f} GB a call")
+
+# %% [markdown]
+# On an H100 (`experiments/moe_prefill_decoded.py`, `data/experiments/moe-prefill-decoded/`), in a 16,384-token
+# prefill of Qwen3.5-35B-A3B the gate_up kernels took 53.6 ms instead of 87.7 (67% of the bf16 peak instead of 41%)
+# for 20.1 ms of decoding: the prefill went from 375.3 to 365.8 ms. At Qwen3-Next-80B-A3B's 16,384 tokens (320 rows
+# an expert, 512 experts to decode) the routed experts were slower decoded (5.51 ms against 5.29), which is where
+# the rule's 512 rows comes from. docs/moe.md, section 3, has the table.
 
 # %% [markdown]
 # ## 7. Explorer: expert load and padding
