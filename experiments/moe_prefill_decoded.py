@@ -2,10 +2,11 @@
 that decode each weight tile in their loop, then what that does to a whole prefill.
 
 1. **The op** (``launch_moe_experts`` on packed stacks, the decoder's layout; random NVFP4, routing from the lab's
-   shapes) for Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B at ``--tokens``: the looped path at its shipped tiles and at
-   256-row tiles (``LOOPED_256``); the decode of ``w13`` alone at each of ``DECODE_TILES``; the decoded path (gate_up
-   on the decoded tiles, down as shipped) at each gate_up tile config of ``CONFIGS`` (``BLOCK_N``, ``BLOCK_K``,
-   warps, stages): bits against the looped path, rel_l2 against the fp32 reference, 20 calls with freed memory
+   shapes) for Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B at ``--tokens``: the looped path at its shipped tiles; the
+   decode of ``w13`` alone at each of ``DECODE_TILES``; the decoded path (gate_up on the decoded tiles) at each
+   gate_up tile config of ``CONFIGS`` (``BLOCK_N``, ``BLOCK_K``, warps, stages), then at each down tile config of
+   ``DOWN_CONFIGS`` (the down kernel is 28% of the bf16 peak in a 16,384-token prefill): bits against the looped
+   path, rel_l2 against the fp32 reference, 20 calls with freed memory
    scribbled on between them (a pipelining fault shows as changing bits), time (``do_bench`` median, L2 flushed),
    TFLOP/s and the fraction of the measured bf16 peak, with and without the decode counted.
 2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with the decoded
@@ -33,23 +34,49 @@ from lynn_kernels.moe import triton_experts as te
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up on the decoded tiles
 CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 8, 4), (64, 64, 4, 4)]
-#: the looped path's tiles (both GEMMs) at 256 rows: a weight tile decoded once for twice the rows
-LOOPED_256 = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (128, 128, 8, 2)]
+#: the down kernel's tiles (it decodes w2 in its loop: BLOCK_K a multiple of 128) with gate_up on decoded w13
+DOWN_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3),
+                (256, 128, 8, 2), (64, 256, 4, 2)]
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
 
 
 @contextlib.contextmanager
-def block_m(rows: int | None):
-    """Every prefill tile ``rows`` tall inside the block (None: as shipped)."""
-    was = te.block_m_for
-    if rows is not None:
-        te.block_m_for = lambda M, top_k, E: rows
+def down_tiles(config: dict):
+    """The down kernel's prefill tiles (``PREFILL_CONFIGS``) are ``config`` inside the block; on the decoded path
+    gate_up keeps ``DECODED_CONFIG``."""
+    was = te.PREFILL_CONFIGS
+    te.PREFILL_CONFIGS = ((None, config),)
     try:
         yield
     finally:
-        te.block_m_for = was
+        te.PREFILL_CONFIGS = was
+
+
+def measured(row: dict, call, looped: torch.Tensor, want: torch.Tensor, flops: float, peak: float,
+             dq: float) -> dict:
+    """``row`` with ``call``'s bits against the looped path, rel_l2 against the reference, time, churn and TFLOP/s
+    (also without the ``dq`` ms of the decode); a config that does not compile (shared memory) is a row with its
+    error."""
+    label = f"{row['model']} {row['tokens']:6d} {row['path']} {row.get('config') or row.get('down_config')}"
+    try:
+        got = call().clone()
+        row["same_bits_as_looped"] = bool(torch.equal(got, looped))
+        row["rel_l2_vs_reference"] = rel_l2(got, want)
+        row["ms"] = time_fn(call)[0]
+        row["wrong_calls"] = churn_calls(call, got, 20)
+        row["without_decode_ms"] = row["ms"] - dq                # align, GEMMs, combine
+        row["tflops"] = flops / row["ms"] / 1e9
+        row["frac_of_peak"] = row["tflops"] / peak
+        row["frac_of_peak_without_decode"] = flops / row["without_decode_ms"] / 1e9 / peak
+        print(f"{label} {row['ms']:7.3f} ms {row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}; without the "
+              f"decode {row['frac_of_peak_without_decode']:.1%}), same bits {row['same_bits_as_looped']}, wrong "
+              f"calls {row['wrong_calls']}", flush=True)
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"{label} failed: {row['error'][:120]}", flush=True)
+    return row
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,49 +130,15 @@ def case_rows(model: str, m: int, peak: float) -> list[dict]:
         dest = None                                   # the workspace back before the rest
         dq = time_fn(lambda: te.decode_experts("w13", p13, x.dtype))[0]
         rows.append({**base, "path": "decode w13 (shipped tile)", "ms": dq, "workspace_bytes": nbytes})
-        for n, k, warps, stages in LOOPED_256:
-            cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
-            row = {**base, "path": "looped", "config": cfg, "block_m": 256}
-            try:
-                with block_m(256):
-                    ws_m = te.moe_workspace(m, top_k, E, H, inter, x.dtype, x.device)
-                    got = run(False, cfg, ws_m).clone()
-                    row["same_bits_as_looped"] = bool(torch.equal(got, looped))
-                    row["rel_l2_vs_reference"] = rel_l2(got, want)
-                    row["ms"] = time_fn(lambda: run(False, cfg, ws_m))[0]
-                    row["wrong_calls"] = churn_calls(lambda: run(False, cfg, ws_m), got, 20)
-                row["tflops"] = flops / row["ms"] / 1e9
-                row["frac_of_peak"] = row["tflops"] / peak
-                print(f"{model} {m:6d} looped BM256 N{n} K{k} w{warps} s{stages} {row['ms']:7.3f} ms "
-                      f"{row['tflops']:6.0f} TFLOP/s, same bits {row['same_bits_as_looped']}, wrong calls "
-                      f"{row['wrong_calls']}", flush=True)
-            except Exception as err:               # a tile that does not fit (registers, shared memory) is a row
-                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                print(f"{model} {m:6d} looped BM256 N{n} K{k} w{warps} s{stages} failed: {row['error'][:120]}",
-                      flush=True)
-            rows.append(row)
         for n, k, warps, stages in CONFIGS:
             cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
             row = {**base, "path": "decoded w13", "config": cfg, "block_m": bm}
-            try:
-                got = run(True, cfg, ws).clone()
-                row["same_bits_as_looped"] = bool(torch.equal(got, looped))
-                row["rel_l2_vs_reference"] = rel_l2(got, want)
-                row["ms"] = time_fn(lambda: run(True, cfg, ws))[0]
-                row["wrong_calls"] = churn_calls(lambda: run(True, cfg, ws), got, 20)
-                row["without_decode_ms"] = row["ms"] - dq            # align, GEMMs, combine
-                row["tflops"] = flops / row["ms"] / 1e9
-                row["frac_of_peak"] = row["tflops"] / peak
-                row["frac_of_peak_without_decode"] = flops / row["without_decode_ms"] / 1e9 / peak
-                print(f"{model} {m:6d} decoded w13 N{n} K{k} w{warps} s{stages} {row['ms']:7.3f} ms "
-                      f"{row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}; without the decode "
-                      f"{row['frac_of_peak_without_decode']:.1%}), same bits {row['same_bits_as_looped']}, wrong "
-                      f"calls {row['wrong_calls']}", flush=True)
-            except Exception as err:               # a tile that does not compile (shared memory) is a row
-                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                print(f"{model} {m:6d} decoded w13 N{n} K{k} w{warps} s{stages} failed: {row['error'][:120]}",
-                      flush=True)
-            rows.append(row)
+            rows.append(measured(row, lambda: run(True, cfg, ws), looped, want, flops, peak, dq))
+        for n, k, warps, stages in DOWN_CONFIGS:      # gate_up decoded at DECODED_CONFIG, down at these tiles
+            cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+            row = {**base, "path": "decoded w13, down tiles", "down_config": cfg, "block_m": bm}
+            with down_tiles(cfg):
+                rows.append(measured(row, lambda: run(True, None, ws), looped, want, flops, peak, dq))
     return rows
 
 
