@@ -28,9 +28,9 @@ import torch
 
 from lynn_kernels.bench.harness import churn_calls, measure_ceilings, provenance, save_experiment, time_fn
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
-from lynn_kernels.matmul.triton_matmul import launch_packed_dequantize
 from lynn_kernels.moe import pack_experts, reference
 from lynn_kernels.moe import triton_experts as te
+from lynn_kernels.triton_shared import launch_packed_dequantize
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up on the decoded tiles
 CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 8, 4), (64, 64, 4, 4)]

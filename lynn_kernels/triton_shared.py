@@ -11,6 +11,9 @@ NVFP4 weight decode in registers, exact (docs/matmul.md derives it):
   (checkpoint or packed layout), as one ``tl.dot`` operand or as its even / odd columns for FMA loops. Used by the
   matmul GEMV / GEMM kernels and the MoE expert kernels (``moe/triton_experts.py``, ``moe/triton_experts_decode.py``).
 * :func:`packed_w_tile`: the packed layout's tile for the tensor cores (via :func:`w_tile`).
+* :func:`launch_packed_dequantize` (:data:`PACKED_DEQUANTIZE`): a packed weight, or a stack of packed experts,
+  written out as the tensor-core tile in x's dtype. Used by the matmul's dequantise-then-cuBLAS prefill and the
+  MoE prefill's decoded ``w13``.
 * :func:`decode_word`, :func:`fma_scales`, :func:`load_words`, :func:`fma_row_step`, :func:`split8`, with
   :data:`X_PRESCALE` and :data:`FMA_UNIT` (:data:`MMA_UNIT` for the tensor-core tile): the packed layout's words
   decoded on the FMA units. Used by the matmul packed GEMV (``packed_gemv_kernel``) and the MoE decode kernels.
@@ -34,13 +37,14 @@ Host side:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from . import runtime
-from .runtime import cast_output, round_to_dtype, to_float32
+from .runtime import cast_output, kernel_view, round_to_dtype, to_float32
 
 # ---------------------------------------------------------------------------------------------------------------
 # E4M3 scale decode
@@ -588,3 +592,58 @@ def kernel_constexprs(x_dtype, bias_dtype, y_dtype, interpret: bool, packed: boo
         else (128.0 if not interpret and x_dtype == torch.bfloat16 else 1.0),
         **runtime.kernel_flags(),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a packed weight written out in x's dtype (the matmul prefill, the MoE prefill's decoded w13)
+
+@triton.jit
+def _packed_dequantize_kernel(
+    words_ptr, scales_ptr, out_ptr, N, K, KW,
+    OUT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr, UNSCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """A packed weight -> ``out [N, K]`` in ``OUT_DTYPE``, each element ``e2m1 * s * 2^-19`` (``UNSCALED``:
+    ``e2m1 * s``), exact: the GEMM's tile (:func:`packed_w_tile`), stored instead of multiplied."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if INTERPRET:           # the interpreter keeps the tile fp32 and stores bf16 as its bits (runtime.cast_output)
+        w = cast_output(packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N, BLOCK_K, tl.float32,
+                                      False, UNSCALED), OUT_DTYPE, INTERPRET)
+    else:
+        w = packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N, BLOCK_K, OUT_DTYPE, BF16_ASM,
+                          UNSCALED)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w,
+             mask=mask_n[:, None] & (offs_k[None, :] < K))
+
+
+PACKED_DEQUANTIZE = runtime.Kernel("matmul.dequantize", _packed_dequantize_kernel)
+
+
+#: The dequantise kernel's tile (a multiple of a chunk along K): within 3% of the best of 16 tiles on each of three
+#: decoder shapes on the GPU (docs/history/matmul.md, "The prefill GEMM: dequantise once, then cuBLAS").
+DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
+
+
+def launch_packed_dequantize(w, out: torch.Tensor, config: dict | None = None, *, kernel=None) -> torch.Tensor:
+    """Launch only: ``w`` (a ``PackedNVFP4``) into a contiguous ``out [N, K]`` (bf16 / fp16 / fp32) as
+    ``e2m1 * s * 2^-19`` (fp16: ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are
+    the caller's. ``w`` may
+    also be a stack of packed weights (a ``PackedExperts`` ``[E, N, K]``, ``out`` of that shape): its rows are
+    decoded one after another. ``kernel`` (a ``@triton.jit`` function with ``_packed_dequantize_kernel``'s
+    parameters) replaces the shipped kernel."""
+    *rows, k = w.shape
+    n = math.prod(rows)
+    meta = {**DEQUANT_CONFIG, **(config or {})}
+    if meta["BLOCK_K"] % 128:
+        raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: the dequantise tile covers whole chunks of 128")
+    warps = meta.pop("num_warps")
+    grid = (runtime.cdiv(n, meta["BLOCK_N"]), runtime.cdiv(k, meta["BLOCK_K"]))
+    PACKED_DEQUANTIZE.current(kernel)[grid](
+        w.words, w.scales, kernel_view(out), n, k, w.words.shape[-1],
+        OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], BF16_ASM=not runtime.INTERPRET and out.dtype == torch.bfloat16,
+        UNSCALED=out.dtype == torch.float16, **meta, **runtime.kernel_flags(), num_warps=warps)
+    return out

@@ -235,6 +235,7 @@ def _slots_randn_mm(gen, *shape, dtype=torch.float32, scale=1.0):
 
 
 def test_slots_moe_matmul_are_named():
+    from lynn_kernels import triton_shared
     from lynn_kernels.matmul import triton_matmul, triton_packed
     from lynn_kernels.moe import triton_align, triton_experts, triton_experts_decode, triton_route
 
@@ -242,7 +243,7 @@ def test_slots_moe_matmul_are_named():
     assert not missing, missing
     shipped = {"matmul.packed_gemv": triton_packed.packed_gemv_kernel,
                "matmul.gemv": triton_matmul._nvfp4_gemv_kernel, "matmul.gemm": triton_matmul._nvfp4_gemm_kernel,
-               "matmul.dequantize": triton_matmul._packed_dequantize_kernel, "moe.route": triton_route._route_kernel,
+               "matmul.dequantize": triton_shared._packed_dequantize_kernel, "moe.route": triton_route._route_kernel,
                "moe.router": triton_route._router_kernel, "moe.align_count": triton_align._align_count_kernel,
                "moe.align_one_program": triton_align._align_one_program_kernel,
                "moe.decode_gate_up": triton_experts_decode._moe_decode_gate_up_kernel,

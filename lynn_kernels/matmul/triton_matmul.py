@@ -39,7 +39,6 @@ so they live in :mod:`lynn_kernels.triton_shared`; every helper here is private 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -48,7 +47,14 @@ import triton.language as tl
 from .. import runtime
 from ..nvfp4 import NVFP4Tensor
 from ..runtime import cast_output, kernel_view, to_float32
-from ..triton_shared import MMA_UNIT, kernel_constexprs, packed_w_tile, split_k_counter, split_k_for, w_tile
+from ..triton_shared import (
+    MMA_UNIT,
+    kernel_constexprs,
+    launch_packed_dequantize,
+    split_k_counter,
+    split_k_for,
+    w_tile,
+)
 from .packed import CHUNK, PackedNVFP4
 from .spec import GEMV_MAX_M, check_linear_args
 from .triton_packed import NORM_MAX_K, _bias_arg, _sm_count, launch_packed_gemv, packed_gemv_config
@@ -340,37 +346,8 @@ def launch_gemm(x2: torch.Tensor, w: NVFP4Tensor, bias, y: torch.Tensor, config:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# prefill: dequantise the packed weight once, then cuBLAS
+# prefill: dequantise the packed weight once (triton_shared.launch_packed_dequantize), then cuBLAS
 
-@triton.jit
-def _packed_dequantize_kernel(
-    words_ptr, scales_ptr, out_ptr, N, K, KW,
-    OUT_DTYPE: tl.constexpr, BF16_ASM: tl.constexpr, UNSCALED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """A packed weight -> ``out [N, K]`` in ``OUT_DTYPE``, each element ``e2m1 * s * 2^-19`` (``UNSCALED``:
-    ``e2m1 * s``), exact: the GEMM's tile (:func:`packed_w_tile`), stored instead of multiplied."""
-    pid_n = tl.program_id(0)
-    k0 = tl.program_id(1) * BLOCK_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    if INTERPRET:           # the interpreter keeps the tile fp32 and stores bf16 as its bits (runtime.cast_output)
-        w = cast_output(packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N, BLOCK_K, tl.float32,
-                                      False, UNSCALED), OUT_DTYPE, INTERPRET)
-    else:
-        w = packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N, BLOCK_K, OUT_DTYPE, BF16_ASM,
-                          UNSCALED)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w,
-             mask=mask_n[:, None] & (offs_k[None, :] < K))
-
-
-PACKED_DEQUANTIZE = runtime.Kernel("matmul.dequantize", _packed_dequantize_kernel)
-
-
-#: The dequantise kernel's tile (a multiple of a chunk along K): within 3% of the best of 16 tiles on each of three
-#: decoder shapes on the GPU (docs/history/matmul.md, "The prefill GEMM: dequantise once, then cuBLAS").
-DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
 #: From this many rows of a 16-bit x on, ``nvfp4_linear`` multiplies a packed weight by dequantising it to x's dtype
 #: (one kernel, a workspace of ``N x K`` elements) and calling cuBLAS, instead of the packed GEMM kernel: faster from
 #: M = 128 on three of the four decoder shapes and from 256 on all (docs/history/matmul.md). Weights with more runs of
@@ -389,27 +366,6 @@ def use_dequant_gemm(m: int, w, x_dtype: torch.dtype, bias=None) -> bool:
             and (bias is None or bias.dtype == x_dtype) and len(w.scale_runs()) <= DEQUANT_MAX_SHARDS)
 
 
-def launch_packed_dequantize(w: PackedNVFP4, out: torch.Tensor, config: dict | None = None, *,
-                             kernel=None) -> torch.Tensor:
-    """Launch only: ``w`` into a contiguous ``out [N, K]`` (bf16 / fp16 / fp32) as ``e2m1 * s * 2^-19`` (fp16:
-    ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are the caller's. ``w`` may
-    also be a stack of packed weights (a ``PackedExperts`` ``[E, N, K]``, ``out`` of that shape): its rows are
-    decoded one after another. ``kernel`` (a ``@triton.jit`` function with ``_packed_dequantize_kernel``'s
-    parameters) replaces the shipped kernel."""
-    *rows, k = w.shape
-    n = math.prod(rows)
-    meta = {**DEQUANT_CONFIG, **(config or {})}
-    if meta["BLOCK_K"] % CHUNK:
-        raise ValueError(f"config BLOCK_K = {meta['BLOCK_K']}: the dequantise tile covers whole chunks of {CHUNK}")
-    warps = meta.pop("num_warps")
-    grid = (runtime.cdiv(n, meta["BLOCK_N"]), runtime.cdiv(k, meta["BLOCK_K"]))
-    PACKED_DEQUANTIZE.current(kernel)[grid](
-        w.words, w.scales, kernel_view(out), n, k, w.words.shape[-1],
-        OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], BF16_ASM=not runtime.INTERPRET and out.dtype == torch.bfloat16,
-        UNSCALED=out.dtype == torch.float16, **meta, **runtime.kernel_flags(), num_warps=warps)
-    return out
-
-
 def launch_dequant_gemm(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor,
                         config: dict | None = None) -> torch.Tensor:
     """Launch only: ``x2 [M, K]`` times the packed ``w`` into ``y [M, N]`` by dequantising ``w`` to x's dtype in a
@@ -419,7 +375,7 @@ def launch_dequant_gemm(x2: torch.Tensor, w: PackedNVFP4, bias, y: torch.Tensor,
     with torch's cuBLAS settings: reduced-precision
     split-K reductions for 16-bit x where torch allows them, TF32 for fp32 x where it is switched on, as ``F.linear``
     has them). No autograd (as every kernel here): the product is computed under ``no_grad``. ``config`` replaces
-    :data:`DEQUANT_CONFIG`."""
+    ``triton_shared.DEQUANT_CONFIG``."""
     if bias is not None and bias.dtype != x2.dtype:
         raise ValueError(f"bias has dtype {bias.dtype}; the dequantise-then-cuBLAS GEMM adds it in x's dtype "
                          f"({x2.dtype})")

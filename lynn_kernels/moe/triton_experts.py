@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
 from ..runtime import cast_output, kernel_view, to_float32
-from ..triton_shared import MMA_UNIT, w_tile
+from ..triton_shared import MMA_UNIT, launch_packed_dequantize, w_tile
 from . import spec
 from .packed import shared_slot
 from .spec import SharedExpert
@@ -273,8 +273,6 @@ def decode_experts(name: str, w, x_dtype: torch.dtype) -> _Weights:
     """The kernel arguments of a packed weight (a stack ``[E, N, K]``, or one expert ``[N, K]``) decoded into a new
     workspace of x's dtype: each element is the tile the GEMM kernels would decode in their loop (``e2m1 * s`` times
     the power of two :func:`_flags` gives as ``ACC_UNIT``, exact), the global scales still the epilogue's."""
-    from ..matmul.triton_matmul import launch_packed_dequantize
-
     a = _weights(name, w, w.dim() == 3, name.endswith("w13"))
     ws = torch.empty(tuple(w.shape), dtype=x_dtype, device=w.device)
     ws = kernel_view(launch_packed_dequantize(w, ws, None if runtime.INTERPRET else DECODE_EXPERTS_CONFIG))
