@@ -631,10 +631,9 @@ DEQUANT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
 def launch_packed_dequantize(w, out: torch.Tensor, config: dict | None = None, *, kernel=None) -> torch.Tensor:
     """Launch only: ``w`` (a ``PackedNVFP4``) into a contiguous ``out [N, K]`` (bf16 / fp16 / fp32) as
     ``e2m1 * s * 2^-19`` (fp16: ``e2m1 * s``, fp16's range is narrower); the global scales and that power of two are
-    the caller's. ``w`` may
-    also be a stack of packed weights (a ``PackedExperts`` ``[E, N, K]``, ``out`` of that shape): its rows are
-    decoded one after another. ``kernel`` (a ``@triton.jit`` function with ``_packed_dequantize_kernel``'s
-    parameters) replaces the shipped kernel."""
+    the caller's. ``w`` may also be a stack of packed weights (a ``PackedExperts`` ``[E, N, K]``, ``out`` of that
+    shape): its rows are decoded one after another. ``kernel`` (a ``@triton.jit`` function with
+    ``_packed_dequantize_kernel``'s parameters) replaces the shipped kernel."""
     *rows, k = w.shape
     n = math.prod(rows)
     meta = {**DEQUANT_CONFIG, **(config or {})}

@@ -49,14 +49,8 @@ PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_s
                    (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "warps_128": 8}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
 
-#: From this many rows an expert on average (``M * top_k / E``) with a 16-bit x, the prefill path decodes packed
-#: ``w13`` stacks once per call into a workspace in x's dtype (``E x 2I x H`` elements: 1.07 GB for Qwen3.5-35B-A3B,
-#: 2.1 GB for Qwen3-Next-80B-A3B, freed after the call) and the gate_up kernel loads those tiles instead of decoding
-#: them in its loop: the same values, so the same products and bits, with the decode's ALU work out of the tensor
-#: cores' way (:func:`use_decoded_experts`). The decode costs a fixed 0.5 ms (1 ms for 512 experts) a layer on an
-#: H100; the gain grows with the rows: the routed experts took 3.78 ms instead of 3.97 at 512 rows an expert
-#: (Qwen3.5-35B-A3B, 16,384 tokens), 5.57 instead of 5.29 at 320 (Qwen3-Next-80B-A3B, 16,384 tokens). The down
-#: kernel keeps decoding in its loop: on decoded tiles it was no faster. data/experiments/moe-prefill-decoded/.
+#: From this many rows an expert on average (``M * top_k / E``) with a 16-bit x, the prefill decodes packed ``w13``
+#: once per call (:func:`decode_experts`): a fixed cost a layer that fewer rows do not win back (docs/moe.md, sec. 3).
 DECODED_MIN_ROWS = 512
 #: The dequantise kernel's tile on an expert stack (2.12 TB/s written against 1.98 at the dense projections' tile).
 DECODE_EXPERTS_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
@@ -269,14 +263,14 @@ def use_decoded_experts(M: int, top_k: int, w13, w2, x_dtype: torch.dtype) -> bo
             and M * top_k >= DECODED_MIN_ROWS * w13.shape[0])
 
 
-def decode_experts(name: str, w, x_dtype: torch.dtype) -> _Weights:
-    """The kernel arguments of a packed weight (a stack ``[E, N, K]``, or one expert ``[N, K]``) decoded into a new
-    workspace of x's dtype: each element is the tile the GEMM kernels would decode in their loop (``e2m1 * s`` times
-    the power of two :func:`_flags` gives as ``ACC_UNIT``, exact), the global scales still the epilogue's."""
-    a = _weights(name, w, w.dim() == 3, name.endswith("w13"))
+def decode_experts(w, a: _Weights, x_dtype: torch.dtype) -> _Weights:
+    """``a`` (the kernel arguments of the packed weight ``w``, a stack ``[E, N, K]`` or one expert ``[N, K]``) with
+    ``w`` decoded into a new workspace of x's dtype: each element the tile the GEMM kernels would decode in their
+    loop (``e2m1 * s`` times the power of two :func:`_flags` gives as ``ACC_UNIT``, exact); the global scales stay
+    the epilogue's. The workspace is ``E x N x K`` elements, freed with the returned arguments."""
     ws = torch.empty(tuple(w.shape), dtype=x_dtype, device=w.device)
     ws = kernel_view(launch_packed_dequantize(w, ws, None if runtime.INTERPRET else DECODE_EXPERTS_CONFIG))
-    return _Weights(ws, ws, a.g, a.g_stride, a.g_per_row)
+    return a._replace(codes=ws, scales=ws, packed=False)
 
 
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
@@ -364,7 +358,7 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
         raise ValueError("decoded=True decodes packed expert stacks (PackedExperts: pack_experts); these are "
                          f"{type(w13).__name__} / {type(w2).__name__}")
     if decoded:
-        a13 = decode_experts("w13", w13, x2.dtype)
+        a13 = decode_experts(w13, a13, x2.dtype)
     _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
                 float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded)
     if not to_out:
@@ -409,7 +403,7 @@ def launch_shared_expert(x2: torch.Tensor, shared: SharedExpert, gate: torch.Ten
         return dest
     block_m = max(16, min(64, runtime.next_power_of_2(M)))
     if decoded:
-        a13 = decode_experts("shared.w13", shared.w13, x2.dtype)
+        a13 = decode_experts(shared.w13, a13, x2.dtype)
     _launch_ffn(x2, gate, gate, gate, runtime.cdiv(M, block_m), M, 1, a13, a2, float_w, h, dest, True, block_m,
                 decoded=decoded)
     return dest
