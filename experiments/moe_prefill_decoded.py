@@ -8,12 +8,16 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    ``DOWN_CONFIGS`` (the down kernel is 28% of the bf16 peak in a 16,384-token prefill): bits against the looped
    path, rel_l2 against the fp32 reference, 20 calls with freed memory
    scribbled on between them (a pipelining fault shows as changing bits), time (``do_bench`` median, L2 flushed),
-   TFLOP/s and the fraction of the measured bf16 peak, with and without the decode counted.
+   TFLOP/s and the fraction of the measured bf16 peak, with and without the decode counted. Then the combine's
+   tiles (``COMBINE_CONFIGS``, timed alone on the shipped path's slot rows: its bytes over time) and the shipped
+   call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
+   what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits).
 2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with the decoded
    path off and on (``DECODED_MIN_ROWS``): the kernel census of a 16,384-token prefill by part, the graph-captured
    prefill of 2,048, 8,192 and 16,384 tokens, and the last token's logits of the two paths against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
+        [--parts gate_up down combine split]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -25,7 +29,9 @@ import contextlib
 import sys
 
 import torch
+import triton
 
+from lynn_kernels import runtime
 from lynn_kernels.bench.harness import churn_calls, measure_ceilings, provenance, save_experiment, time_fn
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
 from lynn_kernels.moe import pack_experts, reference
@@ -37,9 +43,13 @@ CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 8, 4), (
 #: the down kernel's tiles (it decodes w2 in its loop: BLOCK_K a multiple of 128) with gate_up on decoded w13
 DOWN_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3),
                 (256, 128, 8, 2), (64, 256, 4, 2)]
+#: the combine's (BLOCK_T, BLOCK_H, num_warps)
+COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8), (4, 1024, 8), (8, 512, 8),
+                   (8, 256, 4), (16, 256, 8), (1, 1024, 4)]
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
+PARTS = ("gate_up", "down", "combine", "split")
 
 
 @contextlib.contextmanager
@@ -83,16 +93,34 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def op_rows(peak: float, tokens) -> list[dict]:
+def kernel_split(fn, n: int = 5) -> dict[str, float]:
+    """GPU time (ms) of each kernel ``fn`` launches, by kernel name, median of ``n`` profiled calls."""
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(n):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        per = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                name = e.name.split("(")[0][:60]
+                per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / 1e3
+        runs.append(per)
+    return {k: sorted(r.get(k, 0.0) for r in runs)[n // 2] for k in runs[0]}
+
+
+def op_rows(peak: float, tokens, parts) -> list[dict]:
     rows = []
     for model in MODELS_RUN:
         for m in tokens:
-            rows += case_rows(model, m, peak)
+            rows += case_rows(model, m, peak, parts)
             torch.cuda.empty_cache()
     return rows
 
 
-def case_rows(model: str, m: int, peak: float) -> list[dict]:
+def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
     """The op's rows for ``m`` tokens of ``model``'s experts (section 1 of the module docstring)."""
     rows = []
     d = MODELS[model]
@@ -120,7 +148,7 @@ def case_rows(model: str, m: int, peak: float) -> list[dict]:
         print(f"{model} {m:6d} looped  {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
         nbytes = 2 * E * 2 * inter * H
         dest = torch.empty(tuple(p13.shape), dtype=x.dtype, device=x.device)
-        for n, k, warps in DECODE_TILES:
+        for n, k, warps in DECODE_TILES if "gate_up" in parts else ():
             cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}
             t = time_fn(lambda: launch_packed_dequantize(p13, dest, cfg))[0]
             rows.append({**base, "path": "decode w13", "config": cfg, "ms": t, "workspace_bytes": nbytes,
@@ -131,15 +159,56 @@ def case_rows(model: str, m: int, peak: float) -> list[dict]:
         dq = time_fn(lambda: launch_packed_dequantize(p13, torch.empty(tuple(p13.shape), dtype=x.dtype,
                                                                        device=x.device), te.DECODE_EXPERTS_CONFIG))[0]
         rows.append({**base, "path": "decode w13 (shipped tile)", "ms": dq, "workspace_bytes": nbytes})
-        for n, k, warps, stages in CONFIGS:
+        for n, k, warps, stages in CONFIGS if "gate_up" in parts else ():
             cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
             row = {**base, "path": "decoded w13", "config": cfg, "block_m": bm}
             rows.append(measured(row, lambda: run(True, cfg, ws), looped, want, flops, peak, dq))
-        for n, k, warps, stages in DOWN_CONFIGS:      # gate_up decoded at DECODED_CONFIG, down at these tiles
+        for n, k, warps, stages in DOWN_CONFIGS if "down" in parts else ():   # gate_up decoded: DECODED_CONFIG
             cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
             row = {**base, "path": "decoded w13, down tiles", "down_config": cfg, "block_m": bm}
             with down_tiles(cfg):
                 rows.append(measured(row, lambda: run(True, None, ws), looped, want, flops, peak, dq))
+        if "combine" in parts:
+            rows += combine_rows(base, run, ws, out, m, top_k, H)
+        if "split" in parts:
+            row = {**base, "path": "shipped, by kernel", "block_m": bm,
+                   "kernels_ms": kernel_split(lambda: run(None, ws=ws))}
+            slots16 = torch.empty(ws.out_slots.shape, dtype=x.dtype, device=x.device)
+            probe = te.MoEWorkspace(ws.sorted_slots, ws.block_expert, ws.num_padded, ws.h, slots16)
+            row["kernels_ms_slots_in_x_dtype"] = kernel_split(lambda: run(None, ws=probe))
+            slots16 = probe = None
+            rows.append(row)
+            print(f"{model} {m:6d} by kernel (fp32 slots | {x.dtype} slots): " + ", ".join(
+                f"{k.replace('_moe_', '').replace('_kernel', '')} {v:.3f} | "
+                f"{row['kernels_ms_slots_in_x_dtype'].get(k, float('nan')):.3f}" for k, v in row["kernels_ms"].items()),
+                flush=True)
+    return rows
+
+
+def combine_rows(base: dict, run, ws, out: torch.Tensor, m: int, top_k: int, H: int) -> list[dict]:
+    """The combine alone at each of ``COMBINE_CONFIGS`` on the slot rows of one shipped call (no shared expert):
+    time, bytes over time, and whether its output has the shipped tiles' bits (the sum's order is fixed)."""
+    rows = []
+    run(None, ws=ws)
+    shipped = out.clone()
+    nbytes = ws.out_slots.numel() * 4 + out.numel() * out.element_size()
+    for bt, bh, warps in COMBINE_CONFIGS:
+        grid = (triton.cdiv(m, bt), triton.cdiv(H, bh))
+
+        def combine():
+            te.MOE_COMBINE.current()[grid](ws.out_slots, ws.out_slots, out, m, H, out.stride(0), TOP_K=top_k,
+                                           HAS_SHARED=False, OUT_DTYPE=runtime.TORCH_TO_TL[out.dtype], BLOCK_T=bt,
+                                           BLOCK_H=bh, num_warps=warps, **runtime.kernel_flags())
+            return out
+
+        cfg = {"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": warps}
+        combine()
+        row = {**base, "path": "combine alone", "combine_config": cfg,
+               "same_bits_as_shipped": bool(torch.equal(out, shipped)), "ms": time_fn(combine)[0], "bytes": nbytes}
+        row["gbps"] = nbytes / row["ms"] / 1e6
+        rows.append(row)
+        print(f"{base['model']} {m:6d} combine T{bt} H{bh} w{warps} {row['ms']:.3f} ms ({row['gbps']:,.0f} GB/s), "
+              f"same bits {row['same_bits_as_shipped']}", flush=True)
     return rows
 
 
@@ -185,16 +254,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384], help="the op's token counts")
     ap.add_argument("--skip-model", action="store_true", help="the op's rows only")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the op's sections to run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_prefill_decoded.py times GPU kernels: no GPU here")
     ceilings = measure_ceilings()
     command = ("PYTHONPATH=. python3 experiments/moe_prefill_decoded.py --tokens " + " ".join(map(str, args.tokens))
-               + (" --skip-model" if args.skip_model else ""))
+               + (" --skip-model" if args.skip_model else "") + " --parts " + " ".join(args.parts))
     res = {"provenance": provenance(command), "ceilings": ceilings.as_dict(),
            "shipped": {"DECODED_MIN_ROWS": te.DECODED_MIN_ROWS, "DECODED_CONFIG": te.DECODED_CONFIG,
                        "DECODE_EXPERTS_CONFIG": te.DECODE_EXPERTS_CONFIG}}
-    res["rows"] = op_rows(ceilings.bf16_tflops, args.tokens)
+    res["rows"] = op_rows(ceilings.bf16_tflops, args.tokens, args.parts)
     save_experiment("moe-prefill-decoded", res)
     if not args.skip_model:
         res["prefill"] = model_rows(ceilings)
