@@ -11,13 +11,15 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    TFLOP/s and the fraction of the measured bf16 peak, with and without the decode counted. Then the combine's
    tiles (``COMBINE_CONFIGS``, timed alone on the shipped path's slot rows: its bytes over time) and the shipped
    call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
-   what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits).
-2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with the decoded
-   path off and on (``DECODED_MIN_ROWS``): the kernel census of a 16,384-token prefill by part, the graph-captured
-   prefill of 2,048, 8,192 and 16,384 tokens, and the last token's logits of the two paths against each other.
+   what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
+   shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits.
+2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with one switch off
+   and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order, ``PREFILL_N_FIRST``): the
+   kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384 tokens,
+   and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down combine split]
+        [--parts gate_up down combine split order] [--model-ab decoded|order]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -49,7 +51,10 @@ COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 20
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-PARTS = ("gate_up", "down", "combine", "split")
+PARTS = ("gate_up", "down", "combine", "split", "order")
+#: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
+MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
+            "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True))}
 
 
 @contextlib.contextmanager
@@ -182,6 +187,34 @@ def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
                 f"{k.replace('_moe_', '').replace('_kernel', '')} {v:.3f} | "
                 f"{row['kernels_ms_slots_in_x_dtype'].get(k, float('nan')):.3f}" for k, v in row["kernels_ms"].items()),
                 flush=True)
+        if "order" in parts:
+            rows += order_rows(base, run, ws, bm, m, flops, peak)
+    return rows
+
+
+def order_rows(base: dict, run, ws, bm: int, m: int, flops: float, peak: float) -> list[dict]:
+    """The shipped call with the prefill GEMMs' programs row blocks first, then column tiles first."""
+    rows, first, shipped = [], None, te.PREFILL_N_FIRST
+    try:
+        for n_first in (False, True):
+            te.PREFILL_N_FIRST = n_first
+            got = run(None, ws=ws).clone()
+            first = got if first is None else first
+            row = {**base, "path": "shipped", "n_first": n_first, "block_m": bm,
+                   "ms": time_fn(lambda: run(None, ws=ws))[0],
+                   "same_bits_as_row_blocks_first": bool(torch.equal(got, first)),
+                   "wrong_calls": churn_calls(lambda: run(None, ws=ws), got, 20),
+                   "kernels_ms": kernel_split(lambda: run(None, ws=ws))}
+            row["tflops"] = flops / row["ms"] / 1e9
+            row["frac_of_peak"] = row["tflops"] / peak
+            rows.append(row)
+            print(f"{base['model']} {m:6d} {'column tiles' if n_first else 'row blocks'} first {row['ms']:7.3f} ms "
+                  f"{row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}), same bits "
+                  f"{row['same_bits_as_row_blocks_first']}, wrong calls {row['wrong_calls']}; " + ", ".join(
+                      f"{k.replace('_moe_', '').replace('_kernel', '')} {v:.3f}" for k, v in row["kernels_ms"].items()),
+                  flush=True)
+    finally:
+        te.PREFILL_N_FIRST = shipped
     return rows
 
 
@@ -212,7 +245,7 @@ def combine_rows(base: dict, run, ws, out: torch.Tensor, m: int, top_k: int, H: 
     return rows
 
 
-def model_rows(ceilings) -> dict:
+def model_rows(ceilings, ab) -> dict:
     import lynn_model
     from lynn_kernels.metrics import compare
     from lynn_model.bench import graph_prefill, prefill_census
@@ -224,9 +257,10 @@ def model_rows(ceilings) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (16384 + 64,), device="cuda", generator=gen)
     cache = model.new_cache(max_batch=1, max_tokens=16384 + 64)
     res, logits = {}, {}
-    shipped = te.DECODED_MIN_ROWS
-    for label, threshold in (("looped", 1 << 40), ("decoded", shipped)):
-        te.DECODED_MIN_ROWS = threshold
+    (off, name, _), (on, _, _) = ab
+    shipped = getattr(te, name)
+    for label, _, value in ab:
+        setattr(te, name, value)
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
             s = cache.add()
@@ -241,12 +275,14 @@ def model_rows(ceilings) -> dict:
                 part[f"graph_{n}"] = {"error": f"{type(err).__name__}: {err}"}
         res[label] = part
         print(f"{label}: " + ", ".join(f"{n}: {part[f'graph_{n}'].get('tok_s', float('nan')):,.0f} tok/s"
-                                       for n in (2048, 16384)), flush=True)
-    te.DECODED_MIN_ROWS = shipped
-    m = compare(logits["decoded"], logits["looped"])
-    res["logits_decoded_vs_looped"] = {"cosine": m.cosine, "max_abs": m.max_abs,
-                                       "bit_equal": bool(torch.equal(logits["decoded"], logits["looped"]))}
-    print(f"16,384-token prefill, last logits decoded vs looped: {res['logits_decoded_vs_looped']}", flush=True)
+                                       for n in (2048, 8192, 16384)), flush=True)
+    setattr(te, name, shipped)
+    m = compare(logits[on], logits[off])
+    res["switch"] = name
+    res[f"logits_{on}_vs_{off}".replace(" ", "_")] = {"cosine": m.cosine, "max_abs": m.max_abs,
+                                                      "bit_equal": bool(torch.equal(logits[on], logits[off]))}
+    print(f"16,384-token prefill, last logits {on} vs {off}: cosine {m.cosine}, bit-equal "
+          f"{torch.equal(logits[on], logits[off])}", flush=True)
     return res
 
 
@@ -255,19 +291,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384], help="the op's token counts")
     ap.add_argument("--skip-model", action="store_true", help="the op's rows only")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the op's sections to run")
+    ap.add_argument("--model-ab", choices=sorted(MODEL_AB), default="order", help="the prefill's switch")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_prefill_decoded.py times GPU kernels: no GPU here")
     ceilings = measure_ceilings()
     command = ("PYTHONPATH=. python3 experiments/moe_prefill_decoded.py --tokens " + " ".join(map(str, args.tokens))
-               + (" --skip-model" if args.skip_model else "") + " --parts " + " ".join(args.parts))
+               + (" --skip-model" if args.skip_model else "") + " --parts " + " ".join(args.parts)
+               + ("" if args.skip_model else f" --model-ab {args.model_ab}"))
     res = {"provenance": provenance(command), "ceilings": ceilings.as_dict(),
            "shipped": {"DECODED_MIN_ROWS": te.DECODED_MIN_ROWS, "DECODED_CONFIG": te.DECODED_CONFIG,
                        "DECODE_EXPERTS_CONFIG": te.DECODE_EXPERTS_CONFIG}}
     res["rows"] = op_rows(ceilings.bf16_tflops, args.tokens, args.parts)
     save_experiment("moe-prefill-decoded", res)
     if not args.skip_model:
-        res["prefill"] = model_rows(ceilings)
+        res["prefill"] = model_rows(ceilings, MODEL_AB[args.model_ab])
         save_experiment("moe-prefill-decoded", res)
 
 

@@ -48,6 +48,9 @@ FOLD_SHARED_GATE = True
 PREFILL_CONFIGS = ((8191, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}),
                    (None, {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "warps_128": 8}))
 COMBINE_CONFIG = {"BLOCK_T": 4, "BLOCK_H": 512, "num_warps": 4}
+#: The prefill GEMMs run a row block's column tiles side by side (one row of x / h read from memory once, not once
+#: per column tile): the program order only, the same bits.
+PREFILL_N_FIRST = True
 
 #: From this many rows an expert on average (``M * top_k / E``) with a 16-bit x, the prefill decodes packed ``w13``
 #: once per call (:func:`decode_experts`): a fixed cost a layer that fewer rows do not win back (docs/moe.md, sec. 3).
@@ -59,6 +62,18 @@ DECODED_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernels
+
+
+@triton.jit
+def _tile(N, BLOCK_N: tl.constexpr, N_FIRST: tl.constexpr):
+    """``(row block, column tile)`` of this program. ``N_FIRST`` (a 1-D grid): the column tiles of a row block run
+    side by side, so its rows of x / h come from memory once and serve all of them from L2; else the row blocks of
+    one column tile (a 2-D grid), which re-reads every row once per column tile."""
+    if N_FIRST:
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid = tl.program_id(0)
+        return pid // num_n, pid % num_n
+    return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
@@ -106,9 +121,9 @@ def _moe_gate_up_kernel(
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    N_FIRST: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile(I, BLOCK_N, N_FIRST)
     e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE, BLOCK_M)
     if e < 0:
         return
@@ -150,10 +165,9 @@ def _moe_down_kernel(
     DENSE: tl.constexpr, FLOAT_W: tl.constexpr, NO_G: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, N_FIRST: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile(H, BLOCK_N, N_FIRST)
     e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE, BLOCK_M)
     if e < 0:
         return
@@ -291,18 +305,24 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     else:
         up_flags = flags
         meta, warps, stages = _tiles(I, H, tiles, config, w13.packed)
-    MOE_GATE_UP.current()[(n_blocks, runtime.cdiv(I, meta["BLOCK_N"]))](
+    MOE_GATE_UP.current()[_grid(n_blocks, I, meta["BLOCK_N"])](
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, NO_G=float_w, G_PER_ROW=w13.g_per_row, **up_flags, BLOCK_M=block_m, **meta,
-        num_warps=warps, num_stages=stages)     # the decoded tile is the dot's 2nd operand: pipelining is safe
+        N_FIRST=PREFILL_N_FIRST, num_warps=warps, num_stages=stages)   # weights: the 2nd operand, safe to pipeline
     meta, warps, stages = _tiles(H, I, tiles, config, w2.packed)
-    MOE_DOWN.current()[(n_blocks, runtime.cdiv(H, meta["BLOCK_N"]))](
+    MOE_DOWN.current()[_grid(n_blocks, H, meta["BLOCK_N"])](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, NO_G=float_w, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
-        OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta,
+        OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta, N_FIRST=PREFILL_N_FIRST,
         num_warps=warps, num_stages=stages)
+
+
+def _grid(n_blocks: int, N: int, block_n: int) -> tuple:
+    """The prefill GEMMs' grid over ``n_blocks`` row blocks and ``N`` columns (:data:`PREFILL_N_FIRST`)."""
+    num_n = runtime.cdiv(N, block_n)
+    return (n_blocks * num_n,) if PREFILL_N_FIRST else (n_blocks, num_n)
 
 
 def _launch_combine(out_slots, shared_out, out, top_k: int, config: dict | None = None, *, kernel=None) -> None:
