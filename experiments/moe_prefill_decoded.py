@@ -13,13 +13,13 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
    what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
    shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits.
-2. **The prefill** of Qwen3.5-35B-A3B (random NVFP4 weights, ``lynn_model.bench``'s measures) with one switch off
-   and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order, ``PREFILL_N_FIRST``): the
-   kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384 tokens,
-   and the last token's logits of the two against each other.
+2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
+   one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
+   ``PREFILL_N_FIRST``): the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048,
+   8,192 and 16,384 tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down combine split order] [--model-ab decoded|order]
+        [--parts gate_up down combine split order] [--model-ab decoded|order] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -59,14 +59,14 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
 
 @contextlib.contextmanager
 def down_tiles(config: dict):
-    """The down kernel's prefill tiles (``PREFILL_CONFIGS``) are ``config`` inside the block; on the decoded path
-    gate_up keeps ``DECODED_CONFIG``."""
-    was = te.PREFILL_CONFIGS
-    te.PREFILL_CONFIGS = ((None, config),)
+    """The down kernel's prefill tiles (``PREFILL_CONFIGS``, ``DOWN_CONFIG_128``) are ``config`` inside the block; on
+    the decoded path gate_up keeps ``DECODED_CONFIG``."""
+    was = te.PREFILL_CONFIGS, te.DOWN_CONFIG_128
+    te.PREFILL_CONFIGS, te.DOWN_CONFIG_128 = ((None, config),), config
     try:
         yield
     finally:
-        te.PREFILL_CONFIGS = was
+        te.PREFILL_CONFIGS, te.DOWN_CONFIG_128 = was
 
 
 def measured(row: dict, call, looped: torch.Tensor, want: torch.Tensor, flops: float, peak: float,
@@ -245,18 +245,18 @@ def combine_rows(base: dict, run, ws, out: torch.Tensor, m: int, top_k: int, H: 
     return rows
 
 
-def model_rows(ceilings, ab) -> dict:
+def model_rows(ceilings, ab, preset: str) -> dict:
     import lynn_model
     from lynn_kernels.metrics import compare
     from lynn_model.bench import graph_prefill, prefill_census
     from lynn_model.loader import random_model
 
-    cfg = lynn_model.preset("qwen3.5-35b-a3b")
+    cfg = lynn_model.preset(preset)
     model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (16384 + 64,), device="cuda", generator=gen)
     cache = model.new_cache(max_batch=1, max_tokens=16384 + 64)
-    res, logits = {}, {}
+    res, logits = {"model": preset}, {}
     (off, name, _), (on, _, _) = ab
     shipped = getattr(te, name)
     for label, _, value in ab:
@@ -288,24 +288,26 @@ def model_rows(ceilings, ab) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384], help="the op's token counts")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 16384], help="the op's token counts (none: "
+                    "no op rows)")
     ap.add_argument("--skip-model", action="store_true", help="the op's rows only")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the op's sections to run")
     ap.add_argument("--model-ab", choices=sorted(MODEL_AB), default="order", help="the prefill's switch")
+    ap.add_argument("--model", default="qwen3.5-35b-a3b", help="the prefill's preset")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_prefill_decoded.py times GPU kernels: no GPU here")
     ceilings = measure_ceilings()
     command = ("PYTHONPATH=. python3 experiments/moe_prefill_decoded.py --tokens " + " ".join(map(str, args.tokens))
                + (" --skip-model" if args.skip_model else "") + " --parts " + " ".join(args.parts)
-               + ("" if args.skip_model else f" --model-ab {args.model_ab}"))
+               + ("" if args.skip_model else f" --model-ab {args.model_ab} --model {args.model}"))
     res = {"provenance": provenance(command), "ceilings": ceilings.as_dict(),
            "shipped": {"DECODED_MIN_ROWS": te.DECODED_MIN_ROWS, "DECODED_CONFIG": te.DECODED_CONFIG,
                        "DECODE_EXPERTS_CONFIG": te.DECODE_EXPERTS_CONFIG}}
     res["rows"] = op_rows(ceilings.bf16_tflops, args.tokens, args.parts)
     save_experiment("moe-prefill-decoded", res)
     if not args.skip_model:
-        res["prefill"] = model_rows(ceilings, MODEL_AB[args.model_ab])
+        res["prefill"] = model_rows(ceilings, MODEL_AB[args.model_ab], args.model)
         save_experiment("moe-prefill-decoded", res)
 
 

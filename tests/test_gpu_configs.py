@@ -154,23 +154,28 @@ def test_moe_decode_gpu_tiles(M, poison_empty):
 
 
 def test_moe_prefill_gpu_tiles_and_combine(poison_empty, monkeypatch):
-    """Each GPU prefill tile (PREFILL_CONFIGS, the large-M one at 64- and 128-row tiles) over H, I not multiples of
-    its BLOCK_K, then the combine step with the GPU's tile (4 tokens x 512 of H per program) directly, bit for bit
-    against the same sum in torch."""
+    """Each GPU prefill tile (PREFILL_CONFIGS, the large-M one at 64- and 128-row tiles; the down kernel's
+    DOWN_CONFIG_128 where its tile differs) over H, I not multiples of its BLOCK_K, then the combine step with the
+    GPU's tile (COMBINE_CONFIG) directly, bit for bit against the same sum in torch."""
     E, top_k, H, I, M = 6, 2, 208, 96, 40
     w13, w2 = _experts(E, H, I, seed=5)
     x = randn(M, H, seed=7, dtype=BF16)
     weights, ids = _routing(M, E, top_k, seed=8)
     exact = moe_reference.moe_experts(x.float(), weights, ids, w13, w2)
     shared = randn(M, H, seed=9)
-    for tokens, block_m in ((M, None), (1 << 20, 64), (1 << 20, 128)):   # each tile, whatever M picks it
-        config = triton_experts.prefill_config(tokens, block_m or 64)
+    runs = [(triton_experts.prefill_config(tokens, block_m or 64), block_m)
+            for tokens, block_m in ((M, None), (1 << 20, 64), (1 << 20, 128))]   # each tile, whatever M picks it
+    tile = ("BLOCK_N", "BLOCK_K")
+    if all({k: c[k] for k in tile} != {k: triton_experts.DOWN_CONFIG_128[k] for k in tile} for c, _ in runs):
+        runs.append((triton_experts.DOWN_CONFIG_128, 128))
+    for config, block_m in runs:
         if block_m:
             monkeypatch.setattr(triton_experts, "block_m_for", lambda *_, b=block_m: b)
         got = _run_experts(x, weights, ids, w13, w2, config, shared_out=shared)
         assert_one_rounding(got, exact + shared, f"prefill + shared {config}, BLOCK_M {block_m}", 2.0)
 
-    H2 = 1100                                             # 3 BLOCK_H tiles, the last partial; 10 BLOCK_T tiles
+    cfg = triton_experts.COMBINE_CONFIG
+    H2 = 2 * cfg["BLOCK_H"] + 52                          # 3 BLOCK_H tiles, the last partial; M / BLOCK_T tiles
     slots, shared = randn(M * top_k, H2, seed=10), randn(M, H2, seed=11)
     out = torch.full((M, H2), math.nan, dtype=BF16, device=DEV)
     triton_experts._launch_combine(slots, shared, out, top_k, config=triton_experts.COMBINE_CONFIG)
