@@ -164,8 +164,12 @@ def _causal_conv1d_update_kernel(
 CONV_UPDATE = runtime.Kernel("deltanet.conv_update", _causal_conv1d_update_kernel)
 
 
-def _conv_blocks(C: int) -> int:
-    return min(256, max(16, runtime.next_power_of_2(C)))
+#: The prefill kernel's GPU tile: ``BLOCK_T`` positions x up to ``BLOCK_C`` channels, ``num_warps``.
+CONV_CONFIG = {"BLOCK_T": 32, "BLOCK_C": 256, "num_warps": 4}
+
+
+def _conv_blocks(C: int, most: int = 256) -> int:
+    return min(most, max(16, runtime.next_power_of_2(C)))
 
 
 def causal_conv1d_triton(x, weight, initial_state=None, *, cu_seqlens=None):
@@ -191,8 +195,8 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
     S0 = initial_state.shape[2] if initial_state is not None else W - 1
     S1 = final.shape[2] if final is not None else 0
     h0 = initial_state if initial_state is not None else x
-    BLOCK_T = 64 if runtime.INTERPRET else 32
-    BLOCK_C = _conv_blocks(C)
+    BLOCK_T = 64 if runtime.INTERPRET else CONV_CONFIG["BLOCK_T"]
+    BLOCK_C = _conv_blocks(C) if runtime.INTERPRET else _conv_blocks(C, CONV_CONFIG["BLOCK_C"])
     xv = kernel_view(x)
     if cu is None:
         cu_t = index = xv                                    # never read
@@ -207,7 +211,7 @@ def launch_causal_conv1d(x, weight, initial_state, y: torch.Tensor, final: torch
         W=W, X_DTYPE=runtime.TORCH_TO_TL[x.dtype], W_DTYPE=runtime.TORCH_TO_TL[weight.dtype],
         HAS_INIT=initial_state is not None, STORE_FINAL=final is not None, IS_VARLEN=cu is not None,
         BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_S=max(2, runtime.next_power_of_2(max(S1, 1))),
-        **runtime.kernel_flags())
+        num_warps=CONV_CONFIG["num_warps"], **runtime.kernel_flags())
     return y
 
 
