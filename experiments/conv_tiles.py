@@ -22,8 +22,9 @@ from lynn_kernels.bench.harness import provenance, save_experiment
 from lynn_kernels.deltanet import triton_conv
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
 
-#: (BLOCK_T, BLOCK_C, num_warps)
-TILES = [(64, 256, 4), (128, 256, 8), (64, 128, 4), (128, 128, 4), (256, 128, 8), (32, 512, 8), (64, 512, 8)]
+#: (BLOCK_T, BLOCK_C, num_warps): fewer elements a thread than the shipped tile's 64 (larger tiles spilled: at
+#: 1485514, 64 x 256 and up took 11.6-16.9 ms against its 0.66; data/experiments/conv-tiles/1485514-h100.json)
+TILES = [(32, 256, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4), (64, 128, 8), (8, 512, 4), (16, 1024, 8)]
 TOKENS = (2048, 16384)
 
 

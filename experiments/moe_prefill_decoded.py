@@ -12,14 +12,17 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    tiles (``COMBINE_CONFIGS``, timed alone on the shipped path's slot rows: its bytes over time) and the shipped
    call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
    what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
-   shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits.
+   shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits. ``down_decoded``:
+   ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``.
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
-   ``PREFILL_N_FIRST``): the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048,
-   8,192 and 16,384 tokens, and the last token's logits of the two against each other.
+   ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``): the kernel census of a 16,384-token prefill by
+   part, the graph-captured prefill of 2,048, 8,192 and 16,384 tokens, and the last token's logits of the two
+   against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down combine split order] [--model-ab decoded|order] [--model PRESET]
+        [--parts gate_up down down_decoded combine split order]
+        [--model-ab decoded|order|decoded_down] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 
 import torch
@@ -45,16 +49,21 @@ CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 8, 4), (
 #: the down kernel's tiles (it decodes w2 in its loop: BLOCK_K a multiple of 128) with gate_up on decoded w13
 DOWN_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3),
                 (256, 128, 8, 2), (64, 256, 4, 2)]
+#: the down kernel's tiles on a decoded w2 (``DECODED_DOWN``; its K is only I = 512 at these models)
+DECODED_DOWN_CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4),
+                        (128, 128, 4, 2), (64, 64, 4, 4)]
 #: the combine's (BLOCK_T, BLOCK_H, num_warps)
 COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8), (4, 1024, 8), (8, 512, 8),
                    (8, 256, 4), (16, 256, 8), (1, 1024, 4)]
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-PARTS = ("gate_up", "down", "combine", "split", "order")
+PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order")
 #: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
-            "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True))}
+            "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
+            "decoded_down": (("w2 decoded in the loop", "DECODED_DOWN", False),
+                             ("w2 decoded once", "DECODED_DOWN", True))}
 
 
 @contextlib.contextmanager
@@ -173,6 +182,8 @@ def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
             row = {**base, "path": "decoded w13, down tiles", "down_config": cfg, "block_m": bm}
             with down_tiles(cfg):
                 rows.append(measured(row, lambda: run(True, None, ws), looped, want, flops, peak, dq))
+        if "down_decoded" in parts:
+            rows += decoded_down_rows(base, run, ws, p2, looped, want, flops, peak, dq, bm)
         if "combine" in parts:
             rows += combine_rows(base, run, ws, out, m, top_k, H)
         if "split" in parts:
@@ -215,6 +226,32 @@ def order_rows(base: dict, run, ws, bm: int, m: int, flops: float, peak: float) 
                   flush=True)
     finally:
         te.PREFILL_N_FIRST = shipped
+    return rows
+
+
+def decoded_down_rows(base: dict, run, ws, p2, looped, want, flops: float, peak: float, dq: float,
+                      bm: int) -> list[dict]:
+    """The decoded path with ``w2`` decoded once too (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``: the
+    decode of ``w2`` alone, then the call (its time counts both decodes; "without the decode" takes off ``w13``'s
+    only), its bits against the looped path and its kernels."""
+    x_dtype = looped.dtype
+    dw2 = time_fn(lambda: launch_packed_dequantize(p2, torch.empty(tuple(p2.shape), dtype=x_dtype,
+                                                                   device=looped.device), te.DECODE_EXPERTS_CONFIG))[0]
+    rows = [{**base, "path": "decode w2 (shipped tile)", "ms": dw2,
+             "workspace_bytes": math.prod(tuple(p2.shape)) * looped.element_size()}]
+    print(f"{base['model']} {base['tokens']:6d} decode w2 {dw2:.3f} ms", flush=True)
+    was = te.DECODED_DOWN, te.DECODED_DOWN_CONFIG
+    try:
+        te.DECODED_DOWN = True
+        for n, k, warps, stages in DECODED_DOWN_CONFIGS:
+            te.DECODED_DOWN_CONFIG = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+            row = {**base, "path": "decoded w13 and w2", "down_config": dict(te.DECODED_DOWN_CONFIG), "block_m": bm}
+            row = measured(row, lambda: run(True, None, ws), looped, want, flops, peak, dq)
+            if "error" not in row:
+                row["kernels_ms"] = kernel_split(lambda: run(True, None, ws))
+            rows.append(row)
+    finally:
+        te.DECODED_DOWN, te.DECODED_DOWN_CONFIG = was
     return rows
 
 

@@ -223,11 +223,13 @@ def test_as_batch_runs_a_block_as_calls_of_that_many_rows(monkeypatch):
     assert torch.equal(got, alone), bit_mismatches(got, alone)
 
 
-@pytest.mark.parametrize("dtype, per_row", [(BF16, False), (FP16, True)], ids=["bf16", "fp16-per-row-scales"])
-def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, monkeypatch):
-    """The prefill path that decodes packed ``w13`` once (``DECODED_MIN_ROWS`` rows an expert on) multiplies the
-    same tiles as the kernel that decodes in its loop: a block (routed experts and the shared expert) gets the same
-    bits either way; ``decoded=True`` on unpacked stacks is an error naming what it takes."""
+@pytest.mark.parametrize("dtype, per_row, down", [(BF16, False, False), (FP16, True, True)],
+                         ids=["bf16", "fp16-per-row-scales-decoded-down"])
+def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, down, monkeypatch):
+    """The prefill path that decodes packed ``w13`` once (``DECODED_MIN_ROWS`` rows an expert on), and with
+    ``DECODED_DOWN`` the routed ``w2`` too, multiplies the same tiles as the kernels that decode in their loop: a
+    block (routed experts and the shared expert) gets the same bits either way; ``decoded=True`` on unpacked stacks
+    is an error naming what it takes."""
     from lynn_kernels.moe import pack_experts
 
     E, H, inter, M = 6, 256, 128, 40
@@ -243,12 +245,13 @@ def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, monkeypatch):
     launches = []
     real = triton_experts.decode_experts
     monkeypatch.setattr(triton_experts, "decode_experts", lambda w, *a: launches.append(
-        "shared.w13" if w is pshared.w13 else "w13" if w is p13 else w) or real(w, *a))
+        "shared.w13" if w is pshared.w13 else "w13" if w is p13 else "w2" if w is p2 else w) or real(w, *a))
+    monkeypatch.setattr(triton_experts, "DECODED_DOWN", down)
     looped = moe_block(x, router, p13, p2, pshared, top_k=2)
     assert launches == []
     monkeypatch.setattr(triton_experts, "DECODED_MIN_ROWS", 13)      # 40 tokens x top-2 over 6 experts: 13.3
     decoded = moe_block(x, router, p13, p2, pshared, top_k=2)
-    assert launches == ["shared.w13", "w13"]
+    assert launches == ["shared.w13", "w13"] + ["w2"] * down
     assert torch.equal(decoded, looped), bit_mismatches(decoded, looped)
     weights, ids = _routing(M, 2, E, seed=11)
     with pytest.raises(ValueError, match="decoded=True decodes packed expert stacks"):
@@ -695,14 +698,17 @@ def test_moe_packed_real_shapes_variants_gpu(variant, M):
 
 
 @pytest.mark.gpu
-def test_decoded_experts_real_shape_gpu():
-    """The decoded prefill path (``w13`` decoded once, gate_up on its tiles) at Qwen3.5-35B-A3B's experts and 4,096
-    tokens, compiled: the looped path's bits, against the reference, and the same bits on a second call."""
+@pytest.mark.parametrize("down", [False, True], ids=["w13", "w13-and-w2"])
+def test_decoded_experts_real_shape_gpu(down, monkeypatch):
+    """The decoded prefill path (``w13`` decoded once, gate_up on its tiles; with ``DECODED_DOWN`` ``w2`` too) at
+    Qwen3.5-35B-A3B's experts and 4,096 tokens, compiled: the looped path's bits, against the reference, and the
+    same bits on a second call."""
     from lynn_kernels.moe import pack_experts
 
     E, top_k, H, inter, M = 256, 8, 2048, 512, 4096
     w13, w2 = _real_experts(E, H, inter)
     p13, p2, _ = pack_experts(w13, w2)
+    monkeypatch.setattr(triton_experts, "DECODED_DOWN", down)
     x = _x(M, H, BF16, seed=59)
     router = (torch.randn(E, H, generator=_gen(60)) * 0.05).to(BF16).to(DEV)
     weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)

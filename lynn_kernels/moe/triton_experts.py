@@ -63,6 +63,11 @@ DECODED_MIN_ROWS = 512
 DECODE_EXPERTS_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
 #: The gate_up kernel's tiles on decoded weights (``block_m_for`` rows).
 DECODED_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+#: On the decoded path, decode packed ``w2`` once too and run the down kernel on it at :data:`DECODED_DOWN_CONFIG`
+#: (a workspace of ``E x H x I`` elements beside ``w13``'s); the same tiles multiplied, so the same products.
+DECODED_DOWN = False
+#: The down kernel's tiles on decoded weights.
+DECODED_DOWN_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernels
@@ -292,11 +297,13 @@ def decode_experts(w, a: _Weights, x_dtype: torch.dtype) -> _Weights:
 
 
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
-                h, dest, dense: bool, block_m: int, config: dict | None = None, decoded: bool = False) -> None:
+                h, dest, dense: bool, block_m: int, config: dict | None = None, decoded: bool = False,
+                decoded_down: bool = False) -> None:
     """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
     itself). ``decoded``: ``w13`` is a packed weight decoded by :func:`decode_experts` (float tiles, the packed
     path's global scales and ``ACC_UNIT``), which gate_up runs at :data:`DECODED_CONFIG` (``config`` then replaces
-    that, and down keeps its shipped tiles)."""
+    that, and down keeps its shipped tiles); ``decoded_down``: ``w2`` is decoded too, and down runs at
+    :data:`DECODED_DOWN_CONFIG`."""
     M, H = x2.shape
     I = h.shape[-1]
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w2.packed)
@@ -314,7 +321,11 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, NO_G=float_w, G_PER_ROW=w13.g_per_row, **up_flags, BLOCK_M=block_m, **meta,
         N_FIRST=PREFILL_N_FIRST, num_warps=warps, num_stages=stages)   # weights: the 2nd operand, safe to pipeline
-    meta, warps, stages = _tiles(H, I, DOWN_CONFIG_128 if block_m >= 128 else tiles, config, w2.packed)
+    if decoded_down:
+        flags = up_flags
+        meta, warps, stages = _tiles(H, I, DECODED_DOWN_CONFIG, None)
+    else:
+        meta, warps, stages = _tiles(H, I, DOWN_CONFIG_128 if block_m >= 128 else tiles, config, w2.packed)
     MOE_DOWN.current()[_grid(n_blocks, H, meta["BLOCK_N"])](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
@@ -383,8 +394,11 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
                          f"{type(w13).__name__} / {type(w2).__name__}")
     if decoded:
         a13 = decode_experts(w13, a13, x2.dtype)
+        if DECODED_DOWN:
+            a2 = decode_experts(w2, a2, x2.dtype)
     _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
-                float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded)
+                float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded,
+                decoded and DECODED_DOWN)
     if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
