@@ -147,7 +147,7 @@ def run(args) -> int:
     try:
         tok = lynn_model.Tokenizer.from_pretrained(model_dir)
         with lynn_kernels.use_reference(reference):
-            model = lynn_model.from_pretrained(model_dir, weights=args.weights, lm_head=args.lm_head)
+            model = lynn_model.from_pretrained(model_dir, weights=args.weights, lm_head=args.lm_head, fuse=False)
     except (ValueError, OSError) as err:
         raise CommandError(str(err)) from None
     fused = {}

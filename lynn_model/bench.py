@@ -3,7 +3,8 @@
 * ``lynn nvfp4 (eager)``: ``lynn_model.loader.random_model(preset, weights="nvfp4")`` quantised on the GPU (the LM
   head, router and gates stay bf16), run step by step from Python (``model.step``);
 * ``lynn nvfp4 (graph)``: the same model's decode step captured as a CUDA graph (:class:`lynn_model.DecodeStep`),
-  batch 1 and 8, its tokens checked against the same step run eagerly; ``generate()``: what a user's call gives;
+  batch 1 and 8, its tokens checked against the same step run eagerly (the model loaded with ``fuse=False``, as
+  stored); ``generate()``: what a user's call gives on the model as the loaders give it on a GPU (fused for decode);
   the census of GPU operations per part of a step (each part's bytes, its ideal time at the read ceiling and the
   efficiency beside it); ``lynn bf16 weights, cuBLAS (graph)``: the same decoder with bf16
   weights, graph-replayed (what 4-bit weights buy); graph rows at contexts of 1k, 4k and 32k (batch 1) and 4k
@@ -172,7 +173,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     cfg = lynn_model.preset(name)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
+    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0, fuse=False)   # fused below, row by row
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     weights_gb = torch.cuda.memory_allocated() / 1e9
@@ -269,7 +270,6 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     grows, info["graph_b1_plain_launches"] = graph_decode(model, ids, 1, ceilings,   # what PDL buys
                                                           "lynn nvfp4 (graph, plain launches)", nbytes, pdl=False)
     rows += grows
-    rows.append(generate_row(model, ids, ceilings, nbytes))
     for key, batch in (("census", 1), ("census_b8", 8)):
         try:
             info[key] = census(model, batch, ceilings)
@@ -297,6 +297,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"fused Gated DeltaNet decode failed: {err!r}")
+    rows.append(generate_row(model, ids, ceilings, nbytes))   # the form the loaders give on a GPU (fuse=None)
     try:                                         # the fused step with the router's 64-bit top-k keys (the default
         with _router_key64():                    # is 32: the figure either way)
             grows, info["graph_b1_fused_key64"] = graph_decode(
@@ -463,8 +464,9 @@ def graph_decode(model, ids, batch: int, ceilings: Ceilings, provider: str, nbyt
 
 
 def generate_row(model, ids, ceilings: Ceilings, nbytes: int) -> Result:
-    """What ``lynn_model.generate`` gives a user on the GPU: a ``CONTEXT``-token prompt, 128 new tokens (greedy),
-    the decode step captured and replayed, the host reading tokens one step behind."""
+    """What ``lynn_model.generate`` gives a user on the GPU (``model`` fused for decode, as ``from_pretrained``
+    loads it there): a ``CONTEXT``-token prompt, 128 new tokens (greedy), the decode step captured and replayed, the
+    host reading tokens one step behind."""
     import lynn_model
 
     stats = lynn_model.Stats()

@@ -90,10 +90,8 @@ def in_decoder(v, fn=None, *, preset: str | None = None, new_tokens: int = 8, pr
     gpu = can_time()
     name = preset or ("qwen3.5-35b-a3b" if gpu else DEFAULT_PRESET)
     cfg = get_preset(name)
-    model = random_model(cfg, weights="nvfp4", device=runtime.DEVICE, seed=seed)
     fused = gpu if fused is None else fused
-    if fused:
-        model.fuse_for_decode()
+    model = random_model(cfg, weights="nvfp4", device=runtime.DEVICE, seed=seed, fuse=fused)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen)
     want = generate(model, prompt, new_tokens)[0, prompt_len:].tolist()

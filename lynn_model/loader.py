@@ -245,7 +245,8 @@ def split_ba(value, config: Config):
 
 def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dtype | None = None,
                     keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", progress: bool = False,
-                    layout: str = "packed", check_weights: bool = True, lm_head: str = "checkpoint") -> Model:
+                    layout: str = "packed", check_weights: bool = True, lm_head: str = "checkpoint",
+                    fuse: bool | None = None) -> Model:
     """Load a HF model folder (the contract of :func:`lynn_model.from_pretrained`).
 
     Args:
@@ -265,11 +266,17 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
             stored, or quantised on load with ``recipe`` (opt-in: its cost in perplexity is in
             docs/quantization.md), or kept as stored with an NVFP4 copy that only the MTP module's drafts read
             (:func:`quantize_draft_head`: the output stays plain decoding's, only acceptance can change).
+        fuse: the decode fast path, :meth:`Model.fuse_for_decode` (each mixer's input projections stacked into one
+            GEMV, each Gated DeltaNet decode step one kernel): within bf16 rounding of the model as stored, not
+            bit-equal. None (default): where the model runs the compiled kernels (a CUDA device, no
+            ``use_reference``), so ``generate()`` runs its fastest exact step; False keeps the checkpoint's
+            projections apart (comparing with HF module by module); True always.
     """
     folder = Path(path)
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights = {weights!r}: expected one of {WEIGHT_MODES}")
     _check_lm_head(lm_head)
+    _check_fuse(fuse)
     if layout not in ("packed", "checkpoint"):
         raise ValueError(f"layout = {layout!r}: expected 'packed' or 'checkpoint'")
     cfg_path = folder / "config.json"
@@ -331,8 +338,20 @@ def from_pretrained(path, *, weights: str = "auto", device=None, dtype: torch.dt
     if layout == "packed":
         pack_linears(model)
         pack_moe_experts(model)
+    _fuse(model, fuse, device)
     model.eval()
     return model
+
+
+def _check_fuse(fuse) -> None:
+    if fuse is not None and not isinstance(fuse, bool):
+        raise ValueError(f"fuse = {fuse!r}: expected None (on a GPU with the compiled kernels), True or False")
+
+
+def _fuse(model: Model, fuse: bool | None, device: torch.device) -> None:
+    """The loaders' ``fuse`` argument (:func:`from_pretrained`)."""
+    if fuse or (fuse is None and device.type == "cuda" and runtime.backend() == "triton"):
+        model.fuse_for_decode()
 
 
 def _check_lm_head(lm_head) -> None:
@@ -523,15 +542,17 @@ def _build(asm: Assembler, m: Module, get, config: Config) -> None:
 
 def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype = torch.bfloat16, device=None,
                  seed: int = 0, keep: tuple = DEFAULT_KEEP, recipe: str = "modelopt", layout: str = "packed",
-                 lm_head: str = "checkpoint") -> Model:
+                 lm_head: str = "checkpoint", fuse: bool | None = None) -> Model:
     """A model of ``config`` with random weights drawn on ``device`` (benchmarks, shapes without a checkpoint):
     projections ``N(0, 1 / in_features)`` (those that write into the residual stream also times ``1 / sqrt(2 L)``,
     so the net is stable: bf16 rounding is not amplified layer after layer), norms near their identity, decays as HF
     initialises them; quantised on the device when ``weights="nvfp4"`` (the same rule as loading, ``keep`` stays float),
-    the projections in ``layout`` as :func:`from_pretrained` puts them, the LM head as ``lm_head`` says."""
+    the projections in ``layout`` as :func:`from_pretrained` puts them, the LM head as ``lm_head`` says, fused for
+    decode as ``fuse`` says (:func:`from_pretrained`)."""
     if weights not in ("nvfp4", "bf16"):
         raise ValueError(f"weights = {weights!r}: expected 'nvfp4' or 'bf16'")
     _check_lm_head(lm_head)
+    _check_fuse(fuse)
     if layout not in ("packed", "checkpoint"):
         raise ValueError(f"layout = {layout!r}: expected 'packed' or 'checkpoint'")
     device = runtime.DEVICE if device is None else torch.device(device)
@@ -558,6 +579,7 @@ def random_model(config: Config, *, weights: str = "nvfp4", dtype: torch.dtype =
     if layout == "packed":
         pack_linears(model)
         pack_moe_experts(model)
+    _fuse(model, fuse, device)
     return model.eval()
 
 

@@ -210,11 +210,13 @@ def test_gpu_graph_decode_equals_eager_bit_for_bit(preset, batch, weights):
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_gpu_fused_graph_decode_equals_eager(preset, batch):
-    """The step as ``lynn generate`` runs it on a GPU (each mixer's input projections in one GEMV, each Gated
-    DeltaNet decode step in one kernel with its gates' projections): captured and eager give the same tokens,
+    """The step as the loaders give it on a GPU (``fuse=None``) and ``lynn generate`` runs it (each mixer's input
+    projections in one GEMV, each Gated DeltaNet decode step in one kernel with its gates' projections): the model
+    comes fused, and captured and eager give the same tokens,
     greedy and sampled, over 24 steps (the fused model against the unfused one is tests/test_model.py's)."""
-    model = random_model(lynn_model.preset(preset), weights="nvfp4", device="cuda", seed=6)
-    assert model.fuse_input_projections() and model.fuse_gdn_decode() == len(model.config.linear_layers) > 0
+    model = random_model(lynn_model.preset(preset), weights="nvfp4", device="cuda", seed=6)   # fused as loaded
+    assert model.fuse_input_projections() == {} and len(model.config.linear_layers) > 0
+    assert all(layer.mixer.fused_decode for layer in model.layers if layer.kind != "full_attention")
     gen = torch.Generator().manual_seed(batch + 20)
     prompts = [torch.randint(0, model.config.vocab_size, (4 + 5 * b,), generator=gen).tolist() for b in range(batch)]
     _graph_equals_eager(model, prompts, ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 5}))

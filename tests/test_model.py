@@ -60,7 +60,8 @@ def _ids(n: int = PROMPT, seed: int = 0, batch: int = 1) -> torch.Tensor:
 def _load(folder, weights: str = "auto", **kw):
     """``from_pretrained``; quantising on load (``weights="nvfp4"``) goes through the torch reference, which gives
     the quantiser kernel's bits (tests/test_nvfp4.py) 30x faster under the interpreter. Only the load: what the
-    tests then run is on the kernels."""
+    tests then run is on the kernels. The projections stay as stored (``fuse=False``) unless ``kw`` says."""
+    kw.setdefault("fuse", False)
     with lynn_kernels.use_reference(weights == "nvfp4"):
         return lynn_model.from_pretrained(folder, weights=weights, **kw)
 
@@ -282,6 +283,21 @@ def test_fused_input_projections_give_the_same_model(ckpts, name, weights):
     m = metrics.compare(got_logits, want_logits)
     assert m.cosine > 0.9999 and m.rel_l2 < 1e-2, m
     assert got_tokens.tolist() == want_tokens.tolist()
+
+
+def test_loaders_fuse_for_decode_where_the_kernels_run(ckpts):
+    """The loaders' ``fuse``: None (default) fuses for decode only where the compiled kernels run (a CUDA device;
+    tests/test_graphs.py checks it there), so here the model comes as stored; True gives
+    ``fuse_for_decode()``'s form (nothing left to fuse, every Gated DeltaNet layer on the one-kernel step); another
+    value is refused before anything is read."""
+    stored = lynn_model.from_pretrained(ckpts["next"], device="cpu")
+    assert not any(layer.mixer.fused_decode for layer in stored.layers if layer.kind != "full_attention")
+    assert stored.fuse_input_projections()                         # there was something to fuse
+    fused = lynn_model.loader.random_model(stored.config, device="cpu", fuse=True)
+    assert fused.fuse_input_projections() == {}
+    assert all(layer.mixer.fused_decode for layer in fused.layers if layer.kind != "full_attention")
+    with pytest.raises(ValueError, match="fuse = 'yes': expected None"):
+        lynn_model.from_pretrained(ckpts["next"] / "missing", fuse="yes")
 
 
 def _prefilled(model, ids):

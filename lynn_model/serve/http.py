@@ -226,9 +226,8 @@ class Server:
             try:
                 if self.model is None:
                     dtype = self.dtype if self.dtype is not None else (None if on_gpu else torch.float32)
-                    model = lynn_model.from_pretrained(self.model_dir, weights=self.weights, dtype=dtype)
-                    if backend == "kernels" and on_gpu:
-                        model.fuse_for_decode()
+                    model = lynn_model.from_pretrained(self.model_dir, weights=self.weights, dtype=dtype,
+                                                       fuse=backend == "kernels" and on_gpu)
                     self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
                 else:
                     model, self.tokenizer = self.model, IdTokenizer()
@@ -341,9 +340,7 @@ def preset_model(name: str, *, weights: str = "nvfp4", dtype: torch.dtype | None
     reference = backend == "reference" or (backend == "auto" and not on_gpu)
     with lynn_kernels.use_reference(reference):
         model = random_model(cfg, weights=weights, device="cuda" if on_gpu else "cpu", seed=seed,
-                             dtype=dtype or (torch.bfloat16 if on_gpu else torch.float32))
-        if not reference:
-            model.fuse_for_decode()
+                             dtype=dtype or (torch.bfloat16 if on_gpu else torch.float32), fuse=not reference)
     return model
 
 
