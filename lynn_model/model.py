@@ -477,8 +477,9 @@ class Model(nn.Module):
         return counts
 
     def fuse_for_decode(self) -> dict[str, int]:
-        """The form ``lynn generate`` runs on a GPU: :meth:`fuse_input_projections`, then :meth:`fuse_gdn_decode`;
-        how many layers each fusion took (the Gated DeltaNet step's under "gdn decode step")."""
+        """The form the loaders give on a GPU (``fuse``) and ``lynn generate`` runs: :meth:`fuse_input_projections`,
+        then :meth:`fuse_gdn_decode`; how many layers each fusion took (the Gated DeltaNet step's under "gdn decode
+        step"; nothing where the model is fused already)."""
         counts = self.fuse_input_projections()
         if n := self.fuse_gdn_decode():
             counts["gdn decode step"] = n
@@ -489,8 +490,8 @@ class Model(nn.Module):
         :func:`lynn_kernels.deltanet.gated_delta_decode`, instead of three; returns how many layers. The same
         operations and roundings; its sums run over a wider tile, so on a GPU the result may differ from the
         three-kernel chain's in the last bit (docs/decoder.md); where the gates' weights are float, the kernel
-        projects them itself (one launch fewer). Off by default (the loaded model runs the chain); ``lynn generate``
-        turns it on with the input projections on a GPU, where it measured faster (docs/history/decode.md)."""
+        projects them itself (one launch fewer). The loaders turn it on with the input projections on a GPU
+        (their ``fuse`` argument), where it measured faster (docs/history/decode.md); ``fuse=False`` leaves it off."""
         n = 0
         for layer in self.layers:
             if layer.kind != "full_attention":
