@@ -43,7 +43,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{cfg.name}-{res['provenance']['git_sha'][:7]}.json"
     ceilings = measure_ceilings()
-    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
+    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0, fuse=False)   # as stored; fused below
     ids = torch.randint(0, cfg.vocab_size, (8 * CONTEXT + STEPS + 64,), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
     nbytes = decode_bytes(model, CONTEXT)

@@ -1,6 +1,6 @@
 """A 131,072-token prompt at the Qwen3.5-35B-A3B shape: does it run, in how much memory, how fast.
 
-Random NVFP4 weights, fused as ``lynn generate`` runs the model on a GPU. ``generate`` prefills a long prompt in calls
+Random NVFP4 weights, fused for decode (as loaded on a GPU). ``generate`` prefills a long prompt in calls
 of at most ``prefill_chunk`` tokens (each continuing the cached prefix), so the activations are bounded by the chunk
 and the cache grows with the prompt. For each chunk size it records the prefill's tok/s, the peak GPU memory above
 the weights, and the cache's bytes. Before that, where one call still fits (32,768 tokens), it checks that the last
@@ -37,8 +37,7 @@ def last_logits(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def main() -> None:
     cfg = lynn_model.preset("qwen3.5-35b-a3b")
-    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)
-    model.fuse_for_decode()
+    model = random_model(cfg, weights="nvfp4", device="cuda", seed=0)   # fused for decode, as loaded on a GPU
     torch.cuda.synchronize()
     weights_gb = torch.cuda.memory_allocated() / 1e9
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -118,8 +118,7 @@ def main() -> None:
                          "drafts do")
     args = ap.parse_args()
     config = lynn_model.preset("qwen3.5-35b-a3b").replace(mtp_layers=1)
-    model = random_model(config, device="cuda", lm_head=args.lm_head)
-    model.fuse_for_decode()
+    model = random_model(config, device="cuda", lm_head=args.lm_head)   # fused for decode, as loaded on a GPU
     res: dict = {"provenance": provenance(), "setup": {"preset": config.name, "prompt": PROMPT, "fused": True,
                                                        "lm_head": args.lm_head},
                  "rows": [], "exact": {}, "projection": {}}

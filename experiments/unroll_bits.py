@@ -95,8 +95,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("unroll_bits.py compares compiled GPU kernels: no GPU here")
     config = lynn_model.preset("qwen3.5-35b-a3b").replace(num_hidden_layers=4)
-    model = random_model(config, device="cuda")
-    model.fuse_for_decode()
+    model = random_model(config, device="cuda")                  # fused for decode, as loaded on a GPU
     mods = watched(model)
     res = {"provenance": provenance("PYTHONPATH=. python3 experiments/unroll_bits.py"), "cases": []}
     g = torch.Generator().manual_seed(1)

@@ -314,8 +314,7 @@ def test_gpu_captured_rounds_give_the_eager_rounds_tokens(preset_name, rule):
     generate`` runs it) and the same round run eagerly give the same tokens over 24 new tokens of a batch of 3
     (bucket 4: an idle row), greedy and sampled; greedy and coupled-sampled, plain decoding's tokens."""
     config = preset(preset_name).replace(num_hidden_layers=4, mtp_layers=1)
-    model = random_model(config, weights="nvfp4", device="cuda", seed=4)
-    model.fuse_for_decode()
+    model = random_model(config, weights="nvfp4", device="cuda", seed=4)   # fused for decode, as loaded on a GPU
     gen = torch.Generator().manual_seed(7)
     rows = [torch.randint(0, config.vocab_size, (4 + 6 * b,), generator=gen).tolist() for b in range(3)]
     for kw in ({}, {"temperature": 0.9, "top_k": 40, "seed": 5}):
@@ -333,8 +332,7 @@ def test_gpu_an_unrolled_step_is_its_decode_steps_at_qwen35_widths():
     decode tiles, the KV splits, cuBLAS's kernel for the bf16 LM head): the verify picks the decode step's
     (``as_batch``). 64 experts, not 256, and the memory given back: the other test workers share the GPU."""
     config = preset("qwen3.5-35b-a3b").replace(num_hidden_layers=4, num_experts=64)
-    model = random_model(config, device="cuda")
-    model.fuse_for_decode()
+    model = random_model(config, device="cuda")                            # fused for decode, as loaded
     torch.cuda.empty_cache()
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
