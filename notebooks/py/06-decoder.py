@@ -255,11 +255,12 @@ print("architectures", raw["architectures"], "model_type", raw["model_type"])
 # `"bf16"` casts (or dequantises an NVFP4 checkpoint), `"nvfp4"` quantises the float projections on load.
 # Two copies serve below: **fp32**, run on the references for the tight parity with HF fp32 and on the kernels
 # for the cache checks, and **bf16 on the kernels**, the production path. The model prints as its modules, named
-# as HF names them (`layers.3.self_attn.q_proj`):
+# as HF names them (`layers.3.self_attn.q_proj`); `fuse=False` keeps them so on a GPU too, where the loader would
+# otherwise stack each mixer's input projections for decode (`Model.fuse_for_decode`, docs/decoder.md):
 
 # %%
-m32 = lynn_model.from_pretrained(folder, dtype=torch.float32)     # fp32 (references or kernels)
-m16 = lynn_model.from_pretrained(folder, weights="bf16")          # bf16 on the kernels
+m32 = lynn_model.from_pretrained(folder, dtype=torch.float32, fuse=False)     # fp32 (references or kernels)
+m16 = lynn_model.from_pretrained(folder, weights="bf16", fuse=False)          # bf16 on the kernels
 print(m32.config.name, m32.config.family, m32.dtype, "|", m16.dtype, "on", m16.device)
 print(m16)
 
