@@ -13,6 +13,7 @@ Writes ``data/experiments/conv-tiles/<sha>.json`` (under ``$OUT`` when set). GPU
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -26,6 +27,13 @@ from lynn_kernels.lab.shapes import BUILDERS, MODELS
 #: 1485514, 64 x 256 and up took 11.6-16.9 ms against its 0.66; data/experiments/conv-tiles/1485514-h100.json)
 TILES = [(32, 256, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4), (64, 128, 8), (8, 512, 4), (16, 1024, 8)]
 TOKENS = (2048, 16384)
+#: one-line edits of the shipped kernel, raced at the shipped tile: where its 810 GB/s might go (L2 traffic)
+EDITS = {
+    "y-streamed": {"cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :])":
+                   "cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :], cache_modifier='.cs')"},
+    "x-evict-last": {"mask=in_x[:, None] & mask_c[None, :], other=0)":
+                     "mask=in_x[:, None] & mask_c[None, :], other=0, eviction_policy='evict_last')"},
+}
 
 
 def tile_variant(bt: int, bc: int, warps: int) -> lab.Variant:
@@ -40,6 +48,13 @@ def tile_variant(bt: int, bc: int, warps: int) -> lab.Variant:
     return lab.variant("deltanet.causal_conv1d", conv, name=f"T{bt}-C{bc}-w{warps}")
 
 
+def edit_variants() -> list[lab.Variant]:
+    """The shipped kernel with each of ``EDITS`` (``lab.edit``), launched by the shipped launcher at its tile."""
+    return [lab.variant("deltanet.causal_conv1d", lab.edit("deltanet.conv", replace,
+                                                           name=f"_conv_{label.replace('-', '_')}"), name=label)
+            for label, replace in EDITS.items()]
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("conv_tiles.py times GPU kernels: no GPU here")
@@ -48,11 +63,12 @@ def main() -> None:
     shipped_y = triton_conv.causal_conv1d_triton(x, weight, h0)[0].clone()
     res = {"provenance": provenance("PYTHONPATH=. python3 experiments/conv_tiles.py"),
            "shipped": dict(triton_conv.CONV_CONFIG), "tiles": []}
-    for bt, bc, warps in TILES:
-        v = tile_variant(bt, bc, warps)
-        row = {"BLOCK_T": bt, "BLOCK_C": bc, "num_warps": warps}
+    cases = [(tile_variant(*t), dict(zip(("BLOCK_T", "BLOCK_C", "num_warps"), t))) for t in TILES]
+    cases += [(v, {"edit": v.name, **triton_conv.CONV_CONFIG}) for v in edit_variants()]
+    for v, row in cases:
         try:
-            y = v.fn(x, weight, h0)[0]
+            with lab.using(v) if v.kernel else contextlib.nullcontext():      # a kernel: the shipped launcher
+                y = (triton_conv.causal_conv1d_triton if v.kernel else v.fn)(x, weight, h0)[0]
             row["same_bits_as_shipped_16384"] = bool(torch.equal(y, shipped_y))
             report = lab.race(v, shapes=shapes, skip_check=True)
             row["rows"] = [r.as_dict() for r in report.rows]
