@@ -4,7 +4,9 @@ In a 16,384-token prefill of Qwen3.5-35B-A3B the conv's 30 launches take about 2
 fifth of the copy bandwidth. Each tile of ``TILES`` (``BLOCK_T`` positions x ``BLOCK_C`` channels, warps: the
 launcher's ``triton_conv.CONV_CONFIG``) is raced through the lab (graph replay on rotating inputs, against the
 shipped tile and cuDNN's depthwise conv) at Qwen3.5-35B-A3B's prefill of 2,048 and 16,384 tokens, and its output is
-compared bit for bit with the shipped tile's (the tile does not change any sum).
+compared bit for bit with the shipped tile's (the tile does not change any sum). Then each of ``EDITS`` (one line
+of the shipped kernel changed through ``lab.edit``: the output stored streaming, the input kept in L2) at the shipped
+tile, the same way.
 
     PYTHONPATH=. python3 experiments/conv_tiles.py
 
