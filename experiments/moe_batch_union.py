@@ -72,7 +72,7 @@ def routed_inputs(d, router: torch.Tensor, m: int, routing: str, seed: int) -> t
     x[:, :m] = 0
     for t in range(m):
         group = t if routing == "distinct" else 0
-        x[t, group] = 8.0
+        x[t, group] = 30.0                  # well above the other logits (std about 2.3): exactly these
         r[group * top_k:(group + 1) * top_k, :m] = 0
         r[group * top_k:(group + 1) * top_k, group] = 1.0
     return x, r
