@@ -89,8 +89,7 @@ def persistent_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.constexpr, BLOC
         if WEIGHTS_FIRST:             # this program's first tile of phase i: its weights need no earlier phase
             first = tl.load(w_i + offs_n0[:, None].to(tl.int64) * N + offs_k0[None, :],
                             mask=(offs_n0[:, None] < N) & (offs_k0[None, :] < N), other=0)
-        if i > 0:                     # every program's phase i - 1 written
-            tl.debug_barrier()
+        if i > 0:                     # wait until every program has written phase i - 1 (each thread spins)
             seen = tl.atomic_add(count_ptr, 0, sem="acquire")
             while seen < i * P:
                 seen = tl.atomic_add(count_ptr, 0, sem="acquire")
