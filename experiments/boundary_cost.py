@@ -12,9 +12,10 @@ Every weight is its own slab (``L x N x N x 2`` bytes, past the L2), so each pha
   ``i``, then adds one to the counter (release) and waits until every program has (acquire) before phase ``i + 1``;
 * ``persistent, weights first``: the same, but a program loads its first tile of ``W[i + 1]`` before it waits,
   as a persistent decode step would stream its next weights while the activations they meet are being produced;
-* ``launches + PDL, rows ahead`` and ``persistent, rows ahead``: each program owns one block of rows
-  (``N / programs`` rounded up to a power of two) and loads *all* of its weights for a phase into registers before
-  it waits, so a phase's whole 8 MB is in flight while the one before finishes; only the activations wait.
+* ``launches, rows ahead``, ``launches + PDL, rows ahead`` and ``persistent, rows ahead``: each program owns one
+  block of rows (``N / programs`` rounded up to a power of two) and loads *all* of its weights for a phase into
+  registers before it waits, so a phase's whole 8 MB is in flight while the one before finishes; only the
+  activations wait.
 
 Each form's output is compared with the launches' (the same sums in the same order: the same bits) and with an
 fp32 product chain. Reported: microseconds per chain and per phase, each form's GB/s and fraction of the measured
@@ -116,31 +117,29 @@ def _ahead_rows(w_ptr, pid, N, BLOCK_N: tl.constexpr, NP: tl.constexpr):
 
 
 @triton.jit
-def _ahead_finish(w, x_ptr, y_ptr, pid, N, BLOCK_N: tl.constexpr, NP: tl.constexpr, BLOCK_K: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """``y[rows] = w @ x`` for rows already in registers: ``BLOCK_K`` lanes as in :func:`_rows`, but each lane's
-    chunks summed as a tree rather than in order, so not the launches' bits (the check compares both with fp32)."""
+def _ahead_finish(w, x_ptr, y_ptr, pid, N, BLOCK_N: tl.constexpr, NP: tl.constexpr, INTERPRET: tl.constexpr):
+    """``y[rows] = w @ x`` for rows already in registers, each row summed as one tree: not the launches' order of
+    sums, so not always their bits (the check compares both with the fp32 chain)."""
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, NP)
     x = tl.load(x_ptr + offs_k, mask=offs_k < N, other=0, cache_modifier=".cg")
     prod = to_float32(w, tl.bfloat16, INTERPRET) * to_float32(x, tl.bfloat16, INTERPRET)[None, :]
-    lanes = tl.sum(tl.reshape(prod, (BLOCK_N, NP // BLOCK_K, BLOCK_K)), axis=1)
-    tl.store(y_ptr + offs_n, cast_output(tl.sum(lanes, axis=1), tl.bfloat16, INTERPRET), mask=offs_n < N)
+    tl.store(y_ptr + offs_n, cast_output(tl.sum(prod, axis=1), tl.bfloat16, INTERPRET), mask=offs_n < N)
 
 
 @triton.jit
-def gemv_ahead_kernel(w_ptr, x_ptr, y_ptr, N, BLOCK_N: tl.constexpr, NP: tl.constexpr, BLOCK_K: tl.constexpr,
-                      INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+def gemv_ahead_kernel(w_ptr, x_ptr, y_ptr, N, BLOCK_N: tl.constexpr, NP: tl.constexpr, INTERPRET: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """One phase, one block of rows a program, its weights loaded before the PDL wait."""
     pid = tl.program_id(0)
     w = _ahead_rows(w_ptr, pid, N, BLOCK_N, NP)
     pdl_enter(USE_PDL)
-    _ahead_finish(w, x_ptr, y_ptr, pid, N, BLOCK_N, NP, BLOCK_K, INTERPRET)
+    _ahead_finish(w, x_ptr, y_ptr, pid, N, BLOCK_N, NP, INTERPRET)
 
 
 @triton.jit
 def persistent_ahead_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.constexpr, NP: tl.constexpr,
-                            BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                            INTERPRET: tl.constexpr):
     """Every phase in one launch, one block of rows a program: phase ``i``'s weights are loaded, then the program
     waits for phase ``i - 1``'s tickets, then finishes its rows and takes its ticket."""
     pid = tl.program_id(0)
@@ -151,9 +150,20 @@ def persistent_ahead_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.constexpr
             seen = tl.atomic_add(count_ptr, 0, sem="acquire")
             while seen < i * P:
                 seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-        _ahead_finish(w, x_ptr + i * N, x_ptr + (i + 1) * N, pid, N, BLOCK_N, NP, BLOCK_K, INTERPRET)
+        _ahead_finish(w, x_ptr + i * N, x_ptr + (i + 1) * N, pid, N, BLOCK_N, NP, INTERPRET)
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
+
+
+#: Warps of the rows-ahead kernels (``--ahead-warps``): each thread holds ``rows x N / (32 warps)`` weights.
+AHEAD_WARPS = 8
+#: Registers and spilled bytes of each compiled kernel, by kernel name (GPU only): spills would explain a slow form.
+REGISTERS: dict = {}
+
+
+def _note_registers(name: str, handle) -> None:
+    if not runtime.INTERPRET and handle is not None:
+        REGISTERS[name] = {"registers": getattr(handle, "n_regs", None), "spills": getattr(handle, "n_spills", None)}
 
 
 def ahead_block(n: int, programs: int) -> int:
@@ -161,39 +171,40 @@ def ahead_block(n: int, programs: int) -> int:
     return triton.next_power_of_2(triton.cdiv(n, programs))
 
 
-def chain_ahead(w, x, count, programs: int, persistent: bool) -> None:
+def chain_ahead(w, x, count, programs: int, persistent: bool, pdl: bool = True) -> None:
     L, N = w.shape[0], w.shape[1]
     bn, np2 = ahead_block(N, programs), triton.next_power_of_2(N)
-    assert np2 % BLOCK_K == 0 or np2 < BLOCK_K, "rows ahead sum in BLOCK_K lanes"
-    bk = min(BLOCK_K, np2)
-    warps = {} if runtime.INTERPRET else {"num_warps": 8}
+    warps = {} if runtime.INTERPRET else {"num_warps": AHEAD_WARPS}
     if persistent:
         count.zero_()
         assert L * N * N < 2 ** 31, "the persistent kernel offsets its weights in int32"
-        persistent_ahead_kernel[(triton.cdiv(N, bn),)](kernel_view(w), kernel_view(x), count, N, L, BLOCK_N=bn,
-                                                       NP=np2, BLOCK_K=bk, **runtime.kernel_flags(), **warps)
+        h = persistent_ahead_kernel[(triton.cdiv(N, bn),)](kernel_view(w), kernel_view(x), count, N, L, BLOCK_N=bn,
+                                                           NP=np2, **runtime.kernel_flags(), **warps)
+        _note_registers("persistent_ahead_kernel", h)
         return
-    flags = {"USE_PDL": True, "launch_pdl": True} if not runtime.INTERPRET else {}
+    flags = {"USE_PDL": True, "launch_pdl": True} if pdl and not runtime.INTERPRET else {}
     for i in range(L):
-        gemv_ahead_kernel[(triton.cdiv(N, bn),)](kernel_view(w[i]), kernel_view(x[i]), kernel_view(x[i + 1]), N,
-                                                 BLOCK_N=bn, NP=np2, BLOCK_K=bk, **runtime.kernel_flags(), **flags,
-                                                 **warps)
+        h = gemv_ahead_kernel[(triton.cdiv(N, bn),)](kernel_view(w[i]), kernel_view(x[i]), kernel_view(x[i + 1]), N,
+                                                     BLOCK_N=bn, NP=np2, **runtime.kernel_flags(), **flags, **warps)
+    _note_registers("gemv_ahead_kernel", h)
 
 
 def chain_launches(w, x, pdl: bool) -> None:
     L, N = w.shape[0], w.shape[1]
     flags = {"USE_PDL": True, "launch_pdl": True} if pdl and not runtime.INTERPRET else {}   # no PDL there
     for i in range(L):
-        gemv_kernel[(triton.cdiv(N, BLOCK_N),)](kernel_view(w[i]), kernel_view(x[i]), kernel_view(x[i + 1]), N,
-                                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **runtime.kernel_flags(), **flags)
+        h = gemv_kernel[(triton.cdiv(N, BLOCK_N),)](kernel_view(w[i]), kernel_view(x[i]), kernel_view(x[i + 1]), N,
+                                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **runtime.kernel_flags(), **flags)
+    _note_registers("gemv_kernel", h)
 
 
 def chain_persistent(w, x, count, programs: int, weights_first: bool) -> None:
     count.zero_()
     L, N = w.shape[0], w.shape[1]
     assert L * N * N < 2 ** 31, "the persistent kernel offsets its weights in int32"
-    persistent_kernel[(programs,)](kernel_view(w), kernel_view(x), count, N, L, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                   WEIGHTS_FIRST=weights_first, **runtime.kernel_flags())
+    h = persistent_kernel[(programs,)](kernel_view(w), kernel_view(x), count, N, L, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                       WEIGHTS_FIRST=weights_first, **runtime.kernel_flags())
+    _note_registers(f"persistent_kernel (weights first {weights_first})", h)
 
 
 def forms(programs: int) -> dict:
@@ -201,6 +212,7 @@ def forms(programs: int) -> dict:
             "launches + PDL": lambda w, x, c: chain_launches(w, x, True),
             "persistent": lambda w, x, c: chain_persistent(w, x, c, programs, False),
             "persistent, weights first": lambda w, x, c: chain_persistent(w, x, c, programs, True),
+            "launches, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, False, pdl=False),
             "launches + PDL, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, False),
             "persistent, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, True)}
 
@@ -237,11 +249,15 @@ def check(n: int, phases: int) -> dict:
 
 
 def main() -> None:
+    global AHEAD_WARPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2048, help="rows and columns of each phase's weight")
     ap.add_argument("--phases", type=int, default=30)
     ap.add_argument("--check", action="store_true", help="run every form once and compare (any machine)")
+    ap.add_argument("--ahead-warps", type=int, default=8, help="warps of the rows-ahead kernels")
+    ap.add_argument("--forms", nargs="*", help="time only the forms whose names contain one of these")
     args = ap.parse_args()
+    AHEAD_WARPS = args.ahead_warps
     if args.check:
         for name, r in check(min(args.n, 64), min(args.phases, 3)).items():
             print(f"{name:28} same bits as launches {r['bit_equal_to_launches']}, "
@@ -257,15 +273,21 @@ def main() -> None:
            "weight_bytes": nbytes, "check": check(args.n, args.phases), "rows": []}
     sets = [inputs(args.n, args.phases, "cuda", seed) for seed in range(max(1, -(-3 * 50 * 2 ** 20 // nbytes)))]
     for name, run in forms(sms).items():
+        if args.forms and not any(f in name for f in args.forms):
+            continue
         calls = [lambda s=s, run=run: run(*s) for s in sets]
         us = graph_us(calls)
         res["rows"].append({"form": name, "us_per_chain": us, "us_per_phase": us / args.phases,
                             "gb_s": nbytes / us / 1e3, "frac_of_read": nbytes / us / 1e3 / ceilings.read_gbps})
     by = {r["form"]: r["us_per_chain"] for r in res["rows"]}
-    res["boundary_us"] = {f"launches - {k}": (by["launches"] - by[k]) / args.phases for k in by if k != "launches"}
+    if "launches" in by:
+        res["boundary_us"] = {f"launches - {k}": (by["launches"] - by[k]) / args.phases for k in by if k != "launches"}
+    res["ahead_warps"], res["registers"] = AHEAD_WARPS, REGISTERS
     save_experiment("boundary-cost", res)
     print(f"{args.phases} phases of {args.n}x{args.n} bf16 ({nbytes / 1e6:.1f} MB), read ceiling "
           f"{ceilings.read_gbps:,.0f} GB/s ({nbytes / ceilings.read_gbps / 1e3:.1f} us for the bytes)")
+    for name, r in REGISTERS.items():
+        print(f"{name:40} {r['registers']} registers, {r['spills']} bytes spilled")
     for r in res["rows"]:
         ok = res["check"][r["form"]]["bit_equal_to_launches"]
         err = res["check"][r["form"]]["max_abs_vs_fp32_chain"]
