@@ -15,7 +15,10 @@ Every weight is its own slab (``L x N x N x 2`` bytes, past the L2), so each pha
 * ``launches, rows ahead``, ``launches + PDL, rows ahead`` and ``persistent, rows ahead``: each program owns one
   block of rows (``N / programs`` rounded up to a power of two) and loads *all* of its weights for a phase into
   registers before it waits, so a phase's whole 8 MB is in flight while the one before finishes; only the
-  activations wait.
+  activations wait;
+* ``persistent, two phases ahead``: the same with the weights of the phase after next loaded before each wait.
+
+``--n 128`` makes the bytes negligible: what is left is each form's floor per dependent phase.
 
 Each form's output is compared with the launches' (the same sums in the same order: the same bits) and with an
 fp32 product chain. Reported: microseconds per chain and per phase, each form's GB/s and fraction of the measured
@@ -166,21 +169,42 @@ def _note_registers(name: str, handle) -> None:
         REGISTERS[name] = {"registers": getattr(handle, "n_regs", None), "spills": getattr(handle, "n_spills", None)}
 
 
+@triton.jit
+def persistent_two_ahead_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.constexpr, NP: tl.constexpr,
+                                INTERPRET: tl.constexpr):
+    """:func:`persistent_ahead_kernel` with two phases of weights in registers: phase ``i + 1``'s are loaded before
+    the wait for phase ``i - 1``, so a phase's bytes stream while two syncs go by."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    w = _ahead_rows(w_ptr, pid, N, BLOCK_N, NP)
+    for i in range(0, L):
+        w_next = _ahead_rows(w_ptr + tl.minimum(i + 1, L - 1) * N * N, pid, N, BLOCK_N, NP)
+        if i > 0:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            while seen < i * P:
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+        _ahead_finish(w, x_ptr + i * N, x_ptr + (i + 1) * N, pid, N, BLOCK_N, NP, INTERPRET)
+        tl.debug_barrier()
+        tl.atomic_add(count_ptr, 1, sem="release")
+        w = w_next
+
+
 def ahead_block(n: int, programs: int) -> int:
     """Rows per program when each program owns one block: ``n / programs`` rounded up to a power of two."""
     return triton.next_power_of_2(triton.cdiv(n, programs))
 
 
-def chain_ahead(w, x, count, programs: int, persistent: bool, pdl: bool = True) -> None:
+def chain_ahead(w, x, count, programs: int, persistent: bool, pdl: bool = True, two: bool = False) -> None:
     L, N = w.shape[0], w.shape[1]
     bn, np2 = ahead_block(N, programs), triton.next_power_of_2(N)
     warps = {} if runtime.INTERPRET else {"num_warps": AHEAD_WARPS}
     if persistent:
         count.zero_()
         assert L * N * N < 2 ** 31, "the persistent kernel offsets its weights in int32"
-        h = persistent_ahead_kernel[(triton.cdiv(N, bn),)](kernel_view(w), kernel_view(x), count, N, L, BLOCK_N=bn,
-                                                           NP=np2, **runtime.kernel_flags(), **warps)
-        _note_registers("persistent_ahead_kernel", h)
+        kernel = persistent_two_ahead_kernel if two else persistent_ahead_kernel
+        h = kernel[(triton.cdiv(N, bn),)](kernel_view(w), kernel_view(x), count, N, L, BLOCK_N=bn, NP=np2,
+                                          **runtime.kernel_flags(), **warps)
+        _note_registers(kernel.fn.__name__, h)
         return
     flags = {"USE_PDL": True, "launch_pdl": True} if pdl and not runtime.INTERPRET else {}
     for i in range(L):
@@ -214,7 +238,8 @@ def forms(programs: int) -> dict:
             "persistent, weights first": lambda w, x, c: chain_persistent(w, x, c, programs, True),
             "launches, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, False, pdl=False),
             "launches + PDL, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, False),
-            "persistent, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, True)}
+            "persistent, rows ahead": lambda w, x, c: chain_ahead(w, x, c, programs, True),
+            "persistent, two phases ahead": lambda w, x, c: chain_ahead(w, x, c, programs, True, two=True)}
 
 
 def inputs(n: int, phases: int, device, seed: int = 0):
