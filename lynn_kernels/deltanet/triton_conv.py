@@ -165,7 +165,7 @@ CONV_UPDATE = runtime.Kernel("deltanet.conv_update", _causal_conv1d_update_kerne
 
 
 #: The prefill kernel's GPU tile: ``BLOCK_T`` positions x up to ``BLOCK_C`` channels, ``num_warps``.
-CONV_CONFIG = {"BLOCK_T": 32, "BLOCK_C": 256, "num_warps": 4}
+CONV_CONFIG = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}
 
 
 def _conv_blocks(C: int, most: int = 256) -> int:
