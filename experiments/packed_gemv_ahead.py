@@ -92,7 +92,8 @@ def shape_rows(shapes, ceilings, calls: int = 30) -> list[dict]:
         nbytes = sum(w.words.numel() * 4 + w.scales.numel() for w in ws)
         for name in RULES:
             with rule(name):
-                meta = triton_packed.packed_gemv_config(n, k, triton_packed._sm_count(x.device), 1)
+                meta = triton_packed.packed_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count,
+                                                        1)
                 us = graph_us([lambda w=w, y=y: triton_packed.launch_packed_gemv(x, w, None, y, pdl=True)
                                for w, y in zip(ws, ys)])
             rows.append({"n": n, "k": k, "rule": name, "BLOCK_N": meta["BLOCK_N"], "TW": meta["TW"],
