@@ -9,8 +9,16 @@ of the shipped kernel changed through ``lab.edit``: the output stored streaming,
 tile, the same way.
 
     PYTHONPATH=. python3 experiments/conv_tiles.py
+    PYTHONPATH=. python3 experiments/conv_tiles.py --layouts
 
-Writes ``data/experiments/conv-tiles/<sha>.json`` (under ``$OUT`` when set). GPU only.
+``--layouts`` asks instead why the race's input (the model's: a strided view of the fused ``qkvz`` projection, with
+an initial state) costs the shipped tile 2.4x what a contiguous input costs ``lynn bench deltanet.conv`` for the
+same bytes: the shipped conv on the four combinations of {contiguous, the strided view} x {no initial state, an
+initial state} (the final state is written either way), each by graph replay on rotating inputs, at 2,048 and
+16,384 tokens.
+
+Writes ``data/experiments/conv-tiles/<sha>.json`` (``conv-layouts`` with ``--layouts``; under ``$OUT`` when set).
+GPU only.
 """
 
 from __future__ import annotations
@@ -57,9 +65,48 @@ def edit_variants() -> list[lab.Variant]:
             for label, replace in EDITS.items()]
 
 
+def layouts() -> None:
+    """The shipped conv on contiguous and strided inputs, with and without the states (see the docstring)."""
+    from lynn_kernels.bench.harness import graph_us, l2_bytes, measure_ceilings
+    from lynn_kernels.deltanet import causal_conv1d
+
+    ceilings = measure_ceilings()
+    shape = BUILDERS["deltanet.causal_conv1d"](MODELS["qwen3.5-35b-a3b"], 16)[0]
+    (x16, weight, h16), _, _ = shape.make()
+    full_width = x16.stride(1)                       # the fused projection's row: qkv's channels, then z's
+    C, W = x16.shape[-1], weight.shape[-1]
+    res = {"provenance": provenance("PYTHONPATH=. python3 experiments/conv_tiles.py --layouts"),
+           "ceilings": ceilings.as_dict(), "shipped": dict(triton_conv.CONV_CONFIG), "channels": C,
+           "fused_row": full_width, "rows": []}
+    for T in TOKENS:
+        nbytes = 2 * T * C * 2                       # x read once, y written once
+        sets = max(2, -(-3 * l2_bytes() // nbytes))              # together past 3x the L2
+        for strided in (False, True):
+            for state in (False, True):
+                inputs = []
+                for _ in range(sets):
+                    buf = torch.randn(T, full_width if strided else C, device="cuda", dtype=torch.bfloat16)
+                    h0 = torch.randn(1, C, W - 1, device="cuda", dtype=torch.bfloat16) if state else None
+                    inputs.append((buf[None, :, :C], h0))
+                calls = [lambda x=x, h0=h0: causal_conv1d(x, weight, h0) for x, h0 in inputs]
+                us = graph_us(calls)
+                row = {"tokens": T, "x": "strided view" if strided else "contiguous",
+                       "initial_state": state, "us": us,
+                       "gb_s": nbytes / us / 1e3, "frac_of_read": nbytes / us / 1e3 / ceilings.read_gbps}
+                res["rows"].append(row)
+                print(f"{T:6} tokens  x {row['x']:13} initial state {str(state):5} {us:8.1f} us  "
+                      f"{row['gb_s']:7.1f} GB/s  {row['frac_of_read']:6.1%} of read", flush=True)
+                inputs = calls = None
+                torch.cuda.empty_cache()
+    save_experiment("conv-layouts", res)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("conv_tiles.py times GPU kernels: no GPU here")
+    if "--layouts" in sys.argv[1:]:
+        layouts()
+        return
     shapes = [s for m in TOKENS for s in BUILDERS["deltanet.causal_conv1d"](MODELS["qwen3.5-35b-a3b"], m)]
     (x, weight, h0), _, _ = shapes[-1].make()
     shipped_y = triton_conv.causal_conv1d_triton(x, weight, h0)[0].clone()
