@@ -837,6 +837,82 @@ for shape, doc in BENCH.items():
 #   same run.
 
 # %% [markdown]
+# ### Would one persistent kernel do better?
+#
+# The projects that get batch-1 decode closest to the bytes run the whole step as one **persistent kernel**: one
+# program per SM for the life of the step, each phase waiting on a counter in global memory instead of a kernel
+# boundary, the next weights streaming in while the activations they meet are still being computed. Before building
+# one, `experiments/boundary_cost.py` asks what it would buy on a chain of 30 dependent bf16 GEMVs (each needs the
+# whole output of the one before, as a decoder's projections do), in the forms a step could take:
+#
+# * **launches**: one kernel a phase in a CUDA graph, loading its weights after the kernel before has finished;
+# * **+ PDL**: each kernel launched early, waiting in `gdc_wait`;
+# * **persistent**: one kernel, the phases separated by a counter (release and acquire atomics);
+# * **rows ahead** (PDL launches or persistent): each program owns one block of rows and loads *all* of its weights
+#   for the phase into registers before it waits, so only the activations wait;
+# * **persistent, two phases ahead**: the weights of the phase after next in flight as well.
+#
+# Each bar is the measured time of one phase (an H100, committed under `data/experiments/boundary-cost/`): its
+# weights' bytes at the measured read ceiling, dark, and what the phase costs beyond them, light.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+BC = Path(lk.__file__).resolve().parents[1] / "data" / "experiments" / "boundary-cost"
+FORMS = ["launches", "launches + PDL", "persistent", "launches + PDL, rows ahead", "persistent, rows ahead",
+         "persistent, two phases ahead"]
+RUNS = [("7ea35e4-h100.json", "65c5e1f-h100-2048-8.json"), ("65c5e1f-h100-1024-8.json",), ("65c5e1f-h100-128-8.json",)]
+phase_us = {}                                         # (width, form) -> us a phase; (width, None) -> the bytes' us
+for files in RUNS:
+    for name in files:
+        if not (BC / name).exists():
+            continue
+        run = json.loads((BC / name).read_text())
+        width = run["n"]
+        phase_us[width, None] = run["weight_bytes"] / run["phases"] / run["ceilings"]["read_gbps"] / 1e3
+        for r in run["rows"]:
+            phase_us.setdefault((width, r["form"]), r["us_per_phase"])
+widths = sorted({w for w, _ in phase_us}, reverse=True)
+if not widths:
+    print(f"no committed results under {BC} (experiments/boundary_cost.py makes them on a GPU)")
+else:
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    colours = ["tab:gray", "tab:blue", "tab:purple", "tab:green", "tab:olive", "tab:cyan"]
+    bar = 0.13
+    for g, width in enumerate(widths):
+        ideal = phase_us[width, None]
+        for k, (form, colour) in enumerate(zip(FORMS, colours)):
+            us = phase_us.get((width, form))
+            if us is None:
+                continue
+            x = g + (k - 2.5) * bar
+            ax.bar(x, min(ideal, us), bar * 0.9, color=colour, label=form if g == 0 else None)
+            ax.bar(x, us - min(ideal, us), bar * 0.9, bottom=min(ideal, us), color=colour, alpha=0.35)
+            ax.text(x, us + 0.08, f"{us:.1f}", ha="center", fontsize=7)
+    ax.set_xticks(range(len(widths)), [f"{w} x {w} bf16 a phase ({2 * w * w / 1e6:.2g} MB)" for w in widths])
+    ax.set_ylabel("us per dependent phase")
+    ax.set_title("a chain of dependent GEMVs on an H100: dark = the bytes at the read ceiling, light = the rest",
+                 fontsize=10)
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
+    plt.tight_layout()
+    plt.show()
+    floor = {f: phase_us.get((min(widths), f)) for f in FORMS}
+    print("floor of a phase with almost no bytes: " + ", ".join(f"{f} {us:.2f} us" for f, us in floor.items() if us))
+
+# %% [markdown]
+# What the picture says:
+#
+# * **Every dependent phase costs about 1.2-1.5 us however it is synchronised.** With almost no bytes (the right
+#   group) that is all there is, and a counter in global memory is no cheaper than a PDL boundary: the persistent
+#   kernel by itself buys nothing.
+# * **What pays is having the weights in flight before the wait**: rows ahead cut a phase from 6.8 to 4.1-4.3 us at
+#   8 MB and from 3.6 to 2.0 at 2 MB, *as much with PDL launches as inside one persistent kernel*. Two phases ahead
+#   add nothing: what is left is the floor, not the time to get the bytes moving.
+# * So a phase costs its bytes plus about 1.3 us at best, and a step of ~200 dependent phases has a floor of its own
+#   beside its bytes. Our packed GEMVs are further from that line than the boundary can explain (the same rule
+#   applied to them made the step slower: docs/decoder.md, section 5): their own instruction stream is the next
+#   thing to win.
+
+# %% [markdown]
 # ## 7. Explorer: sampling and the cache
 #
 # The first widget samples from the tiny model (bf16 kernels) with the settings chosen: it shows the next-token
