@@ -1,0 +1,187 @@
+"""What the packed GEMV compiles to on Hopper, counted without a GPU: the machine instructions of its main loop by
+kind, per weight word, and the time the GPU needs just to issue them beside the time its bytes need.
+
+The decode GEMVs run at 30-50% of the read ceiling even with their loads ahead of the PDL wait
+(``packed_gemv_ahead.py``). If issuing the loop's instructions takes longer than reading its bytes, the kernel is
+bound by its instruction stream, and fewer instructions per word is the lever, not the schedule.
+
+How: Triton is told it targets an sm_90 GPU (a stand-in driver object that answers ``get_current_target``), the
+shipped launcher (``launch_packed_gemv`` with the shipped tile, PDL on) is called on CPU tensors, so the kernel is
+specialised exactly as on a GPU (the same 16-byte alignments and integer divisibilities) and compiled by the
+bundled ``ptxas``; the launch itself then fails, as it must without a GPU. ``cuobjdump -sass`` disassembles the
+cubin. The main loop is the longest backward branch; the block inside it that a forward branch skips is the tile's
+epilogue (written once a tile), the rest is the per-step body. The issue bound takes one warp instruction per
+scheduler per cycle (4 a SM) at the boost clock: a floor, not a prediction.
+
+    python3 experiments/sass_census.py [--clock-ghz 1.98] [--sms 132]
+
+Writes ``data/experiments/sass-census/<sha>.json``. Runs on a CPU (it needs Triton's bundled ``cuobjdump``); the
+Triton here is this machine's, which may differ from the GPU machine's, and the JSON records both.
+"""
+
+from __future__ import annotations  # noqa: I001  (the environment first: TRITON_INTERPRET is read at import)
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"          # compile for the GPU even without one
+os.environ["LYNN_DIRECT_LAUNCH"] = "0"        # through Triton's own launch path, which compiles first
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+import lynn_kernels
+from lynn_kernels.bench.harness import REPO_ROOT, provenance, save_experiment
+from lynn_kernels.matmul import pack, triton_packed
+from lynn_kernels.nvfp4 import quantize
+
+#: (label, N, K): the batch-1 decode step's packed GEMV shapes at Qwen3.5-35B-A3B (packed_gemv_ahead.py's record)
+SHAPES = [("Gated DeltaNet in_proj (fused) 2048->12288", 12288, 2048),
+          ("attention q+gate, k, v (fused) 2048->9216", 9216, 2048),
+          ("out_proj / o_proj 4096->2048", 2048, 4096)]
+
+
+class _Hopper:
+    """Enough of a Triton driver for the compiler: the target is an sm_90 GPU."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def __getattr__(self, name):              # anything a launch needs: there is no GPU
+        raise AttributeError(f"no GPU here: the driver has no {name}")
+
+
+def compile_shipped(n: int, k: int, sms: int):
+    """The shipped packed GEMV for an ``[n, k]`` weight and one x row, compiled for sm_90: ``(cubin, config)``."""
+    with lynn_kernels.use_reference():
+        w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
+    x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    config = triton_packed.packed_gemv_config(n, k, sms, 1)
+    for cache in triton_packed.packed_gemv_kernel.device_caches.values():
+        cache[0].clear()                      # so the one kernel left after the call is this call's
+    try:
+        triton_packed.launch_packed_gemv(x, w, None, y, config={"PROGRAMS": 0}, pdl=True)
+    except AttributeError as err:
+        if "no GPU here" not in str(err):
+            raise
+    new = [kern for cache in triton_packed.packed_gemv_kernel.device_caches.values() for kern in cache[0].values()]
+    if len(new) != 1:
+        raise RuntimeError(f"expected one new compiled kernel for {n} x {k}, got {len(new)}")
+    return new[0].asm["cubin"], config
+
+
+def sass_of(cubin: bytes) -> list[tuple[int, str, str]]:
+    """``(address, opcode, operands)`` of each instruction, from ``cuobjdump -sass``."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(3), m.group(4).strip()))
+    return out
+
+
+def _target(operands: str) -> int | None:
+    m = re.match(r"(?:`\()?.*?0x([0-9a-f]+)", operands)
+    return int(m.group(1), 16) if m else None
+
+
+def loop_census(ins) -> dict:
+    """The main loop (the longest backward branch), split into the per-step body and the block a forward branch
+    inside it skips (the tile's epilogue); instruction counts by opcode family."""
+    loops = [(t, a) for a, op, ops in ins if op.startswith("BRA") and (t := _target(ops)) is not None and t < a]
+    if not loops:
+        raise RuntimeError("no backward branch: no loop found")
+    head, back = max(loops, key=lambda ab: ab[1] - ab[0])
+    skips = [(a, t) for a, op, ops in ins if op.startswith("BRA") and head <= a < back
+             and (t := _target(ops)) is not None and a < t <= back]
+    epi = max(skips, key=lambda at: at[1] - at[0]) if skips else None
+
+    def count(pred):
+        c = collections.Counter(op.split(".")[0] for a, op, _ in ins if pred(a))
+        return {"instructions": sum(c.values()), "by_kind": dict(c.most_common())}
+
+    in_loop = lambda a: head <= a <= back                                       # noqa: E731
+    in_epi = (lambda a: epi[0] < a < epi[1]) if epi else (lambda a: False)    # noqa: E731
+    return {"loop": [hex(head), hex(back)], "epilogue": [hex(epi[0]), hex(epi[1])] if epi else None,
+            "body": count(lambda a: in_loop(a) and not in_epi(a)), "epilogue_block": count(in_epi),
+            "whole_kernel": len(ins)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clock-ghz", type=float, default=1.98, help="the SM clock of the issue bound (H100/H200 boost)")
+    ap.add_argument("--sms", type=int, default=132)
+    args = ap.parse_args()
+    driver.set_active(_Hopper())
+    # the launcher sizes its tile by the GPU's SM count: the stand-in GPU answers for torch as well
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=args.sms)
+    measured = {}
+    for f in sorted((REPO_ROOT / "data" / "experiments" / "packed-gemv-ahead").glob("*.json")):
+        run = json.loads(f.read_text())                                # the shipped tiles' GPU time, for comparison
+        for r in run.get("shapes", []):
+            if r["rule"] == "shipped":
+                measured[r["n"], r["k"]] = {"us": r["us_per_call"], "gpu": run["provenance"]["gpu"],
+                                            "read_gbps": run["ceilings"]["read_gbps"], "file": f.name}
+    res = {"provenance": provenance("python3 experiments/sass_census.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())),
+           "target": "sm_90", "clock_ghz": args.clock_ghz, "sms": args.sms, "rows": []}
+    issue_rate = args.sms * 4 * args.clock_ghz * 1e3                   # warp instructions per microsecond
+    for label, n, k in SHAPES:
+        cubin, cfg = compile_shipped(n, k, args.sms)
+        census = loop_census(sass_of(cubin))
+        kw = k // 8
+        words_per_step = cfg["BLOCK_N"] * cfg["TW"]
+        steps = (n // cfg["BLOCK_N"]) * (kw // cfg["TW"])
+        tiles = n // cfg["BLOCK_N"]
+        warp_instr = (steps * census["body"]["instructions"] + tiles * census["epilogue_block"]["instructions"]) \
+            * cfg["num_warps"]
+        nbytes = n * kw * 4 + n * (k // 16)
+        row = {"shape": label, "n": n, "k": k, "config": cfg, **census,
+               "words_per_step": words_per_step, "words_per_thread_step": words_per_step // (32 * cfg["num_warps"]),
+               "body_instructions_per_word_a_thread": census["body"]["instructions"] * cfg["num_warps"] * 32
+               / words_per_step,
+               "warp_instructions": warp_instr, "issue_bound_us": warp_instr / issue_rate, "weight_bytes": nbytes}
+        if (n, k) in measured:
+            m = measured[n, k]
+            row.update(measured_us=m["us"], measured_on=m["gpu"], measured_file=m["file"],
+                       bytes_us=nbytes / m["read_gbps"] / 1e3)
+        res["rows"].append(row)
+    save_experiment("sass-census", res)
+    print(f"sm_90 SASS of the shipped packed GEMV (Triton {triton.__version__} here), issue bound at "
+          f"{args.sms} SMs x 4 x {args.clock_ghz} GHz")
+    for r in res["rows"]:
+        top = ", ".join(f"{k} {v}" for k, v in list(r["body"]["by_kind"].items())[:8])
+        print(f"{r['shape']:45} BLOCK_N {r['config']['BLOCK_N']:3} TW {r['config']['TW']:4}: body "
+              f"{r['body']['instructions']} instructions a step for {r['words_per_thread_step']} words a thread "
+              f"({r['body_instructions_per_word_a_thread']:.1f} a word); issue bound {r['issue_bound_us']:.2f} us"
+              + (f", bytes {r['bytes_us']:.2f} us, measured {r['measured_us']:.2f} us ({r['measured_on']})"
+                 if "measured_us" in r else ""))
+        print(f"{'':45} {top}")
+
+
+if __name__ == "__main__":
+    main()
