@@ -13,7 +13,12 @@ cubin. The main loop is the longest backward branch; the block inside it that a 
 epilogue (written once a tile), the rest is the per-step body. The issue bound takes one warp instruction per
 scheduler per cycle (4 a SM) at the boost clock: a floor, not a prediction.
 
+Beside the shipped kernel, one variant (``lab.edit`` with a helper of its own): each element's x loaded at its own
+K position in the words' order, instead of the step's x loaded contiguous and permuted through shared memory; the
+same values and FMAs, so the same bits (``--check`` compares the two on the interpreter).
+
     python3 experiments/sass_census.py [--clock-ghz 1.98] [--sms 132]
+    python3 experiments/sass_census.py --check
 
 Writes ``data/experiments/sass-census/<sha>.json``. Runs on a CPU (it needs Triton's bundled ``cuobjdump``); the
 Triton here is this machine's, which may differ from the GPU machine's, and the JSON records both.
@@ -22,9 +27,14 @@ Triton here is this machine's, which may differ from the GPU machine's, and the 
 from __future__ import annotations  # noqa: I001  (the environment first: TRITON_INTERPRET is read at import)
 
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "0"          # compile for the GPU even without one
-os.environ["LYNN_DIRECT_LAUNCH"] = "0"        # through Triton's own launch path, which compiles first
+if __name__ == "__main__":                    # before triton is imported: it reads TRITON_INTERPRET then
+    if "--check" in sys.argv:
+        os.environ["TRITON_INTERPRET"] = "1"  # the check runs on the interpreter, GPU or not
+    else:
+        os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU even without one
+        os.environ["LYNN_DIRECT_LAUNCH"] = "0"    # through Triton's own launch path, which compiles first
 
 import argparse
 import collections
@@ -37,18 +47,106 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 import lynn_kernels
+from lynn_kernels import lab
 from lynn_kernels.bench.harness import REPO_ROOT, provenance, save_experiment
 from lynn_kernels.matmul import pack, triton_packed
 from lynn_kernels.nvfp4 import quantize
+from lynn_kernels.runtime import to_float32
+from lynn_kernels.triton_shared import X_PRESCALE, normed_at
 
-#: (label, N, K): the batch-1 decode step's packed GEMV shapes at Qwen3.5-35B-A3B (packed_gemv_ahead.py's record)
-SHAPES = [("Gated DeltaNet in_proj (fused) 2048->12288", 12288, 2048),
-          ("attention q+gate, k, v (fused) 2048->9216", 9216, 2048),
-          ("out_proj / o_proj 4096->2048", 2048, 4096)]
+#: (label, N, K, norm folded): the batch-1 decode step's packed GEMV shapes at Qwen3.5-35B-A3B (packed_gemv_ahead.py's
+#: record); the input projection also as the fused step runs it, with the RMSNorm and residual add folded in
+SHAPES = [("Gated DeltaNet in_proj (fused) 2048->12288", 12288, 2048, False),
+          ("the same, norm folded", 12288, 2048, True),
+          ("attention q+gate, k, v (fused) 2048->9216", 9216, 2048, False),
+          ("out_proj / o_proj 4096->2048", 2048, 4096, False)]
+
+
+@triton.jit
+def _x_at(x_ptr, m, M, K, kx, stride_xm, stride_xk, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr,
+          INTERPRET: tl.constexpr, r_ptr, nw_ptr, rstd, stride_rm, NORM: tl.constexpr, NW_DTYPE: tl.constexpr):
+    """x (or its norm) at the K positions ``kx`` as fp32 times 2^64: what ``fma_row_step`` makes of its x."""
+    if EVEN_K:
+        mask = (kx >= 0) & (m < M)
+    else:
+        mask = (kx < K) & (m < M)
+    if NORM > 0:
+        mm = tl.full((), m, tl.int64)
+        xt = normed_at(x_ptr + mm * stride_xm, r_ptr + mm * stride_rm, nw_ptr, kx, rstd, mask, NORM == 2, X_DTYPE,
+                       NW_DTYPE, INTERPRET)
+    else:
+        xt = tl.load(x_ptr + (tl.full((), m, tl.int64) * stride_xm) + kx * stride_xk, mask=mask, other=0)
+    return to_float32(xt, X_DTYPE, INTERPRET) * X_PRESCALE
+
+
+@triton.jit
+def fma_row_step_word_order(acc, e0, e1, e2, e3, e4, e5, e6, e7, sa, sb, x_ptr, m, M, K, k0, offs, stride_xm,
+                            stride_xk, TW: tl.constexpr, EVEN_K: tl.constexpr, X_DTYPE: tl.constexpr,
+                            INTERPRET: tl.constexpr, r_ptr=None, nw_ptr=None, rstd=None, stride_rm=0,
+                            NORM: tl.constexpr = 0, NW_DTYPE: tl.constexpr = tl.float32):
+    """``fma_row_step`` with each element's x loaded at its own K position (word ``16 c + 4 q + i``, element
+    ``j0 + 2 j1 + 4 j2`` is at ``128 c + 32 i + 16 j2 + 8 j1 + 2 q + j0``) instead of the step's x loaded
+    contiguous and permuted: the same values, the same FMAs in the same order."""
+    w = tl.arange(0, TW)
+    at = 8 * k0 + 128 * (w // 16) + 32 * (w % 4) + 2 * ((w // 4) % 4)
+    x0 = _x_at(x_ptr, m, M, K, at, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)       # element j at at + 16 j2 + 8 j1 + j0
+    x1 = _x_at(x_ptr, m, M, K, at + 1, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    x2 = _x_at(x_ptr, m, M, K, at + 8, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    x3 = _x_at(x_ptr, m, M, K, at + 9, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    x4 = _x_at(x_ptr, m, M, K, at + 16, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    x5 = _x_at(x_ptr, m, M, K, at + 17, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    x6 = _x_at(x_ptr, m, M, K, at + 24, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    x7 = _x_at(x_ptr, m, M, K, at + 25, stride_xm, stride_xk, EVEN_K, X_DTYPE, INTERPRET, r_ptr, nw_ptr, rstd,
+               stride_rm, NORM, NW_DTYPE)
+    pa = e0 * x0[None, :]
+    pa = tl.fma(e1, x1[None, :], pa)
+    pa = tl.fma(e2, x2[None, :], pa)
+    pa = tl.fma(e3, x3[None, :], pa)
+    pb = e4 * x4[None, :]
+    pb = tl.fma(e5, x5[None, :], pb)
+    pb = tl.fma(e6, x6[None, :], pb)
+    pb = tl.fma(e7, x7[None, :], pb)
+    return tl.fma(pb, sb, tl.fma(pa, sa, acc))
+
+
+def word_order_kernel():
+    """The shipped packed GEMV calling :func:`fma_row_step_word_order` for its (first) x row."""
+    return lab.edit("matmul.packed_gemv", {"acc0 = fma_row_step(": "acc0 = fma_row_step_word_order("},
+                    name="packed_gemv_x_word_order", helpers={"fma_row_step_word_order": fma_row_step_word_order})
+
+
+def check() -> None:
+    """On the interpreter: the variant against the shipped kernel, bit for bit, plain and with the norm folded."""
+    variant = word_order_kernel()
+    gen = torch.Generator().manual_seed(0)
+    for n, k, cfg in [(64, 2048, {"BLOCK_N": 32, "TW": 64}), (16, 4096, {"BLOCK_N": 8, "TW": 128}), (40, 208, None)]:
+        w = pack(quantize(torch.randn(n, k, generator=gen, dtype=torch.bfloat16)))
+        x, r = (torch.randn(1, k, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+        nw = torch.randn(k, generator=gen, dtype=torch.bfloat16) * 0.1
+        for folded in (False, True):
+            ys = []
+            for kernel in (None, variant):
+                y = torch.empty(1, n, dtype=torch.bfloat16)
+                norm = (r, nw, 1e-6, torch.empty(1, k, dtype=torch.bfloat16),
+                        torch.empty(1, k, dtype=torch.bfloat16)) if folded else None
+                triton_packed.launch_packed_gemv(x, w, None, y, config=cfg, norm=norm, kernel=kernel)
+                ys.append(y)
+            same = torch.equal(*ys)
+            print(f"{n} x {k}{', norm folded' if folded else ''}: the same bits as the shipped kernel: {same}")
+            if not same:
+                sys.exit(1)
 
 
 class _Hopper:
@@ -70,20 +168,27 @@ class _Hopper:
         raise AttributeError(f"no GPU here: the driver has no {name}")
 
 
-def compile_shipped(n: int, k: int, sms: int):
-    """The shipped packed GEMV for an ``[n, k]`` weight and one x row, compiled for sm_90: ``(cubin, config)``."""
+def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None):
+    """The packed GEMV for an ``[n, k]`` weight and one x row at the shipped tile (``norm``: the RMSNorm and
+    residual add folded in), compiled for sm_90 by the shipped launcher: ``(cubin, config)``. ``kernel``: a variant
+    of the shipped kernel."""
     with lynn_kernels.use_reference():
         w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
     x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    folded = None
+    if norm:
+        folded = (torch.randn(1, k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16), 1e-6,
+                  torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, k, dtype=torch.bfloat16))
     config = triton_packed.packed_gemv_config(n, k, sms, 1)
-    for cache in triton_packed.packed_gemv_kernel.device_caches.values():
+    jit = kernel or triton_packed.packed_gemv_kernel
+    for cache in jit.device_caches.values():
         cache[0].clear()                      # so the one kernel left after the call is this call's
     try:
-        triton_packed.launch_packed_gemv(x, w, None, y, config={"PROGRAMS": 0}, pdl=True)
+        triton_packed.launch_packed_gemv(x, w, None, y, config={"PROGRAMS": 0}, pdl=True, norm=folded, kernel=kernel)
     except AttributeError as err:
         if "no GPU here" not in str(err):
             raise
-    new = [kern for cache in triton_packed.packed_gemv_kernel.device_caches.values() for kern in cache[0].values()]
+    new = [kern for cache in jit.device_caches.values() for kern in cache[0].values()]
     if len(new) != 1:
         raise RuntimeError(f"expected one new compiled kernel for {n} x {k}, got {len(new)}")
     return new[0].asm["cubin"], config
@@ -135,7 +240,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clock-ghz", type=float, default=1.98, help="the SM clock of the issue bound (H100/H200 boost)")
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--check", action="store_true", help="the variant against the shipped kernel on the interpreter")
     args = ap.parse_args()
+    if args.check:
+        check()
+        return
     driver.set_active(_Hopper())
     # the launcher sizes its tile by the GPU's SM count: the stand-in GPU answers for torch as well
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=args.sms)
@@ -147,40 +256,43 @@ def main() -> None:
                 measured[r["n"], r["k"]] = {"us": r["us_per_call"], "gpu": run["provenance"]["gpu"],
                                             "read_gbps": run["ceilings"]["read_gbps"], "file": f.name}
     res = {"provenance": provenance("python3 experiments/sass_census.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())),
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "check")),
            "target": "sm_90", "clock_ghz": args.clock_ghz, "sms": args.sms, "rows": []}
     issue_rate = args.sms * 4 * args.clock_ghz * 1e3                   # warp instructions per microsecond
-    for label, n, k in SHAPES:
-        cubin, cfg = compile_shipped(n, k, args.sms)
-        census = loop_census(sass_of(cubin))
-        kw = k // 8
-        words_per_step = cfg["BLOCK_N"] * cfg["TW"]
-        steps = (n // cfg["BLOCK_N"]) * (kw // cfg["TW"])
-        tiles = n // cfg["BLOCK_N"]
-        warp_instr = (steps * census["body"]["instructions"] + tiles * census["epilogue_block"]["instructions"]) \
-            * cfg["num_warps"]
-        nbytes = n * kw * 4 + n * (k // 16)
-        row = {"shape": label, "n": n, "k": k, "config": cfg, **census,
-               "words_per_step": words_per_step, "words_per_thread_step": words_per_step // (32 * cfg["num_warps"]),
-               "body_instructions_per_word_a_thread": census["body"]["instructions"] * cfg["num_warps"] * 32
-               / words_per_step,
-               "warp_instructions": warp_instr, "issue_bound_us": warp_instr / issue_rate, "weight_bytes": nbytes}
-        if (n, k) in measured:
-            m = measured[n, k]
-            row.update(measured_us=m["us"], measured_on=m["gpu"], measured_file=m["file"],
-                       bytes_us=nbytes / m["read_gbps"] / 1e3)
-        res["rows"].append(row)
+    forms = {"shipped": None, "x in the words' order": word_order_kernel()}
+    for label, n, k, norm in SHAPES:
+        for form, kernel in forms.items():
+            cubin, cfg = compile_gemv(n, k, args.sms, norm, kernel)
+            census = loop_census(sass_of(cubin))
+            kw = k // 8
+            words_per_step = cfg["BLOCK_N"] * cfg["TW"]
+            steps = (n // cfg["BLOCK_N"]) * (kw // cfg["TW"])
+            tiles = n // cfg["BLOCK_N"]
+            warp_instr = (steps * census["body"]["instructions"]
+                          + tiles * census["epilogue_block"]["instructions"]) * cfg["num_warps"]
+            nbytes = n * kw * 4 + n * (k // 16)
+            row = {"shape": label, "n": n, "k": k, "norm_folded": norm, "form": form, "config": cfg, **census,
+                   "words_per_step": words_per_step,
+                   "words_per_thread_step": words_per_step // (32 * cfg["num_warps"]),
+                   "body_instructions_per_word_a_thread": census["body"]["instructions"] * cfg["num_warps"] * 32
+                   / words_per_step,
+                   "warp_instructions": warp_instr, "issue_bound_us": warp_instr / issue_rate, "weight_bytes": nbytes}
+            if (n, k) in measured and form == "shipped" and not norm:
+                m = measured[n, k]
+                row.update(measured_us=m["us"], measured_on=m["gpu"], measured_file=m["file"],
+                           bytes_us=nbytes / m["read_gbps"] / 1e3)
+            res["rows"].append(row)
     save_experiment("sass-census", res)
-    print(f"sm_90 SASS of the shipped packed GEMV (Triton {triton.__version__} here), issue bound at "
+    print(f"sm_90 SASS of the packed GEMV (Triton {triton.__version__} here), issue floor at "
           f"{args.sms} SMs x 4 x {args.clock_ghz} GHz")
     for r in res["rows"]:
         top = ", ".join(f"{k} {v}" for k, v in list(r["body"]["by_kind"].items())[:8])
-        print(f"{r['shape']:45} BLOCK_N {r['config']['BLOCK_N']:3} TW {r['config']['TW']:4}: body "
-              f"{r['body']['instructions']} instructions a step for {r['words_per_thread_step']} words a thread "
-              f"({r['body_instructions_per_word_a_thread']:.1f} a word); issue bound {r['issue_bound_us']:.2f} us"
+        print(f"{r['shape']:44} {r['form']:22} {r['config']['BLOCK_N']:3} x {r['config']['TW']:4}: "
+              f"{r['body']['instructions']:4} a step, {r['words_per_thread_step']} words a thread "
+              f"({r['body_instructions_per_word_a_thread']:.1f} a word); issue floor {r['issue_bound_us']:.2f} us"
               + (f", bytes {r['bytes_us']:.2f} us, measured {r['measured_us']:.2f} us ({r['measured_on']})"
                  if "measured_us" in r else ""))
-        print(f"{'':45} {top}")
+        print(f"{'':44} {top}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import subprocess
 
 import pytest
 import torch
+import triton
 
 import lynn_cli
 import lynn_kernels
@@ -122,6 +123,20 @@ def test_an_exact_copy_of_a_kernel_passes_and_a_broken_edit_fails():
     assert not broken.passed and broken.failures, broken
     assert {r["case"] for r in broken.failures} <= _labels("norm")
     assert any(r["op"] == "norm.rmsnorm" and "metrics" in r for r in broken.failures)
+
+
+@triton.jit
+def _halved(x):
+    return x * 0.5
+
+
+def test_an_edit_may_call_a_helper_of_its_own():
+    halved = lab.edit("norm.rmsnorm", {"w1 = 1.0 + ": "w1 = _halved(1.0) + "}, helpers={"_halved": _halved})
+    report = lab.check("norm.rmsnorm", halved)
+    assert not report.passed and report.failures, report                      # the helper ran: 1 + w became 0.5 + w
+    assert all("metrics" in r and "error" not in r for r in report.failures), report.failures
+    with pytest.raises(ValueError, match="hide names"):
+        lab.edit("norm.rmsnorm", {}, helpers={"tl": _halved})
 
 
 #: Every kernel a variant may replace (each op's launchers' kernels), with the first op that runs it.

@@ -116,11 +116,12 @@ def variant(op_or_fn, fn=None, *, kernel: str | None = None, name: str = "") -> 
     return Variant(op, fn, None, name)
 
 
-def edit(kernel: str, replace: dict[str, str], *, name: str | None = None):
+def edit(kernel: str, replace: dict[str, str], *, name: str | None = None, helpers: dict | None = None):
     """A new ``@triton.jit`` kernel: the shipped kernel ``kernel``'s source with each ``old`` of ``replace`` (text
     that must occur exactly once) replaced by its ``new``, defined beside the shipped one (its module's helpers in
-    reach) under ``name`` (default: the shipped name with ``_edited``). Its source is registered with ``linecache``,
-    so Triton (and ``inspect``) read it as they read a file's."""
+    reach, and ``helpers``: more names the new text may use, such as your own ``@triton.jit`` functions; a name the
+    module already has is refused) under ``name`` (default: the shipped name with ``_edited``). Its source is
+    registered with ``linecache``, so Triton (and ``inspect``) read it as they read a file's."""
     import linecache
     import re
 
@@ -145,6 +146,11 @@ def edit(kernel: str, replace: dict[str, str], *, name: str | None = None):
     src = re.sub(rf"\bdef {fn.__name__}\(", f"def {new_name}(", src, count=1)
     linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
     scope = dict(fn.__globals__)
+    taken = sorted(set(helpers or {}) & set(scope))
+    if taken:
+        raise ValueError(f"edit({kernel!r}): helpers {taken} would hide names the kernel's module already has; "
+                         f"give them other names")
+    scope.update(helpers or {})
     exec(compile(src, filename, "exec"), scope)
     made = triton.jit(scope[new_name])
     _EDITS.append(made)
