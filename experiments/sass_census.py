@@ -65,6 +65,8 @@ SHAPES = [("Gated DeltaNet in_proj (fused) 2048->12288", 12288, 2048, False),
           ("the same, norm folded", 12288, 2048, True),
           ("attention q+gate, k, v (fused) 2048->9216", 9216, 2048, False),
           ("out_proj / o_proj 4096->2048", 2048, 4096, False)]
+#: (BLOCK_N, TW, num_warps): other tiles counted at the first shape (the shipped one there is 32 x 64, 4 warps)
+TILES = [(16, 128, 4), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8)]
 
 
 @triton.jit
@@ -168,10 +170,10 @@ class _Hopper:
         raise AttributeError(f"no GPU here: the driver has no {name}")
 
 
-def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None):
+def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None, tile: dict | None = None):
     """The packed GEMV for an ``[n, k]`` weight and one x row at the shipped tile (``norm``: the RMSNorm and
     residual add folded in), compiled for sm_90 by the shipped launcher: ``(cubin, config)``. ``kernel``: a variant
-    of the shipped kernel."""
+    of the shipped kernel; ``tile``: ``BLOCK_N``, ``TW``, ``num_warps`` in place of the shipped tile's."""
     with lynn_kernels.use_reference():
         w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
     x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
@@ -179,12 +181,13 @@ def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None):
     if norm:
         folded = (torch.randn(1, k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16), 1e-6,
                   torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, k, dtype=torch.bfloat16))
-    config = triton_packed.packed_gemv_config(n, k, sms, 1)
+    config = {**triton_packed.packed_gemv_config(n, k, sms, 1), **(tile or {})}
     jit = kernel or triton_packed.packed_gemv_kernel
     for cache in jit.device_caches.values():
         cache[0].clear()                      # so the one kernel left after the call is this call's
     try:
-        triton_packed.launch_packed_gemv(x, w, None, y, config={"PROGRAMS": 0}, pdl=True, norm=folded, kernel=kernel)
+        triton_packed.launch_packed_gemv(x, w, None, y, config={**(tile or {}), "PROGRAMS": 0}, pdl=True, norm=folded,
+                                         kernel=kernel)
     except AttributeError as err:
         if "no GPU here" not in str(err):
             raise
@@ -207,6 +210,16 @@ def sass_of(cubin: bytes) -> list[tuple[int, str, str]]:
         if m:
             out.append((int(m.group(1), 16), m.group(3), m.group(4).strip()))
     return out
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers a thread, stack, local (spilled) and shared bytes, from ``cuobjdump -res-usage``."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
 def _target(operands: str) -> int | None:
@@ -260,34 +273,43 @@ def main() -> None:
            "target": "sm_90", "clock_ghz": args.clock_ghz, "sms": args.sms, "rows": []}
     issue_rate = args.sms * 4 * args.clock_ghz * 1e3                   # warp instructions per microsecond
     forms = {"shipped": None, "x in the words' order": word_order_kernel()}
+    def row(label, n, k, norm, form, kernel=None, tile=None):
+        cubin, cfg = compile_gemv(n, k, args.sms, norm, kernel, tile)
+        census = loop_census(sass_of(cubin))
+        kw = k // 8
+        words_per_step = cfg["BLOCK_N"] * cfg["TW"]
+        steps = (n // cfg["BLOCK_N"]) * (kw // cfg["TW"])
+        tiles = n // cfg["BLOCK_N"]
+        warp_instr = (steps * census["body"]["instructions"]
+                      + tiles * census["epilogue_block"]["instructions"]) * cfg["num_warps"]
+        nbytes = n * kw * 4 + n * (k // 16)
+        out = {"shape": label, "n": n, "k": k, "norm_folded": norm, "form": form, "config": cfg, **census,
+               "resources": resources(cubin), "words_per_step": words_per_step,
+               "words_per_thread_step": words_per_step // (32 * cfg["num_warps"]),
+               "body_instructions_per_word_a_thread": census["body"]["instructions"] * cfg["num_warps"] * 32
+               / words_per_step,
+               "warp_instructions": warp_instr, "issue_bound_us": warp_instr / issue_rate, "weight_bytes": nbytes}
+        if (n, k) in measured and form == "shipped" and not norm:
+            m = measured[n, k]
+            out.update(measured_us=m["us"], measured_on=m["gpu"], measured_file=m["file"],
+                       bytes_us=nbytes / m["read_gbps"] / 1e3)
+        return out
+
     for label, n, k, norm in SHAPES:
         for form, kernel in forms.items():
-            cubin, cfg = compile_gemv(n, k, args.sms, norm, kernel)
-            census = loop_census(sass_of(cubin))
-            kw = k // 8
-            words_per_step = cfg["BLOCK_N"] * cfg["TW"]
-            steps = (n // cfg["BLOCK_N"]) * (kw // cfg["TW"])
-            tiles = n // cfg["BLOCK_N"]
-            warp_instr = (steps * census["body"]["instructions"]
-                          + tiles * census["epilogue_block"]["instructions"]) * cfg["num_warps"]
-            nbytes = n * kw * 4 + n * (k // 16)
-            row = {"shape": label, "n": n, "k": k, "norm_folded": norm, "form": form, "config": cfg, **census,
-                   "words_per_step": words_per_step,
-                   "words_per_thread_step": words_per_step // (32 * cfg["num_warps"]),
-                   "body_instructions_per_word_a_thread": census["body"]["instructions"] * cfg["num_warps"] * 32
-                   / words_per_step,
-                   "warp_instructions": warp_instr, "issue_bound_us": warp_instr / issue_rate, "weight_bytes": nbytes}
-            if (n, k) in measured and form == "shipped" and not norm:
-                m = measured[n, k]
-                row.update(measured_us=m["us"], measured_on=m["gpu"], measured_file=m["file"],
-                           bytes_us=nbytes / m["read_gbps"] / 1e3)
-            res["rows"].append(row)
+            res["rows"].append(row(label, n, k, norm, form, kernel))
+    for bn, tw, warps in TILES:                   # other tiles of the shipped kernel, at the largest shape
+        label, n, k, norm = SHAPES[0]
+        res["rows"].append(row(label, n, k, norm, f"tile {bn} x {tw}, {warps} warps", None,
+                               {"BLOCK_N": bn, "TW": tw, "num_warps": warps}))
     save_experiment("sass-census", res)
     print(f"sm_90 SASS of the packed GEMV (Triton {triton.__version__} here), issue floor at "
           f"{args.sms} SMs x 4 x {args.clock_ghz} GHz")
     for r in res["rows"]:
         top = ", ".join(f"{k} {v}" for k, v in list(r["body"]["by_kind"].items())[:8])
-        print(f"{r['shape']:44} {r['form']:22} {r['config']['BLOCK_N']:3} x {r['config']['TW']:4}: "
+        rs = r["resources"]
+        print(f"{r['shape']:44} {r['form']:26} {r['config']['BLOCK_N']:3} x {r['config']['TW']:4}: "
+              f"{rs.get('reg')} registers, {rs.get('local')} B spilled; "
               f"{r['body']['instructions']:4} a step, {r['words_per_thread_step']} words a thread "
               f"({r['body_instructions_per_word_a_thread']:.1f} a word); issue floor {r['issue_bound_us']:.2f} us"
               + (f", bytes {r['bytes_us']:.2f} us, measured {r['measured_us']:.2f} us ({r['measured_on']})"
