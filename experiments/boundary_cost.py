@@ -73,6 +73,14 @@ def _rows(w_ptr, x_ptr, y_ptr, tile, N, first, use_first, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _wait_tickets(count_ptr, want):
+    """Spin (every thread) until the counter holds ``want`` tickets; acquire: the writes before them are visible."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while seen < want:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+
+
+@triton.jit
 def gemv_kernel(w_ptr, x_ptr, y_ptr, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
                 USE_PDL: tl.constexpr = False):
     """One phase: program ``t`` computes row tile ``t``."""
@@ -97,9 +105,7 @@ def persistent_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.constexpr, BLOC
             first = tl.load(w_i + offs_n0[:, None].to(tl.int64) * N + offs_k0[None, :],
                             mask=(offs_n0[:, None] < N) & (offs_k0[None, :] < N), other=0)
         if i > 0:                     # wait until every program has written phase i - 1 (each thread spins)
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-            while seen < i * P:
-                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            _wait_tickets(count_ptr, i * P)
         for tile in range(pid, tiles, P):
             if WEIGHTS_FIRST:
                 _rows(w_i, x_ptr + i * N, x_ptr + (i + 1) * N, tile, N, first, tile == pid, BLOCK_N, BLOCK_K, True,
@@ -150,9 +156,7 @@ def persistent_ahead_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.constexpr
     for i in range(0, L):
         w = _ahead_rows(w_ptr + i * N * N, pid, N, BLOCK_N, NP)
         if i > 0:
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-            while seen < i * P:
-                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            _wait_tickets(count_ptr, i * P)
         _ahead_finish(w, x_ptr + i * N, x_ptr + (i + 1) * N, pid, N, BLOCK_N, NP, INTERPRET)
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
@@ -180,9 +184,7 @@ def persistent_two_ahead_kernel(w_ptr, x_ptr, count_ptr, N, L, BLOCK_N: tl.const
     for i in range(0, L):
         w_next = _ahead_rows(w_ptr + tl.minimum(i + 1, L - 1) * N * N, pid, N, BLOCK_N, NP)
         if i > 0:
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-            while seen < i * P:
-                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            _wait_tickets(count_ptr, i * P)
         _ahead_finish(w, x_ptr + i * N, x_ptr + (i + 1) * N, pid, N, BLOCK_N, NP, INTERPRET)
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
