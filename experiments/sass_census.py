@@ -197,29 +197,21 @@ def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None, tile: dict |
     return new[0].asm["cubin"], config
 
 
-def sass_of(cubin: bytes) -> list[tuple[int, str, str]]:
-    """``(address, opcode, operands)`` of each instruction, from ``cuobjdump -sass``."""
+def disassemble(cubin: bytes) -> tuple[list[tuple[int, str, str]], dict]:
+    """One ``cuobjdump -sass -res-usage`` of the cubin: ``(address, opcode, operands)`` of each instruction, and the
+    registers a thread, stack, local (spilled) and shared bytes."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    out = []
+        text = subprocess.run([str(tool), "-sass", "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ins = []
     for line in text.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);", line)
         if m:
-            out.append((int(m.group(1), 16), m.group(3), m.group(4).strip()))
-    return out
-
-
-def resources(cubin: bytes) -> dict:
-    """Registers a thread, stack, local (spilled) and shared bytes, from ``cuobjdump -res-usage``."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4).strip()))
+    return ins, {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
 def _target(operands: str) -> int | None:
@@ -275,7 +267,8 @@ def main() -> None:
     forms = {"shipped": None, "x in the words' order": word_order_kernel()}
     def row(label, n, k, norm, form, kernel=None, tile=None):
         cubin, cfg = compile_gemv(n, k, args.sms, norm, kernel, tile)
-        census = loop_census(sass_of(cubin))
+        ins, used = disassemble(cubin)
+        census = loop_census(ins)
         kw = k // 8
         words_per_step = cfg["BLOCK_N"] * cfg["TW"]
         steps = (n // cfg["BLOCK_N"]) * (kw // cfg["TW"])
@@ -284,7 +277,7 @@ def main() -> None:
                       + tiles * census["epilogue_block"]["instructions"]) * cfg["num_warps"]
         nbytes = n * kw * 4 + n * (k // 16)
         out = {"shape": label, "n": n, "k": k, "norm_folded": norm, "form": form, "config": cfg, **census,
-               "resources": resources(cubin), "words_per_step": words_per_step,
+               "resources": used, "words_per_step": words_per_step,
                "words_per_thread_step": words_per_step // (32 * cfg["num_warps"]),
                "body_instructions_per_word_a_thread": census["body"]["instructions"] * cfg["num_warps"] * 32
                / words_per_step,
