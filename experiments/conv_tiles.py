@@ -10,12 +10,13 @@ tile, the same way.
 
     PYTHONPATH=. python3 experiments/conv_tiles.py
     PYTHONPATH=. python3 experiments/conv_tiles.py --layouts
+    PYTHONPATH=. python3 experiments/conv_tiles.py --edits
 
 ``--layouts`` asks instead why the race's input (the model's: a strided view of the fused ``qkvz`` projection, with
 an initial state) costs the shipped tile 2.4x what a contiguous input costs ``lynn bench deltanet.conv`` for the
-same bytes: the shipped conv on the four combinations of {contiguous, the strided view} x {no initial state, an
-initial state} (the final state is written either way), each by graph replay on rotating inputs, at 2,048 and
-16,384 tokens.
+same bytes: the shipped conv, and its ``channels-first`` edit, on the four combinations of {contiguous, the strided
+view} x {no initial state, an initial state} (the final state is written either way), each by graph replay on
+rotating inputs, at 2,048 and 16,384 tokens. ``--edits`` races only ``EDITS``, not ``TILES``.
 
 Writes ``data/experiments/conv-tiles/<sha>.json`` (``conv-layouts`` with ``--layouts``; under ``$OUT`` when set).
 GPU only.
@@ -43,6 +44,11 @@ EDITS = {
                    "cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :], cache_modifier='.cs')"},
     "x-evict-last": {"mask=in_x[:, None] & mask_c[None, :], other=0)":
                      "mask=in_x[:, None] & mask_c[None, :], other=0, eviction_policy='evict_last')"},
+    # the programs in flight side by side along C, not T: each reads whole rows of x between them, not 256 bytes of
+    # each of 32 rows 16-25 KB apart (the same bijection of the grid, so the same bits)
+    "channels-first": {"    pid_t = tl.program_id(0)\n    pid_c = tl.program_id(1)":
+                       "    lin = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)\n"
+                       "    pid_c = lin % tl.num_programs(1)\n    pid_t = lin // tl.num_programs(1)"},
 }
 
 
@@ -73,6 +79,7 @@ def layouts() -> None:
     ceilings = measure_ceilings()
     shape = BUILDERS["deltanet.causal_conv1d"](MODELS["qwen3.5-35b-a3b"], 16)[0]
     (x16, weight, h16), _, _ = shape.make()
+    order = next(v for v in edit_variants() if v.name == "channels-first")
     full_width = x16.stride(1)                       # the fused projection's row: qkv's channels, then z's
     C, W = x16.shape[-1], weight.shape[-1]
     res = {"provenance": provenance("PYTHONPATH=. python3 experiments/conv_tiles.py --layouts"),
@@ -89,13 +96,15 @@ def layouts() -> None:
                     h0 = torch.randn(1, C, W - 1, device="cuda", dtype=torch.bfloat16) if state else None
                     inputs.append((buf[None, :, :C], h0))
                 calls = [lambda x=x, h0=h0: causal_conv1d(x, weight, h0) for x, h0 in inputs]
-                us = graph_us(calls)
-                row = {"tokens": T, "x": "strided view" if strided else "contiguous",
-                       "initial_state": state, "us": us,
-                       "gb_s": nbytes / us / 1e3, "frac_of_read": nbytes / us / 1e3 / ceilings.read_gbps}
-                res["rows"].append(row)
-                print(f"{T:6} tokens  x {row['x']:13} initial state {str(state):5} {us:8.1f} us  "
-                      f"{row['gb_s']:7.1f} GB/s  {row['frac_of_read']:6.1%} of read", flush=True)
+                for kernel, v in (("shipped", None), ("channels-first", order)):
+                    with lab.using(v) if v else contextlib.nullcontext():
+                        us = graph_us(calls)
+                    row = {"tokens": T, "x": "strided view" if strided else "contiguous",
+                           "initial_state": state, "kernel": kernel, "us": us,
+                           "gb_s": nbytes / us / 1e3, "frac_of_read": nbytes / us / 1e3 / ceilings.read_gbps}
+                    res["rows"].append(row)
+                    print(f"{T:6} tokens  x {row['x']:13} initial state {str(state):5} {kernel:14} {us:8.1f} us  "
+                          f"{row['gb_s']:7.1f} GB/s  {row['frac_of_read']:6.1%} of read", flush=True)
                 inputs = calls = None
                 torch.cuda.empty_cache()
     save_experiment("conv-layouts", res)
@@ -110,9 +119,10 @@ def main() -> None:
     shapes = [s for m in TOKENS for s in BUILDERS["deltanet.causal_conv1d"](MODELS["qwen3.5-35b-a3b"], m)]
     (x, weight, h0), _, _ = shapes[-1].make()
     shipped_y = triton_conv.causal_conv1d_triton(x, weight, h0)[0].clone()
-    res = {"provenance": provenance("PYTHONPATH=. python3 experiments/conv_tiles.py"),
+    res = {"provenance": provenance("PYTHONPATH=. python3 experiments/conv_tiles.py " + " ".join(sys.argv[1:])),
            "shipped": dict(triton_conv.CONV_CONFIG), "tiles": []}
-    cases = [(tile_variant(*t), dict(zip(("BLOCK_T", "BLOCK_C", "num_warps"), t))) for t in TILES]
+    cases = [] if "--edits" in sys.argv[1:] else \
+        [(tile_variant(*t), dict(zip(("BLOCK_T", "BLOCK_C", "num_warps"), t))) for t in TILES]
     cases += [(v, {"edit": v.name, **triton_conv.CONV_CONFIG}) for v in edit_variants()]
     for v, row in cases:
         try:

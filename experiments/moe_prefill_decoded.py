@@ -16,13 +16,13 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``.
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
-   ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``): the kernel census of a 16,384-token prefill by
-   part, the graph-captured prefill of 2,048, 8,192 and 16,384 tokens, and the last token's logits of the two
-   against each other.
+   ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``none``: the shipped switches alone, one arm):
+   the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
+   tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
         [--parts gate_up down down_decoded combine split order]
-        [--model-ab decoded|order|decoded_down] [--model PRESET]
+        [--model-ab decoded|order|decoded_down|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -63,7 +63,8 @@ PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order")
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
             "decoded_down": (("w2 decoded in the loop", "DECODED_DOWN", False),
-                             ("w2 decoded once", "DECODED_DOWN", True))}
+                             ("w2 decoded once", "DECODED_DOWN", True)),
+            "none": (("shipped", None, None),)}
 
 
 @contextlib.contextmanager
@@ -294,10 +295,11 @@ def model_rows(ceilings, ab, preset: str) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (16384 + 64,), device="cuda", generator=gen)
     cache = model.new_cache(max_batch=1, max_tokens=16384 + 64)
     res, logits = {"model": preset}, {}
-    (off, name, _), (on, _, _) = ab
-    shipped = getattr(te, name)
+    name = ab[0][1]
+    shipped = getattr(te, name) if name else None
     for label, _, value in ab:
-        setattr(te, name, value)
+        if name:
+            setattr(te, name, value)
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
             s = cache.add()
@@ -313,7 +315,10 @@ def model_rows(ceilings, ab, preset: str) -> dict:
         res[label] = part
         print(f"{label}: " + ", ".join(f"{n}: {part[f'graph_{n}'].get('tok_s', float('nan')):,.0f} tok/s"
                                        for n in (2048, 8192, 16384)), flush=True)
+    if not name:                                   # one arm, the shipped switches: nothing to compare
+        return res
     setattr(te, name, shipped)
+    (off, _, _), (on, _, _) = ab
     m = compare(logits[on], logits[off])
     res["switch"] = name
     res[f"logits_{on}_vs_{off}".replace(" ", "_")] = {"cosine": m.cosine, "max_abs": m.max_abs,
