@@ -16,13 +16,14 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``.
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
-   ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``none``: the shipped switches alone, one arm):
+   ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
+   rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``none``: the shipped switches alone, one arm):
    the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
         [--parts gate_up down down_decoded combine split order]
-        [--model-ab decoded|order|decoded_down|none] [--model PRESET]
+        [--model-ab decoded|order|decoded_down|decoded_from_256|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -64,6 +65,8 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
             "decoded_down": (("w2 decoded in the loop", "DECODED_DOWN", False),
                              ("w2 decoded once", "DECODED_DOWN", True)),
+            "decoded_from_256": (("looped", "DECODED_MIN_ROWS", 1 << 40),
+                                 ("decoded from 256 rows", "DECODED_MIN_ROWS", 256)),
             "none": (("shipped", None, None),)}
 
 

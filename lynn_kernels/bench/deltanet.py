@@ -254,11 +254,16 @@ def bench_conv(ceilings: Ceilings, quick: bool = False) -> list[Result]:
     for T in (QUICK_PREFILL_T if quick else PREFILL_T):
         label, dims = f"prefill B1 T{T} C{CONV_C} W{CONV_W}", {"B": 1, "T": T, "C": CONV_C, "W": CONV_W}
         nbytes = 2 * T * CONV_C * 2 + CONV_C * CONV_W * 2 + CONV_C * (CONV_W - 1) * 2
-        sets = rotation(lambda: (torch.randn(1, T, CONV_C, device="cuda").bfloat16(),), nbytes)
+        sets = rotation(lambda: (torch.randn(1, T, CONV_C, device="cuda").bfloat16(),
+                                 torch.randn(1, CONV_C, CONV_W - 1, device="cuda").bfloat16()), nbytes)
         y_ref, _ = reference.causal_conv1d(sets[0][0].float(), weight.float())
-        providers = [("lynn causal_conv1d()", lambda x: causal_conv1d(x, weight)),
-                     ("torch eager (reference)", lambda x: reference.causal_conv1d(x, weight))]
-        checks = {p: validated(compare(fn(*sets[0])[0], y_ref, baseline=y_ref.bfloat16())) for p, fn in providers}
+        y_ref0, _ = reference.causal_conv1d(sets[0][0].float(), weight.float(), sets[0][1].float())
+        providers = [("lynn causal_conv1d()", lambda x, h0: causal_conv1d(x, weight)),
+                     ("lynn causal_conv1d() with an initial state (the decoder's call)",
+                      lambda x, h0: causal_conv1d(x, weight, h0)),
+                     ("torch eager (reference)", lambda x, h0: reference.causal_conv1d(x, weight))]
+        checks = {p: validated(compare(fn(*sets[0])[0], y0, baseline=y0.bfloat16()))
+                  for (p, fn), y0 in zip(providers, (y_ref, y_ref0, y_ref))}
         for provider, fn in providers:
             rows += timed(Result("deltanet.conv", provider, label, dims, NAN, NAN, NAN, bytes=nbytes,
                                  ceiling="copy_gbps", validation=checks[provider],
