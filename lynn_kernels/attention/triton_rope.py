@@ -1,8 +1,9 @@
 """Fused QK RMSNorm ((1 + w), fp32) + partial rotate_half RoPE + KV-cache write, for prefill and decode alike.
 
 One program handles ``BLOCK_T`` tokens of one head: heads ``0..Hq-1`` are query heads, ``Hq..Hq+Hkv-1`` key heads
-(which also copy ``v`` into the cache). RoPE needs, for dim ``d < R``, its rotate_half partner ``d +- R/2``: the
-kernel loads the row a second time at the partner offsets (an L1 hit) instead of shuffling registers.
+(which also copy ``v`` into the cache). RoPE pairs dim ``d < R/2`` with its rotate_half partner ``d + R/2``: the
+kernel loads the two halves of the rotated dims again as tiles of their own (L1 hits) instead of shuffling
+registers, so cos and sin are computed for ``R/2`` columns, not for the whole head.
 
 cos / sin come from tables (``cos, sin [P, R]``, gathered by position: bit-for-bit whatever the caller built, e.g.
 :func:`.reference.rope_cos_sin`, HF's own numbers) or are computed in-kernel from ``rope_theta``: the angle
@@ -49,7 +50,7 @@ def _qk_norm_rope_kernel(
     stride_kc0, stride_kc1, stride_kch, stride_vc0, stride_vc1, stride_vch, CACHE_ROWS,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, TABLE: tl.constexpr, WRITE_CACHE: tl.constexpr,
     IN_DTYPE: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-    BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
@@ -59,8 +60,6 @@ def _qk_norm_rope_kernel(
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     offs_d = tl.arange(0, HEAD_DIM)
-    # rotate_half partner of each dim: d + R/2 in the first half, d - R/2 in the second, itself past R
-    offs_p = tl.where(offs_d < HALF, offs_d + HALF, tl.where(offs_d < ROT_DIM, offs_d - HALF, offs_d))
     rows_t = offs_t.to(tl.int64)
     if pid_h < HQ:                                                      # a query head
         x_row = q_ptr + rows_t * stride_qt + pid_h * stride_qh
@@ -71,46 +70,62 @@ def _qk_norm_rope_kernel(
         w_ptr = kw_ptr
         o_row = k_out_ptr + (rows_t * HKV + pid_h - HQ) * HEAD_DIM
     m2 = mask_t[:, None]
+    # the rotated dims as two [BLOCK_T, BLOCK_H] halves (d and its partner d + R/2), loaded again (L1 hits): cos and
+    # sin for R/2 columns, not for the whole head (8x fewer at R = 64 of 256), and no gather of the partners
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < HALF
+    mh = m2 & mask_h[None, :]
     x = to_float32(tl.load(x_row[:, None] + offs_d[None, :], mask=m2, other=0), IN_DTYPE, INTERPRET)
-    x_p = to_float32(tl.load(x_row[:, None] + offs_p[None, :], mask=m2, other=0), IN_DTYPE, INTERPRET)
+    x_a = to_float32(tl.load(x_row[:, None] + offs_h[None, :], mask=mh, other=0), IN_DTYPE, INTERPRET)
+    x_b = to_float32(tl.load(x_row[:, None] + (HALF + offs_h)[None, :], mask=mh, other=0), IN_DTYPE, INTERPRET)
     w1 = 1.0 + tl.load(w_ptr + offs_d)                                  # [HEAD_DIM] the (1 + w) weight, fp32
-    w1_p = 1.0 + tl.load(w_ptr + offs_p)
+    w1_a = 1.0 + tl.load(w_ptr + offs_h, mask=mask_h, other=0)
+    w1_b = 1.0 + tl.load(w_ptr + HALF + offs_h, mask=mask_h, other=0)
 
     # RMSNorm in fp32, in HF's order: x * rsqrt(mean(x^2) + eps), then * (1 + w)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)                  # [BLOCK_T]
     y = (x * rstd[:, None]) * w1[None, :]                               # [BLOCK_T, HEAD_DIM]
-    y_p = (x_p * rstd[:, None]) * w1_p[None, :]
+    y_a = (x_a * rstd[:, None]) * w1_a[None, :]                         # the same values at dims d < R/2
+    y_b = (x_b * rstd[:, None]) * w1_b[None, :]                         # and at R/2 <= d < R
 
     # RoPE on the first ROT_DIM dims: y * cos + rotate_half(y) * sin, rotate_half = (-y2, y1)
     pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0)               # [BLOCK_T]
-    is_rot = offs_d < ROT_DIM
-    if TABLE:
+    if TABLE:                                                           # each column as the caller's table has it
         rows_c = pos.to(tl.int64)[:, None]
-        mask_c = m2 & is_rot[None, :]
-        cos = to_float32(tl.load(cos_ptr + rows_c * stride_cos + offs_d[None, :], mask=mask_c, other=1),
-                         TABLE_DTYPE, INTERPRET)
-        sin = to_float32(tl.load(sin_ptr + rows_c * stride_sin + offs_d[None, :], mask=mask_c, other=0),
-                         TABLE_DTYPE, INTERPRET)
-    else:
-        inv_freq = tl.load(inv_freq_ptr + offs_d % HALF)                # [HEAD_DIM] cat(freqs, freqs) order
-        cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * inv_freq[None, :])
-    rot = tl.where((offs_d < HALF)[None, :], -y_p, y_p)
-    y = tl.where(is_rot[None, :], y * cos + rot * sin, y)
+        cos_a = to_float32(tl.load(cos_ptr + rows_c * stride_cos + offs_h[None, :], mask=mh, other=1),
+                           TABLE_DTYPE, INTERPRET)
+        sin_a = to_float32(tl.load(sin_ptr + rows_c * stride_sin + offs_h[None, :], mask=mh, other=0),
+                           TABLE_DTYPE, INTERPRET)
+        cos_b = to_float32(tl.load(cos_ptr + rows_c * stride_cos + (HALF + offs_h)[None, :], mask=mh, other=1),
+                           TABLE_DTYPE, INTERPRET)
+        sin_b = to_float32(tl.load(sin_ptr + rows_c * stride_sin + (HALF + offs_h)[None, :], mask=mh, other=0),
+                           TABLE_DTYPE, INTERPRET)
+    else:                                                               # cat(freqs, freqs): one angle for both
+        inv_freq = tl.load(inv_freq_ptr + offs_h, mask=mask_h, other=0)
+        cos_a, sin_a = _cos_sin(pos.to(tl.float32)[:, None] * inv_freq[None, :])
+        cos_b, sin_b = cos_a, sin_a
+    out_a = cast_output(y_a * cos_a + (-y_b) * sin_a, IN_DTYPE, INTERPRET)
+    out_b = cast_output(y_b * cos_b + y_a * sin_b, IN_DTYPE, INTERPRET)
     y_out = cast_output(y, IN_DTYPE, INTERPRET)
-    tl.store(o_row[:, None] + offs_d[None, :], y_out, mask=m2)
+    keep = m2 & (offs_d >= ROT_DIM)[None, :]                            # the dims RoPE leaves alone
+    tl.store(o_row[:, None] + offs_d[None, :], y_out, mask=keep)
+    tl.store(o_row[:, None] + offs_h[None, :], out_a, mask=mh)
+    tl.store(o_row[:, None] + (HALF + offs_h)[None, :], out_b, mask=mh)
 
     if WRITE_CACHE:
         if pid_h >= HQ:
             hk = pid_h - HQ
             slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)    # -1: padding, skip
-            mask_s = (slot >= 0)[:, None]
+            ok = slot >= 0
             i0 = slot // CACHE_ROWS
             i1 = slot % CACHE_ROWS
-            tl.store(k_cache_ptr + (i0 * stride_kc0 + i1 * stride_kc1 + hk * stride_kch)[:, None] + offs_d[None, :],
-                     y_out, mask=mask_s)
+            kc_row = k_cache_ptr + i0 * stride_kc0 + i1 * stride_kc1 + hk * stride_kch
+            tl.store(kc_row[:, None] + offs_d[None, :], y_out, mask=ok[:, None] & (offs_d >= ROT_DIM)[None, :])
+            tl.store(kc_row[:, None] + offs_h[None, :], out_a, mask=ok[:, None] & mask_h[None, :])
+            tl.store(kc_row[:, None] + (HALF + offs_h)[None, :], out_b, mask=ok[:, None] & mask_h[None, :])
             v = tl.load(v_ptr + (rows_t * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :], mask=m2)
             tl.store(v_cache_ptr + (i0 * stride_vc0 + i1 * stride_vc1 + hk * stride_vch)[:, None] + offs_d[None, :],
-                     v, mask=mask_s)
+                     v, mask=ok[:, None])
 
 
 QK_NORM_ROPE = runtime.Kernel("attention.qk_norm_rope", _qk_norm_rope_kernel)
@@ -165,6 +180,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, positions, *, v=None, rotary_d
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), kc.shape[1],
         HEAD_DIM=d, ROT_DIM=rotary_dim, TABLE=table, WRITE_CACHE=write,
         IN_DTYPE=runtime.TORCH_TO_TL[q.dtype], TABLE_DTYPE=runtime.TORCH_TO_TL[cos_t.dtype], BLOCK_T=block_t,
+        BLOCK_H=runtime.next_power_of_2(rotary_dim // 2),
         **runtime.kernel_flags(), **runtime.pdl_flags(), num_warps=4,
     )
     return q_out, k_out
