@@ -1,22 +1,24 @@
 """Which GPU tile the Gated DeltaNet prefill conv (``deltanet.causal_conv1d``) should run at.
 
-In a 16,384-token prefill of Qwen3.5-35B-A3B the conv's 30 launches take about 20 ms for 537 MB read and written: a
-fifth of the copy bandwidth. Each tile of ``TILES`` (``BLOCK_T`` positions x ``BLOCK_C`` channels, warps: the
-launcher's ``triton_conv.CONV_CONFIG``) is raced through the lab (graph replay on rotating inputs, against the
-shipped tile and cuDNN's depthwise conv) at Qwen3.5-35B-A3B's prefill of 2,048 and 16,384 tokens, and its output is
-compared bit for bit with the shipped tile's (the tile does not change any sum). Then each of ``EDITS`` (one line
-of the shipped kernel changed through ``lab.edit``: the output stored streaming, the input kept in L2) at the shipped
-tile, the same way.
+In a 16,384-token prefill of Qwen3.5-35B-A3B the conv's 30 launches took about 20 ms for 537 MB read and written
+(a fifth of the copy bandwidth) until 6ce1f1b; 6.6 ms since (an H100). Each tile of ``TILES`` (``BLOCK_T``
+positions x ``BLOCK_C`` channels, warps: the launcher's ``triton_conv.CONV_CONFIG``) is raced through the lab (graph
+replay on rotating inputs, against the shipped tile and cuDNN's depthwise conv) at Qwen3.5-35B-A3B's prefill of
+2,048 and 16,384 tokens, and its output is compared bit for bit with the shipped tile's (the tile does not change
+any sum). Then each of ``EDITS`` (one line of the shipped kernel changed through ``lab.edit``: the output stored
+streaming, the programs in flight side by side along the channels) at the shipped tile, the same way.
 
     PYTHONPATH=. python3 experiments/conv_tiles.py
     PYTHONPATH=. python3 experiments/conv_tiles.py --layouts
     PYTHONPATH=. python3 experiments/conv_tiles.py --edits
 
-``--layouts`` asks instead why the race's input (the model's: a strided view of the fused ``qkvz`` projection, with
-an initial state) costs the shipped tile 2.4x what a contiguous input costs ``lynn bench deltanet.conv`` for the
-same bytes: the shipped conv, and its ``channels-first`` edit, on the four combinations of {contiguous, the strided
-view} x {no initial state, an initial state} (the final state is written either way), each by graph replay on
-rotating inputs, at 2,048 and 16,384 tokens. ``--edits`` races only ``EDITS``, not ``TILES``.
+``--layouts`` asks why the race's input (the model's: a strided view of the fused ``qkvz`` projection, with an
+initial state) cost the shipped tile 2.4x what a contiguous input cost ``lynn bench deltanet.conv`` for the same
+bytes: the shipped conv, and its ``channels-first`` edit, on the four combinations of {contiguous, the strided view}
+x {no initial state, an initial state} (the final state is written either way), each by graph replay on rotating
+inputs, at 2,048 and 16,384 tokens. At 78f9878 the answer was the initial state (531.6 against 224.8 us at 16,384
+tokens; the strided view cost nothing): every block ran the state's masked gathers. Since 6ce1f1b only the first
+``W - 1`` positions do (docs/deltanet.md, "Conv"). ``--edits`` races only ``EDITS``, not ``TILES``.
 
 Writes ``data/experiments/conv-tiles/<sha>.json`` (``conv-layouts`` with ``--layouts``; under ``$OUT`` when set).
 GPU only.
@@ -38,12 +40,13 @@ from lynn_kernels.lab.shapes import BUILDERS, MODELS
 #: 1485514, 64 x 256 and up took 11.6-16.9 ms against its 0.66; data/experiments/conv-tiles/1485514-h100.json)
 TILES = [(32, 256, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4), (64, 128, 8), (8, 512, 4), (16, 1024, 8)]
 TOKENS = (2048, 16384)
-#: one-line edits of the shipped kernel, raced at the shipped tile: where its 810 GB/s might go (L2 traffic)
+#: one-line edits of the shipped kernel, raced at the shipped tile: where its 810 GB/s might go (L2 traffic). The
+#: input kept in L2 (``x-evict-last``) was raced at 7ea35e4 (data/experiments/conv-tiles/7ea35e4-h100.json); its load
+#: has lived in ``_conv_taps`` since 6ce1f1b, out of reach of an edit of the kernel's body.
 EDITS = {
-    "y-streamed": {"cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :])":
-                   "cast_output(y, X_DTYPE, INTERPRET), mask=mask_t[:, None] & mask_c[None, :], cache_modifier='.cs')"},
-    "x-evict-last": {"mask=in_x[:, None] & mask_c[None, :], other=0)":
-                     "mask=in_x[:, None] & mask_c[None, :], other=0, eviction_policy='evict_last')"},
+    "y-streamed": {"cast_output(y, X_DTYPE, INTERPRET),\n             mask=mask_y[:, None] & mask_c[None, :])":
+                   "cast_output(y, X_DTYPE, INTERPRET),\n             mask=mask_y[:, None] & mask_c[None, :], "
+                   "cache_modifier='.cs')"},
     # the programs in flight side by side along C, not T: each reads whole rows of x between them, not 256 bytes of
     # each of 32 rows 16-25 KB apart (the same bijection of the grid, so the same bits)
     "channels-first": {"    pid_t = tl.program_id(0)\n    pid_c = tl.program_id(1)":
