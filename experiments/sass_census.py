@@ -151,7 +151,7 @@ def check() -> None:
                 sys.exit(1)
 
 
-class _Hopper:
+class Sm90Driver:
     """Enough of a Triton driver for the compiler: the target is an sm_90 GPU."""
 
     def get_current_device(self):
@@ -250,7 +250,7 @@ def main() -> None:
     if args.check:
         check()
         return
-    driver.set_active(_Hopper())
+    driver.set_active(Sm90Driver())
     # the launcher sizes its tile by the GPU's SM count: the stand-in GPU answers for torch as well
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=args.sms)
     measured = {}
