@@ -13,19 +13,17 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
    what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
    shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits. ``down_decoded``:
-   ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``. ``persistent``: the down
-   GEMM one program a tile against the persistent kernel (``DOWN_PERSISTENT``) at each of ``PERSISTENT_CONFIGS``.
+   ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``.
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
-   rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``down_persistent``: the persistent down GEMM,
-   ``DOWN_PERSISTENT``; ``none``: the shipped switches alone, one arm):
+   rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``none``: the shipped switches alone, one arm):
    the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down down_decoded combine split order persistent]
-        [--model-ab decoded|order|decoded_down|decoded_from_256|down_persistent|none] [--model PRESET]
+        [--parts gate_up down down_decoded combine split order]
+        [--model-ab decoded|order|decoded_down|decoded_from_256|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -55,16 +53,13 @@ DOWN_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 
 #: the down kernel's tiles on a decoded w2 (``DECODED_DOWN``; its K is only I = 512 at these models)
 DECODED_DOWN_CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4),
                         (128, 128, 4, 2), (64, 64, 4, 4)]
-#: the persistent down kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM), on decoded w13
-PERSISTENT_CONFIGS = [(128, 128, 4, 2, 2), (128, 128, 4, 2, 1), (128, 128, 4, 3, 1), (128, 128, 8, 3, 1),
-                      (256, 128, 8, 2, 1), (128, 128, 8, 2, 2)]
 #: the combine's (BLOCK_T, BLOCK_H, num_warps)
 COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8), (4, 1024, 8), (8, 512, 8),
                    (8, 256, 4), (16, 256, 8), (1, 1024, 4)]
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "persistent")
+PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order")
 #: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
@@ -72,8 +67,6 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
                              ("w2 decoded once", "DECODED_DOWN", True)),
             "decoded_from_256": (("looped", "DECODED_MIN_ROWS", 1 << 40),
                                  ("decoded from 256 rows", "DECODED_MIN_ROWS", 256)),
-            "down_persistent": (("down, a program a tile", "DOWN_PERSISTENT", False),
-                                ("down persistent", "DOWN_PERSISTENT", True)),
             "none": (("shipped", None, None),)}
 
 
@@ -211,47 +204,6 @@ def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
                 flush=True)
         if "order" in parts:
             rows += order_rows(base, run, ws, bm, m, flops, peak)
-        if "persistent" in parts:
-            rows += persistent_rows(base, run, ws, want, flops, peak, bm)
-    return rows
-
-
-@contextlib.contextmanager
-def down_persistent(on: bool, per_sm: int = te.DOWN_PROGRAMS_PER_SM):
-    """``DOWN_PERSISTENT`` and ``DOWN_PROGRAMS_PER_SM`` set inside the block."""
-    was = te.DOWN_PERSISTENT, te.DOWN_PROGRAMS_PER_SM
-    te.DOWN_PERSISTENT, te.DOWN_PROGRAMS_PER_SM = on, per_sm
-    try:
-        yield
-    finally:
-        te.DOWN_PERSISTENT, te.DOWN_PROGRAMS_PER_SM = was
-
-
-def persistent_rows(base: dict, run, ws, want, flops: float, peak: float, bm: int) -> list[dict]:
-    """The shipped call (decoded ``w13``) with the down GEMM one program a tile, then persistent
-    (``DOWN_PERSISTENT``) at each of ``PERSISTENT_CONFIGS``: bits against the tile kernel's, time, churn, and the
-    call's kernels (the down kernel's own time)."""
-    rows = []
-    with down_persistent(False):
-        tiles = run(None, ws=ws).clone()
-        row = {**base, "path": "down, a program a tile (decoded w13)", "block_m": bm, "config": te.DOWN_CONFIG_128}
-        row = measured(row, lambda: run(None, ws=ws), tiles, want, flops, peak, 0.0)
-        row["kernels_ms"] = kernel_split(lambda: run(None, ws=ws))
-        rows.append(row)
-    for n, k, warps, stages, per_sm in PERSISTENT_CONFIGS:
-        cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
-        row = {**base, "path": "down persistent (decoded w13)", "down_config": cfg, "programs_per_sm": per_sm,
-               "block_m": bm}
-        with down_persistent(True, per_sm), down_tiles(cfg):
-            row = measured(row, lambda: run(None, ws=ws), tiles, want, flops, peak, 0.0)
-            row["same_bits_as_tile_kernel"] = row.pop("same_bits_as_looped", None)
-            if "error" not in row:
-                row["kernels_ms"] = kernel_split(lambda: run(None, ws=ws))
-        rows.append(row)
-    for r in rows:
-        down = {k: v for k, v in r.get("kernels_ms", {}).items() if "down" in k}
-        print(f"{base['model']} {base['tokens']:6d} {r['path']} {r.get('down_config') or r.get('config')} "
-              f"x{r.get('programs_per_sm', '-')}: down kernel {down}", flush=True)
     return rows
 
 

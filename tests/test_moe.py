@@ -259,36 +259,6 @@ def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, down, monkeyp
                                           triton_experts.moe_workspace(M, 2, E, H, inter, dtype, DEV), decoded=True)
 
 
-@pytest.mark.parametrize("dtype, packed", [(BF16, True), (FP32, False)], ids=["bf16-packed", "fp32-checkpoint"])
-def test_persistent_down_gives_the_tile_kernels_bits(dtype, packed, monkeypatch, poison_empty):
-    """The routed down GEMM as a persistent kernel (``DOWN_PERSISTENT``: a few programs, each looping over its
-    tiles' k steps) multiplies the tiles of the one-program-a-tile kernel in the same order: the same bits, with
-    more tiles than programs (the interpreter's 4 SMs: 8 programs for 40-odd tiles of two k steps) and the
-    poisoned padding rows of ``h`` never reaching an output."""
-    from lynn_kernels.moe import pack_experts
-
-    E, H, inter, M, top_k = 8, 256, 256, 64, 4
-    w13, w2 = _experts(E, H, inter, seed=12)
-    if packed:
-        w13, w2, _ = pack_experts(w13, w2)
-    weights, ids = _routing(M, top_k, E, seed=13)
-    x = _x(M, H, dtype, seed=14)
-    launches = []
-    kernel = triton_experts.MOE_DOWN_PERSISTENT
-    monkeypatch.setattr(triton_experts, "MOE_DOWN_PERSISTENT", type("Counted", (), {
-        "current": staticmethod(lambda *a: launches.append(1) or kernel.current(*a))}))
-
-    def run(persistent):
-        monkeypatch.setattr(triton_experts, "DOWN_PERSISTENT", persistent)
-        ws = moe_workspace(M, top_k, E, H, inter, dtype, DEV)
-        return launch_moe_experts(x, weights, ids, w13, w2, torch.empty_like(x), ws,
-                                  config={"BLOCK_N": 64, "BLOCK_K": 128})   # 2 k steps, 4 column tiles
-
-    tiles, got = run(False), run(True)
-    assert launches == [1]
-    assert torch.equal(got, tiles), bit_mismatches(got, tiles)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 2. moe_block against the reference and against HF transformers
 
@@ -769,28 +739,3 @@ def _packed_block_close(x, router, w13, w2, shared, top_k):
     assert m.cosine > 0.9999 and m.rel_l2 < 4e-3, m
     assert bit_mismatches(got, moe_block(x, router, p13, p2, pshared, top_k=top_k)) == 0, "not deterministic"
     return p13, p2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [512, 4096, 16384], ids=["M512", "M4096", "M16384"])
-def test_persistent_down_real_shape_gpu(M, monkeypatch):
-    """The persistent down GEMM (``DOWN_PERSISTENT``) at Qwen3.5-35B-A3B's experts, packed, compiled, at each
-    prefill tile size (16-, 64- and 128-row blocks): the one-program-a-tile kernel's bits, twice."""
-    from lynn_kernels.moe import pack_experts
-
-    E, top_k, H, inter = 256, 8, 2048, 512
-    w13, w2 = _real_experts(E, H, inter)
-    p13, p2, _ = pack_experts(w13, w2)
-    x = _x(M, H, BF16, seed=61)
-    router = (torch.randn(E, H, generator=_gen(62)) * 0.05).to(BF16).to(DEV)
-    weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
-
-    def run(persistent):
-        monkeypatch.setattr(triton_experts, "DOWN_PERSISTENT", persistent)
-        ws = triton_experts.moe_workspace(M, top_k, E, H, inter, BF16, DEV)
-        return triton_experts.launch_moe_experts(x, weights, ids, p13, p2, torch.empty_like(x), ws)
-
-    tiles = run(False)
-    for _ in range(2):
-        got = run(True)
-        assert torch.equal(got, tiles), bit_mismatches(got, tiles)

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from .. import runtime
 from ..matmul.spec import GEMV_MAX_M
-from ..matmul.triton_packed import _sm_count
 from ..runtime import cast_output, kernel_view, to_float32
 from ..triton_shared import MMA_UNIT, launch_packed_dequantize, w_tile
 from . import spec
@@ -69,10 +68,6 @@ DECODED_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4
 DECODED_DOWN = False
 #: The down kernel's tiles on decoded weights.
 DECODED_DOWN_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-#: The routed down GEMM as a persistent kernel (``_moe_down_persistent_kernel``: the same tiles, in the same order,
-#: the same bits) of :data:`DOWN_PROGRAMS_PER_SM` programs an SM, or one program a tile (``_moe_down_kernel``).
-DOWN_PERSISTENT = True
-DOWN_PROGRAMS_PER_SM = 2
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernels
@@ -207,55 +202,6 @@ MOE_DOWN = runtime.Kernel("moe.down", _moe_down_kernel)
 
 
 @triton.jit
-def _moe_down_persistent_kernel(
-    h_ptr, codes_ptr, scales_ptr, g_ptr, sorted_ptr, expert_ptr, padded_ptr, weights_ptr, out_ptr,
-    S, H, I, stride_om, G_STRIDE,
-    FLOAT_W: tl.constexpr, NO_G: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
-    PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    # _moe_down_kernel's tiles, in the same order, taken by a fixed set of programs: one loop over (tile, k step)
-    # pairs, so the loads of a program's next tile start while it finishes this one (I is a few k steps)
-    num_n = tl.cdiv(H, BLOCK_N)
-    k_steps = tl.cdiv(I, BLOCK_K)
-    pid = tl.program_id(0)
-    stride = tl.num_programs(0)
-    n_tiles = tl.load(padded_ptr) // BLOCK_M * num_n
-    steps = tl.cdiv(tl.maximum(n_tiles - pid, 0), stride) * k_steps
-    offs_m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, steps):
-        tile = pid + (i // k_steps) * stride
-        ki = i % k_steps
-        pid_m = tile // num_n
-        offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < H
-        e = tl.load(expert_ptr + pid_m).to(tl.int64)
-        codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, H, I, FLOAT_W, PACKED_LAYOUT)
-        rows = pid_m * BLOCK_M + offs_m
-        offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-        # a padding row's h is never written: its products land in rows that are never stored
-        ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :], mask=offs_k[None, :] < I,
-                     other=0).to(DOT_DTYPE)                                              # [BLOCK_M, BLOCK_K]
-        wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, ki * BLOCK_K, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
-                          FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(ht, tl.trans(wt), acc, input_precision=PRECISION)
-        if ki == k_steps - 1:
-            slot = tl.load(sorted_ptr + rows)
-            valid = slot < S                                                            # the sentinel is S
-            g = _w2_global(g_ptr, e * G_STRIDE, NO_G, ACC_UNIT)
-            w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)
-            y = acc * g * w[:, None]
-            tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                     cast_output(y, OUT_DTYPE, INTERPRET), mask=valid[:, None] & mask_n[None, :])
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
-MOE_DOWN_PERSISTENT = runtime.Kernel("moe.down_persistent", _moe_down_persistent_kernel)
-
-
-@triton.jit
 def _moe_combine_kernel(
     slots_ptr, shared_ptr, out_ptr, M, H, stride_om,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -352,13 +298,12 @@ def decode_experts(w, a: _Weights, x_dtype: torch.dtype) -> _Weights:
 
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
                 h, dest, dense: bool, block_m: int, config: dict | None = None, decoded: bool = False,
-                decoded_down: bool = False, num_padded: torch.Tensor | None = None) -> None:
+                decoded_down: bool = False) -> None:
     """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
     itself). ``decoded``: ``w13`` is a packed weight decoded by :func:`decode_experts` (float tiles, the packed
     path's global scales and ``ACC_UNIT``), which gate_up runs at :data:`DECODED_CONFIG` (``config`` then replaces
     that, and down keeps its shipped tiles); ``decoded_down``: ``w2`` is decoded too, and down runs at
-    :data:`DECODED_DOWN_CONFIG`. ``num_padded`` (the align step's, routed blocks only): down runs persistent
-    (:data:`DOWN_PERSISTENT`) over the blocks it counts."""
+    :data:`DECODED_DOWN_CONFIG`."""
     M, H = x2.shape
     I = h.shape[-1]
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w2.packed)
@@ -381,19 +326,11 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
         meta, warps, stages = _tiles(H, I, DECODED_DOWN_CONFIG, None)
     else:
         meta, warps, stages = _tiles(H, I, DOWN_CONFIG_128 if block_m >= 128 else tiles, config, w2.packed)
-    dtypes = dict(W_DTYPE=runtime.TORCH_TO_TL[weights.dtype], OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype])
-    if DOWN_PERSISTENT and num_padded is not None and PREFILL_N_FIRST:
-        tiles = n_blocks * runtime.cdiv(H, meta["BLOCK_N"])
-        programs = max(1, min(tiles, DOWN_PROGRAMS_PER_SM * _sm_count(h.device)))
-        MOE_DOWN_PERSISTENT.current()[(programs,)](
-            h, w2.codes, w2.scales, w2.g, sorted_slots, experts, num_padded, kernel_view(weights),
-            kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
-            NO_G=float_w, **dtypes, **flags, BLOCK_M=block_m, **meta, num_warps=warps, num_stages=stages)
-        return
     MOE_DOWN.current()[_grid(n_blocks, H, meta["BLOCK_N"])](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
-        DENSE=dense, NO_G=float_w, **dtypes, **flags, BLOCK_M=block_m, **meta, N_FIRST=PREFILL_N_FIRST,
+        DENSE=dense, NO_G=float_w, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
+        OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta, N_FIRST=PREFILL_N_FIRST,
         num_warps=warps, num_stages=stages)
 
 
@@ -461,7 +398,7 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
             a2 = decode_experts(w2, a2, x2.dtype)
     _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
                 float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded,
-                decoded and DECODED_DOWN, ws.num_padded)
+                decoded and DECODED_DOWN)
     if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
