@@ -258,7 +258,7 @@ def _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos, eos, T_
     row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)             # buffer rows
     w = tl.load(w_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :] & live, other=0.0)
     u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :] & live, other=0.0)
-    gcum = tl.load(gcum_ptr + row, mask=(row >= 0) & live, other=0.0)
+    gcum = tl.load(gcum_ptr + row, mask=live, other=0.0)
     g_last = tl.load(gcum_ptr + i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + BT - 1, mask=live, other=0.0)
     k = tl.load(k_base + offs_t[:, None].to(tl.int64) * stride_kt + offs_k[None, :],
                 mask=((offs_t < eos) & live)[:, None] & mask_k[None, :], other=0)
@@ -272,7 +272,7 @@ def _chunk_state_kernel(
     stride_kb, stride_kt, stride_kh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr,
     STORE_FINAL: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program ``(pid_v, n * HV + hv)`` scans the chunks of sequence ``n`` (a batch row, or packed sequence ``n``:
     rows ``cu[n]:cu[n+1]``, chunks ``first[n]:first[n+1]`` of the buffers of head ``hv``) from state row ``n``."""
@@ -304,43 +304,24 @@ def _chunk_state_kernel(
         s = tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0)
     else:
         s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
-    if PREFETCH:
-        w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, 0, nt, bos, eos, T_PAD,
-                                                  stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
-        for c in range(nt):
-            w, u, gcum, g_last, k = w_n, u_n, g_n, gl_n, k_n
-            # the next chunk's inputs depend on no state: their loads fly while this chunk's two products run
-            w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c + 1, nt, bos, eos,
-                                                      T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
-            tl.store(h_ptr + (i_buf.to(tl.int64) * NT + c0 + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
-                     mask=mask_kv)                                                   # state entering c
-            row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)     # buffer rows
-            v_new = u - _dot(w, s, DOT)                                                       # the chunk's deltas
-            tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
-                     mask=mask_v[None, :])
-            k = to_float32(k, IN_DTYPE, INTERPRET)
-            if L2NORM:
-                k = _l2norm_rows(k)
-            k = k * tl.exp(g_last - gcum)[:, None]                 # decay from each token to the chunk end
-            s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, DOT)
-    else:
-        for c in range(nt):
-            tl.store(h_ptr + (i_buf.to(tl.int64) * NT + c0 + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
-                     mask=mask_kv)                                                       # state entering c
-            offs_t = bos + c * BT + tl.arange(0, BT)                                     # input rows
-            row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)         # buffer rows
-            w = tl.load(w_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :], other=0.0)  # [BT, BLOCK_K]
-            u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :], other=0.0)  # [BT, BLOCK_V]
-            v_new = u - _dot(w, s, DOT)                                                           # the chunk's deltas
-            tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
-                     mask=mask_v[None, :])
-            gcum = tl.load(gcum_ptr + row)                                                        # [BT]
-            g_last = tl.load(gcum_ptr + i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + BT - 1)   # rows past the end: same
-            k = _load_rows(k_base, offs_t, offs_t < eos, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)
-            if L2NORM:
-                k = _l2norm_rows(k)
-            k = k * tl.exp(g_last - gcum)[:, None]                     # decay from each token to the chunk end
-            s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, DOT)
+    w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, 0, nt, bos, eos, T_PAD,
+                                              stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
+    for c in range(nt):
+        w, u, gcum, g_last, k = w_n, u_n, g_n, gl_n, k_n
+        # the next chunk's inputs depend on no state: their loads fly while this chunk's two products run
+        w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c + 1, nt, bos, eos,
+                                                  T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
+        tl.store(h_ptr + (i_buf.to(tl.int64) * NT + c0 + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
+                 mask=mask_kv)                                                   # state entering c
+        row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)     # buffer rows
+        v_new = u - _dot(w, s, DOT)                                                       # the chunk's deltas
+        tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
+                 mask=mask_v[None, :])
+        k = to_float32(k, IN_DTYPE, INTERPRET)
+        if L2NORM:
+            k = _l2norm_rows(k)
+        k = k * tl.exp(g_last - gcum)[:, None]                 # decay from each token to the chunk end
+        s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, DOT)
     if STORE_FINAL:
         tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
 
@@ -411,11 +392,6 @@ def dot_dtype(dtype: torch.dtype):
     """``tl.dot`` operand dtype for inputs of ``dtype``: fp32 under the interpreter or for fp32 inputs (IEEE, not
     tf32), bf16 on the GPU for 16-bit inputs."""
     return tl.float32 if runtime.INTERPRET or dtype == torch.float32 else tl.bfloat16
-
-
-#: The state scan loads chunk ``c + 1``'s inputs while it runs chunk ``c`` (registers carried across the loop's
-#: iterations); off: each chunk's loads wait in its own iteration. The same operations on the same values.
-STATE_PREFETCH = True
 
 
 def block_v(V: int, interpret: bool = runtime.INTERPRET) -> tuple[int, int]:
@@ -521,7 +497,7 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     CHUNK_STATE.current()[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
         kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t, first,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
-        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE, PREFETCH=STATE_PREFETCH,
+        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
         **state_launch, **common)                         # w, k [64, K] and the state tile in registers
     CHUNK_OUTPUT.current()[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
         qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale,
