@@ -199,7 +199,7 @@ SLOTS_MOE_MATMUL = (
     "matmul.packed_gemv", "matmul.gemv", "matmul.gemm", "matmul.dequantize",
     "moe.route", "moe.router", "moe.align_count", "moe.align_offsets", "moe.align_scatter", "moe.align_one_program",
     "moe.gate_up", "moe.down", "moe.combine", "moe.decode_gate_up", "moe.decode_down", "moe.packed_gate_up",
-    "moe.packed_down",
+    "moe.packed_down", "moe.shared_gate",
 )
 
 
@@ -248,7 +248,7 @@ def test_slots_moe_matmul_are_named():
                "moe.align_one_program": triton_align._align_one_program_kernel,
                "moe.decode_gate_up": triton_experts_decode._moe_decode_gate_up_kernel,
                "moe.packed_down": triton_experts_decode._moe_packed_down_kernel,
-               "moe.combine": triton_experts._moe_combine_kernel}
+               "moe.combine": triton_experts._moe_combine_kernel, "moe.shared_gate": triton_route._shared_gate_kernel}
     for name, fn in shipped.items():
         assert runtime.KERNELS[name].shipped is fn, name
     # the packed GEMV keeps one DirectLaunch per kernel object: the shipped one's is the same on every ask
@@ -312,15 +312,19 @@ def test_slots_moe_matmul_moe_routes_keep_the_bits():
     rw = _slots_randn_mm(gen, E, H, dtype=torch.bfloat16, scale=0.2)
     x1, x17 = _slots_randn_mm(gen, 1, H, dtype=torch.bfloat16), _slots_randn_mm(gen, 17, H, dtype=torch.bfloat16)
     ids = torch.randint(0, E, (40,), generator=gen, dtype=torch.int32).to(runtime.DEVICE)
+    shared = moe.SharedExpert(nvfp4.quantize(_slots_randn_mm(gen, 2 * inter, H, dtype=torch.bfloat16, scale=0.2)),
+                              nvfp4.quantize(_slots_randn_mm(gen, H, inter, dtype=torch.bfloat16, scale=0.1)),
+                              _slots_randn_mm(gen, 1, H, dtype=torch.bfloat16, scale=0.2))
 
     def run():
         decode = moe.moe_block(x1, rw, w13, w2, top_k=top_k)          # router, decode gate_up / down
         packed = moe.moe_block(x1, rw, p13, p2, top_k=top_k)          # router, packed gate_up / down
         prefill = moe.moe_block(x17, rw, w13, w2, top_k=top_k)        # route, align, gate_up, down, combine
+        prefill_shared = moe.moe_block(x17, rw, w13, w2, shared, top_k=top_k)   # and the shared expert's gate
         p_max = moe.spec.max_padded(ids.numel(), E, 16)
         outs = [torch.empty(n, dtype=torch.int32, device=runtime.DEVICE) for n in (p_max, p_max // 16, 1)]
         triton_align.launch_align(ids, E, 16, *outs, chunk=16)        # the multi-chunk align: count, offsets, scatter
-        return decode, packed, prefill, *outs
+        return decode, packed, prefill, prefill_shared, *outs
 
     want = run()
     routes, hits = _slots_moe_matmul_routes([n for n in SLOTS_MOE_MATMUL if n.startswith("moe.")])

@@ -121,6 +121,24 @@ def test_route_kernel_keeps_ids_valid_on_nan_logits():
     assert all(len(set(row)) == 10 for row in ids.tolist())
 
 
+@pytest.mark.parametrize("M, H, x_dtype, w_dtype", [(17, 48, torch.bfloat16, torch.bfloat16),
+                                                    (70, 2500, torch.bfloat16, torch.float32),
+                                                    (33, 200, torch.float32, torch.float32),
+                                                    (1, 16, torch.float16, torch.float16)])
+def test_shared_gate_is_the_fp32_sigmoid(M, H, x_dtype, w_dtype):
+    """The prefill's shared-expert gate ``sigmoid(x @ w)`` in fp32 without an fp32 copy of x (one launch): the
+    reference's fp32 product up to the order of its sum, at row counts and widths off the kernel's tiles (H = 2500:
+    two column steps under the interpreter's tile of 2048)."""
+    from lynn_kernels.moe.triton_route import launch_shared_gate
+
+    gen = torch.Generator().manual_seed(M + H)
+    x = torch.randn(M, H, generator=gen).to(x_dtype).to(runtime.DEVICE)
+    w = (torch.randn(H, generator=gen) * H ** -0.5).to(w_dtype).to(runtime.DEVICE)
+    got = launch_shared_gate(x, w, torch.empty(M, dtype=torch.float32, device=runtime.DEVICE))
+    want = torch.sigmoid(x.float() @ w.float())
+    assert (got - want).abs().max().item() < 2e-6, (got - want).abs().max().item()
+
+
 def test_route_empty_batch():
     w, ids = route(_logits(0, 16), 4)
     assert tuple(w.shape) == tuple(ids.shape) == (0, 4)

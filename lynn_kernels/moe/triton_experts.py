@@ -32,7 +32,7 @@ from .spec import SharedExpert
 from .triton_align import MAX_EXPERTS, launch_align
 from .triton_experts_common import _expert, _flags, _round_h, _tiles, _w2_global, _w13_global, _Weights, _weights
 from .triton_experts_decode import _launch_decode, _launch_packed_decode
-from .triton_route import ROUTER_MAX_M, launch_route, launch_router
+from .triton_route import ROUTER_MAX_M, launch_route, launch_router, launch_shared_gate
 
 #: Largest batch that takes the decode path (FMA kernels, one slot per program, no align): the matmul GEMV's limit.
 DECODE_MAX_M = GEMV_MAX_M
@@ -520,8 +520,9 @@ def moe_block_triton(x: torch.Tensor, router_weight: torch.Tensor, w13, w2, shar
     shared_out = None
     decoded = M > DECODE_MAX_M and use_decoded_experts(M, top_k, w13, w2, x.dtype)
     if shared is not None:
-        if gate is None:
-            gate = torch.sigmoid(x2.float() @ shared.gate_weight.float().t()).view(-1)   # fp32 [M]
+        if gate is None:                                           # fp32 [M]
+            gate = launch_shared_gate(x2, shared.gate_weight.reshape(-1).contiguous(),
+                                      torch.empty(M, dtype=torch.float32, device=x.device))
         h = torch.empty((M, shared.w2.shape[-1]), dtype=intermediate_dtype(x.dtype), device=x.device)
         shared_out = torch.empty((M, H), dtype=torch.float32, device=x.device)
         launch_shared_expert(x2, shared, gate, h, shared_out, decoded and spec.is_packed(shared.w13))

@@ -288,6 +288,49 @@ def _key32(dtype: torch.dtype, block_e: int) -> bool:
     return ROUTER_KEY32 and dtype == torch.bfloat16 and block_e <= 1 << 16
 
 
+@triton.jit
+def _shared_gate_kernel(x_ptr, w_ptr, gate_ptr, M, H, stride_xm, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """``gate[m] = sigmoid(x[m] . w)`` in fp32 for a block of rows: products and sums fp32, x read once as it is."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_h[None, :],
+                    mask=mask_m[:, None] & mask_h[None, :], other=0)
+        w = tl.load(w_ptr + offs_h, mask=mask_h, other=0)
+        acc += to_float32(x, X_DTYPE, INTERPRET) * to_float32(w, W_DTYPE, INTERPRET)[None, :]
+    tl.store(gate_ptr + offs_m, tl.sigmoid(tl.sum(acc, axis=1)), mask=mask_m)
+
+
+SHARED_GATE = runtime.Kernel("moe.shared_gate", _shared_gate_kernel)
+
+#: Rows and columns of H a program of the shared expert's gate takes on the GPU.
+SHARED_GATE_CONFIG = {"BLOCK_M": 16, "BLOCK_H": 512, "num_warps": 4}
+
+
+def launch_shared_gate(x2: torch.Tensor, gate_weight: torch.Tensor, gate: torch.Tensor, *,
+                       kernel=None) -> torch.Tensor:
+    """Launch only: ``gate [M]`` fp32 ``= sigmoid(x2 @ gate_weight)`` for ``x2 [M, H]`` (unit stride along H) and
+    ``gate_weight [H]`` (contiguous), fp32 products and sums: the shared expert's gate of a prefill, without an fp32
+    copy of x. ``kernel`` (with ``_shared_gate_kernel``'s parameters) replaces the shipped kernel."""
+    M, H = x2.shape
+    if M == 0:
+        return gate
+    meta = dict(SHARED_GATE_CONFIG)
+    if runtime.INTERPRET:
+        meta = {"BLOCK_M": max(1, min(64, runtime.next_power_of_2(M))),
+                "BLOCK_H": max(16, min(2048, runtime.next_power_of_2(H))), "num_warps": 4}
+    warps = meta.pop("num_warps")
+    SHARED_GATE.current(kernel)[(runtime.cdiv(M, meta["BLOCK_M"]),)](
+        kernel_view(x2), kernel_view(gate_weight), gate, M, H, x2.stride(0),
+        X_DTYPE=runtime.TORCH_TO_TL[x2.dtype], W_DTYPE=runtime.TORCH_TO_TL[gate_weight.dtype], **meta,
+        num_warps=warps, **runtime.kernel_flags())
+    return gate
+
+
 #: Largest token count :func:`launch_router` takes (its GEMM pads the token rows to one 16-row tile).
 ROUTER_MAX_M = 16
 #: GPU tiles of the router GEMM: 16 experts x 512 of H per program, H split so that E = 256 gives 64 programs.
