@@ -13,7 +13,8 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
    what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
    shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits. ``down_decoded``:
-   ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``.
+   ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``. ``small``: the looped path's
+   tiles below 8,192 tokens, both GEMMs at each of ``SMALL_CONFIGS``, with each kernel's time.
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
@@ -22,7 +23,7 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down down_decoded combine split order]
+        [--parts gate_up down down_decoded combine split order small]
         [--model-ab decoded|order|decoded_down|decoded_from_256|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
@@ -53,13 +54,16 @@ DOWN_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 
 #: the down kernel's tiles on a decoded w2 (``DECODED_DOWN``; its K is only I = 512 at these models)
 DECODED_DOWN_CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4),
                         (128, 128, 4, 2), (64, 64, 4, 4)]
+#: both GEMMs' tiles on the looped path below 8,192 tokens (``PREFILL_CONFIGS``' first entry; 64-row blocks)
+SMALL_CONFIGS = [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 3), (64, 256, 4, 2), (128, 128, 4, 2),
+                 (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)]
 #: the combine's (BLOCK_T, BLOCK_H, num_warps)
 COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8), (4, 1024, 8), (8, 512, 8),
                    (8, 256, 4), (16, 256, 8), (1, 1024, 4)]
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order")
+PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "small")
 #: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
@@ -204,6 +208,26 @@ def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
                 flush=True)
         if "order" in parts:
             rows += order_rows(base, run, ws, bm, m, flops, peak)
+        if "small" in parts:
+            rows += small_rows(base, run, ws, looped, want, flops, peak, bm)
+    return rows
+
+
+def small_rows(base: dict, run, ws, looped, want, flops: float, peak: float, bm: int) -> list[dict]:
+    """The looped path (``w13`` decoded in the loop) with both GEMMs at each of ``SMALL_CONFIGS``, the tiles
+    ``PREFILL_CONFIGS`` gives below 8,192 tokens: bits against the shipped tiles, time, churn and the call's kernels
+    (so gate_up's and down's best tiles show apart)."""
+    rows = []
+    for n, k, warps, stages in SMALL_CONFIGS:
+        cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+        row = {**base, "path": "looped, both GEMMs at", "config": cfg, "block_m": bm}
+        with down_tiles(cfg):
+            row = measured(row, lambda: run(False, None, ws), looped, want, flops, peak, 0.0)
+            if "error" not in row:
+                row["kernels_ms"] = kernel_split(lambda: run(False, None, ws))
+                print("    " + ", ".join(f"{k_.replace('_moe_', '').replace('_kernel', '')} {v:.3f}"
+                                         for k_, v in row["kernels_ms"].items() if "align" not in k_), flush=True)
+        rows.append(row)
     return rows
 
 
