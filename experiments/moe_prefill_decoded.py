@@ -76,14 +76,14 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
 
 @contextlib.contextmanager
 def down_tiles(config: dict):
-    """The down kernel's prefill tiles (``PREFILL_CONFIGS``, ``DOWN_CONFIG_128``) are ``config`` inside the block; on
-    the decoded path gate_up keeps ``DECODED_CONFIG``."""
-    was = te.PREFILL_CONFIGS, te.DOWN_CONFIG_128
-    te.PREFILL_CONFIGS, te.DOWN_CONFIG_128 = ((None, config),), config
+    """The down kernel's prefill tiles (``PREFILL_CONFIGS``, ``DOWN_CONFIG_128``, ``DOWN_CONFIG_64``) are ``config``
+    inside the block; on the decoded path gate_up keeps ``DECODED_CONFIG``."""
+    was = te.PREFILL_CONFIGS, te.DOWN_CONFIG_128, te.DOWN_CONFIG_64
+    te.PREFILL_CONFIGS, te.DOWN_CONFIG_128, te.DOWN_CONFIG_64 = ((None, config),), config, config
     try:
         yield
     finally:
-        te.PREFILL_CONFIGS, te.DOWN_CONFIG_128 = was
+        te.PREFILL_CONFIGS, te.DOWN_CONFIG_128, te.DOWN_CONFIG_64 = was
 
 
 def measured(row: dict, call, looped: torch.Tensor, want: torch.Tensor, flops: float, peak: float,
