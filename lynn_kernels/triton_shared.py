@@ -390,11 +390,26 @@ def packed_w_tile(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_N: tl.con
     narrower) makes it ``e2m1 * s``, the epilogue's unit 1. With ``BF16_ASM`` (bf16 on the GPU) the decode is
     :func:`_decode_word_bf16`; otherwise portable fp32 integer ops. Either way the elements are put in place by
     :func:`_fragment_tile`."""
+    q, v = packed_w_words(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_K)
+    return packed_w_decode(q, v, BLOCK_N, BLOCK_K, DOT_DTYPE, BF16_ASM, UNSCALED)
+
+
+@triton.jit
+def packed_w_words(words_ptr, scales_ptr, offs_n, mask_n, k0, KW, BLOCK_K: tl.constexpr):
+    """What :func:`packed_w_tile` reads: the tile's words ``[BLOCK_N, BLOCK_K / 8]`` (uint32) and each word's 16-bit
+    scale pair; nothing past the row's ``KW`` words (a ``k0`` past the end loads nothing)."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     mask = mask_n[:, None] & (offs_w[None, :] < KW)
     q = tl.load(words_ptr + offs_n[:, None].to(tl.int64) * KW + offs_w[None, :], mask=mask, other=0,
                 eviction_policy="evict_first").to(tl.uint32, bitcast=True)
     v = _word_scales(scales_ptr, offs_n[:, None], mask_n[:, None], offs_w[None, :], KW, False)
+    return q, v
+
+
+@triton.jit
+def packed_w_decode(q, v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    BF16_ASM: tl.constexpr = False, UNSCALED: tl.constexpr = False):
+    """:func:`packed_w_tile` of words and scales already loaded (:func:`packed_w_words`)."""
     if BF16_ASM:
         e0, e1, e2, e3, e4, e5, e6, e7 = _decode_word_bf16(q, v)
         return _fragment_tile(e0, e1, e2, e3, e4, e5, e6, e7, BLOCK_N, BLOCK_K)
