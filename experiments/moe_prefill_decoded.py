@@ -18,8 +18,8 @@ that decode each weight tile in their loop, then what that does to a whole prefi
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
-   rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``ahead``: the GEMMs loading a step ahead,
-   ``PREFILL_AHEAD``; ``none``: the shipped switches alone, one arm):
+   rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``ahead``: gate_up loading a step ahead in 64-row
+   blocks, ``GATE_UP_AHEAD``; ``none``: the shipped switches alone, one arm):
    the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
    tokens, and the last token's logits of the two against each other.
 
@@ -56,7 +56,7 @@ DOWN_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (64, 128, 
 DECODED_DOWN_CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4),
                         (128, 128, 4, 2), (64, 64, 4, 4)]
 #: both GEMMs' tiles on the looped path below 8,192 tokens (``PREFILL_CONFIGS``' first entry; 64-row blocks), each
-#: with ``PREFILL_AHEAD`` off or on
+#: with ``GATE_UP_AHEAD`` off or on
 SMALL_CONFIGS = [((64, 128, 4, 1), False), ((64, 128, 4, 1), True), ((128, 128, 4, 1), True),
                  ((64, 256, 4, 1), True), ((128, 128, 8, 1), True), ((128, 128, 4, 3), False),
                  ((128, 128, 4, 3), True), ((128, 128, 4, 2), True)]
@@ -74,8 +74,8 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
                              ("w2 decoded once", "DECODED_DOWN", True)),
             "decoded_from_256": (("looped", "DECODED_MIN_ROWS", 1 << 40),
                                  ("decoded from 256 rows", "DECODED_MIN_ROWS", 256)),
-            "ahead": (("each step loads its own", "PREFILL_AHEAD", False),
-                      ("a step ahead", "PREFILL_AHEAD", True)),
+            "ahead": (("gate_up: each step loads its own", "GATE_UP_AHEAD", False),
+                      ("gate_up: a step ahead", "GATE_UP_AHEAD", True)),
             "none": (("shipped", None, None),)}
 
 
@@ -223,11 +223,11 @@ def small_rows(base: dict, run, ws, looped, want, flops: float, peak: float, bm:
     ``PREFILL_CONFIGS`` gives below 8,192 tokens: bits against the shipped tiles, time, churn and the call's kernels
     (so gate_up's and down's best tiles show apart)."""
     rows = []
-    was = te.PREFILL_AHEAD
+    was = te.GATE_UP_AHEAD
     for (n, k, warps, stages), ahead in SMALL_CONFIGS:
         cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
         row = {**base, "path": "looped, both GEMMs at", "config": cfg, "block_m": bm, "ahead": ahead}
-        te.PREFILL_AHEAD = ahead
+        te.GATE_UP_AHEAD = ahead
         with down_tiles(cfg):
             row = measured(row, lambda: run(False, None, ws), looped, want, flops, peak, 0.0)
             if "error" not in row:
@@ -235,7 +235,7 @@ def small_rows(base: dict, run, ws, looped, want, flops: float, peak: float, bm:
                 print("    " + ", ".join(f"{k_.replace('_moe_', '').replace('_kernel', '')} {v:.3f}"
                                          for k_, v in row["kernels_ms"].items() if "align" not in k_), flush=True)
         rows.append(row)
-    te.PREFILL_AHEAD = was
+    te.GATE_UP_AHEAD = was
     return rows
 
 

@@ -259,6 +259,40 @@ def test_decoded_experts_give_the_loop_decode_bits(dtype, per_row, down, monkeyp
                                           triton_experts.moe_workspace(M, 2, E, H, inter, dtype, DEV), decoded=True)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_gate_up_ahead_gives_the_same_bits(dtype, monkeypatch, poison_empty):
+    """``GATE_UP_AHEAD``: in 64-row blocks the gate_up kernel on packed ``w13`` loads each step's words and x rows a
+    step ahead, in registers; the same tiles in the same order, so the same bits as the loop that loads them in
+    their own step (two k steps and four column tiles here, the last step's look-ahead loading nothing)."""
+    from lynn_kernels.moe import pack_experts
+
+    E, H, inter, M, top_k = 8, 256, 128, 64, 4                    # 32 rows an expert: 64-row blocks
+    w13, w2, _ = pack_experts(*_experts(E, H, inter, seed=15))
+    weights, ids = _routing(M, top_k, E, seed=16)
+    x = _x(M, H, dtype, seed=17)
+    assert block_m_for(M, top_k, E) == 64
+    ahead = []
+    kernel = triton_experts.MOE_GATE_UP
+
+    class Seen:                                                    # records the AHEAD each launch is given
+        def current(self, *a):
+            launch = kernel.current(*a)
+            return type("Grid", (), {"__getitem__": lambda _, grid: lambda *args, **kw: (
+                ahead.append(kw["AHEAD"]), launch[grid](*args, **kw))})()
+
+    monkeypatch.setattr(triton_experts, "MOE_GATE_UP", Seen())
+
+    def run(on):
+        monkeypatch.setattr(triton_experts, "GATE_UP_AHEAD", on)
+        ws = moe_workspace(M, top_k, E, H, inter, dtype, DEV)
+        return launch_moe_experts(x, weights, ids, w13, w2, torch.empty_like(x), ws,
+                                  config={"BLOCK_N": 32, "BLOCK_K": 128})   # 2 k steps, 4 column tiles
+
+    plain, got = run(False), run(True)
+    assert ahead == [False, True]
+    assert torch.equal(got, plain), bit_mismatches(got, plain)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. moe_block against the reference and against HF transformers
 

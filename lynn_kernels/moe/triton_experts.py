@@ -59,10 +59,11 @@ COMBINE_CONFIG = {"BLOCK_T": 1, "BLOCK_H": 2048, "num_warps": 8}
 #: per column tile): the program order only, the same bits.
 PREFILL_N_FIRST = True
 
-#: The prefill GEMMs on packed stacks (w13 decoded in the loop, and w2) load a step's words and rows while the step
-#: before is decoded and multiplied, in registers (``AHEAD``); off: each step loads its own (Triton's pipeliner
-#: stages them through shared memory when ``num_stages > 1``). The same tiles in the same order: the same bits.
-PREFILL_AHEAD = False
+#: In 64-row blocks at one stage, the gate_up kernel on packed ``w13`` (decoded in its loop) loads a step's words
+#: and x rows into registers while the step before is decoded and multiplied (``AHEAD``); the same tiles in the same
+#: order, the same bits. On an H100 it took 7-13% off gate_up at 2,048 and 4,096 tokens; the down kernel was
+#: slower that way, and 128-row blocks much slower (docs/moe.md, section 3).
+GATE_UP_AHEAD = True
 
 #: From this many rows an expert on average (``M * top_k / E``) with a 16-bit x, the prefill decodes packed ``w13``
 #: once per call (:func:`decode_experts`): a fixed cost a layer that fewer rows do not win back (docs/moe.md, sec. 3).
@@ -204,7 +205,7 @@ def _moe_down_kernel(
     DENSE: tl.constexpr, FLOAT_W: tl.constexpr, NO_G: tl.constexpr, W_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, N_FIRST: tl.constexpr = False, AHEAD: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, N_FIRST: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile(H, BLOCK_N, N_FIRST)
     e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE, BLOCK_M)
@@ -214,27 +215,13 @@ def _moe_down_kernel(
     mask_n = offs_n < H
     codes_e, scales_e = _expert(codes_ptr, scales_ptr, e, H, I, FLOAT_W, PACKED_LAYOUT)   # expert e of [E, H, I]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if AHEAD:           # packed weights, one stage: a step's words and h load while the step before is multiplied
-        KW = tl.cdiv(I, 128) * 16
-        h_rows = h_ptr + rows[:, None].to(tl.int64) * I
-        offs_k = tl.arange(0, BLOCK_K)
-        h_n = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < I), other=0)
-        q_n, v_n = packed_w_words(codes_e, scales_e, offs_n, mask_n, 0, KW, BLOCK_K)
-        for k0 in range(0, I, BLOCK_K):
-            ht, q, v = h_n, q_n, v_n
-            offs_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-            h_n = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < I), other=0)
-            q_n, v_n = packed_w_words(codes_e, scales_e, offs_n, mask_n, k0 + BLOCK_K, KW, BLOCK_K)
-            wt = packed_w_decode(q, v, BLOCK_N, BLOCK_K, DOT_DTYPE, PACKED_DECODE, ACC_UNIT == 1.0)
-            acc = tl.dot(ht.to(DOT_DTYPE), tl.trans(wt), acc, input_precision=PRECISION)
-    else:
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :],
-                         mask=valid[:, None] & (offs_k[None, :] < I), other=0).to(DOT_DTYPE)   # [BLOCK_M, BLOCK_K]
-            wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
-                              FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # [BLOCK_N, BLOCK_K]
-            acc = tl.dot(ht, tl.trans(wt), acc, input_precision=PRECISION)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :],
+                     mask=valid[:, None] & (offs_k[None, :] < I), other=0).to(DOT_DTYPE)   # [BLOCK_M, BLOCK_K]
+        wt = _weight_tile(codes_e, scales_e, offs_n, mask_n, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE, X_DTYPE,
+                          FLOAT_W, PACKED_DECODE, INTERPRET, PACKED_LAYOUT, ACC_UNIT)   # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(ht, tl.trans(wt), acc, input_precision=PRECISION)
     g = _w2_global(g_ptr, e * G_STRIDE, NO_G, ACC_UNIT)
     w = to_float32(tl.load(weights_ptr + slot, mask=valid, other=0), W_DTYPE, INTERPRET)   # routing weight [BLOCK_M]
     y = acc * g * w[:, None]
@@ -364,8 +351,8 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
         kernel_view(x2), w13.codes, w13.scales, w13.g, sorted_slots, experts, h,
         S, H, I, x2.stride(0), w13.g_stride,
         TOP_K=top_k, DENSE=dense, NO_G=float_w, G_PER_ROW=w13.g_per_row, **up_flags, BLOCK_M=block_m, **meta,
-        N_FIRST=PREFILL_N_FIRST, AHEAD=PREFILL_AHEAD and up_flags["PACKED_LAYOUT"] and not up_flags["FLOAT_W"],
-        num_warps=warps, num_stages=stages)   # weights: the 2nd operand, safe to pipeline
+        N_FIRST=PREFILL_N_FIRST, AHEAD=GATE_UP_AHEAD and block_m == 64 and stages == 1 and up_flags["PACKED_LAYOUT"]
+        and not up_flags["FLOAT_W"], num_warps=warps, num_stages=stages)   # weights: the 2nd operand, safe to pipeline
     if decoded_down:
         flags = up_flags
         meta, warps, stages = _tiles(H, I, DECODED_DOWN_CONFIG, None)
@@ -377,7 +364,7 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, NO_G=float_w, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta, N_FIRST=PREFILL_N_FIRST,
-        AHEAD=PREFILL_AHEAD and flags["PACKED_LAYOUT"] and not flags["FLOAT_W"], num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
 
 
 def _grid(n_blocks: int, N: int, block_n: int) -> tuple:
