@@ -13,6 +13,10 @@ cubin. The main loop is the longest backward branch; the block inside it that a 
 epilogue (written once a tile), the rest is the per-step body. The issue bound takes one warp instruction per
 scheduler per cycle (4 a SM) at the boost clock: a floor, not a prediction.
 
+Beside it, the tensor-core GEMV (``matmul.gemv``, the decode rows padded to 16) at the first shape and a few tiles:
+its loop's instructions a weight word, and the barriers and shared-memory loads a step that staging x for the MMA
+costs (``TC_TILES``; 4 warps compile to wgmma, fewer to mma.sync).
+
 Beside the shipped kernel, one variant (``lab.edit`` with a helper of its own): each element's x loaded at its own
 K position in the words' order, instead of the step's x loaded contiguous and permuted through shared memory; the
 same values and FMAs, so the same bits (``--check`` compares the two on the interpreter).
@@ -52,9 +56,9 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 import lynn_kernels
-from lynn_kernels import lab
+from lynn_kernels import lab, runtime
 from lynn_kernels.bench.harness import REPO_ROOT, provenance, save_experiment
-from lynn_kernels.matmul import pack, triton_packed
+from lynn_kernels.matmul import pack, triton_matmul, triton_packed
 from lynn_kernels.nvfp4 import quantize
 from lynn_kernels.runtime import to_float32
 from lynn_kernels.triton_shared import X_PRESCALE, normed_at
@@ -67,6 +71,10 @@ SHAPES = [("Gated DeltaNet in_proj (fused) 2048->12288", 12288, 2048, False),
           ("out_proj / o_proj 4096->2048", 2048, 4096, False)]
 #: (BLOCK_N, TW, num_warps): other tiles counted at the first shape (the shipped one there is 32 x 64, 4 warps)
 TILES = [(16, 128, 4), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8)]
+#: (BLOCK_N, BLOCK_K, num_warps) of the tensor-core GEMV (``matmul.gemv``, M padded to 16) counted at the first shape
+#: on the packed layout: 4 warps make a wgmma (its weight tile from registers, x from shared memory), fewer warps the
+#: mma.sync of Ampere (both operands in registers, x loaded there through shared memory)
+TC_TILES = [(64, 256, 4), (32, 256, 2), (64, 256, 2), (16, 256, 1)]
 
 
 @triton.jit
@@ -197,6 +205,26 @@ def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None, tile: dict |
     return new[0].asm["cubin"], config
 
 
+def compile_tc_gemv(n: int, k: int, tile: dict):
+    """The tensor-core GEMV (``matmul.gemv``) for a packed ``[n, k]`` weight and one x row at ``tile``
+    (``BLOCK_N``, ``BLOCK_K``, ``num_warps``), compiled for sm_90 by its launcher: the cubin."""
+    with lynn_kernels.use_reference():
+        w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
+    x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    jit = runtime.KERNELS["matmul.gemv"].shipped
+    for cache in jit.device_caches.values():
+        cache[0].clear()
+    try:
+        triton_matmul.launch_gemv(x, w, None, y, config={**tile, "num_stages": 1}, split_k=1)
+    except AttributeError as err:
+        if "no GPU here" not in str(err):
+            raise
+    new = [kern for cache in jit.device_caches.values() for kern in cache[0].values()]
+    if len(new) != 1:
+        raise RuntimeError(f"expected one new compiled kernel for {n} x {k}, got {len(new)}")
+    return new[0].asm["cubin"]
+
+
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str, str]], dict]:
     """One ``cuobjdump -sass -res-usage`` of the cubin: ``(address, opcode, operands)`` of each instruction, and the
     registers a thread, stack, local (spilled) and shared bytes."""
@@ -295,6 +323,20 @@ def main() -> None:
         label, n, k, norm = SHAPES[0]
         res["rows"].append(row(label, n, k, norm, f"tile {bn} x {tw}, {warps} warps", None,
                                {"BLOCK_N": bn, "TW": tw, "num_warps": warps}))
+    label, n, k, _ = SHAPES[0]
+    for bn, bk, warps in TC_TILES:                # the tensor-core GEMV's loop, for comparison
+        ins, used = disassemble(compile_tc_gemv(n, k, {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}))
+        census = loop_census(ins)
+        words = bn * bk // 8 // (32 * warps)
+        kinds = census["body"]["by_kind"]
+        res["tensor_core_rows"] = res.get("tensor_core_rows", []) + [{
+            "shape": label, "n": n, "k": k, "config": {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+                                                      "BLOCK_M": 16, "num_stages": 1},
+            **census, "resources": used, "words_per_thread_step": words,
+            "body_instructions_per_word_a_thread": census["body"]["instructions"] / words,
+            "mma": "wgmma" if kinds.get("HGMMA") else "mma.sync" if kinds.get("HMMA") else "none",
+            "barriers_a_step": kinds.get("BAR", 0),
+            "shared_memory_loads_a_step": kinds.get("LDS", 0) + kinds.get("LDSM", 0)}]
     save_experiment("sass-census", res)
     print(f"sm_90 SASS of the packed GEMV (Triton {triton.__version__} here), issue floor at "
           f"{args.sms} SMs x 4 x {args.clock_ghz} GHz")
@@ -308,6 +350,12 @@ def main() -> None:
               + (f", bytes {r['bytes_us']:.2f} us, measured {r['measured_us']:.2f} us ({r['measured_on']})"
                  if "measured_us" in r else ""))
         print(f"{'':44} {top}")
+    for r in res["tensor_core_rows"]:
+        c, rs = r["config"], r["resources"]
+        print(f"{r['shape']:44} tensor-core GEMV ({r['mma']:8}) {c['BLOCK_N']:3} x {c['BLOCK_K']} x {c['num_warps']} "
+              f"warps: {rs.get('reg')} registers; {r['body']['instructions']:4} a step, {r['words_per_thread_step']} "
+              f"words a thread ({r['body_instructions_per_word_a_thread']:.1f} a word), {r['barriers_a_step']} "
+              f"barriers and {r['shared_memory_loads_a_step']} shared-memory loads a step")
 
 
 if __name__ == "__main__":
