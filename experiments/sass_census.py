@@ -190,19 +190,24 @@ def compile_gemv(n: int, k: int, sms: int, norm: bool, kernel=None, tile: dict |
         folded = (torch.randn(1, k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16), 1e-6,
                   torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, k, dtype=torch.bfloat16))
     config = {**triton_packed.packed_gemv_config(n, k, sms, 1), **(tile or {})}
-    jit = kernel or triton_packed.packed_gemv_kernel
+    cubin = compiled_by(kernel or triton_packed.packed_gemv_kernel, lambda: triton_packed.launch_packed_gemv(
+        x, w, None, y, config={**(tile or {}), "PROGRAMS": 0}, pdl=True, norm=folded, kernel=kernel), f"{n} x {k}")
+    return cubin, config
+
+
+def compiled_by(jit, launch, what: str) -> bytes:
+    """The cubin of the one kernel of ``jit`` that ``launch`` compiles (the launch itself then fails: no GPU)."""
     for cache in jit.device_caches.values():
         cache[0].clear()                      # so the one kernel left after the call is this call's
     try:
-        triton_packed.launch_packed_gemv(x, w, None, y, config={**(tile or {}), "PROGRAMS": 0}, pdl=True, norm=folded,
-                                         kernel=kernel)
+        launch()
     except AttributeError as err:
         if "no GPU here" not in str(err):
             raise
     new = [kern for cache in jit.device_caches.values() for kern in cache[0].values()]
     if len(new) != 1:
-        raise RuntimeError(f"expected one new compiled kernel for {n} x {k}, got {len(new)}")
-    return new[0].asm["cubin"], config
+        raise RuntimeError(f"expected one new compiled kernel for {what}, got {len(new)}")
+    return new[0].asm["cubin"]
 
 
 def compile_tc_gemv(n: int, k: int, tile: dict):
@@ -211,18 +216,8 @@ def compile_tc_gemv(n: int, k: int, tile: dict):
     with lynn_kernels.use_reference():
         w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
     x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
-    jit = runtime.KERNELS["matmul.gemv"].shipped
-    for cache in jit.device_caches.values():
-        cache[0].clear()
-    try:
-        triton_matmul.launch_gemv(x, w, None, y, config={**tile, "num_stages": 1}, split_k=1)
-    except AttributeError as err:
-        if "no GPU here" not in str(err):
-            raise
-    new = [kern for cache in jit.device_caches.values() for kern in cache[0].values()]
-    if len(new) != 1:
-        raise RuntimeError(f"expected one new compiled kernel for {n} x {k}, got {len(new)}")
-    return new[0].asm["cubin"]
+    return compiled_by(runtime.KERNELS["matmul.gemv"].shipped, lambda: triton_matmul.launch_gemv(
+        x, w, None, y, config={**tile, "num_stages": 1}, split_k=1), f"{n} x {k}")
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str, str]], dict]:
