@@ -14,7 +14,9 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
    shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits. ``down_decoded``:
    ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``. ``small``: the looped path's
-   tiles below 8,192 tokens, both GEMMs at each of ``SMALL_CONFIGS``, with each kernel's time.
+   tiles below 8,192 tokens, both GEMMs at each of ``SMALL_CONFIGS``, with each kernel's time. ``block_m``: the call
+   in 64- and 128-row blocks, ``w13`` decoded in the loop and once (Qwen3-Next-80B-A3B's 320 rows an expert at
+   16,384 tokens pad to 384 in 128-row blocks).
 2. **The prefill** of ``--model`` (Qwen3.5-35B-A3B; random NVFP4 weights, ``lynn_model.bench``'s measures) with
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
@@ -24,7 +26,7 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down down_decoded combine split order small]
+        [--parts gate_up down down_decoded combine split order small block_m]
         [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
@@ -66,7 +68,7 @@ COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 20
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "small")
+PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "small", "block_m")
 #: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
@@ -215,6 +217,38 @@ def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
             rows += order_rows(base, run, ws, bm, m, flops, peak)
         if "small" in parts:
             rows += small_rows(base, run, ws, looped, want, flops, peak, bm)
+        if "block_m" in parts:
+            rows += block_m_rows(base, run, looped, want, flops, peak, dq, m, top_k, E, H, inter, x)
+    return rows
+
+
+@contextlib.contextmanager
+def row_blocks(block_m: int):
+    """Every prefill call inside the block runs ``block_m``-row blocks (``block_m_for``), its workspace too."""
+    was = te.block_m_for
+    te.block_m_for = lambda M, top_k, num_experts: block_m
+    try:
+        yield
+    finally:
+        te.block_m_for = was
+
+
+def block_m_rows(base: dict, run, looped, want, flops: float, peak: float, dq: float, m: int, top_k: int, E: int,
+                 H: int, inter: int, x: torch.Tensor) -> list[dict]:
+    """The call with 64- and 128-row blocks, `w13` decoded in the loop and once: at Qwen3-Next-80B-A3B's 320 rows
+    an expert (16,384 tokens) 128-row blocks pad each expert to 384 rows, 64-row ones decode each tile twice as often
+    on the looped path (bits against the shipped call, rel_l2, time)."""
+    rows = []
+    for block_m in (64, 128):
+        with row_blocks(block_m):
+            ws = te.moe_workspace(m, top_k, E, H, inter, x.dtype, x.device)
+            padded = int(ws.block_expert.numel()) * block_m
+            for decoded in (False, True):
+                row = {**base, "path": f"{block_m}-row blocks, w13 {'decoded once' if decoded else 'in the loop'}",
+                       "block_m": block_m, "decoded": decoded, "max_padded_rows": padded}
+                rows.append(measured(row, lambda: run(decoded, ws=ws), looped, want, flops, peak,
+                                     dq if decoded else 0.0))
+            ws = None
     return rows
 
 
