@@ -348,6 +348,84 @@ def mma_gemv_ahead_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, K
     tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
 
 
+@triton.jit
+def mma_gemv_rows_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW, stride_xm, stride_ym,
+                         ROWS_PER_G, WARPS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                         OUT_DTYPE: tl.constexpr):
+    """:func:`mma_gemv_kernel` with no split of K and so no barrier: each warp walks the whole of K for its own 16
+    rows (a program is ``16 WARPS`` rows), two chunks of words and one of x in flight ahead of the MMAs."""
+    warp = tl.arange(0, WARPS)[:, None, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    g = lane // 4
+    q = lane % 4
+    rows_g = tl.program_id(0) * (16 * WARPS) + warp * 16 + g             # [W, 1, 32]
+    rows_h = rows_g + 8
+    mask_g = rows_g < N
+    mask_h = rows_h < N
+    chunks = KW // 16
+    wrow_g = words_ptr + rows_g.to(tl.int64) * KW + q * 4
+    wrow_h = words_ptr + rows_h.to(tl.int64) * KW + q * 4
+    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
+    srow_g = sptr + rows_g.to(tl.int64) * (KW // 8)
+    srow_h = sptr + rows_h.to(tl.int64) * (KW // 8)
+    zero = rows_g * 0
+    qg0, qh0, sg0, sh0 = _chunk_words(wrow_g, wrow_h, srow_g, srow_h, zero, mask_g, mask_h)
+    qg1, qh1, sg1, sh1 = _chunk_words(wrow_g, wrow_h, srow_g, srow_h, zero + 1, mask_g & (chunks > 1),
+                                      mask_h & (chunks > 1))
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                   # the weights are in flight; x comes from the kernel before
+    m = tl.minimum(g, M - 1)
+    xrow = x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + warp * 0
+    xs = _chunk_x(xrow, zero, q, K, EVEN_K)
+    acc0 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    acc1 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    acc2 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    acc3 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    for c in range(0, chunks):
+        c2 = zero + c + 2
+        qg2, qh2, sg2, sh2 = _chunk_words(wrow_g, wrow_h, srow_g, srow_h, c2, mask_g & (c2 < chunks),
+                                          mask_h & (c2 < chunks))
+        c1 = zero + c + 1
+        xs1 = _chunk_x(xrow, tl.where(c1 < chunks, c1, 0), q, K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _chunk_mma_x(acc0, acc1, acc2, acc3, qg0, qh0, sg0, sh0, xs)
+        qg0, qh0, sg0, sh0 = qg1, qh1, sg1, sh1
+        qg1, qh1, sg1, sh1 = qg2, qh2, sg2, sh2
+        xs = xs1
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rg = tl.reshape(rows_g, (WARPS, 32))
+    rh = rg + 8
+    qq = tl.reshape(q + warp * 0, (WARPS, 32))
+    ok_g = rg < N
+    ok_h = rh < N
+    gg = tl.load(g_ptr + rg // ROWS_PER_G, mask=ok_g, other=0.0) * MMA_UNIT_C
+    gh = tl.load(g_ptr + rh // ROWS_PER_G, mask=ok_h, other=0.0) * MMA_UNIT_C
+    m0 = 2 * qq
+    m1 = m0 + 1
+    y0 = tl.reshape(acc0, (WARPS, 32))
+    y1 = tl.reshape(acc1, (WARPS, 32))
+    y2 = tl.reshape(acc2, (WARPS, 32))
+    y3 = tl.reshape(acc3, (WARPS, 32))
+    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rg, cast_output(y0 * gg, OUT_DTYPE, False), mask=ok_g & (m0 < M))
+    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rg, cast_output(y1 * gg, OUT_DTYPE, False), mask=ok_g & (m1 < M))
+    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rh, cast_output(y2 * gh, OUT_DTYPE, False), mask=ok_h & (m0 < M))
+    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
+
+
+def launch_mma_gemv_rows(x2: torch.Tensor, w, y: torch.Tensor, warps: int = 4, pdl: bool = False) -> torch.Tensor:
+    """:func:`launch_mma_gemv` on :func:`mma_gemv_rows_kernel` (``16 warps`` rows a program)."""
+    m, k = x2.shape
+    n, kw = w.words.shape
+    if m > 8 or x2.dtype != torch.bfloat16 or x2.stride(1) != 1 or x2.stride(0) % 2:
+        raise ValueError(f"mma_gemv_rows takes at most 8 bf16 rows of x: got {tuple(x2.shape)} {x2.dtype}")
+    extra = {"launch_pdl": True} if pdl else {}
+    mma_gemv_rows_kernel[(runtime.cdiv(n, 16 * warps),)](
+        x2, w.words, w.scales, w.global_scale, y, m, n, k, kw, x2.stride(0), y.stride(0), w.rows_per_global(),
+        WARPS=warps, EVEN_K=(8 * kw == k), USE_PDL=bool(pdl), OUT_DTYPE=runtime.TORCH_TO_TL[y.dtype],
+        num_warps=warps, num_stages=1, **extra)
+    return y
+
+
 def launch_mma_gemv_ahead(x2: torch.Tensor, w, y: torch.Tensor, tile: dict | None = None,
                           pdl: bool = False) -> torch.Tensor:
     """:func:`launch_mma_gemv` on :func:`mma_gemv_ahead_kernel` (``K <= 8192``: at most 16 warps of 512 columns)."""
@@ -376,6 +454,8 @@ def launch_mma_gemv(x2: torch.Tensor, w, y: torch.Tensor, tile: dict | None = No
     t = {"T": 1, "WARPS": 4, **(tile or {})}
     if t["T"] == 0:                       # the form with each warp's whole share in flight
         return launch_mma_gemv_ahead(x2, w, y, None, pdl)
+    if t["T"] < 0:                        # no split of K: each warp its own rows, -T warps a program
+        return launch_mma_gemv_rows(x2, w, y, -t["T"], pdl)
     grid = (runtime.cdiv(n, 16 * t["T"]),)
     extra = {"launch_pdl": True} if pdl else {}
     mma_gemv_kernel[grid](x2, w.words, w.scales, w.global_scale, y, m, n, k, kw, x2.stride(0), y.stride(0),
@@ -401,7 +481,8 @@ def sass(tiles) -> list[dict]:
             w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
         x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
         for tile in tiles:
-            kern = mma_gemv_ahead_kernel if tile["T"] == 0 else mma_gemv_kernel
+            kern = (mma_gemv_ahead_kernel if tile["T"] == 0 else mma_gemv_rows_kernel if tile["T"] < 0
+                    else mma_gemv_kernel)
             cubin = sc.compiled_by(kern, lambda: launch_mma_gemv(x, w, y, tile, pdl=True), f"{n}x{k}")
             ins, used = sc.disassemble(cubin)
             if tile["T"] == 0:                                     # no loop: the whole kernel, 32 words a thread
@@ -409,7 +490,7 @@ def sass(tiles) -> list[dict]:
                 census = {"body": {"instructions": sum(kinds.values()), "by_kind": dict(kinds.most_common())}}
             else:
                 census = sc.loop_census(ins)
-            words = 32 if tile["T"] == 0 else tile["T"] * 8        # a thread's words in the loop's body
+            words = 32 if tile["T"] == 0 else 8 if tile["T"] < 0 else tile["T"] * 8   # a thread's words a pass
             body = census["body"]["instructions"]
             row = {"n": n, "k": k, **tile, "registers": used.get("reg"), "shared": used.get("shared"),
                    "local": used.get("local"), "loop_instructions": body, "words_a_thread": words,
@@ -422,7 +503,8 @@ def sass(tiles) -> list[dict]:
 #: Qwen3.5-35B-A3B's decode projections (N, K): GDN in_proj (qkvz fused), attention q+gate, GDN out_proj and
 #: attention o_proj, the shared expert's gate_up, attention k+v.
 SHAPES = ((12288, 2048), (8192, 2048), (2048, 4096), (1024, 2048), (2048, 512))
-TILES = ({"T": 1, "WARPS": 4}, {"T": 1, "WARPS": 8}, {"T": 1, "WARPS": 16}, {"T": 0, "WARPS": 0})
+TILES = ({"T": 1, "WARPS": 4}, {"T": 1, "WARPS": 16}, {"T": 0, "WARPS": 0}, {"T": -1, "WARPS": 1},
+         {"T": -2, "WARPS": 2}, {"T": -4, "WARPS": 4})
 
 
 def check(rows_m=(1, 2, 5, 8)) -> list[dict]:
@@ -478,7 +560,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=132)
-        sass([{"T": 1, "WARPS": 4}, {"T": 0, "WARPS": 0}])
+        sass([{"T": 1, "WARPS": 4}, {"T": 0, "WARPS": 0}, {"T": -4, "WARPS": 4}])
         return
     res = {"provenance": provenance("python3 experiments/mma_gemv.py"), "ceilings": measure_ceilings().as_dict()}
     res["check"] = check()
