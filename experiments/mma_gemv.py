@@ -412,13 +412,104 @@ def mma_gemv_rows_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW
     tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
 
 
-def launch_mma_gemv_rows(x2: torch.Tensor, w, y: torch.Tensor, warps: int = 4, pdl: bool = False) -> torch.Tensor:
-    """:func:`launch_mma_gemv` on :func:`mma_gemv_rows_kernel` (``16 warps`` rows a program)."""
+@triton.jit
+def mma_gemv_rows2_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW, stride_xm, stride_ym,
+                          ROWS_PER_G, WARPS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                          OUT_DTYPE: tl.constexpr):
+    """:func:`mma_gemv_rows_kernel` with two 16-row tiles a warp (32 rows), each with variables of its own, sharing
+    each chunk's x pairs: twice the words in flight a warp for the same x loads; one chunk ahead."""
+    warp = tl.arange(0, WARPS)[:, None, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    g = lane // 4
+    q = lane % 4
+    ra = tl.program_id(0) * (32 * WARPS) + warp * 32 + g                 # [W, 1, 32]: rows g, g + 8 (tile a),
+    rb = ra + 16                                                         # g + 16, g + 24 (tile b)
+    chunks = KW // 16
+    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
+    wa_g = words_ptr + ra.to(tl.int64) * KW + q * 4
+    wa_h = words_ptr + (ra + 8).to(tl.int64) * KW + q * 4
+    wb_g = words_ptr + rb.to(tl.int64) * KW + q * 4
+    wb_h = words_ptr + (rb + 8).to(tl.int64) * KW + q * 4
+    sa_g = sptr + ra.to(tl.int64) * (KW // 8)
+    sa_h = sptr + (ra + 8).to(tl.int64) * (KW // 8)
+    sb_g = sptr + rb.to(tl.int64) * (KW // 8)
+    sb_h = sptr + (rb + 8).to(tl.int64) * (KW // 8)
+    ma_g = ra < N
+    ma_h = ra + 8 < N
+    mb_g = rb < N
+    mb_h = rb + 8 < N
+    zero = ra * 0
+    qga, qha, sga, sha = _chunk_words(wa_g, wa_h, sa_g, sa_h, zero, ma_g, ma_h)
+    qgb, qhb, sgb, shb = _chunk_words(wb_g, wb_h, sb_g, sb_h, zero, mb_g, mb_h)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                   # the weights are in flight; x comes from the kernel before
+    m = tl.minimum(g, M - 1)
+    xrow = x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + warp * 0
+    xs = _chunk_x(xrow, zero, q, K, EVEN_K)
+    a0 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    a1 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    a2 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    a3 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    b0 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    b1 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    b2 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    b3 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
+    for c in range(0, chunks):
+        c1 = zero + c + 1
+        nxt = c1 < chunks
+        qga1, qha1, sga1, sha1 = _chunk_words(wa_g, wa_h, sa_g, sa_h, c1, ma_g & nxt, ma_h & nxt)
+        qgb1, qhb1, sgb1, shb1 = _chunk_words(wb_g, wb_h, sb_g, sb_h, c1, mb_g & nxt, mb_h & nxt)
+        xs1 = _chunk_x(xrow, tl.where(nxt, c1, 0), q, K, EVEN_K)
+        a0, a1, a2, a3 = _chunk_mma_x(a0, a1, a2, a3, qga, qha, sga, sha, xs)
+        b0, b1, b2, b3 = _chunk_mma_x(b0, b1, b2, b3, qgb, qhb, sgb, shb, xs)
+        qga, qha, sga, sha = qga1, qha1, sga1, sha1
+        qgb, qhb, sgb, shb = qgb1, qhb1, sgb1, shb1
+        xs = xs1
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _rows_out(a0, a1, a2, a3, ra, q + warp * 0, g_ptr, y_ptr, M, N, stride_ym, ROWS_PER_G, WARPS, OUT_DTYPE)
+    _rows_out(b0, b1, b2, b3, rb, q + warp * 0, g_ptr, y_ptr, M, N, stride_ym, ROWS_PER_G, WARPS, OUT_DTYPE)
+
+
+@triton.jit
+def _rows_out(acc0, acc1, acc2, acc3, rows_g, q, g_ptr, y_ptr, M, N, stride_ym, ROWS_PER_G, WARPS: tl.constexpr,
+              OUT_DTYPE: tl.constexpr):
+    """A 16-row tile's outputs (rows ``rows_g`` and ``rows_g + 8``; x rows ``2q`` and ``2q + 1``) times the global
+    scale, stored."""
+    rg = tl.reshape(rows_g, (WARPS, 32))
+    rh = rg + 8
+    qq = tl.reshape(q, (WARPS, 32))
+    ok_g = rg < N
+    ok_h = rh < N
+    gg = tl.load(g_ptr + rg // ROWS_PER_G, mask=ok_g, other=0.0) * MMA_UNIT_C
+    gh = tl.load(g_ptr + rh // ROWS_PER_G, mask=ok_h, other=0.0) * MMA_UNIT_C
+    m0 = 2 * qq
+    m1 = m0 + 1
+    y0 = tl.reshape(acc0, (WARPS, 32))
+    y1 = tl.reshape(acc1, (WARPS, 32))
+    y2 = tl.reshape(acc2, (WARPS, 32))
+    y3 = tl.reshape(acc3, (WARPS, 32))
+    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rg, cast_output(y0 * gg, OUT_DTYPE, False), mask=ok_g & (m0 < M))
+    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rg, cast_output(y1 * gg, OUT_DTYPE, False), mask=ok_g & (m1 < M))
+    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rh, cast_output(y2 * gh, OUT_DTYPE, False), mask=ok_h & (m0 < M))
+    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
+
+
+def launch_mma_gemv_rows(x2: torch.Tensor, w, y: torch.Tensor, warps: int = 4, pdl: bool = False,
+                         tiles: int = 1) -> torch.Tensor:
+    """:func:`launch_mma_gemv` on :func:`mma_gemv_rows_kernel` (``16 warps`` rows a program), or with ``tiles = 2``
+    on :func:`mma_gemv_rows2_kernel` (``32 warps``)."""
     m, k = x2.shape
     n, kw = w.words.shape
     if m > 8 or x2.dtype != torch.bfloat16 or x2.stride(1) != 1 or x2.stride(0) % 2:
         raise ValueError(f"mma_gemv_rows takes at most 8 bf16 rows of x: got {tuple(x2.shape)} {x2.dtype}")
     extra = {"launch_pdl": True} if pdl else {}
+    if tiles == 2:
+        mma_gemv_rows2_kernel[(runtime.cdiv(n, 32 * warps),)](
+            x2, w.words, w.scales, w.global_scale, y, m, n, k, kw, x2.stride(0), y.stride(0), w.rows_per_global(),
+            WARPS=warps, EVEN_K=(8 * kw == k), USE_PDL=bool(pdl), OUT_DTYPE=runtime.TORCH_TO_TL[y.dtype],
+            num_warps=warps, num_stages=1, **extra)
+        return y
     mma_gemv_rows_kernel[(runtime.cdiv(n, 16 * warps),)](
         x2, w.words, w.scales, w.global_scale, y, m, n, k, kw, x2.stride(0), y.stride(0), w.rows_per_global(),
         WARPS=warps, EVEN_K=(8 * kw == k), USE_PDL=bool(pdl), OUT_DTYPE=runtime.TORCH_TO_TL[y.dtype],
@@ -455,7 +546,7 @@ def launch_mma_gemv(x2: torch.Tensor, w, y: torch.Tensor, tile: dict | None = No
     if t["T"] == 0:                       # the form with each warp's whole share in flight
         return launch_mma_gemv_ahead(x2, w, y, None, pdl)
     if t["T"] < 0:                        # no split of K: each warp its own rows, -T warps a program
-        return launch_mma_gemv_rows(x2, w, y, -t["T"], pdl)
+        return launch_mma_gemv_rows(x2, w, y, -t["T"], pdl, t.get("TILES", 1))
     grid = (runtime.cdiv(n, 16 * t["T"]),)
     extra = {"launch_pdl": True} if pdl else {}
     mma_gemv_kernel[grid](x2, w.words, w.scales, w.global_scale, y, m, n, k, kw, x2.stride(0), y.stride(0),
@@ -481,8 +572,8 @@ def sass(tiles) -> list[dict]:
             w = pack(quantize(torch.randn(n, k, dtype=torch.bfloat16)))
         x, y = torch.randn(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
         for tile in tiles:
-            kern = (mma_gemv_ahead_kernel if tile["T"] == 0 else mma_gemv_rows_kernel if tile["T"] < 0
-                    else mma_gemv_kernel)
+            kern = (mma_gemv_ahead_kernel if tile["T"] == 0 else mma_gemv_kernel if tile["T"] > 0
+                    else mma_gemv_rows2_kernel if tile.get("TILES", 1) == 2 else mma_gemv_rows_kernel)
             cubin = sc.compiled_by(kern, lambda: launch_mma_gemv(x, w, y, tile, pdl=True), f"{n}x{k}")
             ins, used = sc.disassemble(cubin)
             if tile["T"] == 0:                                     # no loop: the whole kernel, 32 words a thread
@@ -490,7 +581,8 @@ def sass(tiles) -> list[dict]:
                 census = {"body": {"instructions": sum(kinds.values()), "by_kind": dict(kinds.most_common())}}
             else:
                 census = sc.loop_census(ins)
-            words = 32 if tile["T"] == 0 else 8 if tile["T"] < 0 else tile["T"] * 8   # a thread's words a pass
+            words = (32 if tile["T"] == 0 else 8 * tile.get("TILES", 1) if tile["T"] < 0
+                     else tile["T"] * 8)                            # a thread's words a pass of the loop
             body = census["body"]["instructions"]
             row = {"n": n, "k": k, **tile, "registers": used.get("reg"), "shared": used.get("shared"),
                    "local": used.get("local"), "loop_instructions": body, "words_a_thread": words,
@@ -504,7 +596,12 @@ def sass(tiles) -> list[dict]:
 #: attention o_proj, the shared expert's gate_up, attention k+v.
 SHAPES = ((12288, 2048), (8192, 2048), (2048, 4096), (1024, 2048), (2048, 512))
 TILES = ({"T": 1, "WARPS": 4}, {"T": 1, "WARPS": 16}, {"T": 0, "WARPS": 0}, {"T": -1, "WARPS": 1},
-         {"T": -2, "WARPS": 2}, {"T": -4, "WARPS": 4})
+         {"T": -1, "WARPS": 1, "TILES": 2}, {"T": -2, "WARPS": 2, "TILES": 2})
+
+
+def tile_key(tile: dict) -> str:
+    """A tile's column: ``T<T>_W<warps>_us``, with ``x2`` for two tiles a warp."""
+    return f"T{tile['T']}_W{tile['WARPS']}{'x2' if tile.get('TILES', 1) == 2 else ''}_us"
 
 
 def check(rows_m=(1, 2, 5, 8)) -> list[dict]:
@@ -544,7 +641,7 @@ def race(reps: int = 16) -> list[dict]:
             row = {"n": n, "k": k, "m": m, "mbytes": round(ws[0].nbytes / 1e6, 3)}
             row["shipped_us"] = graph_us([shipped_call(i) for i in range(reps)])
             for tile in TILES:
-                key = f"T{tile['T']}_W{tile['WARPS']}_us"
+                key = tile_key(tile)
                 row[key] = graph_us([(lambda i=i: launch_mma_gemv(x, ws[i], ys[i], tile, pdl=True))
                                      for i in range(reps)])
             best = min((v, kk) for kk, v in row.items() if kk.startswith("T"))
@@ -560,7 +657,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=132)
-        sass([{"T": 1, "WARPS": 4}, {"T": 0, "WARPS": 0}, {"T": -4, "WARPS": 4}])
+        sass([{"T": 1, "WARPS": 4}, {"T": 0, "WARPS": 0}, {"T": -1, "WARPS": 1}, {"T": -1, "WARPS": 1, "TILES": 2}])
         return
     res = {"provenance": provenance("python3 experiments/mma_gemv.py"), "ceilings": measure_ceilings().as_dict()}
     res["check"] = check()
@@ -570,7 +667,7 @@ def main() -> None:
         print("  BAD", r, flush=True)
     res["race"] = race()
     print(save_experiment("mma-gemv", res))
-    cols = ["n", "k", "m", "shipped_us"] + [f"T{t['T']}_W{t['WARPS']}_us" for t in TILES] + ["speedup"]
+    cols = ["n", "k", "m", "shipped_us"] + [tile_key(t) for t in TILES] + ["speedup"]
     print(" | ".join(cols))
     for r in res["race"]:
         print(" | ".join(str(round(r[c], 2)) if isinstance(r[c], float) else str(r[c]) for c in cols))
