@@ -23,7 +23,7 @@ PDL the first chunk's words load before the wait on the kernel before, x after i
 GPU: every shape and M checked against the fp32 reference of the packed weight (rel_l2, cosine) and the shipped
 dispatch's output; then each decode shape of Qwen3.5-35B-A3B timed as a PDL chain of 16 distinct weights in one CUDA
 graph (so each call reads HBM), the shipped packed GEMV against this kernel at a few tiles; M = 1 and 8.
-Writes ``data/experiments/mma-gemv/<sha>.json`` (under ``$OUT`` when set).
+Writes ``data/experiments/mma-gemv/<sha>.json`` (under ``$OUT`` when set); ``--sass``: ``<sha>-sass.json``.
 """
 
 from __future__ import annotations  # noqa: I001  (the environment first: TRITON_INTERPRET is read at import)
@@ -217,14 +217,16 @@ def mma_gemv_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW, str
         c = c_next
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    # [T, 32] each: (row g, x row 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1)
-    y0 = tl.sum(acc0, axis=0)
-    y1 = tl.sum(acc1, axis=0)
-    y2 = tl.sum(acc2, axis=0)
-    y3 = tl.sum(acc3, axis=0)
-    rg = tl.reshape(rows_g, (T, 32))
+    _store_tile(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), tl.sum(acc3, axis=0),
+                tl.reshape(rows_g, (T, 32)), tl.reshape(q + tile * 0, (T, 32)), g_ptr, y_ptr, M, N, stride_ym,
+                ROWS_PER_G, OUT_DTYPE)
+
+
+@triton.jit
+def _store_tile(y0, y1, y2, y3, rg, qq, g_ptr, y_ptr, M, N, stride_ym, ROWS_PER_G, OUT_DTYPE: tl.constexpr):
+    """A 16-row tile's sums (each ``[R, 32]``: (row ``rg``, x row ``2 qq``), (``rg``, ``2 qq + 1``), (``rg + 8``,
+    ``2 qq``), (``rg + 8``, ``2 qq + 1``), the MMA's C fragment) times the global scale, stored."""
     rh = rg + 8
-    qq = tl.reshape(q + tile * 0, (T, 32))
     ok_g = rg < N
     ok_h = rh < N
     gg = tl.load(g_ptr + rg // ROWS_PER_G, mask=ok_g, other=0.0) * MMA_UNIT_C
@@ -329,23 +331,9 @@ def mma_gemv_ahead_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, K
     acc0, acc1, acc2, acc3 = _chunk_mma_x(acc0, acc1, acc2, acc3, qg3, qh3, sg3, sh3, x3)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    y0 = tl.sum(acc0, axis=0)
-    y1 = tl.sum(acc1, axis=0)
-    y2 = tl.sum(acc2, axis=0)
-    y3 = tl.sum(acc3, axis=0)
-    rg = tl.reshape(tl.max(rows_g, axis=0), (1, 32))
-    rh = rg + 8
-    qq = tl.reshape(lane % 4, (1, 32))
-    ok_g = rg < N
-    ok_h = rh < N
-    gg = tl.load(g_ptr + rg // ROWS_PER_G, mask=ok_g, other=0.0) * MMA_UNIT_C
-    gh = tl.load(g_ptr + rh // ROWS_PER_G, mask=ok_h, other=0.0) * MMA_UNIT_C
-    m0 = 2 * qq
-    m1 = m0 + 1
-    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rg, cast_output(y0 * gg, OUT_DTYPE, False), mask=ok_g & (m0 < M))
-    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rg, cast_output(y1 * gg, OUT_DTYPE, False), mask=ok_g & (m1 < M))
-    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rh, cast_output(y2 * gh, OUT_DTYPE, False), mask=ok_h & (m0 < M))
-    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
+    _store_tile(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), tl.sum(acc3, axis=0),
+                tl.reshape(tl.max(rows_g, axis=0), (1, 32)), tl.reshape(lane % 4, (1, 32)), g_ptr, y_ptr, M, N,
+                stride_ym, ROWS_PER_G, OUT_DTYPE)
 
 
 @triton.jit
@@ -393,23 +381,8 @@ def mma_gemv_rows_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW
         xs = xs1
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    rg = tl.reshape(rows_g, (WARPS, 32))
-    rh = rg + 8
-    qq = tl.reshape(q + warp * 0, (WARPS, 32))
-    ok_g = rg < N
-    ok_h = rh < N
-    gg = tl.load(g_ptr + rg // ROWS_PER_G, mask=ok_g, other=0.0) * MMA_UNIT_C
-    gh = tl.load(g_ptr + rh // ROWS_PER_G, mask=ok_h, other=0.0) * MMA_UNIT_C
-    m0 = 2 * qq
-    m1 = m0 + 1
-    y0 = tl.reshape(acc0, (WARPS, 32))
-    y1 = tl.reshape(acc1, (WARPS, 32))
-    y2 = tl.reshape(acc2, (WARPS, 32))
-    y3 = tl.reshape(acc3, (WARPS, 32))
-    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rg, cast_output(y0 * gg, OUT_DTYPE, False), mask=ok_g & (m0 < M))
-    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rg, cast_output(y1 * gg, OUT_DTYPE, False), mask=ok_g & (m1 < M))
-    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rh, cast_output(y2 * gh, OUT_DTYPE, False), mask=ok_h & (m0 < M))
-    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
+    _rows_out(acc0, acc1, acc2, acc3, rows_g, q + warp * 0, g_ptr, y_ptr, M, N, stride_ym, ROWS_PER_G, WARPS,
+              OUT_DTYPE)
 
 
 @triton.jit
@@ -475,24 +448,10 @@ def mma_gemv_rows2_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, K
 def _rows_out(acc0, acc1, acc2, acc3, rows_g, q, g_ptr, y_ptr, M, N, stride_ym, ROWS_PER_G, WARPS: tl.constexpr,
               OUT_DTYPE: tl.constexpr):
     """A 16-row tile's outputs (rows ``rows_g`` and ``rows_g + 8``; x rows ``2q`` and ``2q + 1``) times the global
-    scale, stored."""
-    rg = tl.reshape(rows_g, (WARPS, 32))
-    rh = rg + 8
-    qq = tl.reshape(q, (WARPS, 32))
-    ok_g = rg < N
-    ok_h = rh < N
-    gg = tl.load(g_ptr + rg // ROWS_PER_G, mask=ok_g, other=0.0) * MMA_UNIT_C
-    gh = tl.load(g_ptr + rh // ROWS_PER_G, mask=ok_h, other=0.0) * MMA_UNIT_C
-    m0 = 2 * qq
-    m1 = m0 + 1
-    y0 = tl.reshape(acc0, (WARPS, 32))
-    y1 = tl.reshape(acc1, (WARPS, 32))
-    y2 = tl.reshape(acc2, (WARPS, 32))
-    y3 = tl.reshape(acc3, (WARPS, 32))
-    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rg, cast_output(y0 * gg, OUT_DTYPE, False), mask=ok_g & (m0 < M))
-    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rg, cast_output(y1 * gg, OUT_DTYPE, False), mask=ok_g & (m1 < M))
-    tl.store(y_ptr + m0.to(tl.int64) * stride_ym + rh, cast_output(y2 * gh, OUT_DTYPE, False), mask=ok_h & (m0 < M))
-    tl.store(y_ptr + m1.to(tl.int64) * stride_ym + rh, cast_output(y3 * gh, OUT_DTYPE, False), mask=ok_h & (m1 < M))
+    scale, stored (:func:`_store_tile`)."""
+    _store_tile(tl.reshape(acc0, (WARPS, 32)), tl.reshape(acc1, (WARPS, 32)), tl.reshape(acc2, (WARPS, 32)),
+                tl.reshape(acc3, (WARPS, 32)), tl.reshape(rows_g, (WARPS, 32)), tl.reshape(q, (WARPS, 32)), g_ptr,
+                y_ptr, M, N, stride_ym, ROWS_PER_G, OUT_DTYPE)
 
 
 def launch_mma_gemv_rows(x2: torch.Tensor, w, y: torch.Tensor, warps: int = 4, pdl: bool = False,
@@ -657,7 +616,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=132)
-        sass([{"T": 1, "WARPS": 4}, {"T": 0, "WARPS": 0}, {"T": -1, "WARPS": 1}, {"T": -1, "WARPS": 1, "TILES": 2}])
+        rows = sass([{"T": 1, "WARPS": 4}, {"T": 0, "WARPS": 0}, {"T": -1, "WARPS": 1},
+                     {"T": -1, "WARPS": 1, "TILES": 2}])
+        res = {"provenance": provenance("python3 experiments/mma_gemv.py --sass"), "target": "sm_90", "sass": rows}
+        path = save_experiment("mma-gemv", res)
+        path.rename(path.with_name(path.stem + "-sass.json"))
         return
     res = {"provenance": provenance("python3 experiments/mma_gemv.py"), "ceilings": measure_ceilings().as_dict()}
     res["check"] = check()
