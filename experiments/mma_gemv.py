@@ -168,6 +168,24 @@ def _chunk_mma(acc0, acc1, acc2, acc3, qg, qh, sg, sh, xrow, c, q, K, EVEN_K: tl
 
 
 @triton.jit
+def _tile_rows(words_ptr, scales_ptr, rows_g, q, N, KW):
+    """The thread's word pointers (its 16-byte run of each chunk), scale pointers (a chunk's 8 bytes as two uint32)
+    and masks for rows ``rows_g`` and ``rows_g + 8`` of a 16-row tile."""
+    rows_h = rows_g + 8
+    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
+    return (words_ptr + rows_g.to(tl.int64) * KW + q * 4, words_ptr + rows_h.to(tl.int64) * KW + q * 4,
+            sptr + rows_g.to(tl.int64) * (KW // 8), sptr + rows_h.to(tl.int64) * (KW // 8), rows_g < N, rows_h < N)
+
+
+@triton.jit
+def _x_row(x_ptr, g, M, stride_xm, like):
+    """The start of the x row the thread's B column ``n = g`` holds, as bf16 pairs: row ``g``, or the last row past
+    ``M``; shaped as ``like``."""
+    m = tl.minimum(g, M - 1)
+    return x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + like * 0
+
+
+@triton.jit
 def mma_gemv_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW, stride_xm, stride_ym, ROWS_PER_G,
                     T: tl.constexpr, WARPS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                     OUT_DTYPE: tl.constexpr):
@@ -178,26 +196,18 @@ def mma_gemv_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW, str
     lane = tl.arange(0, 32)[None, None, :]
     g = lane // 4
     q = lane % 4
-    rows_g = tl.program_id(0) * (16 * T) + tile * 16 + g                 # [1, T, 32]
-    rows_h = rows_g + 8
-    mask_g = (rows_g < N) & (warp >= 0)                                   # [W, T, 32]
-    mask_h = (rows_h < N) & (warp >= 0)
+    rows_g = tl.program_id(0) * (16 * T) + tile * 16 + g + warp * 0     # [W, T, 32]
+    wrow_g, wrow_h, srow_g, srow_h, mask_g, mask_h = _tile_rows(words_ptr, scales_ptr, rows_g, q, N, KW)
     chunks = KW // 16
     per_warp = tl.cdiv(chunks, WARPS)
     c0 = warp * per_warp                                                  # [W, 1, 1]
     c_end = tl.minimum(c0 + per_warp, chunks)
-    wrow_g = words_ptr + rows_g.to(tl.int64) * KW + q * 4 + warp * 0      # [W, T, 32]
-    wrow_h = words_ptr + rows_h.to(tl.int64) * KW + q * 4 + warp * 0
-    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
-    srow_g = sptr + rows_g.to(tl.int64) * (KW // 8) + warp * 0
-    srow_h = sptr + rows_h.to(tl.int64) * (KW // 8) + warp * 0
     c = c0 + tile * 0 + lane * 0                                          # [W, T, 32]: the chunk each loads
     live = c < c_end
     qg, qh, sg, sh = _chunk_words(wrow_g, wrow_h, srow_g, srow_h, c, mask_g & live, mask_h & live)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                   # the weights are in flight; x comes from the kernel before
-    m = tl.minimum(g, M - 1)                      # B column n = g: row g of x (a copy of the last row past M)
-    xrow = x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + warp * 0 + tile * 0
+    xrow = _x_row(x_ptr, g, M, stride_xm, rows_g)
     acc0 = tl.zeros((WARPS, T, 32), dtype=tl.float32)
     acc1 = tl.zeros((WARPS, T, 32), dtype=tl.float32)
     acc2 = tl.zeros((WARPS, T, 32), dtype=tl.float32)
@@ -218,7 +228,7 @@ def mma_gemv_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW, str
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _store_tile(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), tl.sum(acc3, axis=0),
-                tl.reshape(rows_g, (T, 32)), tl.reshape(q + tile * 0, (T, 32)), g_ptr, y_ptr, M, N, stride_ym,
+                tl.max(rows_g, axis=0), tl.reshape(q + tile * 0, (T, 32)), g_ptr, y_ptr, M, N, stride_ym,
                 ROWS_PER_G, OUT_DTYPE)
 
 
@@ -292,15 +302,8 @@ def mma_gemv_ahead_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, K
     g = lane // 4
     q = lane % 4
     rows_g = tl.program_id(0) * 16 + g + warp * 0                         # [W, 1, 32]
-    rows_h = rows_g + 8
-    mask_g = rows_g < N
-    mask_h = rows_h < N
+    wrow_g, wrow_h, srow_g, srow_h, mask_g, mask_h = _tile_rows(words_ptr, scales_ptr, rows_g, q, N, KW)
     chunks = KW // 16
-    wrow_g = words_ptr + rows_g.to(tl.int64) * KW + q * 4
-    wrow_h = words_ptr + rows_h.to(tl.int64) * KW + q * 4
-    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
-    srow_g = sptr + rows_g.to(tl.int64) * (KW // 8)
-    srow_h = sptr + rows_h.to(tl.int64) * (KW // 8)
     c0 = warp * 4 + lane * 0
     c1 = c0 + 1
     c2 = c0 + 2
@@ -315,8 +318,7 @@ def mma_gemv_ahead_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, K
                                         mask_h & (c3 < chunks))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                   # the weights are in flight; x comes from the kernel before
-    m = tl.minimum(g, M - 1)
-    xrow = x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + warp * 0
+    xrow = _x_row(x_ptr, g, M, stride_xm, rows_g)
     x0 = _chunk_x(xrow, tl.where(c0 < chunks, c0, 0), q, K, EVEN_K)
     x1 = _chunk_x(xrow, tl.where(c1 < chunks, c1, 0), q, K, EVEN_K)
     x2 = _chunk_x(xrow, tl.where(c2 < chunks, c2, 0), q, K, EVEN_K)
@@ -347,23 +349,15 @@ def mma_gemv_rows_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, KW
     g = lane // 4
     q = lane % 4
     rows_g = tl.program_id(0) * (16 * WARPS) + warp * 16 + g             # [W, 1, 32]
-    rows_h = rows_g + 8
-    mask_g = rows_g < N
-    mask_h = rows_h < N
+    wrow_g, wrow_h, srow_g, srow_h, mask_g, mask_h = _tile_rows(words_ptr, scales_ptr, rows_g, q, N, KW)
     chunks = KW // 16
-    wrow_g = words_ptr + rows_g.to(tl.int64) * KW + q * 4
-    wrow_h = words_ptr + rows_h.to(tl.int64) * KW + q * 4
-    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
-    srow_g = sptr + rows_g.to(tl.int64) * (KW // 8)
-    srow_h = sptr + rows_h.to(tl.int64) * (KW // 8)
     zero = rows_g * 0
     qg0, qh0, sg0, sh0 = _chunk_words(wrow_g, wrow_h, srow_g, srow_h, zero, mask_g, mask_h)
     qg1, qh1, sg1, sh1 = _chunk_words(wrow_g, wrow_h, srow_g, srow_h, zero + 1, mask_g & (chunks > 1),
                                       mask_h & (chunks > 1))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                   # the weights are in flight; x comes from the kernel before
-    m = tl.minimum(g, M - 1)
-    xrow = x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + warp * 0
+    xrow = _x_row(x_ptr, g, M, stride_xm, rows_g)
     xs = _chunk_x(xrow, zero, q, K, EVEN_K)
     acc0 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
     acc1 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
@@ -398,26 +392,14 @@ def mma_gemv_rows2_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, y_ptr, M, N, K, K
     ra = tl.program_id(0) * (32 * WARPS) + warp * 32 + g                 # [W, 1, 32]: rows g, g + 8 (tile a),
     rb = ra + 16                                                         # g + 16, g + 24 (tile b)
     chunks = KW // 16
-    sptr = scales_ptr.to(tl.pointer_type(tl.uint32))
-    wa_g = words_ptr + ra.to(tl.int64) * KW + q * 4
-    wa_h = words_ptr + (ra + 8).to(tl.int64) * KW + q * 4
-    wb_g = words_ptr + rb.to(tl.int64) * KW + q * 4
-    wb_h = words_ptr + (rb + 8).to(tl.int64) * KW + q * 4
-    sa_g = sptr + ra.to(tl.int64) * (KW // 8)
-    sa_h = sptr + (ra + 8).to(tl.int64) * (KW // 8)
-    sb_g = sptr + rb.to(tl.int64) * (KW // 8)
-    sb_h = sptr + (rb + 8).to(tl.int64) * (KW // 8)
-    ma_g = ra < N
-    ma_h = ra + 8 < N
-    mb_g = rb < N
-    mb_h = rb + 8 < N
+    wa_g, wa_h, sa_g, sa_h, ma_g, ma_h = _tile_rows(words_ptr, scales_ptr, ra, q, N, KW)
+    wb_g, wb_h, sb_g, sb_h, mb_g, mb_h = _tile_rows(words_ptr, scales_ptr, rb, q, N, KW)
     zero = ra * 0
     qga, qha, sga, sha = _chunk_words(wa_g, wa_h, sa_g, sa_h, zero, ma_g, ma_h)
     qgb, qhb, sgb, shb = _chunk_words(wb_g, wb_h, sb_g, sb_h, zero, mb_g, mb_h)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                   # the weights are in flight; x comes from the kernel before
-    m = tl.minimum(g, M - 1)
-    xrow = x_ptr.to(tl.pointer_type(tl.uint32)) + (m * (stride_xm // 2)).to(tl.int64) + warp * 0
+    xrow = _x_row(x_ptr, g, M, stride_xm, ra)
     xs = _chunk_x(xrow, zero, q, K, EVEN_K)
     a0 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
     a1 = tl.zeros((WARPS, 1, 32), dtype=tl.float32)
