@@ -245,6 +245,189 @@ CHUNK_WU = runtime.Kernel("deltanet.chunk_wu", _chunk_wu_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 1-3 in one kernel: G, the UT system, its inverse and w, u, by 16-row blocks in registers
+
+
+@triton.jit
+def _wy_rows(k_base, g_base, b_base, t0, t_end, stride_kt, stride_gt, stride_bt, offs_k, mask_k,
+             IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr, L2NORM: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """Input rows ``t0 .. t0 + 15`` (zeros past ``t_end``): keys (normalised if asked), gates, betas."""
+    offs_t = t0 + tl.arange(0, 16)
+    mask_t = offs_t < t_end
+    k = _load_rows(k_base, offs_t, mask_t, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)      # [16, BLOCK_K]
+    if L2NORM:
+        k = _l2norm_rows(k)
+    g = _load_vec(g_base, offs_t, mask_t, stride_gt, G_DTYPE, INTERPRET)
+    beta = _load_vec(b_base, offs_t, mask_t, stride_bt, BETA_DTYPE, INTERPRET)
+    return k, g, beta
+
+
+@triton.jit
+def _wy_values(v_base, t0, t_end, stride_vt, offs_v, mask_v, beta, DOT: tl.constexpr, IN_DTYPE: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """``beta v`` of input rows ``t0 .. t0 + 15`` as a dot operand."""
+    offs_t = t0 + tl.arange(0, 16)
+    v = _load_rows(v_base, offs_t, offs_t < t_end, stride_vt, offs_v, mask_v, IN_DTYPE, INTERPRET)
+    return (v * beta[:, None]).to(DOT)                                                          # [16, BLOCK_V]
+
+
+@runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
+@triton.jit
+def _chunk_wy_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr, cu_ptr, idx_ptr,
+    T, T_PAD, HV, GROUP,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt, stride_gh,
+    stride_bb, stride_bt, stride_bh,
+    K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
+    L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Kernels 1-3 as one, for ``BT = 64``: the chunk's four 16-row blocks stay in registers, so neither ``A`` nor
+    its inverse goes through memory. Written out block by block (Triton cannot slice a register tile); the dots
+    inline, since under the interpreter every @jit helper call costs ~2 ms."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
+    if IS_VARLEN:
+        t0, t_end = _packed_chunk(pid_c, cu_ptr, idx_ptr, BT)
+    else:
+        t0, t_end = pid_c * BT, T
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
+    g_base = g_ptr + pid_b.to(tl.int64) * stride_gb + pid_hv * stride_gh
+    b_base = beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh
+    k0, g0, b0 = _wy_rows(k_base, g_base, b_base, t0, t_end, stride_kt, stride_gt, stride_bt, offs_k, mask_k,
+                          IN_DTYPE, G_DTYPE, BETA_DTYPE, L2NORM, INTERPRET)
+    k1, g1, b1 = _wy_rows(k_base, g_base, b_base, t0 + 16, t_end, stride_kt, stride_gt, stride_bt, offs_k, mask_k,
+                          IN_DTYPE, G_DTYPE, BETA_DTYPE, L2NORM, INTERPRET)
+    k2, g2, b2 = _wy_rows(k_base, g_base, b_base, t0 + 32, t_end, stride_kt, stride_gt, stride_bt, offs_k, mask_k,
+                          IN_DTYPE, G_DTYPE, BETA_DTYPE, L2NORM, INTERPRET)
+    k3, g3, b3 = _wy_rows(k_base, g_base, b_base, t0 + 48, t_end, stride_kt, stride_gt, stride_bt, offs_k, mask_k,
+                          IN_DTYPE, G_DTYPE, BETA_DTYPE, L2NORM, INTERPRET)
+    # G, the log of the decay since the chunk start: each block's running sum continues from the last of the block
+    # before (a cumulative sum like any other; kernels 4 and 5 read these stored values, so all agree)
+    offs = tl.arange(0, 16)
+    c0 = tl.cumsum(g0, axis=0)
+    c1 = tl.cumsum(g1, axis=0) + tl.reduce(tl.where(offs == 15, c0, 0.0), 0, _SUM)
+    c2 = tl.cumsum(g2, axis=0) + tl.reduce(tl.where(offs == 15, c1, 0.0), 0, _SUM)
+    c3 = tl.cumsum(g3, axis=0) + tl.reduce(tl.where(offs == 15, c2, 0.0), 0, _SUM)
+    row = pid_bh.to(tl.int64) * T_PAD + pid_c * BT + offs          # rows of block 0 in the padded buffers
+    tl.store(gcum_ptr + row, c0)
+    tl.store(gcum_ptr + row + 16, c1)
+    tl.store(gcum_ptr + row + 32, c2)
+    tl.store(gcum_ptr + row + 48, c3)
+
+    # the keys as the three products take them, in the operand dtype (the fp32 keys are not needed after this)
+    PREC: tl.constexpr = "ieee" if DOT == tl.float32 else "tf32"       # tf32 never applies: bf16 operands then
+    kg0 = (k0 * (b0 * tl.exp(c0))[:, None]).to(DOT)                    # beta exp(G) k, for w
+    kg1 = (k1 * (b1 * tl.exp(c1))[:, None]).to(DOT)
+    kg2 = (k2 * (b2 * tl.exp(c2))[:, None]).to(DOT)
+    kg3 = (k3 * (b3 * tl.exp(c3))[:, None]).to(DOT)
+    kb0 = (k0 * b0[:, None]).to(DOT)
+    kb1 = (k1 * b1[:, None]).to(DOT)
+    kb2 = (k2 * b2[:, None]).to(DOT)
+    kb3 = (k3 * b3[:, None]).to(DOT)
+    kt0 = tl.trans(k0.to(DOT))
+    kt1 = tl.trans(k1.to(DOT))
+    kt2 = tl.trans(k2.to(DOT))
+    kt3 = tl.trans(k3.to(DOT))
+    # A = strictly_lower(beta k k^T * exp(G_i - G_j)), its ten non-zero 16x16 blocks (row block >= column block)
+    lower = offs[:, None] > offs[None, :]
+    a00 = tl.dot(kb0, kt0, input_precision=PREC) * tl.exp(tl.where(lower, c0[:, None] - c0[None, :], float("-inf")))
+    a11 = tl.dot(kb1, kt1, input_precision=PREC) * tl.exp(tl.where(lower, c1[:, None] - c1[None, :], float("-inf")))
+    a22 = tl.dot(kb2, kt2, input_precision=PREC) * tl.exp(tl.where(lower, c2[:, None] - c2[None, :], float("-inf")))
+    a33 = tl.dot(kb3, kt3, input_precision=PREC) * tl.exp(tl.where(lower, c3[:, None] - c3[None, :], float("-inf")))
+    a10 = tl.dot(kb1, kt0, input_precision=PREC) * tl.exp(c1[:, None] - c0[None, :])
+    a20 = tl.dot(kb2, kt0, input_precision=PREC) * tl.exp(c2[:, None] - c0[None, :])
+    a21 = tl.dot(kb2, kt1, input_precision=PREC) * tl.exp(c2[:, None] - c1[None, :])
+    a30 = tl.dot(kb3, kt0, input_precision=PREC) * tl.exp(c3[:, None] - c0[None, :])
+    a31 = tl.dot(kb3, kt1, input_precision=PREC) * tl.exp(c3[:, None] - c1[None, :])
+    a32 = tl.dot(kb3, kt2, input_precision=PREC) * tl.exp(c3[:, None] - c2[None, :])
+
+    # (I + A)^-1 as kernel 2 computes it: forward substitution on the diagonal blocks, X_i = -a_i - sum_j a_ij X_j
+    # (rows j < i of x hold X_j, row i still -a_i), then the off-diagonal blocks one sub-diagonal at a time
+    x0 = -a00
+    x1 = -a11
+    x2 = -a22
+    x3 = -a33
+    row_id = offs[:, None]
+    for i in range(2, 16):
+        r0 = tl.reduce(tl.where(row_id == i, x0, 0.0), 0, _SUM)
+        r1 = tl.reduce(tl.where(row_id == i, x1, 0.0), 0, _SUM)
+        r2 = tl.reduce(tl.where(row_id == i, x2, 0.0), 0, _SUM)
+        r3 = tl.reduce(tl.where(row_id == i, x3, 0.0), 0, _SUM)
+        x0 = tl.where(row_id == i, (r0 + tl.reduce(r0[:, None] * x0, 0, _SUM))[None, :], x0)
+        x1 = tl.where(row_id == i, (r1 + tl.reduce(r1[:, None] * x1, 0, _SUM))[None, :], x1)
+        x2 = tl.where(row_id == i, (r2 + tl.reduce(r2[:, None] * x2, 0, _SUM))[None, :], x2)
+        x3 = tl.where(row_id == i, (r3 + tl.reduce(r3[:, None] * x3, 0, _SUM))[None, :], x3)
+    eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
+    ai00 = x0 + eye
+    ai11 = x1 + eye
+    ai22 = x2 + eye
+    ai33 = x3 + eye
+    ai10 = -tl.dot(ai11, tl.dot(a10, ai00, input_precision="ieee"), input_precision="ieee")
+    ai21 = -tl.dot(ai22, tl.dot(a21, ai11, input_precision="ieee"), input_precision="ieee")
+    ai32 = -tl.dot(ai33, tl.dot(a32, ai22, input_precision="ieee"), input_precision="ieee")
+    ai20 = -tl.dot(ai22, tl.dot(a20, ai00, input_precision="ieee") + tl.dot(a21, ai10, input_precision="ieee"),
+                   input_precision="ieee")
+    ai31 = -tl.dot(ai33, tl.dot(a31, ai11, input_precision="ieee") + tl.dot(a32, ai21, input_precision="ieee"),
+                   input_precision="ieee")
+    ai30 = -tl.dot(ai33, tl.dot(a30, ai00, input_precision="ieee") + tl.dot(a31, ai10, input_precision="ieee")
+                   + tl.dot(a32, ai20, input_precision="ieee"), input_precision="ieee")
+    ai00 = ai00.to(DOT)                        # the inverse enters its products in the operand dtype, as kernel 3's
+    ai10 = ai10.to(DOT)
+    ai11 = ai11.to(DOT)
+    ai20 = ai20.to(DOT)
+    ai21 = ai21.to(DOT)
+    ai22 = ai22.to(DOT)
+    ai30 = ai30.to(DOT)
+    ai31 = ai31.to(DOT)
+    ai32 = ai32.to(DOT)
+    ai33 = ai33.to(DOT)
+
+    # w = Ai (beta exp(G) k): the keys as seen by the chunk's start state; block r sums its blocks c <= r in order
+    w_rows = w_ptr + row[:, None] * K + offs_k[None, :]
+    W_T = w_ptr.dtype.element_ty
+    w = tl.dot(ai00, kg0, input_precision=PREC)
+    tl.store(w_rows, w.to(W_T), mask=mask_k[None, :])
+    w = tl.dot(ai11, kg1, tl.dot(ai10, kg0, input_precision=PREC), input_precision=PREC)
+    tl.store(w_rows + 16 * K, w.to(W_T), mask=mask_k[None, :])
+    w = tl.dot(ai22, kg2, tl.dot(ai21, kg1, tl.dot(ai20, kg0, input_precision=PREC), input_precision=PREC),
+               input_precision=PREC)
+    tl.store(w_rows + 32 * K, w.to(W_T), mask=mask_k[None, :])
+    w = tl.dot(ai33, kg3, tl.dot(ai32, kg2, tl.dot(ai31, kg1, tl.dot(ai30, kg0, input_precision=PREC),
+                                                    input_precision=PREC), input_precision=PREC),
+               input_precision=PREC)
+    tl.store(w_rows + 48 * K, w.to(W_T), mask=mask_k[None, :])
+
+    # u = Ai (beta v): the deltas if the start state were zero
+    v_base = v_ptr + pid_b.to(tl.int64) * stride_vb + pid_hv * stride_vh
+    vb0 = _wy_values(v_base, t0, t_end, stride_vt, offs_v, mask_v, b0, DOT, IN_DTYPE, INTERPRET)
+    vb1 = _wy_values(v_base, t0 + 16, t_end, stride_vt, offs_v, mask_v, b1, DOT, IN_DTYPE, INTERPRET)
+    vb2 = _wy_values(v_base, t0 + 32, t_end, stride_vt, offs_v, mask_v, b2, DOT, IN_DTYPE, INTERPRET)
+    vb3 = _wy_values(v_base, t0 + 48, t_end, stride_vt, offs_v, mask_v, b3, DOT, IN_DTYPE, INTERPRET)
+    u_rows = u_ptr + row[:, None] * V + offs_v[None, :]
+    u = tl.dot(ai00, vb0, input_precision=PREC)
+    tl.store(u_rows, u, mask=mask_v[None, :])
+    u = tl.dot(ai11, vb1, tl.dot(ai10, vb0, input_precision=PREC), input_precision=PREC)
+    tl.store(u_rows + 16 * V, u, mask=mask_v[None, :])
+    u = tl.dot(ai22, vb2, tl.dot(ai21, vb1, tl.dot(ai20, vb0, input_precision=PREC), input_precision=PREC),
+               input_precision=PREC)
+    tl.store(u_rows + 32 * V, u, mask=mask_v[None, :])
+    u = tl.dot(ai33, vb3, tl.dot(ai32, vb2, tl.dot(ai31, vb1, tl.dot(ai30, vb0, input_precision=PREC),
+                                                    input_precision=PREC), input_precision=PREC),
+               input_precision=PREC)
+    tl.store(u_rows + 48 * V, u, mask=mask_v[None, :])
+
+
+CHUNK_WY = runtime.Kernel("deltanet.chunk_wy", _chunk_wy_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 4. the state recurrence across chunks
 
 
@@ -388,6 +571,10 @@ CHUNK_OUTPUT = runtime.Kernel("deltanet.chunk_output", _chunk_output_kernel)
 # host
 
 
+#: Kernels 1-3 as one launch (``_chunk_wy_kernel``: ``A`` and its inverse stay in registers) instead of three.
+FUSED_WY = True
+
+
 def dot_dtype(dtype: torch.dtype):
     """``tl.dot`` operand dtype for inputs of ``dtype``: fp32 under the interpreter or for fp32 inputs (IEEE, not
     tf32), bf16 on the GPU for 16-bit inputs."""
@@ -433,8 +620,8 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
 def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state, use_qk_l2norm: bool,
                  o: torch.Tensor, final: torch.Tensor | None, config: dict | None = None) -> None:
     """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [N, HV, K, V]`` (or no final state).
-    ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``) and the
-    output's ``out_block_v``, for experiments and tests of one tiling.
+    ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``), the
+    output's ``out_block_v`` and :data:`FUSED_WY` (``fused_wy``), for experiments and tests of one tiling.
 
     Packed sequences (``dims.cu``, host offsets; B = 1): the chunks of every sequence, counted from its own first
     token, are numbered one after another (:func:`.spec.packed_blocks`, built once per layout); the per-chunk kernels
@@ -457,11 +644,11 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     DOT = dot_dtype(q.dtype)
     f32 = dict(dtype=torch.float32, device=dev)
     ops = dict(dtype=torch.float32 if DOT == tl.float32 else torch.bfloat16, device=dev)
+    config = config or {}
+    fused_wy = config.get("fused_wy", FUSED_WY)
     gcum = torch.empty((BH, T_PAD), **f32)
-    a = torch.empty((BH, T_PAD, BT), **f32)
     u = torch.empty((BH, T_PAD, V), **f32)
     # buffers only ever read as tl.dot operands are stored in the operand dtype: the cast happens anyway
-    ai = torch.empty((BH, T_PAD, BT), **ops)
     w = torch.empty((BH, T_PAD, K), **ops)
     v_new = torch.empty((BH, T_PAD, V), **ops)
     h = torch.empty((BH, NT, K, V), **ops)
@@ -473,7 +660,6 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     BLOCK_K = max(16, runtime.next_power_of_2(K))
     BLOCK_V_ALL = max(16, runtime.next_power_of_2(V))
     BLOCK_V_STATE, BLOCK_V_OUT = block_v(V)
-    config = config or {}
     BLOCK_V_STATE = config.get("state_block_v", BLOCK_V_STATE)
     BLOCK_V_OUT = config.get("out_block_v", BLOCK_V_OUT)
     state_launch = {"num_warps": config.get("state_warps", 8 if K > 64 else 4)}
@@ -483,17 +669,27 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, IS_VARLEN=packed, BT=BT, BLOCK_K=BLOCK_K,
                   **flags)
 
-    CHUNK_KKT.current()[(NT, BH)](
-        kv, gv, bv, gcum, a, cu_t, chunks, T, T_PAD, HV, dims.group,
-        k.stride(0), k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2),
-        beta.stride(0), beta.stride(1), beta.stride(2),
-        G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], **common)
-    CHUNK_SOLVE.current()[(NT, BH)](a, ai, T_PAD, BT=BT)
-    CHUNK_WU.current()[(NT, BH)](
-        kv, vv, bv, gcum, ai, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        beta.stride(0), beta.stride(1), beta.stride(2),
-        V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
+    if fused_wy:
+        CHUNK_WY.current()[(NT, BH)](
+            kv, vv, gv, bv, gcum, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
+            V=V, G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype],
+            BLOCK_V=BLOCK_V_ALL, **common)
+    else:
+        a = torch.empty((BH, T_PAD, BT), **f32)
+        ai = torch.empty((BH, T_PAD, BT), **ops)
+        CHUNK_KKT.current()[(NT, BH)](
+            kv, gv, bv, gcum, a, cu_t, chunks, T, T_PAD, HV, dims.group,
+            k.stride(0), k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2),
+            beta.stride(0), beta.stride(1), beta.stride(2),
+            G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], **common)
+        CHUNK_SOLVE.current()[(NT, BH)](a, ai, T_PAD, BT=BT)
+        CHUNK_WU.current()[(NT, BH)](
+            kv, vv, bv, gcum, ai, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            beta.stride(0), beta.stride(1), beta.stride(2),
+            V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
     CHUNK_STATE.current()[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
         kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t, first,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
