@@ -21,14 +21,14 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
    rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``ahead``: gate_up loading a step ahead in 64-row
-   blocks, ``GATE_UP_AHEAD``; ``fused_wy``: the Gated DeltaNet chunk's first three kernels as one,
-   ``triton_chunk.FUSED_WY``; ``none``: the shipped switches alone, one arm):
+   blocks, ``GATE_UP_AHEAD``; ``state_keys``: the Gated DeltaNet state scan loading its keys decayed,
+   ``triton_chunk.STATE_KEYS_STORED``; ``none``: the shipped switches alone, one arm):
    the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
         [--parts gate_up down down_decoded combine split order small block_m]
-        [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|fused_wy|none] [--model PRESET]
+        [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|state_keys|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -80,11 +80,11 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
                                  ("decoded from 256 rows", "DECODED_MIN_ROWS", 256)),
             "ahead": (("gate_up: each step loads its own", "GATE_UP_AHEAD", False),
                       ("gate_up: a step ahead", "GATE_UP_AHEAD", True)),
-            "fused_wy": (("GDN chunk: kkt, solve, wu", "FUSED_WY", False),
-                         ("GDN chunk: one wy kernel", "FUSED_WY", True)),
+            "state_keys": (("GDN scan: raw keys", "STATE_KEYS_STORED", False),
+                           ("GDN scan: keys stored decayed", "STATE_KEYS_STORED", True)),
             "none": (("shipped", None, None),)}
 #: the module of a switch that is not an attribute of ``te``
-OWNERS = {"FUSED_WY": triton_chunk}
+OWNERS = {"STATE_KEYS_STORED": triton_chunk}
 
 
 @contextlib.contextmanager

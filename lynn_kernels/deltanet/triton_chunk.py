@@ -1,22 +1,23 @@
-"""Chunked (WY / UT) prefill of the gated delta rule in five Triton kernels, one job each (fla's split):
+"""Chunked (WY / UT) prefill of the gated delta rule in three Triton kernels:
 
-1. ``_chunk_kkt_kernel``    per chunk: ``G = cumsum(g)``, ``A = strictly_lower(beta k k^T * exp(G_i - G_j))``;
-2. ``_chunk_solve_kernel``  per chunk: ``Ai = (I + A)^-1`` by 16x16 blocks (forward substitution, then block merges);
-3. ``_chunk_wu_kernel``     per chunk: ``w = Ai (beta exp(G) k)``, ``u = Ai (beta v)``;
-4. ``_chunk_state_kernel``  per head, sequential over chunks: stores the state entering each chunk, the deltas
+1. ``_chunk_wy_kernel``     per chunk: ``G = cumsum(g)``, ``A = strictly_lower(beta k k^T * exp(G_i - G_j))``,
+   ``Ai = (I + A)^-1`` by 16x16 blocks (forward substitution, then block merges), ``w = Ai (beta exp(G) k)``,
+   ``u = Ai (beta v)`` and the keys decayed to the chunk end, ``A`` and ``Ai`` never leaving registers (fla runs
+   these as three kernels: kkt, solve, wu);
+2. ``_chunk_state_kernel``  per head, sequential over chunks: stores the state entering each chunk, the deltas
    ``v' = u - w S`` and the final state;
-5. ``_chunk_output_kernel`` per chunk: ``o = (exp(G) q) S + lower(q k^T * exp(G_i - G_j)) v'``.
+3. ``_chunk_output_kernel`` per chunk: ``o = (exp(G) q) S + lower(q k^T * exp(G_i - G_j)) v'``.
 
-The math is in docs/deltanet.md and :func:`.reference.chunk_gated_delta_rule`. Intermediates live in fp32 buffers
-padded to whole chunks (so every buffer access is in bounds without a mask); the carried state is fp32 in registers.
-Packed sequences (``cu_seqlens``, constexpr ``IS_VARLEN``): chunks restart at every sequence start; kernels 1-3 and 5
-run over a host-built chunk table (:func:`.spec.packed_blocks`) and kernel 4 runs one program per sequence and head.
+The math is in docs/deltanet.md and :func:`.reference.chunk_gated_delta_rule`. Intermediates live in buffers padded
+to whole chunks (so every buffer access is in bounds without a mask); the carried state is fp32 in registers.
+Packed sequences (``cu_seqlens``, constexpr ``IS_VARLEN``): chunks restart at every sequence start; kernels 1 and 3
+run over a host-built chunk table (:func:`.spec.packed_blocks`) and kernel 2 runs one program per sequence and head.
 ``tl.dot`` operands are bf16 on the GPU for bf16/fp16 inputs and tf32-free fp32 otherwise (fp32 under the
-interpreter). The triangular inverse is *computed* in IEEE fp32 (kernel 2) and stored in fp32, but with bf16
-operands it is rounded to bf16 where it multiplies k and v (kernel 3), and the fp32 state is rounded to bf16 where
-it multiplies ``w`` (kernel 4) and ``q`` (kernel 5); only the accumulations and the state update stay fp32. On the
-H200 (``lynn check``, bf16, T=65) that puts the final state at rel_l2 2.9e-3 (the recurrent kernel: 6e-8) and the
-output at 2.5x the error of a bf16 rounding of the exact answer; fp32 inputs round nothing.
+interpreter). The triangular inverse is *computed* in IEEE fp32, but with bf16 operands it is rounded to bf16 where
+it multiplies k and v, and the fp32 state is rounded to bf16 where it multiplies ``w`` (kernel 2) and ``q``
+(kernel 3); only the accumulations and the state update stay fp32. On the H200 (``lynn check``, bf16, T=65) that
+puts the final state at rel_l2 2.9e-3 (the recurrent kernel: 6e-8) and the output at 2.5x the error of a bf16
+rounding of the exact answer; fp32 inputs round nothing.
 """
 
 from __future__ import annotations
@@ -75,177 +76,13 @@ def _load_vec(ptr, offs_t, mask_t, stride_t, DTYPE: tl.constexpr, INTERPRET: tl.
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1. chunk-local cumulative decay and the UT system
-
+# 1. the chunk's gates, the UT system, its inverse and the WY representation: w and u, by 16-row blocks in registers
 
 #: Launch shapes tried on the GPU for the kernels that only write fresh buffers (safe to run repeatedly); the
 #: interpreter keeps the first. The state kernel may write into ``initial_state`` (in place), so it is not tuned.
 _TUNE = [triton.Config({}, num_warps=4, num_stages=2), triton.Config({}, num_warps=8, num_stages=2),
          triton.Config({}, num_warps=4, num_stages=3), triton.Config({}, num_warps=2, num_stages=2)]
 
-
-@runtime.autotune(configs=_TUNE, key=["K", "BT"])
-@triton.jit
-def _chunk_kkt_kernel(
-    k_ptr, g_ptr, beta_ptr, gcum_ptr, a_ptr, cu_ptr, idx_ptr,
-    T, T_PAD, HV, GROUP,
-    stride_kb, stride_kt, stride_kh, stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh,
-    K: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
-    L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
-    if IS_VARLEN:
-        t0, t_end = _packed_chunk(pid_c, cu_ptr, idx_ptr, BT)
-    else:
-        t0, t_end = pid_c * BT, T
-    offs_t = t0 + tl.arange(0, BT)                       # input rows
-    mask_t = offs_t < t_end
-    offs_k = tl.arange(0, BLOCK_K)
-    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
-    k = _load_rows(k_base, offs_t, mask_t, stride_kt, offs_k, offs_k < K, IN_DTYPE, INTERPRET)   # [BT, BLOCK_K]
-    if L2NORM:
-        k = _l2norm_rows(k)
-    g = _load_vec(g_ptr + pid_b.to(tl.int64) * stride_gb + pid_hv * stride_gh, offs_t, mask_t, stride_gt,
-                  G_DTYPE, INTERPRET)                                                           # [BT], 0 past T
-    beta = _load_vec(beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh, offs_t, mask_t, stride_bt,
-                     BETA_DTYPE, INTERPRET)
-    gcum = tl.cumsum(g, axis=0)                          # G: log of the decay since the chunk start
-    row = pid_bh.to(tl.int64) * T_PAD + pid_c * BT + tl.arange(0, BT)   # rows of the padded [B*HV, T_PAD, ...] buffers
-    tl.store(gcum_ptr + row, gcum)
-
-    a = _dot(k * beta[:, None], tl.trans(k), DOT)                                                # [BT, BT]
-    offs_j = tl.arange(0, BT)
-    lower = tl.arange(0, BT)[:, None] > offs_j[None, :]
-    a = a * tl.exp(tl.where(lower, gcum[:, None] - gcum[None, :], float("-inf")))   # only G_i - G_j <= 0
-    tl.store(a_ptr + row[:, None] * BT + offs_j[None, :], a)
-
-
-CHUNK_KKT = runtime.Kernel("deltanet.chunk_kkt", _chunk_kkt_kernel)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 2. (I + A)^-1, A strictly lower, by 16x16 blocks
-
-
-@runtime.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 2, 1)], key=["BT"])
-@triton.jit
-def _chunk_solve_kernel(a_ptr, ai_ptr, T_PAD, BT: tl.constexpr):
-    """Written out with plain loads and dots: under the interpreter every @jit helper call costs ~2 ms."""
-    pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    base = (pid_bh.to(tl.int64) * T_PAD + pid_c * BT) * BT
-    a_ptr += base
-    ai_ptr += base
-    offs = tl.arange(0, 16)
-    blk = offs[:, None] * BT + offs[None, :]                 # [16, 16]: block (0, 0); block (r, c) adds r*R1 + c*16
-    R1: tl.constexpr = 16 * BT
-    # the four diagonal blocks at once, [4, 16, 16], by forward substitution on the rows of X = (I + A_rr)^-1 - I:
-    # X_i = -a_i - sum_j a_ij X_j, where rows j < i of x already hold X_j and row i still holds -a_i
-    offs_r = tl.arange(0, 4)
-    x = -tl.load(a_ptr + (offs_r * (R1 + 16))[:, None, None] + blk[None, :, :])
-    row_id = offs[None, :, None]                                                      # [1, 16, 1]
-    for i in range(2, 16):
-        row = tl.reduce(tl.where(row_id == i, x, 0.0), 1, _SUM)                       # [4, 16]: -a_i
-        row = row + tl.reduce(row[:, :, None] * x, 1, _SUM)                           # -a_i - sum_j a_ij X_j
-        x = tl.where(row_id == i, row[:, None, :], x)
-    x = x + tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)[None, :, :]
-    ai00 = tl.reduce(tl.where(offs_r[:, None, None] == 0, x, 0.0), 0, _SUM)          # [16, 16] each
-    ai11 = tl.reduce(tl.where(offs_r[:, None, None] == 1, x, 0.0), 0, _SUM)
-    ai22 = tl.reduce(tl.where(offs_r[:, None, None] == 2, x, 0.0), 0, _SUM)
-    ai33 = tl.reduce(tl.where(offs_r[:, None, None] == 3, x, 0.0), 0, _SUM)
-    a10 = tl.load(a_ptr + blk + R1)
-    a20 = tl.load(a_ptr + blk + 2 * R1)
-    a21 = tl.load(a_ptr + blk + 2 * R1 + 16)
-    a30 = tl.load(a_ptr + blk + 3 * R1)
-    a31 = tl.load(a_ptr + blk + 3 * R1 + 16)
-    a32 = tl.load(a_ptr + blk + 3 * R1 + 32)
-    # off-diagonal blocks, one sub-diagonal at a time: Ai_ij = -Ai_ii sum_{j <= m < i} A_im Ai_mj (IEEE fp32 dots)
-    ai10 = -tl.dot(ai11, tl.dot(a10, ai00, input_precision="ieee"), input_precision="ieee")
-    ai21 = -tl.dot(ai22, tl.dot(a21, ai11, input_precision="ieee"), input_precision="ieee")
-    ai32 = -tl.dot(ai33, tl.dot(a32, ai22, input_precision="ieee"), input_precision="ieee")
-    ai20 = -tl.dot(ai22, tl.dot(a20, ai00, input_precision="ieee") + tl.dot(a21, ai10, input_precision="ieee"),
-                   input_precision="ieee")
-    ai31 = -tl.dot(ai33, tl.dot(a31, ai11, input_precision="ieee") + tl.dot(a32, ai21, input_precision="ieee"),
-                   input_precision="ieee")
-    ai30 = -tl.dot(ai33, tl.dot(a30, ai00, input_precision="ieee") + tl.dot(a31, ai10, input_precision="ieee")
-                   + tl.dot(a32, ai20, input_precision="ieee"), input_precision="ieee")
-    AI_T = ai_ptr.dtype.element_ty                  # the dot operand dtype: storing it loses nothing
-    zero = tl.zeros((16, 16), dtype=AI_T)
-    tl.store(ai_ptr + blk, ai00.to(AI_T))
-    tl.store(ai_ptr + blk + 16, zero)
-    tl.store(ai_ptr + blk + 32, zero)
-    tl.store(ai_ptr + blk + 48, zero)
-    tl.store(ai_ptr + blk + R1, ai10.to(AI_T))
-    tl.store(ai_ptr + blk + R1 + 16, ai11.to(AI_T))
-    tl.store(ai_ptr + blk + R1 + 32, zero)
-    tl.store(ai_ptr + blk + R1 + 48, zero)
-    tl.store(ai_ptr + blk + 2 * R1, ai20.to(AI_T))
-    tl.store(ai_ptr + blk + 2 * R1 + 16, ai21.to(AI_T))
-    tl.store(ai_ptr + blk + 2 * R1 + 32, ai22.to(AI_T))
-    tl.store(ai_ptr + blk + 2 * R1 + 48, zero)
-    tl.store(ai_ptr + blk + 3 * R1, ai30.to(AI_T))
-    tl.store(ai_ptr + blk + 3 * R1 + 16, ai31.to(AI_T))
-    tl.store(ai_ptr + blk + 3 * R1 + 32, ai32.to(AI_T))
-    tl.store(ai_ptr + blk + 3 * R1 + 48, ai33.to(AI_T))
-
-
-CHUNK_SOLVE = runtime.Kernel("deltanet.chunk_solve", _chunk_solve_kernel)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 3. the WY representation: w and u
-
-
-@runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
-@triton.jit
-def _chunk_wu_kernel(
-    k_ptr, v_ptr, beta_ptr, gcum_ptr, ai_ptr, w_ptr, u_ptr, cu_ptr, idx_ptr,
-    T, T_PAD, HV, GROUP,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bb, stride_bt, stride_bh,
-    K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
-    L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_b, pid_hv = pid_bh // HV, pid_bh % HV
-    if IS_VARLEN:
-        t0, t_end = _packed_chunk(pid_c, cu_ptr, idx_ptr, BT)
-    else:
-        t0, t_end = pid_c * BT, T
-    offs_t = t0 + tl.arange(0, BT)
-    mask_t = offs_t < t_end
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    offs_v = tl.arange(0, BLOCK_V)
-    mask_v = offs_v < V
-    row = pid_bh.to(tl.int64) * T_PAD + pid_c * BT + tl.arange(0, BT)
-    ai = tl.load(ai_ptr + row[:, None] * BT + tl.arange(0, BT)[None, :])                         # [BT, BT]
-    gcum = tl.load(gcum_ptr + row)                                                               # [BT]
-    beta = _load_vec(beta_ptr + pid_b.to(tl.int64) * stride_bb + pid_hv * stride_bh, offs_t, mask_t, stride_bt,
-                     BETA_DTYPE, INTERPRET)
-
-    k_base = k_ptr + pid_b.to(tl.int64) * stride_kb + (pid_hv // GROUP) * stride_kh
-    k = _load_rows(k_base, offs_t, mask_t, stride_kt, offs_k, mask_k, IN_DTYPE, INTERPRET)      # [BT, BLOCK_K]
-    if L2NORM:
-        k = _l2norm_rows(k)
-    w = _dot(ai, k * (beta * tl.exp(gcum))[:, None], DOT)           # the keys as seen by the chunk's start state
-    tl.store(w_ptr + row[:, None] * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask_k[None, :])
-
-    v_base = v_ptr + pid_b.to(tl.int64) * stride_vb + pid_hv * stride_vh
-    v = _load_rows(v_base, offs_t, mask_t, stride_vt, offs_v, mask_v, IN_DTYPE, INTERPRET)      # [BT, BLOCK_V]
-    u = _dot(ai, v * beta[:, None], DOT)                            # the deltas if the start state were zero
-    tl.store(u_ptr + row[:, None] * V + offs_v[None, :], u, mask=mask_v[None, :])
-
-
-CHUNK_WU = runtime.Kernel("deltanet.chunk_wu", _chunk_wu_kernel)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 1-3 in one kernel: G, the UT system, its inverse and w, u, by 16-row blocks in registers
 
 
 @triton.jit
@@ -275,17 +112,18 @@ def _wy_values(v_base, t0, t_end, stride_vt, offs_v, mask_v, beta, DOT: tl.const
 @runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
 @triton.jit
 def _chunk_wy_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr, cu_ptr, idx_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr, kd_ptr, cu_ptr, idx_ptr,
     T, T_PAD, HV, GROUP,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt, stride_gh,
     stride_bb, stride_bt, stride_bh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
     L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr, STORE_KD: tl.constexpr = False,
 ):
-    """Kernels 1-3 as one, for ``BT = 64``: the chunk's four 16-row blocks stay in registers, so neither ``A`` nor
-    its inverse goes through memory. Written out block by block (Triton cannot slice a register tile); the dots
-    inline, since under the interpreter every @jit helper call costs ~2 ms."""
+    """For ``BT = 64``: the chunk's four 16-row blocks stay in registers, so neither ``A`` nor its inverse goes
+    through memory. ``STORE_KD``: also the keys as the state scan multiplies them, ``exp(G_last - G) k``. Written out
+    block by block (Triton cannot slice a register tile); the dots inline, since under the interpreter every @jit
+    helper call costs ~2 ms."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b, pid_hv = pid_bh // HV, pid_bh % HV
@@ -309,7 +147,7 @@ def _chunk_wy_kernel(
     k3, g3, b3 = _wy_rows(k_base, g_base, b_base, t0 + 48, t_end, stride_kt, stride_gt, stride_bt, offs_k, mask_k,
                           IN_DTYPE, G_DTYPE, BETA_DTYPE, L2NORM, INTERPRET)
     # G, the log of the decay since the chunk start: each block's running sum continues from the last of the block
-    # before (a cumulative sum like any other; kernels 4 and 5 read these stored values, so all agree)
+    # before (a cumulative sum like any other; kernels 2 and 3 read these stored values, so all agree)
     offs = tl.arange(0, 16)
     c0 = tl.cumsum(g0, axis=0)
     c1 = tl.cumsum(g1, axis=0) + tl.reduce(tl.where(offs == 15, c0, 0.0), 0, _SUM)
@@ -335,6 +173,14 @@ def _chunk_wy_kernel(
     kt1 = tl.trans(k1.to(DOT))
     kt2 = tl.trans(k2.to(DOT))
     kt3 = tl.trans(k3.to(DOT))
+    if STORE_KD:                    # the state scan's keys, decayed to the chunk end (its own dot operand dtype)
+        g_last = tl.reduce(tl.where(offs == 15, c3, 0.0), 0, _SUM)
+        kd_rows = kd_ptr + row[:, None] * K + offs_k[None, :]
+        KD_T = kd_ptr.dtype.element_ty
+        tl.store(kd_rows, (k0 * tl.exp(g_last - c0)[:, None]).to(KD_T), mask=mask_k[None, :])
+        tl.store(kd_rows + 16 * K, (k1 * tl.exp(g_last - c1)[:, None]).to(KD_T), mask=mask_k[None, :])
+        tl.store(kd_rows + 32 * K, (k2 * tl.exp(g_last - c2)[:, None]).to(KD_T), mask=mask_k[None, :])
+        tl.store(kd_rows + 48 * K, (k3 * tl.exp(g_last - c3)[:, None]).to(KD_T), mask=mask_k[None, :])
     # A = strictly_lower(beta k k^T * exp(G_i - G_j)), its ten non-zero 16x16 blocks (row block >= column block)
     lower = offs[:, None] > offs[None, :]
     a00 = tl.dot(kb0, kt0, input_precision=PREC) * tl.exp(tl.where(lower, c0[:, None] - c0[None, :], float("-inf")))
@@ -348,7 +194,7 @@ def _chunk_wy_kernel(
     a31 = tl.dot(kb3, kt1, input_precision=PREC) * tl.exp(c3[:, None] - c1[None, :])
     a32 = tl.dot(kb3, kt2, input_precision=PREC) * tl.exp(c3[:, None] - c2[None, :])
 
-    # (I + A)^-1 as kernel 2 computes it: forward substitution on the diagonal blocks, X_i = -a_i - sum_j a_ij X_j
+    # (I + A)^-1: forward substitution on the diagonal blocks, X_i = -a_i - sum_j a_ij X_j
     # (rows j < i of x hold X_j, row i still -a_i), then the off-diagonal blocks one sub-diagonal at a time
     x0 = -a00
     x1 = -a11
@@ -378,7 +224,7 @@ def _chunk_wy_kernel(
                    input_precision="ieee")
     ai30 = -tl.dot(ai33, tl.dot(a30, ai00, input_precision="ieee") + tl.dot(a31, ai10, input_precision="ieee")
                    + tl.dot(a32, ai20, input_precision="ieee"), input_precision="ieee")
-    ai00 = ai00.to(DOT)                        # the inverse enters its products in the operand dtype, as kernel 3's
+    ai00 = ai00.to(DOT)                        # the inverse enters its products in the operand dtype
     ai10 = ai10.to(DOT)
     ai11 = ai11.to(DOT)
     ai20 = ai20.to(DOT)
@@ -428,14 +274,14 @@ CHUNK_WY = runtime.Kernel("deltanet.chunk_wy", _chunk_wy_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. the state recurrence across chunks
+# 2. the state recurrence across chunks
 
 
 @triton.jit
-def _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos, eos, T_PAD, stride_kt, offs_k, mask_k,
-                  offs_v, mask_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+def _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos, eos, T_PAD, stride_kt, offs_k,
+                  mask_k, offs_v, mask_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KD: tl.constexpr):
     """What the state scan reads for chunk ``c`` (nothing past the last chunk ``nt - 1``), as loaded: ``w``, ``u``,
-    the cumulative gates, the chunk's last gate and the raw keys."""
+    the cumulative gates, the chunk's last gate and the keys (``KD``: decayed by the wy kernel; else raw)."""
     live = c < nt
     offs_t = bos + c * BT + tl.arange(0, BT)                                         # input rows
     row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)             # buffer rows
@@ -443,22 +289,26 @@ def _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos, eos, T_
     u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :] & live, other=0.0)
     gcum = tl.load(gcum_ptr + row, mask=live, other=0.0)
     g_last = tl.load(gcum_ptr + i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + BT - 1, mask=live, other=0.0)
-    k = tl.load(k_base + offs_t[:, None].to(tl.int64) * stride_kt + offs_k[None, :],
-                mask=((offs_t < eos) & live)[:, None] & mask_k[None, :], other=0)
+    if KD:
+        k = tl.load(kd_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :] & live, other=0.0)
+    else:
+        k = tl.load(k_base + offs_t[:, None].to(tl.int64) * stride_kt + offs_k[None, :],
+                    mask=((offs_t < eos) & live)[:, None] & mask_k[None, :], other=0)
     return w, u, gcum, g_last, k
 
 
 @triton.jit
 def _chunk_state_kernel(
-    k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, cu_ptr, first_ptr,
+    k_ptr, kd_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, cu_ptr, first_ptr,
     T, T_PAD, NT, HV, GROUP,
     stride_kb, stride_kt, stride_kh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr,
     STORE_FINAL: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr, KD: tl.constexpr = False,
 ):
     """Program ``(pid_v, n * HV + hv)`` scans the chunks of sequence ``n`` (a batch row, or packed sequence ``n``:
-    rows ``cu[n]:cu[n+1]``, chunks ``first[n]:first[n+1]`` of the buffers of head ``hv``) from state row ``n``."""
+    rows ``cu[n]:cu[n+1]``, chunks ``first[n]:first[n+1]`` of the buffers of head ``hv``) from state row ``n``.
+    ``KD``: the keys come decayed from ``kd`` (the wy kernel's), not raw from ``k`` to normalise and decay here."""
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_n, pid_hv = pid_bh // HV, pid_bh % HV
@@ -487,23 +337,24 @@ def _chunk_state_kernel(
         s = tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0)
     else:
         s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
-    w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, 0, nt, bos, eos, T_PAD,
-                                              stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
+    w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, 0, nt, bos, eos,
+                                              T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT, KD)
     for c in range(nt):
         w, u, gcum, g_last, k = w_n, u_n, g_n, gl_n, k_n
         # the next chunk's inputs depend on no state: their loads fly while this chunk's two products run
-        w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c + 1, nt, bos, eos,
-                                                  T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
+        w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c + 1, nt, bos,
+                                                  eos, T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT, KD)
         tl.store(h_ptr + (i_buf.to(tl.int64) * NT + c0 + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
                  mask=mask_kv)                                                   # state entering c
         row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)     # buffer rows
         v_new = u - _dot(w, s, DOT)                                                       # the chunk's deltas
         tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
                  mask=mask_v[None, :])
-        k = to_float32(k, IN_DTYPE, INTERPRET)
-        if L2NORM:
-            k = _l2norm_rows(k)
-        k = k * tl.exp(g_last - gcum)[:, None]                 # decay from each token to the chunk end
+        if not KD:
+            k = to_float32(k, IN_DTYPE, INTERPRET)
+            if L2NORM:
+                k = _l2norm_rows(k)
+            k = k * tl.exp(g_last - gcum)[:, None]             # decay from each token to the chunk end
         s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, DOT)
     if STORE_FINAL:
         tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
@@ -513,7 +364,7 @@ CHUNK_STATE = runtime.Kernel("deltanet.chunk_state", _chunk_state_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. the output
+# 3. the output
 
 
 @runtime.autotune(configs=_TUNE, key=["K", "V", "BT", "BLOCK_V"])
@@ -571,8 +422,9 @@ CHUNK_OUTPUT = runtime.Kernel("deltanet.chunk_output", _chunk_output_kernel)
 # host
 
 
-#: Kernels 1-3 as one launch (``_chunk_wy_kernel``: ``A`` and its inverse stay in registers) instead of three.
-FUSED_WY = True
+#: The wy kernel stores the keys decayed to their chunk's end (bf16 on the GPU, the state scan's dot operand), so
+#: the sequential scan loads them instead of normalising and decaying raw keys in its loop.
+STATE_KEYS_STORED = True
 
 
 def dot_dtype(dtype: torch.dtype):
@@ -621,7 +473,7 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
                  o: torch.Tensor, final: torch.Tensor | None, config: dict | None = None) -> None:
     """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [N, HV, K, V]`` (or no final state).
     ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``), the
-    output's ``out_block_v`` and :data:`FUSED_WY` (``fused_wy``), for experiments and tests of one tiling.
+    output's ``out_block_v`` and :data:`STATE_KEYS_STORED` (``state_keys_stored``), for experiments and tests.
 
     Packed sequences (``dims.cu``, host offsets; B = 1): the chunks of every sequence, counted from its own first
     token, are numbered one after another (:func:`.spec.packed_blocks`, built once per layout); the per-chunk kernels
@@ -645,11 +497,12 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     f32 = dict(dtype=torch.float32, device=dev)
     ops = dict(dtype=torch.float32 if DOT == tl.float32 else torch.bfloat16, device=dev)
     config = config or {}
-    fused_wy = config.get("fused_wy", FUSED_WY)
+    keys_stored = config.get("state_keys_stored", STATE_KEYS_STORED)
     gcum = torch.empty((BH, T_PAD), **f32)
     u = torch.empty((BH, T_PAD, V), **f32)
     # buffers only ever read as tl.dot operands are stored in the operand dtype: the cast happens anyway
     w = torch.empty((BH, T_PAD, K), **ops)
+    kd = torch.empty((BH, T_PAD, K), **ops) if keys_stored else gcum
     v_new = torch.empty((BH, T_PAD, V), **ops)
     h = torch.empty((BH, NT, K, V), **ops)
     if not packed:
@@ -669,31 +522,17 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, IS_VARLEN=packed, BT=BT, BLOCK_K=BLOCK_K,
                   **flags)
 
-    if fused_wy:
-        CHUNK_WY.current()[(NT, BH)](
-            kv, vv, gv, bv, gcum, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
-            V=V, G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype],
-            BLOCK_V=BLOCK_V_ALL, **common)
-    else:
-        a = torch.empty((BH, T_PAD, BT), **f32)
-        ai = torch.empty((BH, T_PAD, BT), **ops)
-        CHUNK_KKT.current()[(NT, BH)](
-            kv, gv, bv, gcum, a, cu_t, chunks, T, T_PAD, HV, dims.group,
-            k.stride(0), k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2),
-            beta.stride(0), beta.stride(1), beta.stride(2),
-            G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], **common)
-        CHUNK_SOLVE.current()[(NT, BH)](a, ai, T_PAD, BT=BT)
-        CHUNK_WU.current()[(NT, BH)](
-            kv, vv, bv, gcum, ai, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            beta.stride(0), beta.stride(1), beta.stride(2),
-            V=V, BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype], BLOCK_V=BLOCK_V_ALL, **common)
+    CHUNK_WY.current()[(NT, BH)](
+        kv, vv, gv, bv, gcum, w, u, kd, cu_t, chunks, T, T_PAD, HV, dims.group,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
+        V=V, G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype],
+        BLOCK_V=BLOCK_V_ALL, STORE_KD=keys_stored, **common)
     CHUNK_STATE.current()[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
-        kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t, first,
+        kv, kd, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t,
+        first,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
-        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
+        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE, KD=keys_stored,
         **state_launch, **common)                         # w, k [64, K] and the state tile in registers
     CHUNK_OUTPUT.current()[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
         qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale,

@@ -1,16 +1,18 @@
-"""Whether the Gated DeltaNet chunked prefill should run its first three kernels as one (``triton_chunk.FUSED_WY``).
+"""Whether the Gated DeltaNet state scan should load its keys decayed (``triton_chunk.STATE_KEYS_STORED``).
 
-``_chunk_wy_kernel`` computes a chunk's cumulative gates, the UT system ``A``, its inverse and ``w``, ``u`` in
-registers by 16-row blocks; ``kkt``, ``solve`` and ``wu`` pass ``A`` (fp32) and its inverse through memory between
-three launches. At Qwen3.5-35B-A3B's linear-attention shape (16 key and 32 value heads of 128, the lab's
-``deltanet.chunk_gated_delta_rule`` inputs; Qwen3-Next-80B-A3B's heads are the same) and 2,048, 8,192 and 16,384
-tokens: the three-kernel form is raced through the lab against the shipped op (each output checked against the
-op's reference on the same inputs first; graph replay on rotating inputs), the two forms' outputs and final states
-are compared with each other, and each form's kernels are timed one by one by the CUDA profiler.
+The sequential state scan multiplies each chunk's keys, normalised and decayed to the chunk's end, into the state.
+With the switch on, ``_chunk_wy_kernel`` (parallel over chunks) stores those keys in the dot operand dtype and the
+scan loads them; off, the scan loads the raw keys and normalises and decays them inside its loop. At Qwen3.5-35B-A3B's
+linear-attention shape (16 key and 32 value heads of 128, the lab's ``deltanet.chunk_gated_delta_rule`` inputs;
+Qwen3-Next-80B-A3B's heads are the same) and 2,048, 8,192 and 16,384 tokens: the switch off is raced through the
+lab against the shipped op (graph replay on rotating inputs), both forms' outputs and final states are compared
+with the op's reference and each other, and each form's kernels are timed one by one by the CUDA profiler.
 
-    PYTHONPATH=. python3 experiments/chunk_wy.py
+    PYTHONPATH=. python3 experiments/chunk_state_keys.py
 
-Writes ``data/experiments/chunk-wy/<sha>.json`` (under ``$OUT`` when set). GPU only.
+Writes ``data/experiments/chunk-state-keys/<sha>.json`` (under ``$OUT`` when set). GPU only. At c286803 the same
+script, then ``chunk_wy.py``, raced the one wy kernel against fla's split into kkt, solve and wu
+(``data/experiments/chunk-wy/c286803-h100.json``).
 """
 
 from __future__ import annotations
@@ -32,24 +34,24 @@ OP = "deltanet.chunk_gated_delta_rule"
 
 
 @contextlib.contextmanager
-def fused(on: bool):
-    was = triton_chunk.FUSED_WY
-    triton_chunk.FUSED_WY = on
+def stored(on: bool):
+    was = triton_chunk.STATE_KEYS_STORED
+    triton_chunk.STATE_KEYS_STORED = on
     try:
         yield
     finally:
-        triton_chunk.FUSED_WY = was
+        triton_chunk.STATE_KEYS_STORED = was
 
 
-def three_kernels() -> lab.Variant:
-    """The op with ``kkt``, ``solve`` and ``wu`` as three launches, for the call."""
+def raw_keys() -> lab.Variant:
+    """The op with the scan normalising and decaying raw keys in its loop, for the call."""
     def rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False, *,
              out_state=None, cu_seqlens=None):
-        with fused(False):
+        with stored(False):
             return triton_chunk.chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state,
                                                               output_final_state, use_qk_l2norm,
                                                               out_state=out_state, cu_seqlens=cu_seqlens)
-    return lab.variant(OP, rule, name="three-kernels")
+    return lab.variant(OP, rule, name="raw-keys")
 
 
 def kernel_us(args, kwargs, calls: int = 10) -> dict:
@@ -72,38 +74,40 @@ def kernel_us(args, kwargs, calls: int = 10) -> dict:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("chunk_wy.py times GPU kernels: no GPU here")
-    res = {"provenance": provenance("PYTHONPATH=. python3 experiments/chunk_wy.py"), "shapes": []}
-    three = three_kernels()
+    res = {"provenance": provenance("PYTHONPATH=. python3 experiments/chunk_state_keys.py"), "shapes": []}
+    raw = raw_keys()
     for T in TOKENS:
         shape = BUILDERS[OP](MODELS["qwen3.5-35b-a3b"], T)[0]
         args, kwargs, _ = shape.make()
         want = lab.find(OP).fn.reference(*args, **kwargs)
         outs = {}
         row = {"tokens": T, "shape": shape.label, "kernels_us": {}}
-        for label, on in (("fused", True), ("three kernels", False)):
-            with fused(on):
+        for label, on in (("stored", True), ("raw", False)):
+            with stored(on):
                 o, state = lab.find(OP).fn(*args, **kwargs)
                 outs[label] = (o.clone(), state.clone())
                 row["kernels_us"][label] = kernel_us(args, kwargs)
             row[f"{label}: output vs reference"] = compare(o, want[0]).as_dict()
             row[f"{label}: final state vs reference"] = compare(state, want[1]).as_dict()
-        row["output fused vs three"] = compare(outs["fused"][0], outs["three kernels"][0]).as_dict()
-        row["state fused vs three"] = compare(outs["fused"][1], outs["three kernels"][1]).as_dict()
-        report = lab.race(three, shapes=[shape], skip_check=True)
+        row["output stored vs raw"] = compare(outs["stored"][0], outs["raw"][0]).as_dict()
+        row["state stored vs raw"] = compare(outs["stored"][1], outs["raw"][1]).as_dict()
+        row["bit_equal"] = bool(torch.equal(outs["stored"][0], outs["raw"][0])
+                                and torch.equal(outs["stored"][1], outs["raw"][1]))
+        report = lab.race(raw, shapes=[shape], skip_check=True)
         row["race"] = [r.as_dict() for r in report.rows]
         print(report.table(), flush=True)
         for label, us in row["kernels_us"].items():
-            print(f"{T:6} tokens {label:14} {sum(us.values()):9.1f} us: "
+            print(f"{T:6} tokens {label:7} {sum(us.values()):9.1f} us: "
                   + ", ".join(f"{k} {u:.1f}" for k, u in us.items()), flush=True)
-        print(f"{T:6} tokens rel_l2 against the reference: output fused "
-              f"{row['fused: output vs reference']['rel_l2']:.2e}, three "
-              f"{row['three kernels: output vs reference']['rel_l2']:.2e}; state fused "
-              f"{row['fused: final state vs reference']['rel_l2']:.2e}, three "
-              f"{row['three kernels: final state vs reference']['rel_l2']:.2e}", flush=True)
+        print(f"{T:6} tokens rel_l2 against the reference: output stored "
+              f"{row['stored: output vs reference']['rel_l2']:.2e}, raw "
+              f"{row['raw: output vs reference']['rel_l2']:.2e}; state stored "
+              f"{row['stored: final state vs reference']['rel_l2']:.2e}, raw "
+              f"{row['raw: final state vs reference']['rel_l2']:.2e}; bit-equal {row['bit_equal']}", flush=True)
         res["shapes"].append(row)
         args = kwargs = want = outs = None
         torch.cuda.empty_cache()
-    save_experiment("chunk-wy", res)
+    save_experiment("chunk-state-keys", res)
 
 
 if __name__ == "__main__":
