@@ -55,7 +55,7 @@ from .triton_recurrent import recurrent_gated_delta_rule_gates_triton, recurrent
 @runtime.op(reference=reference.chunk_gated_delta_rule)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm=False, *, out_state=None, cu_seqlens=None):
-    """The gated delta rule over a whole prompt in chunks of 64 tokens (WY / UT form, five kernels): prefill.
+    """The gated delta rule over a whole prompt in chunks of 64 tokens (WY / UT form, three kernels): prefill.
 
     Per value head, with state ``S [K, V]`` (fp32), token by token: ``S = exp(g_t) S``; ``d = beta_t (v_t - S^T
     k_t)``; ``S = S + k_t d^T``; ``o_t = S^T q_t``. Same result as :func:`recurrent_gated_delta_rule` (math:
