@@ -21,14 +21,13 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
    rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``ahead``: gate_up loading a step ahead in 64-row
-   blocks, ``GATE_UP_AHEAD``; ``state_keys``: the Gated DeltaNet state scan loading its keys decayed,
-   ``triton_chunk.STATE_KEYS_STORED``; ``none``: the shipped switches alone, one arm):
+   blocks, ``GATE_UP_AHEAD``; ``none``: the shipped switches alone, one arm):
    the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
         [--parts gate_up down down_decoded combine split order small block_m]
-        [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|state_keys|none] [--model PRESET]
+        [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -45,7 +44,6 @@ import triton
 
 from lynn_kernels import runtime
 from lynn_kernels.bench.harness import churn_calls, measure_ceilings, provenance, save_experiment, time_fn
-from lynn_kernels.deltanet import triton_chunk
 from lynn_kernels.lab.shapes import BUILDERS, MODELS
 from lynn_kernels.moe import pack_experts, reference
 from lynn_kernels.moe import triton_experts as te
@@ -71,7 +69,7 @@ COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 20
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
 PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "small", "block_m")
-#: the switches ``--model-ab`` turns off then on: (label, te's attribute (or :data:`OWNERS`'), its value) twice
+#: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
             "decoded_down": (("w2 decoded in the loop", "DECODED_DOWN", False),
@@ -80,11 +78,7 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
                                  ("decoded from 256 rows", "DECODED_MIN_ROWS", 256)),
             "ahead": (("gate_up: each step loads its own", "GATE_UP_AHEAD", False),
                       ("gate_up: a step ahead", "GATE_UP_AHEAD", True)),
-            "state_keys": (("GDN scan: raw keys", "STATE_KEYS_STORED", False),
-                           ("GDN scan: keys stored decayed", "STATE_KEYS_STORED", True)),
             "none": (("shipped", None, None),)}
-#: the module of a switch that is not an attribute of ``te``
-OWNERS = {"STATE_KEYS_STORED": triton_chunk}
 
 
 @contextlib.contextmanager
@@ -371,11 +365,10 @@ def model_rows(ceilings, ab, preset: str) -> dict:
     cache = model.new_cache(max_batch=1, max_tokens=16384 + 64)
     res, logits = {"model": preset}, {}
     name = ab[0][1]
-    owner = OWNERS.get(name, te)
-    shipped = getattr(owner, name) if name else None
+    shipped = getattr(te, name) if name else None
     for label, _, value in ab:
         if name:
-            setattr(owner, name, value)
+            setattr(te, name, value)
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
             s = cache.add()
@@ -393,7 +386,7 @@ def model_rows(ceilings, ab, preset: str) -> dict:
                                        for n in (2048, 8192, 16384)), flush=True)
     if not name:                                   # one arm, the shipped switches: nothing to compare
         return res
-    setattr(owner, name, shipped)
+    setattr(te, name, shipped)
     (off, _, _), (on, _, _) = ab
     m = compare(logits[on], logits[off])
     res["switch"] = name

@@ -2,8 +2,8 @@
 
 1. ``_chunk_wy_kernel``     per chunk: ``G = cumsum(g)``, ``A = strictly_lower(beta k k^T * exp(G_i - G_j))``,
    ``Ai = (I + A)^-1`` by 16x16 blocks (forward substitution, then block merges), ``w = Ai (beta exp(G) k)``,
-   ``u = Ai (beta v)`` and the keys decayed to the chunk end, ``A`` and ``Ai`` never leaving registers (fla runs
-   these as three kernels: kkt, solve, wu);
+   ``u = Ai (beta v)``, ``A`` and ``Ai`` never leaving registers (fla runs these as three kernels: kkt, solve,
+   wu);
 2. ``_chunk_state_kernel``  per head, sequential over chunks: stores the state entering each chunk, the deltas
    ``v' = u - w S`` and the final state;
 3. ``_chunk_output_kernel`` per chunk: ``o = (exp(G) q) S + lower(q k^T * exp(G_i - G_j)) v'``.
@@ -112,18 +112,17 @@ def _wy_values(v_base, t0, t_end, stride_vt, offs_v, mask_v, beta, DOT: tl.const
 @runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
 @triton.jit
 def _chunk_wy_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr, kd_ptr, cu_ptr, idx_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr, cu_ptr, idx_ptr,
     T, T_PAD, HV, GROUP,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt, stride_gh,
     stride_bb, stride_bt, stride_bh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
     L2NORM: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr, STORE_KD: tl.constexpr = False,
+    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """For ``BT = 64``: the chunk's four 16-row blocks stay in registers, so neither ``A`` nor its inverse goes
-    through memory. ``STORE_KD``: also the keys as the state scan multiplies them, ``exp(G_last - G) k``. Written out
-    block by block (Triton cannot slice a register tile); the dots inline, since under the interpreter every @jit
-    helper call costs ~2 ms."""
+    through memory. Written out block by block (Triton cannot slice a register tile); the dots inline, since under
+    the interpreter every @jit helper call costs ~2 ms."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b, pid_hv = pid_bh // HV, pid_bh % HV
@@ -173,14 +172,6 @@ def _chunk_wy_kernel(
     kt1 = tl.trans(k1.to(DOT))
     kt2 = tl.trans(k2.to(DOT))
     kt3 = tl.trans(k3.to(DOT))
-    if STORE_KD:                    # the state scan's keys, decayed to the chunk end (its own dot operand dtype)
-        g_last = tl.reduce(tl.where(offs == 15, c3, 0.0), 0, _SUM)
-        kd_rows = kd_ptr + row[:, None] * K + offs_k[None, :]
-        KD_T = kd_ptr.dtype.element_ty
-        tl.store(kd_rows, (k0 * tl.exp(g_last - c0)[:, None]).to(KD_T), mask=mask_k[None, :])
-        tl.store(kd_rows + 16 * K, (k1 * tl.exp(g_last - c1)[:, None]).to(KD_T), mask=mask_k[None, :])
-        tl.store(kd_rows + 32 * K, (k2 * tl.exp(g_last - c2)[:, None]).to(KD_T), mask=mask_k[None, :])
-        tl.store(kd_rows + 48 * K, (k3 * tl.exp(g_last - c3)[:, None]).to(KD_T), mask=mask_k[None, :])
     # A = strictly_lower(beta k k^T * exp(G_i - G_j)), its ten non-zero 16x16 blocks (row block >= column block)
     lower = offs[:, None] > offs[None, :]
     a00 = tl.dot(kb0, kt0, input_precision=PREC) * tl.exp(tl.where(lower, c0[:, None] - c0[None, :], float("-inf")))
@@ -278,10 +269,10 @@ CHUNK_WY = runtime.Kernel("deltanet.chunk_wy", _chunk_wy_kernel)
 
 
 @triton.jit
-def _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos, eos, T_PAD, stride_kt, offs_k,
-                  mask_k, offs_v, mask_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KD: tl.constexpr):
+def _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos, eos, T_PAD, stride_kt, offs_k, mask_k,
+                  offs_v, mask_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """What the state scan reads for chunk ``c`` (nothing past the last chunk ``nt - 1``), as loaded: ``w``, ``u``,
-    the cumulative gates, the chunk's last gate and the keys (``KD``: decayed by the wy kernel; else raw)."""
+    the cumulative gates, the chunk's last gate and the raw keys."""
     live = c < nt
     offs_t = bos + c * BT + tl.arange(0, BT)                                         # input rows
     row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)             # buffer rows
@@ -289,26 +280,22 @@ def _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c, nt, bos,
     u = tl.load(u_ptr + row[:, None] * V + offs_v[None, :], mask=mask_v[None, :] & live, other=0.0)
     gcum = tl.load(gcum_ptr + row, mask=live, other=0.0)
     g_last = tl.load(gcum_ptr + i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + BT - 1, mask=live, other=0.0)
-    if KD:
-        k = tl.load(kd_ptr + row[:, None] * K + offs_k[None, :], mask=mask_k[None, :] & live, other=0.0)
-    else:
-        k = tl.load(k_base + offs_t[:, None].to(tl.int64) * stride_kt + offs_k[None, :],
-                    mask=((offs_t < eos) & live)[:, None] & mask_k[None, :], other=0)
+    k = tl.load(k_base + offs_t[:, None].to(tl.int64) * stride_kt + offs_k[None, :],
+                mask=((offs_t < eos) & live)[:, None] & mask_k[None, :], other=0)
     return w, u, gcum, g_last, k
 
 
 @triton.jit
 def _chunk_state_kernel(
-    k_ptr, kd_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, cu_ptr, first_ptr,
+    k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, cu_ptr, first_ptr,
     T, T_PAD, NT, HV, GROUP,
     stride_kb, stride_kt, stride_kh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, L2NORM: tl.constexpr, HAS_INIT: tl.constexpr,
     STORE_FINAL: tl.constexpr, DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr, KD: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program ``(pid_v, n * HV + hv)`` scans the chunks of sequence ``n`` (a batch row, or packed sequence ``n``:
-    rows ``cu[n]:cu[n+1]``, chunks ``first[n]:first[n+1]`` of the buffers of head ``hv``) from state row ``n``.
-    ``KD``: the keys come decayed from ``kd`` (the wy kernel's), not raw from ``k`` to normalise and decay here."""
+    rows ``cu[n]:cu[n+1]``, chunks ``first[n]:first[n+1]`` of the buffers of head ``hv``) from state row ``n``."""
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_n, pid_hv = pid_bh // HV, pid_bh % HV
@@ -337,24 +324,23 @@ def _chunk_state_kernel(
         s = tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0)
     else:
         s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
-    w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, 0, nt, bos, eos,
-                                              T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT, KD)
+    w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, 0, nt, bos, eos, T_PAD,
+                                              stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
     for c in range(nt):
         w, u, gcum, g_last, k = w_n, u_n, g_n, gl_n, k_n
         # the next chunk's inputs depend on no state: their loads fly while this chunk's two products run
-        w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, kd_ptr, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c + 1, nt, bos,
-                                                  eos, T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT, KD)
+        w_n, u_n, g_n, gl_n, k_n = _state_inputs(k_base, w_ptr, u_ptr, gcum_ptr, i_buf, c0, c + 1, nt, bos, eos,
+                                                  T_PAD, stride_kt, offs_k, mask_k, offs_v, mask_v, K, V, BT)
         tl.store(h_ptr + (i_buf.to(tl.int64) * NT + c0 + c) * K * V + offs_kv, s.to(h_ptr.dtype.element_ty),
                  mask=mask_kv)                                                   # state entering c
         row = i_buf.to(tl.int64) * T_PAD + (c0 + c) * BT + tl.arange(0, BT)     # buffer rows
         v_new = u - _dot(w, s, DOT)                                                       # the chunk's deltas
         tl.store(vnew_ptr + row[:, None] * V + offs_v[None, :], v_new.to(vnew_ptr.dtype.element_ty),
                  mask=mask_v[None, :])
-        if not KD:
-            k = to_float32(k, IN_DTYPE, INTERPRET)
-            if L2NORM:
-                k = _l2norm_rows(k)
-            k = k * tl.exp(g_last - gcum)[:, None]             # decay from each token to the chunk end
+        k = to_float32(k, IN_DTYPE, INTERPRET)
+        if L2NORM:
+            k = _l2norm_rows(k)
+        k = k * tl.exp(g_last - gcum)[:, None]                 # decay from each token to the chunk end
         s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, DOT)
     if STORE_FINAL:
         tl.store(ht_ptr + state_base + offs_kv, s, mask=mask_kv)
@@ -422,11 +408,6 @@ CHUNK_OUTPUT = runtime.Kernel("deltanet.chunk_output", _chunk_output_kernel)
 # host
 
 
-#: The wy kernel stores the keys decayed to their chunk's end (bf16 on the GPU, the state scan's dot operand), so
-#: the sequential scan loads them instead of normalising and decaying raw keys in its loop.
-STATE_KEYS_STORED = True
-
-
 def dot_dtype(dtype: torch.dtype):
     """``tl.dot`` operand dtype for inputs of ``dtype``: fp32 under the interpreter or for fp32 inputs (IEEE, not
     tf32), bf16 on the GPU for 16-bit inputs."""
@@ -472,8 +453,8 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
 def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state, use_qk_l2norm: bool,
                  o: torch.Tensor, final: torch.Tensor | None, config: dict | None = None) -> None:
     """Launch only (no checks), into ``o [B, T, HV, V]`` and ``final [N, HV, K, V]`` (or no final state).
-    ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``), the
-    output's ``out_block_v`` and :data:`STATE_KEYS_STORED` (``state_keys_stored``), for experiments and tests.
+    ``config`` overrides the state scan's launch (``state_block_v``, ``state_warps``, ``state_stages``) and the
+    output's ``out_block_v``, for experiments and tests of one tiling.
 
     Packed sequences (``dims.cu``, host offsets; B = 1): the chunks of every sequence, counted from its own first
     token, are numbered one after another (:func:`.spec.packed_blocks`, built once per layout); the per-chunk kernels
@@ -496,13 +477,10 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     DOT = dot_dtype(q.dtype)
     f32 = dict(dtype=torch.float32, device=dev)
     ops = dict(dtype=torch.float32 if DOT == tl.float32 else torch.bfloat16, device=dev)
-    config = config or {}
-    keys_stored = config.get("state_keys_stored", STATE_KEYS_STORED)
     gcum = torch.empty((BH, T_PAD), **f32)
     u = torch.empty((BH, T_PAD, V), **f32)
     # buffers only ever read as tl.dot operands are stored in the operand dtype: the cast happens anyway
     w = torch.empty((BH, T_PAD, K), **ops)
-    kd = torch.empty((BH, T_PAD, K), **ops) if keys_stored else gcum
     v_new = torch.empty((BH, T_PAD, V), **ops)
     h = torch.empty((BH, NT, K, V), **ops)
     if not packed:
@@ -513,6 +491,7 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     BLOCK_K = max(16, runtime.next_power_of_2(K))
     BLOCK_V_ALL = max(16, runtime.next_power_of_2(V))
     BLOCK_V_STATE, BLOCK_V_OUT = block_v(V)
+    config = config or {}
     BLOCK_V_STATE = config.get("state_block_v", BLOCK_V_STATE)
     BLOCK_V_OUT = config.get("out_block_v", BLOCK_V_OUT)
     state_launch = {"num_warps": config.get("state_warps", 8 if K > 64 else 4)}
@@ -523,16 +502,15 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
                   **flags)
 
     CHUNK_WY.current()[(NT, BH)](
-        kv, vv, gv, bv, gcum, w, u, kd, cu_t, chunks, T, T_PAD, HV, dims.group,
+        kv, vv, gv, bv, gcum, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         V=V, G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype],
-        BLOCK_V=BLOCK_V_ALL, STORE_KD=keys_stored, **common)
+        BLOCK_V=BLOCK_V_ALL, **common)
     CHUNK_STATE.current()[(runtime.cdiv(V, BLOCK_V_STATE), dims.N * HV)](
-        kv, kd, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t,
-        first,
+        kv, w, u, gcum, h0 if h0 is not None else gcum, h, v_new, final if final is not None else gcum, cu_t, first,
         T, T_PAD, NT, HV, dims.group, k.stride(0), k.stride(1), k.stride(2),
-        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE, KD=keys_stored,
+        V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
         **state_launch, **common)                         # w, k [64, K] and the state tile in registers
     CHUNK_OUTPUT.current()[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
         qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale,

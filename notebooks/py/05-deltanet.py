@@ -561,14 +561,14 @@ plt.show()
 #
 # `chunk_gated_delta_rule` (`triton_chunk.py`) takes the same arguments as the recurrent op and runs the chunked
 # form in three kernels: `wy` (per chunk, in registers by 16-row blocks: `G`, `A`, `(I + A)^{-1}` by forward
-# substitution on the four diagonal blocks side by side and the off-diagonal blocks by products, then `W`, `U`
-# and the keys decayed to the chunk's end; fla splits this into three kernels, `kkt`, `solve` and `wu`), `state`
+# substitution on the four diagonal blocks side by side and the off-diagonal blocks by products, then `W` and
+# `U`; fla splits this into three kernels, `kkt`, `solve` and `wu`), `state`
 # (the sequential scan over chunks, storing the state entering each chunk and the deltas), and `output` (`O`,
 # parallel over chunks again). The triangular inverse is computed in fp32, and the state is kept in fp32; on the
 # GPU, for bf16 inputs, both are rounded to bf16 where they enter a `tl.dot` (fp32 accumulation), which costs
 # accuracy (`docs/deltanet.md` quantifies it). The buffers that are only ever read as `tl.dot` operands (`W`, the
-# decayed keys, the new values, the per-chunk states) are therefore stored in that operand dtype: bf16 on the GPU
-# for bf16 inputs, fp32 under the interpreter. Details in `docs/deltanet.md`.
+# new values, the per-chunk states) are therefore stored in that operand dtype: bf16 on the GPU for bf16 inputs,
+# fp32 under the interpreter. Details in `docs/deltanet.md`.
 #
 # **Validation** at awkward lengths (1 token, one less than a chunk, exactly one chunk, one more), GQA ratios 1
 # and 2 (`HV / H`), with an initial state and the in-kernel L2 norm, against the spec and HF's
@@ -1101,13 +1101,13 @@ else:
 # How to read it (`docs/history/deltanet.md` keeps the full record, the per-kernel profile and what was tried):
 #
 # * **Prefill, kernel time**: ours and fla's pipelines are close. The benchmark above ran ours as five kernels, as
-#   fla's; three since (`kkt`, `solve` and `wu` became the one `wy` kernel, which also hands the state scan its
-#   keys decayed: `docs/deltanet.md`, section 5, with the H100 races), not yet re-run on the H200. The first H200
+#   fla's; three since (`kkt`, `solve` and `wu` became the one `wy` kernel: `docs/deltanet.md`, section 5, with
+#   the H100 races), not yet re-run on the H200. The first H200
 #   run stored the intermediates that only ever enter a `tl.dot` (the inverse, `W`, the new values, the per-chunk
 #   states) in fp32; storing them in the operand dtype removed about 1.2 GB of traffic at T = 16384 with unchanged
-#   numerics. In that run the sequential state scan was slower than fla's: fla reads pre-normalised bf16 keys,
-#   ours re-normalised `k` and re-applied the decay inside the scan; a sweep of its tiling found nothing worth more
-#   than run-to-run noise.
+#   numerics. What is left is the sequential state scan, slower than fla's: fla reads pre-normalised bf16 keys,
+#   ours re-normalises `k` and re-applies the decay inside the scan (keys stored decayed by the `wy` kernel were
+#   raced on an H100 and gained nothing); a sweep of its tiling found nothing worth more than run-to-run noise.
 # * **Prefill, call time**: fla's Python wrapper costs hundreds of microseconds of host time on the device's slow
 #   CPU, so at short T our call is well ahead; at T = 16384 the GPU time dominates both.
 # * **Decode step**: the kernel is far under 10 us. The wall-clock of back-to-back Python calls is set by the
@@ -1222,6 +1222,6 @@ display(widgets.VBox([widgets.HBox(c[:3]), widgets.HBox(c[3:]), out]))
 #
 # The validation above says the kernels compute the same numbers as the spec and HF transformers at every shape
 # tried, and section 6 judges the goals on their H200 benchmark against fla. The next knobs are in the
-# prefill's chunk kernels (`docs/deltanet.md`, section 5): the state scan, the largest, and the wy kernel, whose
-# registers keep one or two programs on an SM. The decode step's wall-clock belongs to the decoder: one CUDA graph
+# prefill's chunk kernels (`docs/deltanet.md`, section 5): the state scan, the largest, and the `wy` kernel,
+# whose registers keep one or two programs on an SM. The decode step's wall-clock belongs to the decoder: one CUDA graph
 # for the whole step.
