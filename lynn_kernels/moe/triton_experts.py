@@ -3,7 +3,8 @@ host sync.
 
 ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, on one of two paths
 chosen by the batch size alone (never by the routing, which stays on the device): prefill (``M > DECODE_MAX_M``)
-aligns the slots by expert and runs a tensor-core gate_up kernel, a down kernel and an ordered combine (here);
+aligns the slots by expert and runs a tensor-core gate_up kernel, a down kernel and an ordered combine (here; or
+the combine in the down kernel's epilogue, ``COMBINE_IN_DOWN``);
 decode runs two FMA kernels on the weight tile's even / odd halves, the combine folded into the down kernel
 (:mod:`.triton_experts_decode`; what both paths' kernels share: :mod:`.triton_experts_common`). The weight tiles
 are exact, ``h`` is rounded once to x's dtype on every backend, the rest is fp32 until one output rounding, and no
@@ -57,8 +58,9 @@ DOWN_CONFIG_64 = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 
 COMBINE_CONFIG = {"BLOCK_T": 1, "BLOCK_H": 2048, "num_warps": 8}
 #: The prefill's down kernel sums each token's slot rows itself: the program whose tile completes a token's
 #: ``top_k`` slots at a column tile (an integer counter per token and column tile) adds them in slot order, as the
-#: combine kernel would, and the combine kernel does not run. The same bits (docs/moe.md, section 3).
-COMBINE_IN_DOWN = True
+#: combine kernel would, and the combine kernel does not run. The same bits on the interpreter; off until it has
+#: been raced on a GPU (docs/moe.md, section 3).
+COMBINE_IN_DOWN = False
 #: The prefill GEMMs run a row block's column tiles side by side (one row of x / h read from memory once, not once
 #: per column tile): the program order only, the same bits.
 PREFILL_N_FIRST = True
