@@ -12,9 +12,7 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    tiles (``COMBINE_CONFIGS``, timed alone on the shipped path's slot rows: its bytes over time) and the shipped
    call's GPU time kernel by kernel (CUDA profiler), also with the slot rows in x's dtype instead of fp32: a probe of
    what the fp32 rows cost the down kernel and the combine (not the shipped numerics, so not its bits). Then the
-   shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``), and ``combine_in_down``: with the
-   combine kernel, then with the combine in the down kernel's epilogue (``COMBINE_IN_DOWN``): time, kernels, bits
-   (against the switch off) and 20 churned calls each. ``down_decoded``:
+   shipped call with the GEMMs' programs in either order (``PREFILL_N_FIRST``): time, kernels, bits. ``down_decoded``:
    ``w2`` decoded once as well (``DECODED_DOWN``) at each of ``DECODED_DOWN_CONFIGS``. ``small``: the looped path's
    tiles below 8,192 tokens, both GEMMs at each of ``SMALL_CONFIGS``, with each kernel's time. ``block_m``: the call
    in 64- and 128-row blocks, ``w13`` decoded in the loop and once (Qwen3-Next-80B-A3B's 320 rows an expert at
@@ -23,14 +21,13 @@ that decode each weight tile in their loop, then what that does to a whole prefi
    one switch off and on (``--model-ab``: the decoded path, ``DECODED_MIN_ROWS``; the programs' order,
    ``PREFILL_N_FIRST``; ``w2`` decoded once too, ``DECODED_DOWN``; ``decoded_from_256``: the decoded path from 256
    rows an expert, as Qwen3-Next-80B-A3B's 320 at 16,384 tokens; ``ahead``: gate_up loading a step ahead in 64-row
-   blocks, ``GATE_UP_AHEAD``; ``combine_in_down``: ``COMBINE_IN_DOWN``; ``none``: the shipped switches alone, one
-   arm):
+   blocks, ``GATE_UP_AHEAD``; ``none``: the shipped switches alone, one arm):
    the kernel census of a 16,384-token prefill by part, the graph-captured prefill of 2,048, 8,192 and 16,384
    tokens, and the last token's logits of the two against each other.
 
     PYTHONPATH=. python3 experiments/moe_prefill_decoded.py [--tokens 8192 16384] [--skip-model]
-        [--parts gate_up down down_decoded combine split order combine_in_down small block_m]
-        [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|combine_in_down|none] [--model PRESET]
+        [--parts gate_up down down_decoded combine split order small block_m]
+        [--model-ab decoded|order|decoded_down|decoded_from_256|ahead|none] [--model PRESET]
 
 Writes ``data/experiments/moe-prefill-decoded/<sha>.json`` (under ``$OUT`` when set). GPU only.
 """
@@ -71,10 +68,7 @@ COMBINE_CONFIGS = [(4, 512, 4), (1, 2048, 4), (1, 2048, 8), (2, 1024, 4), (2, 20
 #: the dequantise kernel's (BLOCK_N, BLOCK_K, num_warps) on a w13 stack
 DECODE_TILES = [(32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (64, 128, 4), (128, 128, 8)]
 MODELS_RUN = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "combine_in_down", "small", "block_m")
-#: the parts that run the shipped call with one switch off, then on: (te's attribute, label off, label on)
-OP_SWITCHES = {"order": ("PREFILL_N_FIRST", "row blocks first", "column tiles first"),
-               "combine_in_down": ("COMBINE_IN_DOWN", "combine kernel", "combine in the down kernel")}
+PARTS = ("gate_up", "down", "down_decoded", "combine", "split", "order", "small", "block_m")
 #: the switches ``--model-ab`` turns off then on: (label, te's attribute, its value) twice
 MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DECODED_MIN_ROWS", te.DECODED_MIN_ROWS)),
             "order": (("row blocks first", "PREFILL_N_FIRST", False), ("column tiles first", "PREFILL_N_FIRST", True)),
@@ -84,8 +78,6 @@ MODEL_AB = {"decoded": (("looped", "DECODED_MIN_ROWS", 1 << 40), ("decoded", "DE
                                  ("decoded from 256 rows", "DECODED_MIN_ROWS", 256)),
             "ahead": (("gate_up: each step loads its own", "GATE_UP_AHEAD", False),
                       ("gate_up: a step ahead", "GATE_UP_AHEAD", True)),
-            "combine_in_down": (("combine kernel", "COMBINE_IN_DOWN", False),
-                                ("combine in the down kernel", "COMBINE_IN_DOWN", True)),
             "none": (("shipped", None, None),)}
 
 
@@ -221,9 +213,8 @@ def case_rows(model: str, m: int, peak: float, parts) -> list[dict]:
                 f"{k.replace('_moe_', '').replace('_kernel', '')} {v:.3f} | "
                 f"{row['kernels_ms_slots_in_x_dtype'].get(k, float('nan')):.3f}" for k, v in row["kernels_ms"].items()),
                 flush=True)
-        for part in OP_SWITCHES:
-            if part in parts:
-                rows += switch_rows(base, run, ws, bm, m, flops, peak, part)
+        if "order" in parts:
+            rows += order_rows(base, run, ws, bm, m, flops, peak)
         if "small" in parts:
             rows += small_rows(base, run, ws, looped, want, flops, peak, bm)
         if "block_m" in parts:
@@ -282,30 +273,29 @@ def small_rows(base: dict, run, ws, looped, want, flops: float, peak: float, bm:
     return rows
 
 
-def switch_rows(base: dict, run, ws, bm: int, m: int, flops: float, peak: float, part: str) -> list[dict]:
-    """The shipped call with the switch of ``part`` (:data:`OP_SWITCHES`) off, then on: time, kernels, bits."""
-    name, *labels = OP_SWITCHES[part]
-    rows, first, shipped = [], None, getattr(te, name)
+def order_rows(base: dict, run, ws, bm: int, m: int, flops: float, peak: float) -> list[dict]:
+    """The shipped call with the prefill GEMMs' programs row blocks first, then column tiles first."""
+    rows, first, shipped = [], None, te.PREFILL_N_FIRST
     try:
-        for on in (False, True):
-            setattr(te, name, on)
+        for n_first in (False, True):
+            te.PREFILL_N_FIRST = n_first
             got = run(None, ws=ws).clone()
             first = got if first is None else first
-            row = {**base, "path": "shipped", "switch": name, "on": on, "block_m": bm,
+            row = {**base, "path": "shipped", "n_first": n_first, "block_m": bm,
                    "ms": time_fn(lambda: run(None, ws=ws))[0],
-                   "same_bits_as_off": bool(torch.equal(got, first)),
+                   "same_bits_as_row_blocks_first": bool(torch.equal(got, first)),
                    "wrong_calls": churn_calls(lambda: run(None, ws=ws), got, 20),
                    "kernels_ms": kernel_split(lambda: run(None, ws=ws))}
             row["tflops"] = flops / row["ms"] / 1e9
             row["frac_of_peak"] = row["tflops"] / peak
             rows.append(row)
-            print(f"{base['model']} {m:6d} {labels[on]} {row['ms']:7.3f} ms {row['tflops']:6.0f} TFLOP/s "
-                  f"({row['frac_of_peak']:.1%}), same bits {row['same_bits_as_off']}, wrong calls "
-                  f"{row['wrong_calls']}; " + ", ".join(
+            print(f"{base['model']} {m:6d} {'column tiles' if n_first else 'row blocks'} first {row['ms']:7.3f} ms "
+                  f"{row['tflops']:6.0f} TFLOP/s ({row['frac_of_peak']:.1%}), same bits "
+                  f"{row['same_bits_as_row_blocks_first']}, wrong calls {row['wrong_calls']}; " + ", ".join(
                       f"{k.replace('_moe_', '').replace('_kernel', '')} {v:.3f}" for k, v in row["kernels_ms"].items()),
                   flush=True)
     finally:
-        setattr(te, name, shipped)
+        te.PREFILL_N_FIRST = shipped
     return rows
 
 

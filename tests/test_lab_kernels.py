@@ -298,9 +298,9 @@ def test_slots_moe_matmul_matmul_routes_keep_the_bits():
 
 
 @pytest.mark.skipif(not runtime.INTERPRET, reason="the copy may autotune to another config")
-def test_slots_moe_matmul_moe_routes_keep_the_bits(monkeypatch):
+def test_slots_moe_matmul_moe_routes_keep_the_bits():
     from lynn_kernels import moe, nvfp4
-    from lynn_kernels.moe import triton_align, triton_experts
+    from lynn_kernels.moe import triton_align
 
     gen = torch.Generator().manual_seed(4)
     E, H, inter, top_k = 4, 32, 16, 2
@@ -317,15 +317,12 @@ def test_slots_moe_matmul_moe_routes_keep_the_bits(monkeypatch):
     def run():
         decode = moe.moe_block(x1, rw, w13, w2, top_k=top_k)          # router, decode gate_up / down
         packed = moe.moe_block(x1, rw, p13, p2, top_k=top_k)          # router, packed gate_up / down
-        prefill = moe.moe_block(x17, rw, w13, w2, top_k=top_k)        # route, align, gate_up, down (and combine)
+        prefill = moe.moe_block(x17, rw, w13, w2, top_k=top_k)        # route, align, gate_up, down, combine
         prefill_shared = moe.moe_block(x17, rw, w13, w2, shared, top_k=top_k)   # and the shared expert's gate
-        with monkeypatch.context() as patch:                           # the combine kernel of its own
-            patch.setattr(triton_experts, "COMBINE_IN_DOWN", False)
-            combined = moe.moe_block(x17, rw, w13, w2, shared, top_k=top_k)
         p_max = moe.spec.max_padded(ids.numel(), E, 16)
         outs = [torch.empty(n, dtype=torch.int32, device=runtime.DEVICE) for n in (p_max, p_max // 16, 1)]
         triton_align.launch_align(ids, E, 16, *outs, chunk=16)        # the multi-chunk align: count, offsets, scatter
-        return decode, packed, prefill, prefill_shared, combined, *outs
+        return decode, packed, prefill, prefill_shared, *outs
 
     want = run()
     routes, hits = _slots_moe_matmul_routes([n for n in SLOTS_MOE_MATMUL if n.startswith("moe.")])

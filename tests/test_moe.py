@@ -293,31 +293,6 @@ def test_gate_up_ahead_gives_the_same_bits(dtype, monkeypatch, poison_empty):
     assert torch.equal(got, plain), bit_mismatches(got, plain)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared-row"])
-def test_combine_in_down_gives_the_combine_kernels_bits(shared, monkeypatch, poison_empty):
-    """``COMBINE_IN_DOWN``: the down kernel program that completes a token's slots at a column tile sums them (and
-    the shared row) in slot order; the same bits as the combine kernel, over five column tiles (the last partial),
-    with a NaN output buffer (a token left unsummed shows), and a second call on the same workspace."""
-    E, top_k, H, inter, M = 6, 3, 80, 48, 30
-    w13, w2 = _experts(E, H, inter, seed=61)
-    weights, ids = _routing(M, top_k, E, seed=62)
-    x = _x(M, H, BF16, seed=63)
-    shared_out = _x(M, H, FP32, seed=64) if shared else None
-
-    def run(on, ws=None):
-        monkeypatch.setattr(triton_experts, "COMBINE_IN_DOWN", on)
-        ws = moe_workspace(M, top_k, E, H, inter, BF16, DEV) if ws is None else ws    # NaN slot rows
-        out = torch.full((M, H), float("nan"), dtype=BF16, device=DEV)
-        return launch_moe_experts(x, weights, ids, w13, w2, out, ws, shared_out, config={"BLOCK_N": 16, "BLOCK_K": 32})
-
-    plain, got = run(False), run(True)
-    assert bool(torch.isfinite(got).all())
-    assert bit_mismatches(got, plain) == 0
-    ws = moe_workspace(M, top_k, E, H, inter, BF16, DEV)
-    run(True, ws)
-    assert bit_mismatches(run(True, ws), plain) == 0
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 2. moe_block against the reference and against HF transformers
 
@@ -781,35 +756,6 @@ def test_decoded_experts_real_shape_gpu(down, monkeypatch):
     assert_experts_close(got, x, weights, ids, w13, w2, what="decoded w13")
     assert bit_mismatches(got, run(True)) == 0, "not deterministic"
     del got, looped
-    torch.cuda.empty_cache()                     # the other test workers share the GPU
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [2048, 16384])
-def test_combine_in_down_real_shape_gpu(M, monkeypatch):
-    """``COMBINE_IN_DOWN`` compiled, at Qwen3.5-35B-A3B's experts with a shared row, in 64-row blocks (2,048 tokens)
-    and 128-row blocks on decoded ``w13`` (16,384): the combine kernel's bits on three calls (which program sums a
-    token changes from call to call; a missing release / acquire would show as other bits)."""
-    from lynn_kernels.moe import pack_experts
-
-    E, top_k, H, inter = 256, 8, 2048, 512
-    p13, p2, _ = pack_experts(*_real_experts(E, H, inter))
-    x = _x(M, H, BF16, seed=65)
-    router = (torch.randn(E, H, generator=_gen(66)) * 0.05).to(BF16).to(DEV)
-    weights, ids = route((x.float() @ router.float().t()).to(BF16), top_k)
-    shared_out = _x(M, H, FP32, seed=67)
-
-    def run(on):
-        monkeypatch.setattr(triton_experts, "COMBINE_IN_DOWN", on)
-        ws = triton_experts.moe_workspace(M, top_k, E, H, inter, BF16, DEV)
-        ws.out_slots.fill_(float("nan"))
-        return triton_experts.launch_moe_experts(x, weights, ids, p13, p2, torch.full_like(x, float("nan")), ws,
-                                                 shared_out)
-
-    plain = run(False)
-    for i in range(3):
-        assert bit_mismatches(run(True), plain) == 0, f"call {i}"
-    del plain
     torch.cuda.empty_cache()                     # the other test workers share the GPU
 
 

@@ -3,8 +3,7 @@ host sync.
 
 ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, j]``, on one of two paths
 chosen by the batch size alone (never by the routing, which stays on the device): prefill (``M > DECODE_MAX_M``)
-aligns the slots by expert and runs a tensor-core gate_up kernel, a down kernel and an ordered combine (here; or
-the combine in the down kernel's epilogue, ``COMBINE_IN_DOWN``);
+aligns the slots by expert and runs a tensor-core gate_up kernel, a down kernel and an ordered combine (here);
 decode runs two FMA kernels on the weight tile's even / odd halves, the combine folded into the down kernel
 (:mod:`.triton_experts_decode`; what both paths' kernels share: :mod:`.triton_experts_common`). The weight tiles
 are exact, ``h`` is rounded once to x's dtype on every backend, the rest is fp32 until one output rounding, and no
@@ -56,11 +55,6 @@ DOWN_CONFIG_128 = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages":
 DOWN_CONFIG_64 = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 #: One token a program, the whole row of H (2.07 TB/s at 16,384 tokens against 1.95 for 4 tokens of 512 columns).
 COMBINE_CONFIG = {"BLOCK_T": 1, "BLOCK_H": 2048, "num_warps": 8}
-#: The prefill's down kernel sums each token's slot rows itself: the program whose tile completes a token's
-#: ``top_k`` slots at a column tile (an integer counter per token and column tile) adds them in slot order, as the
-#: combine kernel would, and the combine kernel does not run. The same bits on the interpreter; off until it has
-#: been raced on a GPU (docs/moe.md, section 3).
-COMBINE_IN_DOWN = False
 #: The prefill GEMMs run a row block's column tiles side by side (one row of x / h read from memory once, not once
 #: per column tile): the program order only, the same bits.
 PREFILL_N_FIRST = True
@@ -212,8 +206,6 @@ def _moe_down_kernel(
     X_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED_DECODE: tl.constexpr,
     PACKED_LAYOUT: tl.constexpr, ACC_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, N_FIRST: tl.constexpr = False,
-    count_ptr=None, shared_ptr=None, sum_ptr=None, stride_sm=0, TOP_K: tl.constexpr = 1,
-    HAS_SHARED: tl.constexpr = False, SUM: tl.constexpr = False, SUM_DTYPE: tl.constexpr = None,
 ):
     pid_m, pid_n = _tile(H, BLOCK_N, N_FIRST)
     e, rows, slot, valid = _row_block(sorted_ptr, expert_ptr, pid_m, S, DENSE, BLOCK_M)
@@ -235,33 +227,6 @@ def _moe_down_kernel(
     y = acc * g * w[:, None]
     tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_om + offs_n[None, :], cast_output(y, OUT_DTYPE, INTERPRET),
              mask=valid[:, None] & mask_n[None, :])
-    if SUM:
-        _sum_if_last(out_ptr, count_ptr, shared_ptr, sum_ptr, slot, valid, offs_n, mask_n, pid_n, tl.cdiv(H, BLOCK_N),
-                     stride_om, stride_sm, TOP_K, HAS_SHARED, SUM_DTYPE, BLOCK_M, BLOCK_N, INTERPRET)
-
-
-@triton.jit
-def _sum_if_last(slots_ptr, count_ptr, shared_ptr, out_ptr, slot, valid, offs_n, mask_n, pid_n, num_n, stride_slot,
-                 stride_om, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """The combine in the down kernel's epilogue: count this tile's slots in at ``(token, column tile)``; the program
-    that brings a token's count to ``TOP_K`` sums its slot rows in order ``j = 0..TOP_K-1`` (and the shared row) and
-    rounds once, as :func:`_moe_combine_kernel` does, so the bits are the same. Integer counters only: which program
-    sums a token varies from run to run, the sum does not."""
-    tl.debug_barrier()                          # the whole tile stored before any thread's release of it
-    token = slot // TOP_K
-    seen = tl.atomic_add(count_ptr + token * num_n + pid_n, 1, mask=valid, sem="acq_rel", scope="gpu")
-    last = valid & (seen == TOP_K - 1)
-    tl.debug_barrier()                          # every thread's acquire before any thread reads the other slots
-    mask = last[:, None] & mask_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.range(0, TOP_K, num_stages=1):  # from L2 (.cg): other programs wrote these rows
-        acc += tl.load(slots_ptr + (token * TOP_K + j)[:, None].to(tl.int64) * stride_slot + offs_n[None, :],
-                       mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + token[:, None].to(tl.int64) * stride_slot + offs_n[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + token[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             cast_output(acc, OUT_DTYPE, INTERPRET), mask=mask)
 
 
 MOE_DOWN = runtime.Kernel("moe.down", _moe_down_kernel)
@@ -364,14 +329,12 @@ def decode_experts(w, a: _Weights, x_dtype: torch.dtype) -> _Weights:
 
 def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _Weights, w2: _Weights, float_w: bool,
                 h, dest, dense: bool, block_m: int, config: dict | None = None, decoded: bool = False,
-                decoded_down: bool = False, sum_into: torch.Tensor | None = None,
-                shared_out: torch.Tensor | None = None) -> None:
+                decoded_down: bool = False) -> None:
     """The prefill path: gate_up then down over ``n_blocks`` row blocks, into ``dest`` (fp32 per slot, or ``out``
-    itself); ``sum_into`` (``out``): the down kernel also sums each token's slot rows of ``dest`` (and
-    ``shared_out``) into it, the combine in its epilogue (:data:`COMBINE_IN_DOWN`). ``decoded``: ``w13`` is a packed
-    weight decoded by :func:`decode_experts` (float tiles, the packed path's global scales and ``ACC_UNIT``), which
-    gate_up runs at :data:`DECODED_CONFIG` (``config`` then replaces that, and down keeps its shipped tiles);
-    ``decoded_down``: ``w2`` is decoded too, and down runs at :data:`DECODED_DOWN_CONFIG`."""
+    itself). ``decoded``: ``w13`` is a packed weight decoded by :func:`decode_experts` (float tiles, the packed
+    path's global scales and ``ACC_UNIT``), which gate_up runs at :data:`DECODED_CONFIG` (``config`` then replaces
+    that, and down keeps its shipped tiles); ``decoded_down``: ``w2`` is decoded too, and down runs at
+    :data:`DECODED_DOWN_CONFIG`."""
     M, H = x2.shape
     I = h.shape[-1]
     flags = _flags(x2.dtype, float_w, runtime.INTERPRET, w2.packed)
@@ -396,18 +359,12 @@ def _launch_ffn(x2, weights, experts, sorted_slots, n_blocks, S, top_k, w13: _We
     else:
         down = DOWN_CONFIG_128 if block_m >= 128 else DOWN_CONFIG_64 if block_m == 64 else tiles
         meta, warps, stages = _tiles(H, I, down, config, w2.packed)
-    summed = {}
-    if sum_into is not None:     # a counter per (token, column tile), zero at the start of every call
-        counts = torch.zeros(M * runtime.cdiv(H, meta["BLOCK_N"]), dtype=torch.int32, device=dest.device)
-        summed = dict(count_ptr=counts, shared_ptr=dest if shared_out is None else shared_out,
-                      sum_ptr=kernel_view(sum_into), stride_sm=sum_into.stride(0), TOP_K=top_k,
-                      HAS_SHARED=shared_out is not None, SUM=True, SUM_DTYPE=runtime.TORCH_TO_TL[sum_into.dtype])
     MOE_DOWN.current()[_grid(n_blocks, H, meta["BLOCK_N"])](
         h, w2.codes, w2.scales, w2.g, sorted_slots, experts, kernel_view(weights),
         kernel_view(dest), S, H, I, dest.stride(0), w2.g_stride,
         DENSE=dense, NO_G=float_w, W_DTYPE=runtime.TORCH_TO_TL[weights.dtype],
         OUT_DTYPE=runtime.TORCH_TO_TL[dest.dtype], **flags, BLOCK_M=block_m, **meta, N_FIRST=PREFILL_N_FIRST,
-        **summed, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
 
 
 def _grid(n_blocks: int, N: int, block_n: int) -> tuple:
@@ -472,11 +429,10 @@ def launch_moe_experts(x2: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
         a13 = decode_experts(w13, a13, x2.dtype)
         if DECODED_DOWN:
             a2 = decode_experts(w2, a2, x2.dtype)
-    fold = COMBINE_IN_DOWN and not to_out
     _launch_ffn(x2, weights.view(-1), ws.block_expert, ws.sorted_slots, ws.block_expert.numel(), S, top_k, a13, a2,
                 float_w, ws.h, out if to_out else ws.out_slots, False, block_m, config, decoded,
-                decoded and DECODED_DOWN, out if fold else None, shared_out)
-    if not to_out and not fold:
+                decoded and DECODED_DOWN)
+    if not to_out:
         _launch_combine(ws.out_slots, shared_out, out, top_k)
     return out
 
