@@ -34,7 +34,8 @@ def timed(model, prompt: torch.Tensor) -> tuple[dict, list[int]]:
     out = lynn_model.generate(model, prompt, NEW_TOKENS, stats=stats)
     return ({"decode_tok_s": stats.decode_tok_s, "ms_per_step": stats.decode_s * 1e3 / max(1, stats.decode_steps),
              "decode_steps": stats.decode_steps, "prefill_tok_s": stats.prefill_tok_s, "capture_s": stats.capture_s,
-             "cuda_graph": stats.cuda_graph}, out[0, prompt.shape[1]:].tolist())
+             "cuda_graph": stats.cuda_graph, "launch_us_per_step": stats.launch_s * 1e6 / max(1, stats.decode_steps),
+             "wait_frac": stats.wait_s / stats.decode_s if stats.decode_s else 0.0}, out[0, prompt.shape[1]:].tolist())
 
 
 def fused(model) -> bool:

@@ -479,7 +479,9 @@ def generate_row(model, ids, ceilings: Ceilings, nbytes: int) -> Result:
     return _row("decoder.decode", "lynn nvfp4 generate() (graph)", model.config.name, {"B": 1, "context": CONTEXT},
                 [ms], ceilings, bytes_=nbytes, ceiling="read_gbps",
                 note=f"{stats.decode_tok_s:.1f} tok/s over {stats.decode_steps} steps, host-timed loop; capture "
-                     f"{stats.capture_s:.1f} s, prefill {stats.prefill_tok_s:,.0f} tok/s")
+                     f"{stats.capture_s:.1f} s, prefill {stats.prefill_tok_s:,.0f} tok/s; host "
+                     f"{stats.launch_s * 1e6 / max(1, stats.decode_steps):.0f} us a step in replay(), waiting for "
+                     f"tokens {stats.wait_s / max(stats.decode_s, 1e-9):.0%} of the decode")
 
 
 def census(model, batch: int = 1, ceilings: Ceilings | None = None) -> dict:

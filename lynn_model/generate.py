@@ -41,6 +41,10 @@ class Stats:
     capture_s: float = 0.0           #: building the decode step (its warm-up and graph capture, on a GPU)
     cuda_graph: bool = False         #: the decode steps replayed a captured graph
     cache_bytes: int = 0             #: the KV cache and the Gated DeltaNet states
+    #: of ``decode_s``, the host's time launching steps (``DecodeStep.replay``) and waiting for their tokens: a wait
+    #: near ``decode_s`` says the GPU bounds the loop, near 0 that the host does (plain decode steps only)
+    launch_s: float = 0.0
+    wait_s: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -196,7 +200,7 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
                          f"holds no mtp.* tensors)")
     rows = _prompts(input_ids)
     warn, stats = stats is None, stats if stats is not None else Stats()
-    stats.notes, stats.rounds = [], []
+    vars(stats).update(vars(Stats()))           # a reused Stats describes this call alone
     context, longest = model.config.max_position_embeddings, max(map(len, rows))
     if longest > context:
         which = f"prompt {max(range(len(rows)), key=lambda b: len(rows[b]))} of the batch" if len(rows) > 1 else \
@@ -278,11 +282,15 @@ def generate(model: Model, input_ids, max_new_tokens: int, *, temperature: float
         while True:              # launch step k + 1, then read step k's tokens while it runs
             done = None
             if live and launched < max_new_tokens - 1:
+                t1 = time.perf_counter()
                 step.replay()
+                stats.launch_s += time.perf_counter() - t1
                 done = reader.copy(launched)
                 launched += 1
             if pending is not None:
+                t1 = time.perf_counter()
                 new, finite = reader.read(pending)
+                stats.wait_s += time.perf_counter() - t1
                 _check_finite(live, [finite[slots[b]] for b in live], nseq, f"new token {pending + 2}")
                 before = live
                 live = _emit(out, live, [new[slots[b]] for b in live], stops, stream)

@@ -255,6 +255,9 @@ def test_a_stopped_sequence_leaves_the_batch(model):
     assert out[0].tolist() == rows[0] + [first0] * 3 and out[1, 2:].tolist() == alone1      # padded to 7
     assert seen[0] == [first0, alone1[0]] and all(s[0] == -1 for s in seen[1:])
     assert stats.new_tokens == 1 + 5 and stats.batch == 2 and stats.decode_steps == 4
+    assert 0 <= stats.wait_s <= stats.decode_s and 0 < stats.launch_s <= stats.decode_s
+    _greedy(model, rows[1:], 3, stats=stats)                       # reused: it describes the last call alone
+    assert (stats.new_tokens, stats.batch, stats.decode_steps) == (3, 1, 2)
 
 
 def test_generate_checks_the_tensor_first(model):
