@@ -17,7 +17,8 @@ installed) of ``deltanet.chunk_gated_delta_rule`` at Qwen3.5-35B-A3B's prefill o
 wy kernel differs. ``--sass`` compiles the shipped and the variant wy kernel at every autotune config as a
 2,048-token launch would specialise them (``kernel_resources.py``'s stand-in sm_90 driver) and counts their machine
 instructions: in all (static) and as executed, the forward substitution's loop body counted once per row step.
-Writes ``data/experiments/wy-inverse/<sha>.json`` (``<sha>-check``, ``<sha>-sass``; under ``$OUT`` when set).
+Writes ``data/experiments/wy-inverse/<sha>.json`` (``check/<sha>.json``, ``sass/<sha>.json``; under ``$OUT`` when
+set).
 """
 
 from __future__ import annotations  # noqa: I001  (the environment first: TRITON_INTERPRET is read at import)
@@ -143,7 +144,7 @@ def sass() -> dict:
 
 def main() -> None:
     if "--sass" in sys.argv[1:]:
-        save_experiment("wy-inverse-sass", sass())
+        save_experiment("wy-inverse/sass", sass())
         return
     check_only = "--check" in sys.argv[1:]
     if not check_only and not torch.cuda.is_available():
@@ -161,7 +162,7 @@ def main() -> None:
         race = lab.race(v, shapes=shapes, skip_check=True)
         res["race"] = [r.as_dict() for r in race.rows]
         print(race.table(), flush=True)
-    save_experiment("wy-inverse" + ("-check" if check_only else ""), res)
+    save_experiment("wy-inverse" + ("/check" if check_only else ""), res)
 
 
 if __name__ == "__main__":
