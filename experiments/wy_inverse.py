@@ -34,7 +34,7 @@ import contextlib  # noqa: I001  (lynn_kernels before triton: on a CPU it turns 
 
 import torch
 
-from lynn_kernels import deltanet, lab
+from lynn_kernels import deltanet, lab, runtime
 import triton
 import triton.language as tl
 from lynn_kernels.bench.harness import provenance, save_experiment
@@ -56,27 +56,15 @@ def _tri_inverse(a, eye):
     return p + tl.dot(p, a8, input_precision="ieee")
 
 
-#: the shipped kernel's forward substitution, replaced by four calls of ``_tri_inverse``
-SUBSTITUTION = """    x0 = -a00
-    x1 = -a11
-    x2 = -a22
-    x3 = -a33
-    row_id = offs[:, None]
-    for i in range(2, 16):
-        r0 = tl.reduce(tl.where(row_id == i, x0, 0.0), 0, _SUM)
-        r1 = tl.reduce(tl.where(row_id == i, x1, 0.0), 0, _SUM)
-        r2 = tl.reduce(tl.where(row_id == i, x2, 0.0), 0, _SUM)
-        r3 = tl.reduce(tl.where(row_id == i, x3, 0.0), 0, _SUM)
-        x0 = tl.where(row_id == i, (r0 + tl.reduce(r0[:, None] * x0, 0, _SUM))[None, :], x0)
-        x1 = tl.where(row_id == i, (r1 + tl.reduce(r1[:, None] * x1, 0, _SUM))[None, :], x1)
-        x2 = tl.where(row_id == i, (r2 + tl.reduce(r2[:, None] * x2, 0, _SUM))[None, :], x2)
-        x3 = tl.where(row_id == i, (r3 + tl.reduce(r3[:, None] * x3, 0, _SUM))[None, :], x3)
-    eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
-    ai00 = x0 + eye
-    ai11 = x1 + eye
-    ai22 = x2 + eye
-    ai33 = x3 + eye
-"""
+def substitution() -> str:
+    """The shipped kernel's forward substitution as its source has it: from ``x0 = -a00`` to ``ai33``, which
+    :data:`LOG_DEPTH` replaces."""
+    src = lab.source_of(runtime.KERNELS["deltanet.chunk_wy"].shipped)
+    last = "    ai33 = x3 + eye\n"
+    return src[src.index("    x0 = -a00\n"):src.index(last) + len(last)]
+
+
+#: four calls of ``_tri_inverse`` in place of the substitution
 LOG_DEPTH = """    eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
     ai00 = _tri_inverse(a00, eye)
     ai11 = _tri_inverse(a11, eye)
@@ -86,7 +74,7 @@ LOG_DEPTH = """    eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
 
 
 def variant() -> lab.Variant:
-    kernel = lab.edit("deltanet.chunk_wy", {SUBSTITUTION: LOG_DEPTH}, name="_chunk_wy_log_depth_kernel",
+    kernel = lab.edit("deltanet.chunk_wy", {substitution(): LOG_DEPTH}, name="_chunk_wy_log_depth_kernel",
                       helpers={"_tri_inverse": _tri_inverse})
     return lab.variant("deltanet.chunk_gated_delta_rule", kernel, name="wy-log-depth")
 
@@ -112,7 +100,6 @@ def sass() -> dict:
     from triton.runtime import driver
 
     import lynn_kernels
-    from lynn_kernels import runtime
 
     driver.set_active(kr.CompileDriver())
     torch.cuda.get_device_properties = lambda device=None: type("Props", (), {"multi_processor_count": 132})()
