@@ -2,8 +2,9 @@
 
 The decode step of a random-weight NVFP4 model of the preset in the forms the decoder can run (as loaded; each
 mixer's input projections fused; each Gated DeltaNet decode step fused on top; each layer norm folded into the next
-block's first kernel on top of that), each with :func:`lynn_model.bench.census` (one eager call of each part of the
-step under the CUDA profiler, every GPU operation named with its time) and the step's CUDA-graph replay at batch 1
+block's first kernel on top of that), each with :func:`lynn_model.bench.census` at batch 1 and 8 (one eager call of
+each part of the step under the CUDA profiler, every GPU operation named with its time; beside each part its bytes,
+its ideal time at the read ceiling measured first, and the efficiency) and the step's CUDA-graph replay at batch 1
 and 8 (:func:`lynn_model.bench.graph_decode`, tokens checked against eager first). GPU only. Discussed in
 docs/history/decode.md (issue 16) and docs/performance.md (the decoder).
 
@@ -43,13 +44,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{cfg.name}-{res['provenance']['git_sha'][:7]}.json"
     ceilings = measure_ceilings()
+    res["ceilings"] = ceilings.as_dict()
     model = random_model(cfg, weights="nvfp4", device="cuda", seed=0, fuse=False)   # as stored; fused below
     ids = torch.randint(0, cfg.vocab_size, (8 * CONTEXT + STEPS + 64,), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
     nbytes = decode_bytes(model, CONTEXT)
 
     def form(label: str) -> None:
-        entry = {"census": census(model)}
+        entry = {"census": census(model, 1, ceilings), "census_b8": census(model, 8, ceilings)}
         for batch in (1, 8):
             _, entry[f"graph_b{batch}"] = graph_decode(model, ids, batch, ceilings, label, nbytes if batch == 1 else 0)
         res["forms"][label] = entry
@@ -71,7 +73,9 @@ def main() -> None:
               f"batch 8 {b8['ms_per_step']:.3f} ms ({b8['tok_s']:.1f} tok/s)")
         for part, v in entry["census"].items():
             if "detail" in v:
-                print(f"  {part}: {v['kernels']} ops, {v['us']:.1f} us x {v['per_step']}")
+                ideal = (f"; {v['bytes'] / 1e6:.1f} MB, ideal {v['ideal_us']:.1f} us, {v['efficiency']:.0%}"
+                         if "bytes" in v else "")
+                print(f"  {part}: {v['kernels']} ops, {v['us']:.1f} us x {v['per_step']}{ideal}")
                 if len(v["detail"]) > 1:
                     print("     " + ", ".join(f"{k} {t:.1f}" for k, t in v["detail"]))
     print(f"wrote {path}")
