@@ -487,9 +487,10 @@ def generate_row(model, ids, ceilings: Ceilings, nbytes: int) -> Result:
 def census(model, batch: int = 1, ceilings: Ceilings | None = None) -> dict:
     """Kernels (GPU operations: kernels, copies, memsets) and their GPU time in one decode step of ``batch``
     sequences at ``CONTEXT`` tokens each, by part, from the CUDA profiler over one eager run of each part on a
-    :class:`lynn_model.DecodeStep`'s static buffers; ``per_step`` adds them up by the layer counts, ``whole_step``
-    profiles the whole step as a check. Beside each part with a byte count (:func:`part_bytes`): its bytes, its
-    ideal time at ``ceilings``' read bandwidth and the efficiency (ideal / measured)."""
+    :class:`lynn_model.DecodeStep`'s static buffers, the L2 flushed first (a step finds each layer's weights cold);
+    ``per_step`` adds them up by the layer counts, ``whole_step`` profiles the whole step as a check. Beside each
+    part with a byte count (:func:`part_bytes`): its bytes, its ideal time at ``ceilings``' read bandwidth and the
+    efficiency (ideal / measured)."""
     import torch.nn.functional as F
 
     import lynn_kernels
@@ -691,11 +692,18 @@ def _unfolded_moe(mlp, x):
 
 def _profile(fn) -> tuple[int, float, list[tuple[str, float]]]:
     """GPU operations one call of ``fn`` launches, their summed GPU time (us), median of 5 profiled calls, and each
-    operation's name (shortened) and time (us) in launch order, from the run whose sum is that median."""
+    operation's name (shortened) and time (us) in launch order, from the run whose sum is that median. The L2 is
+    flushed before each profiled call: a part run alone would otherwise find its layer's weights (17-24 MB at the
+    35B shape) still in the L2 from the call before, where in a step every layer's are cold."""
+    from lynn_kernels.bench.harness import l2_bytes
+
     fn()
+    scrub = torch.empty(2 * l2_bytes(), dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
     runs = []
     for _ in range(5):
+        scrub.zero_()
+        torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
