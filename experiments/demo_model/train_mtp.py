@@ -382,7 +382,9 @@ def verify(folder: Path, drafts: list[int], prompts: int, prompt_tokens: int, ne
     ref = device == "cpu"
     tok = lynn_model.Tokenizer.from_pretrained(folder)
     rows = heldout_prompts(tok, prompts, prompt_tokens)
-    result = {"folder": str(folder), "device": device, "reference_ops": ref, "lm_head": lm_head, "prompts": len(rows),
+    result = {"folder": str(folder), "device": device,
+              "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None, "reference_ops": ref,
+              "lm_head": lm_head, "prompts": len(rows),
               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "reps": reps,
               "torch_threads": torch.get_num_threads(),
               "forward_check": forward_check(folder, folder / "mtp.safetensors", rows[0]),
