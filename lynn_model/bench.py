@@ -164,7 +164,7 @@ def _row(op, provider, shape, dims, times, ceilings, bytes_=0, flops=0, ceiling=
                          note=note, validation=validation), ceilings)
 
 
-def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
+def _ours(name: str, ceilings: Ceilings, partial=None) -> tuple[list[Result], dict]:
     import lynn_kernels
     import lynn_model
     from lynn_kernels.metrics import compare
@@ -201,6 +201,11 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
          f"{val['full_depth_cosine']:.6f} over all {cfg.num_hidden_layers}")
 
     rows, info = [], {"build_s": build_s, "weights_gb": weights_gb}
+
+    def done(stage: str) -> None:                # the rows so far, saved (`lynn_kernels.bench.run` passes ``partial``)
+        if partial:
+            partial(list(rows), {name: info}, stage)
+
     cache = model.new_cache(max_batch=1, max_tokens=max(max(PREFILLS), CONTEXT + STEPS) + 64)
     head = cfg.hidden_size * cfg.vocab_size                  # logits of the last token only (model.step)
     for n in PREFILLS:
@@ -219,12 +224,14 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
                          note=f"{n * 1e3 / statistics.median(times):,.0f} tok/s; its kernels {k_ms:.1f} ms "
                               f"({n * 1e3 / k_ms:,.0f} tok/s if launches cost nothing)", validation=val))
         _log(f"{name}: prefill {n}: {statistics.median(times):.1f} ms, kernels {k_ms:.1f} ms")
+    done("the eager prefills")
     for n in PREFILLS:                           # where a prefill's time goes
         try:
             info[f"prefill_census_{n}"] = prefill_census(model, ids[:n], cache, ceilings)
         except Exception as err:                 # recorded; the rows above stand
             info[f"prefill_census_{n}"] = {"error": f"{type(err).__name__}: {err}"}
             _log(f"prefill census {n} failed: {err!r}")
+    done("the prefill censuses")
     for n, size in GRAPH_PREFILLS:
         try:
             row, info[f"prefill_graph_{n}_in_{size}"] = graph_prefill(model, ids, n, size, ceilings, val)
@@ -232,6 +239,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         except Exception as err:                 # recorded; the rows above stand
             info[f"prefill_graph_{n}_in_{size}"] = {"error": f"{type(err).__name__}: {err}"}
             _log(f"prefill graph {n} in {size} failed: {err!r}")
+    done("the graph prefills")
 
     with torch.no_grad():
         s = cache.add()
@@ -256,6 +264,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     info.update(peak_gb=torch.cuda.max_memory_allocated() / 1e9, bytes_per_token=nbytes,
                 cache_gb=cache.nbytes() / 1e9)
     _log(f"{name}: decode at {CONTEXT}: {med:.2f} ms/token host, {k_ms:.2f} ms kernels")
+    done("the eager decode")
     cache = None
     torch.cuda.empty_cache()
     for batch, context in GRAPH_CASES:
@@ -263,6 +272,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
                                     decode_bytes(model, context) if batch == 1 else 0, context=context)
         rows += grows
         info[f"graph_b{batch}" + ("" if context == CONTEXT else f"_ctx{context}")] = ginfo
+    done("the graph decodes")
     with _gate_unfolded():                       # the fusion's figure either way: the shared gate on its own
         grows, info["graph_b1_gate_unfolded"] = graph_decode(model, ids, 1, ceilings,
                                                              "lynn nvfp4 (graph, shared gate unfolded)", nbytes)
@@ -276,6 +286,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         except Exception as err:                 # the timed rows above stand; the census's failure is recorded
             info[key] = {"error": f"{type(err).__name__}: {err}"}
             _log(f"census at batch {batch} failed: {err!r}")
+    done("the unfused censuses")
     try:                                         # in place, so after every row of the default model; a failure
         fused = model.fuse_input_projections()   # here is recorded and keeps the rows above
         _log(f"{name}: input projections fused: {fused}")
@@ -297,6 +308,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
     except Exception as err:
         info["graph_b1_gdn_decode_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"fused Gated DeltaNet decode failed: {err!r}")
+    done("the fused decodes")
     rows.append(generate_row(model, ids, ceilings, nbytes))   # the form the loaders give on a GPU (fuse=None)
     try:                                         # the fused step with the router's 64-bit top-k keys (the default
         with _router_key64():                    # is 32: the figure either way)
@@ -319,6 +331,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         info.setdefault("graph_b8_fused", {"error": f"{type(err).__name__}: {err}"})
         info["census_b8_fused"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"batch 8, fused: {err!r}")
+    done("the fused censuses")
     for key, batch in (("graph_b1_norms_folded", 1), ("graph_b8_norms_folded", 8)):
         try:                                     # and each layer norm inside the next block's first kernel
             model.fuse_norms()
@@ -331,6 +344,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
             _log(f"norms folded, batch {batch}: {err!r}")
         finally:
             model.fuse_norms(False)
+    done("the folded norms")
     head = model.lm_head.weight
     try:                                         # the opt-in NVFP4 LM head (from_pretrained(lm_head="nvfp4"))
         from lynn_model.loader import pack_linears, quantize_lm_head
@@ -347,6 +361,7 @@ def _ours(name: str, ceilings: Ceilings) -> tuple[list[Result], dict]:
         _log(f"NVFP4 LM head: {err!r}")
     finally:
         model.lm_head.weight = head
+    done("the NVFP4 LM head")
     model = None
     torch.cuda.empty_cache()
     return rows, info
@@ -810,11 +825,15 @@ def _hf_active(cfg) -> int:
 
 
 def _bench(name: str, with_hf: bool):
-    def run(ceilings: Ceilings, quick: bool = False) -> list[Result]:
-        rows, info = _ours(name, ceilings)
+    def run(ceilings: Ceilings, quick: bool = False, partial=None) -> list[Result]:
+        rows, info = _ours(name, ceilings, partial)
         run.extra = {name: info}          # build time, GB of weights, peak memory, bytes per token, census ("info")
-        rows += _bf16_graph(name, ceilings) if with_hf else []
-        return rows + (_hf(name, ceilings) if with_hf else [])
+        if with_hf:
+            rows += _bf16_graph(name, ceilings)
+            if partial:
+                partial(list(rows), run.extra, "the bf16 graph baseline")
+            rows += _hf(name, ceilings)
+        return rows
 
     run.extra = {}
     return run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -389,10 +390,11 @@ def test_docs_tables_label_the_tree_state(prov, label):
 # the decoder's perf gate (lynn_kernels/bench/gate.py)
 
 
-def _bench_file(tmp_path, name, rows, sha="abc1234"):
+def _bench_file(tmp_path, name, rows, sha="abc1234", **extra):
     f = tmp_path / f"{name}.json"
     f.write_text(json.dumps({"op": name, "provenance": {"git_sha": sha, "date": "2026-12-01"}, "results": [
-        {"op": op, "provider": prov, "shape": "s", "dims": dims, "median_ms": ms} for op, prov, dims, ms in rows]}))
+        {"op": op, "provider": prov, "shape": "s", "dims": dims, "median_ms": ms} for op, prov, dims, ms in rows],
+        **extra}))
     return f
 
 
@@ -422,6 +424,9 @@ def test_perf_gate_fails_a_regression_beyond_noise_and_a_missing_row(tmp_path):
     assert not passed and report[0]["verdict"] == "MISSING"
     with pytest.raises(ValueError, match="gates none"):
         gate.check([_bench_file(tmp_path, "decoder.other", rows)], base)
+    cut = _bench_file(tmp_path, "decoder.x", rows, partial="cut off after the graph decodes")   # a time limit hit
+    with pytest.raises(ValueError, match="partial run .cut off after the graph decodes.; a baseline needs a whole"):
+        gate.make_baseline([cut], base)
 
 
 def test_perf_gate_committed_baseline_matches_its_results():
@@ -544,3 +549,29 @@ def test_report_renders_the_censuses():
                                                   "frac_of_bf16_peak": 0.22},
                                       "total": {"kernels": 6, "us": 5000.0}})
     assert p[2] == "| gate_up | 2 | 4.00 | 80.0% | 150 | 22% |" and p[3] == "| norms | 4 | 0.50 | 10.0% | - | - |"
+
+
+def test_a_benchmark_cut_off_keeps_the_stages_it_finished(tmp_path, monkeypatch):
+    """A benchmark that takes ``partial`` saves its rows after each stage: when the run dies (a device call's time
+    limit), the file holds those rows, marked partial; a whole run's file is not marked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "provenance", lambda *a, **k: {"gpu": "test"})
+    monkeypatch.setattr(harness, "gpu_slug", lambda gpu=None: "test")
+    row = Result("x.op", "lynn", "s", {"N": 1}, 1.0, 0.9, 1.1)
+
+    def stages(ceilings, quick=False, partial=None):
+        partial([row], {"stage": 1}, "the first stage")
+        if stages.die:
+            raise TimeoutError("the device call's limit")
+        return [row, row]
+
+    monkeypatch.setitem(bench.BENCHMARKS, "zz.stages", stages)
+    stages.die = True
+    with pytest.raises(TimeoutError):
+        bench.run(["zz.stages"], ceilings=CEILINGS, root=tmp_path)
+    doc = json.loads((tmp_path / "test" / "zz.stages.json").read_text())
+    assert doc["partial"] == "cut off after the first stage" and len(doc["results"]) == 1
+    assert doc["info"] == {"stage": 1}
+    stages.die = False
+    doc = json.loads(Path(bench.run(["zz.stages"], ceilings=CEILINGS, root=tmp_path)["zz.stages"]).read_text())
+    assert "partial" not in doc and len(doc["results"]) == 2

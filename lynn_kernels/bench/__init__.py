@@ -11,6 +11,9 @@ whole project's benchmarks (``lynn bench``, the tests) imports those modules fir
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from .harness import Ceilings, Result, load, measure_ceilings, result_table, save
 from .registry import BENCHMARKS, register
 
@@ -39,11 +42,20 @@ def run(ops: list[str] | None = None, quick: bool = False, command: str | None =
     ceilings = ceilings or measure_ceilings()
     written = {}
     for name in chosen:
-        results = BENCHMARKS[name](ceilings, quick=quick)
+        fn, kw = BENCHMARKS[name], {"quick": quick}
+        # a long benchmark saves what it has after each stage: a run cut off (by a time limit) keeps those rows
+        if "partial" in inspect.signature(fn).parameters:
+            kw["partial"] = functools.partial(_save_partial, name, ceilings, command, root)
+        results = fn(ceilings, **kw)
         extra = getattr(BENCHMARKS[name], "extra", None)     # a benchmark's own figures (e.g. build time, memory)
         written[name] = str(save(name, results, ceilings, command=command, root=root,
                                  extra={"info": extra} if extra else None))
     return written
+
+
+def _save_partial(name, ceilings, command, root, results, extra, stage: str) -> None:
+    save(name, results, ceilings, command=command, root=root,
+         extra={"info": extra, "partial": f"cut off after {stage}"})
 
 
 __all__ = ["BENCHMARKS", "register", "available", "run", "Result", "Ceilings", "measure_ceilings", "save", "load",
