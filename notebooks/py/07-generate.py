@@ -36,8 +36,10 @@
 # 9. `lynn serve`: the model behind an OpenAI-compatible HTTP server, started here and talked to with the `openai`
 #    client
 #
-# Everything runs on the CPU on the torch reference path (`lynn_kernels.use_reference()`), in bf16 as the model is
-# shipped, in well under a minute; the slow measurements (perplexity over the whole held-out set, training) are
+# Everything runs on the torch reference path (`lynn_kernels.use_reference()`), in well under a minute on a CPU. On
+# a GPU it computes in bf16, as the model is shipped; on a CPU in float32, because CPUs round bf16 matmuls
+# differently (those with native bf16 dot products and those without), and the sampled text below would change from
+# one CPU to the next. The slow measurements (perplexity over the whole held-out set, training) are
 # read from committed files. The model, corpus and measurements are described in `docs/quantization.md`.
 
 # %%
@@ -87,11 +89,13 @@ print(lk.device_summary())
 #
 # `lynn_model.from_pretrained(folder)` reads `config.json` into a `Config` and the safetensors shards into a
 # `Model`; `lynn_model.Tokenizer.from_pretrained(folder)` reads `tokenizer.json` and the chat template. The
-# weights stay as stored (bf16) unless `weights="nvfp4"` asks for them to be quantised on load (section 6).
+# weights stay as stored (bf16) unless `weights="nvfp4"` asks for them to be quantised on load (section 6);
+# `dtype` is what the activations are computed in (bf16 by default; float32 here on a CPU).
 
 # %%
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32   # float32: the same digits on every CPU
 with lk.use_reference():
-    model = lynn_model.from_pretrained(DEMO_MODEL)
+    model = lynn_model.from_pretrained(DEMO_MODEL, dtype=DTYPE)
 tok = lynn_model.Tokenizer.from_pretrained(DEMO_MODEL)
 cfg = model.config
 
@@ -817,9 +821,9 @@ plt.show()
 
 # %%
 with lk.use_reference():
-    model4 = lynn_model.from_pretrained(DEMO_MODEL, weights="nvfp4")
+    model4 = lynn_model.from_pretrained(DEMO_MODEL, weights="nvfp4", dtype=DTYPE)
 nll4 = cross_entropy(model4, windows)
-print(f"the 4 windows: bf16 perplexity {nll.mean().exp():.2f}, NVFP4 {nll4.mean().exp():.2f} "
+print(f"the 4 windows: bf16 weights' perplexity {nll.mean().exp():.2f}, NVFP4's {nll4.mean().exp():.2f} "
       f"({nll4.mean().exp() / nll.mean().exp() - 1:+.1%})")
 
 GREEDY = 32
@@ -841,7 +845,7 @@ def side(tokens, at):
 
 
 cell = 'style="vertical-align:top;text-align:left;font-family:monospace;width:50%;padding:4px"'
-display(HTML(f'<table style="width:100%"><tr><th {cell}>bf16</th><th {cell}>NVFP4 (quantised on load)</th></tr>'
+display(HTML(f'<table style="width:100%"><tr><th {cell}>bf16 weights</th><th {cell}>NVFP4 (quantised on load)</th></tr>'
              f'<tr><td {cell}>{side(g16, diff)}</td><td {cell}>{side(g4, diff)}</td></tr></table>'))
 
 # %% [markdown]
@@ -854,7 +858,7 @@ if diff is not None:
         p16, p4 = (m.forward(ctx)[0, -1].float().softmax(-1) for m in (model, model4))
     best = p16.argsort(descending=True)[:4]
     print(f"after {tok.decode(ctx[0, -8:].tolist())!r}:")
-    print(render_table([{"token": repr(tok.decode([i])), "p, bf16": f"{p16[i]:.3f}", "p, NVFP4": f"{p4[i]:.3f}"}
+    print(render_table([{"token": repr(tok.decode([i])), "p, bf16 weights": f"{p16[i]:.3f}", "p, NVFP4": f"{p4[i]:.3f}"}
                         for i in best.tolist()]))
 
 # %% [markdown]
