@@ -54,9 +54,16 @@ from lynn_kernels.runtime import DEVICE, cast_output, pdl_enter, to_float32
 from lynn_kernels.triton_shared import residual_rows, row_rstd
 from lynn_model.lab import in_decoder
 
-# cosines to 6 decimals, errors to 3 significant digits with fp32 round-off (below 1e-5) as '< 1e-05': its digits
-# move with the machine's summation order, so nbval could not compare them
-rounded = partial(notebook.rounded, cosine=notebook.decimals6, errors=partial(r3, floor=1e-5), err_ratio=r3)
+
+def below(floor):
+    """3 significant digits, and anything under ``floor``, 0 included, as ``'< floor'``: round-off's digits move
+    with the CPU's summation order (one CPU's max_abs 3.4e-05 is another's 2.3e-05, and a 16-bit output exact on
+    one lands a step off on another), so nbval could not compare them."""
+    return lambda v: f"< {floor:g}" if isinstance(v, (int, float)) and abs(v) < floor else r3(v)
+
+
+# cosines to 6 decimals; errors and error ratios at round-off as '< 0.0001' and '< 0.001'
+rounded = partial(notebook.rounded, cosine=notebook.decimals6, errors=below(1e-4), err_ratio=below(1e-3))
 
 
 def show(report):
@@ -227,8 +234,8 @@ gemv = lab.variant("nvfp4_linear", late_load)
 show(lab.check(gemv))
 
 # %% [markdown]
-# The rows are exact against the reference (notebook 02, section 1: the decoded weights are exact and the sums are
-# fp32). And against the shipped kernel on a decode shape of the real model (a 2048 -> 512 projection), bit for bit:
+# Every row is within round-off of the reference (notebook 02, section 1: the decoded weights are exact and the sums
+# are fp32; only the order of the sums differs). And against the shipped kernel on a decode shape of the real model (a 2048 -> 512 projection), bit for bit:
 
 # %%
 gen = torch.Generator().manual_seed(1)
