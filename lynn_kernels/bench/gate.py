@@ -74,8 +74,9 @@ def gated_rows(result_files: list) -> dict[str, dict]:
 def make_baseline(result_files: list, path: Path = BASELINE) -> dict:
     """Write the baseline from ``result_files`` (their gated rows); returns it."""
     for f in result_files:
-        if read_result(f).get("partial"):
-            raise ValueError(f"{f}: a partial run ({read_result(f)['partial']}); a baseline needs a whole one")
+        cut = read_result(f).get("partial")
+        if cut:
+            raise ValueError(f"{f}: a partial run ({cut}); a baseline needs a whole one")
     rows = gated_rows(result_files)
     if not rows:
         raise ValueError(f"no gated rows ({GATED}) in {[str(f) for f in result_files]}")
