@@ -235,7 +235,8 @@ show(lab.check(gemv))
 
 # %% [markdown]
 # Every row is within round-off of the reference (notebook 02, section 1: the decoded weights are exact and the sums
-# are fp32; only the order of the sums differs). And against the shipped kernel on a decode shape of the real model (a 2048 -> 512 projection), bit for bit:
+# are fp32; only the order of the sums differs). And against the shipped kernel on a decode shape of the real model
+# (a 2048 -> 512 projection), bit for bit:
 
 # %%
 gen = torch.Generator().manual_seed(1)
