@@ -427,7 +427,9 @@ def test_race_does_not_race_a_wrong_variant():
     report = lab.race("norm.rmsnorm", _perturbed("norm.rmsnorm"))
     assert not report.passed and not report.rows and not report.committed
     assert report.note == "not raced: the variant failed its check"
-    assert "FAILED" in str(report)
+    text = str(report)
+    assert "FAILED" in text and "failed rows:" in text
+    assert all(row["case"] in text for row in report.check.failures), text       # which rows, not only how many
 
 
 @pytest.fixture

@@ -51,6 +51,12 @@ class CheckReport:
         cols = [c for c in COLUMNS if any(c in flat_row(r) for r in self.rows)]
         return render_table(self.rows, columns=cols, digits=digits) if self.rows else "(no rows)"
 
+    def failures_table(self, digits: int = 4) -> str:
+        """The failed rows alone, with their case and metrics or error ("" when none failed)."""
+        bad = self.failures
+        cols = [c for c in COLUMNS if any(c in flat_row(r) for r in bad)]
+        return render_table(bad, columns=cols, digits=digits) if bad else ""
+
     def summary(self) -> str:
         v = self.variant
         what = f"kernel {v.kernel}" if v.kernel else f"op {v.op.name}"

@@ -122,8 +122,12 @@ class RaceReport:
         ax.legend(fontsize=8)
         return ax
 
-    def __str__(self) -> str:
+    def text(self, failures: bool = True) -> str:
+        """The report: the check's verdict, with its failed rows unless ``failures`` is False (a caller that prints
+        the whole check table already), then the timings, the note and the committed figures."""
         parts = [self.check.summary() if self.checked else f"{self.variant.label}: not checked (skip_check)"]
+        if failures and self.checked and self.check.failures:
+            parts.append("failed rows:\n" + self.check.failures_table())
         if self.rows:
             parts.append(self.table())
         if self.note:
@@ -133,6 +137,9 @@ class RaceReport:
         if self.saved:
             parts.append(f"saved: {self.saved}")
         return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.text()
 
     __repr__ = __str__
 
