@@ -47,15 +47,18 @@ class CheckReport:
     def passed(self) -> bool:
         return self.cases_used > 0 and bool(self.rows) and not self.failures
 
+    @staticmethod
+    def _render(rows: list[dict], digits: int) -> str:
+        """``rows`` as a table of the :data:`COLUMNS` any of them has ("" when there are none)."""
+        cols = [c for c in COLUMNS if any(c in flat_row(r) for r in rows)]
+        return render_table(rows, columns=cols, digits=digits) if rows else ""
+
     def table(self, digits: int = 4) -> str:
-        cols = [c for c in COLUMNS if any(c in flat_row(r) for r in self.rows)]
-        return render_table(self.rows, columns=cols, digits=digits) if self.rows else "(no rows)"
+        return self._render(self.rows, digits) or "(no rows)"
 
     def failures_table(self, digits: int = 4) -> str:
         """The failed rows alone, with their case and metrics or error ("" when none failed)."""
-        bad = self.failures
-        cols = [c for c in COLUMNS if any(c in flat_row(r) for r in bad)]
-        return render_table(bad, columns=cols, digits=digits) if bad else ""
+        return self._render(self.failures, digits)
 
     def summary(self) -> str:
         v = self.variant
