@@ -14,12 +14,12 @@ def add(sub):
     p.add_argument("--out", help="results root (default: data/bench)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.add_argument("--check", action="store_true",
-                   help="after running, compare the gated rows with data/bench/h200/perf_baseline.json; exit 1 on "
-                        "a regression beyond noise (decode -3%%, prefill -5%%)")
-    p.add_argument("--check-only", nargs="+", metavar="JSON", help="run nothing: check result files against the "
-                                                                   "baseline")
-    p.add_argument("--make-baseline", nargs="+", metavar="JSON", help="run nothing: write the baseline from result "
-                                                                      "files")
+                   help="after running, compare the gated rows with the card's data/bench/<gpu>/perf_baseline.json; "
+                        "exit 1 on a regression beyond noise (decode -3%%, prefill -5%%)")
+    p.add_argument("--check-only", nargs="+", metavar="JSON", help="run nothing: check result files against "
+                                                                   "their card's baseline")
+    p.add_argument("--make-baseline", nargs="+", metavar="JSON", help="run nothing: write their card's baseline "
+                                                                      "from whole result files")
     return p
 
 
@@ -40,7 +40,8 @@ def run(args) -> int:
         try:
             if args.make_baseline:
                 base = gate.make_baseline(args.make_baseline)
-                print(f"wrote {gate.BASELINE}: {len(base['rows'])} gated rows from {', '.join(base['made_from'])}")
+                print(f"wrote {gate.baseline_path(base['gpu'])}: {len(base['rows'])} gated rows of the {base['gpu']} "
+                      f"from {', '.join(base['made_from'])}")
                 return 0
             return _gate_report(gate, args.check_only)
         except (ValueError, OSError) as err:
@@ -58,14 +59,19 @@ def run(args) -> int:
     if args.check:
         from lynn_kernels.bench import gate
 
-        return _gate_report(gate, list(written.values()))
+        from . import CommandError
+
+        try:
+            return _gate_report(gate, list(written.values()))
+        except (ValueError, OSError) as err:
+            raise CommandError(str(err)) from None
     return 0
 
 
 def _gate_report(gate, files) -> int:
     """Print the perf gate's verdict on result ``files``: 0 when every gated row is within its tolerance, 1 not."""
     passed, report = gate.check(files)
-    print(f"\nperf gate against {gate.BASELINE}:")
+    print(f"\nperf gate against {gate.baseline_path(gate.card(files))}:")
     print(gate.format_report(report))
     print("perf gate: " + ("passed" if passed else "FAILED (a gated row is slower than allowed, or missing)"))
     return 0 if passed else 1

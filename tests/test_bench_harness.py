@@ -390,9 +390,10 @@ def test_docs_tables_label_the_tree_state(prov, label):
 # the decoder's perf gate (lynn_kernels/bench/gate.py)
 
 
-def _bench_file(tmp_path, name, rows, sha="abc1234", **extra):
+def _bench_file(tmp_path, name, rows, sha="abc1234", gpu="NVIDIA H200", **extra):
     f = tmp_path / f"{name}.json"
-    f.write_text(json.dumps({"op": name, "provenance": {"git_sha": sha, "date": "2026-12-01"}, "results": [
+    prov = {"git_sha": sha, "date": "2026-12-01", "gpu": gpu}
+    f.write_text(json.dumps({"op": name, "provenance": prov, "results": [
         {"op": op, "provider": prov, "shape": "s", "dims": dims, "median_ms": ms} for op, prov, dims, ms in rows],
         **extra}))
     return f
@@ -429,11 +430,33 @@ def test_perf_gate_fails_a_regression_beyond_noise_and_a_missing_row(tmp_path):
         gate.make_baseline([cut], base)
 
 
-def test_perf_gate_committed_baseline_matches_its_results():
-    """The committed baseline was made from the committed decoder results: they pass it exactly."""
+def test_perf_gate_compares_one_card_with_its_own_baseline(tmp_path):
+    """Each card has its own baseline: results from another card, from several, or from none named are refused
+    with the reason, and a card without a baseline says how to make one."""
     from lynn_kernels.bench import gate
 
-    passed, report = gate.check([gate.BASELINE.parent / "decoder.qwen3.5-35b-a3b.json"])
+    assert gate.baseline_path("NVIDIA H100 80GB HBM3") == gate.DATA_DIR / "h100-80gb-hbm3" / "perf_baseline.json"
+    rows = [("decoder.decode", "lynn nvfp4 (graph)", {"B": 1}, 4.0)]
+    base = tmp_path / "baseline.json"
+    assert gate.make_baseline([_bench_file(tmp_path, "decoder.x", rows)], base)["gpu"] == "NVIDIA H200"
+    (tmp_path / "h100").mkdir()
+    h100 = _bench_file(tmp_path / "h100", "decoder.x", rows, gpu="NVIDIA H100 80GB HBM3")
+    with pytest.raises(ValueError, match="made on the NVIDIA H200, the results ran on the NVIDIA H100 80GB HBM3"):
+        gate.check([h100], base)
+    with pytest.raises(ValueError, match="results from several cards"):
+        gate.check([_bench_file(tmp_path, "decoder.x", rows), h100], base)
+    with pytest.raises(ValueError, match="no provenance.gpu"):
+        gate.make_baseline([_bench_file(tmp_path, "decoder.x", rows, gpu=None)], base)
+    with pytest.raises(ValueError, match="no perf baseline for the NVIDIA A0 at .*a0.perf_baseline.json: make one"):
+        gate.check([_bench_file(tmp_path, "decoder.x", rows, gpu="NVIDIA A0")])
+
+
+@pytest.mark.parametrize("card", ["h200", "h100-80gb-hbm3"])
+def test_perf_gate_committed_baseline_matches_its_results(card):
+    """Each card's committed baseline was made from its committed decoder results: they pass it exactly."""
+    from lynn_kernels.bench import gate
+
+    passed, report = gate.check([gate.DATA_DIR / card / "decoder.qwen3.5-35b-a3b.json"])
     assert passed and all(r["slowdown"] == 0 for r in report)
     gated = {r["row"].split(" | ", 2)[2] for r in report}
     assert gated == {"lynn nvfp4 (eager) | qwen3.5-35b-a3b | B=1,T=16384",       # not the host-bound 2,048

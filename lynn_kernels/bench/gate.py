@@ -1,20 +1,23 @@
 """The decoder's performance gate: today's benchmark rows against a committed baseline, failing beyond noise.
 
-``data/bench/h200/perf_baseline.json`` holds, per gated row (benchmark, op, provider, dims), the median time of a
-reference run and where it came from (git sha, date). ``lynn bench decoder --check`` runs the benchmarks and then
-:func:`check`; ``lynn bench --check-only FILE...`` checks result files already written; ``lynn bench
---make-baseline FILE...`` writes the baseline from result files (after a change that is meant to move the figures,
-with the reason in the commit). A gated row slower than its baseline by more than the tolerance of its op (decode
-3%, prefill 5%) fails the gate; a gated row missing from the results fails it too, so a benchmark cannot quietly
-drop what it is gated on. Only device-bound rows are gated (graph replays, ``generate()`` on the graph path, the
-captured prefill, the long eager prefill): host-timed eager decode steps and short eager prefills move with the
-host, not the code.
+Each card has its own baseline, ``data/bench/<gpu>/perf_baseline.json`` beside its results (timings from different
+cards do not compare): per gated row (benchmark, op, provider, dims), the median time of a reference run and where
+it came from (git sha, date, card). ``lynn bench decoder --check`` runs the benchmarks and then :func:`check`
+against the baseline of the card they ran on; ``lynn bench --check-only FILE...`` checks result files already
+written; ``lynn bench --make-baseline FILE...`` writes the baseline of the files' card from them (after a change
+that is meant to move the figures, with the reason in the commit). A gated row slower than its baseline by more than
+the tolerance of its op (decode 3%, prefill 5%) fails the gate; a gated row missing from the results fails it too,
+so a benchmark cannot quietly drop what it is gated on. Only device-bound rows are gated (graph replays,
+``generate()`` on the graph path, the captured prefill, the long eager prefill): host-timed eager decode steps and
+short eager prefills move with the host, not the code.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from .harness import DATA_DIR, gpu_slug
 
 #: slowdown allowed before a row fails, by op
 TOLERANCE = {"decoder.decode": 0.03, "decoder.prefill": 0.05}
@@ -23,7 +26,26 @@ TOLERANCE = {"decoder.decode": 0.03, "decoder.prefill": 0.05}
 GATED = ("lynn nvfp4 (graph)", "lynn nvfp4 generate() (graph)", "lynn bf16 weights, cuBLAS (graph)",
          "lynn nvfp4 (eager)@decoder.prefill", "lynn nvfp4 (prefill graph)")
 
-BASELINE = Path(__file__).resolve().parents[2] / "data" / "bench" / "h200" / "perf_baseline.json"
+
+def baseline_path(gpu: str) -> Path:
+    """Where the baseline of the card named ``gpu`` ('NVIDIA H200') lives: ``data/bench/<gpu>/perf_baseline.json``."""
+    return DATA_DIR / gpu_slug(gpu) / "perf_baseline.json"
+
+
+def card(result_files: list) -> str:
+    """The one card (``provenance.gpu``) that ``result_files`` were measured on; a ValueError naming the files when
+    they do not say, or name several."""
+    cards = {}
+    for f in result_files:
+        prov = read_result(f).get("provenance")
+        gpu = prov.get("gpu") if isinstance(prov, dict) else None
+        cards[str(f)] = gpu if isinstance(gpu, str) and gpu.strip() else None
+    if None in cards.values():
+        raise ValueError(f"{[f for f, g in cards.items() if g is None]}: no provenance.gpu, so no card's baseline "
+                         f"applies")
+    if len(set(cards.values())) != 1:
+        raise ValueError(f"results from several cards ({cards}): a gate compares one card's timings")
+    return next(iter(cards.values()))
 
 
 def _key(bench: str, row: dict) -> str:
@@ -71,8 +93,11 @@ def gated_rows(result_files: list) -> dict[str, dict]:
     return rows
 
 
-def make_baseline(result_files: list, path: Path = BASELINE) -> dict:
-    """Write the baseline from ``result_files`` (their gated rows); returns it."""
+def make_baseline(result_files: list, path: Path | None = None) -> dict:
+    """Write the baseline from ``result_files`` (their gated rows) to ``path``, by default their card's
+    :func:`baseline_path`; returns it."""
+    gpu = card(result_files)
+    path = baseline_path(gpu) if path is None else path
     for f in result_files:
         cut = read_result(f).get("partial")
         if cut:
@@ -80,16 +105,28 @@ def make_baseline(result_files: list, path: Path = BASELINE) -> dict:
     rows = gated_rows(result_files)
     if not rows:
         raise ValueError(f"no gated rows ({GATED}) in {[str(f) for f in result_files]}")
-    base = {"schema": 1, "tolerance": TOLERANCE, "made_from": [str(Path(f).name) for f in result_files],
-            "rows": rows}
+    base = {"schema": 1, "gpu": gpu, "tolerance": TOLERANCE,
+            "made_from": [str(Path(f).name) for f in result_files], "rows": rows}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(base, indent=1) + "\n")
     return base
 
 
-def check(result_files: list, path: Path = BASELINE) -> tuple[bool, list[dict]]:
-    """Compare the gated rows of ``result_files`` with the baseline. Returns ``(passed, report)``: one entry per
-    baseline row of the benchmarks present (missing rows fail), with its ratio and verdict."""
-    base = json.loads(Path(path).read_text())
+def check(result_files: list, path: Path | None = None) -> tuple[bool, list[dict]]:
+    """Compare the gated rows of ``result_files`` with the baseline at ``path``, by default their card's
+    :func:`baseline_path`. Returns ``(passed, report)``: one entry per baseline row of the benchmarks present
+    (missing rows fail), with its ratio and verdict. A ValueError when that card has no baseline, or the baseline
+    was made on another card."""
+    gpu = card(result_files)
+    path = baseline_path(gpu) if path is None else Path(path)
+    if not path.is_file():
+        raise ValueError(f"no perf baseline for the {gpu} at {path}: make one from a whole run on that card with "
+                         f"`lynn bench --make-baseline RESULT.json`")
+    base = json.loads(path.read_text())
+    if base.get("gpu") != gpu:
+        made_on = base.get("gpu", "card it does not name")
+        raise ValueError(f"{path} was made on the {made_on}, the results ran on the {gpu}: timings from different "
+                         f"cards do not compare")
     now = gated_rows(result_files)
     benches = {read_result(f)["op"] for f in result_files}
     report = []
