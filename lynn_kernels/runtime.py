@@ -542,6 +542,13 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def size_bucket(n: int) -> int:
+    """An autotuner key for a size that sets a kernel's grid (the longest query run, the programs of a chunked
+    scan): powers of 4 (1-2, 3-8, ..., 513-2,048, 2,049-8,192, then 8,193 and up). Without one a process keeps the
+    config it timed at the first size it met: a short prompt's tiling for a 16,384-token prefill."""
+    return min(max(n - 1, 1).bit_length() // 2, 7)
+
+
 def kernel_flags() -> dict:
     """Constexpr flags every kernel launch passes: ``INTERPRET`` selects the interpreter-safe code paths."""
     return {"INTERPRET": INTERPRET}

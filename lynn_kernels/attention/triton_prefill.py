@@ -46,12 +46,6 @@ PREFILL_CONFIGS = [
 ]
 
 
-def length_bucket(max_q: int) -> int:
-    """The autotuner's key for the longest query run: powers of 4 (1-2, 3-8, ..., 513-2,048, 2,049-8,192, then
-    8,193 and up), so a long prefill runs the tiling timed at its own length, not the one its process met first."""
-    return min(max(max_q - 1, 1).bit_length() // 2, 7)
-
-
 @runtime.autotune(configs=PREFILL_CONFIGS,
                   key=["HEAD_DIM", "GROUP", "CAUSAL", "HAS_GATE", "IN_DTYPE", "LEN_BUCKET"],
                   prune_configs_by={"early_config_prune": _prune})
@@ -59,7 +53,7 @@ def length_bucket(max_q: int) -> int:
 @triton.jit
 def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, gate_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
-    qk_scale, HKV, LEN_BUCKET,                            # LEN_BUCKET: the autotuner's key only
+    qk_scale, HKV, LEN_BUCKET,                            # LEN_BUCKET: the autotuner's key only (size_bucket)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_GATE: tl.constexpr,
     IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT: tl.constexpr,
@@ -178,7 +172,7 @@ def launch_prefill(q, k, v, gate, out, cu_q, cu_k, max_q: int, causal: bool, sca
         launched = launched.fn                            # past the autotuner; the shipped one's .fn: the heuristics
     launched[grid](
         kernel_view(q), kernel_view(k), kernel_view(v), kernel_view(g), kernel_view(out), cu_q, cu_k,
-        float(scale) * LOG2E, hkv, length_bucket(max_q),
+        float(scale) * LOG2E, hkv, runtime.size_bucket(max_q),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, CAUSAL=bool(causal), HAS_GATE=gate is not None,

@@ -109,11 +109,11 @@ def _wy_values(v_base, t0, t_end, stride_vt, offs_v, mask_v, beta, DOT: tl.const
     return (v * beta[:, None]).to(DOT)                                                          # [16, BLOCK_V]
 
 
-@runtime.autotune(configs=_TUNE, key=["K", "V", "BT"])
+@runtime.autotune(configs=_TUNE, key=["K", "V", "BT", "GRID_BUCKET"])
 @triton.jit
 def _chunk_wy_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, w_ptr, u_ptr, cu_ptr, idx_ptr,
-    T, T_PAD, HV, GROUP,
+    T, T_PAD, HV, GROUP, GRID_BUCKET,                      # GRID_BUCKET: the autotuner's key only (size_bucket)
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_gb, stride_gt, stride_gh,
     stride_bb, stride_bt, stride_bh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
@@ -353,11 +353,11 @@ CHUNK_STATE = runtime.Kernel("deltanet.chunk_state", _chunk_state_kernel)
 # 3. the output
 
 
-@runtime.autotune(configs=_TUNE, key=["K", "V", "BT", "BLOCK_V"])
+@runtime.autotune(configs=_TUNE, key=["K", "V", "BT", "BLOCK_V", "GRID_BUCKET"])
 @triton.jit
 def _chunk_output_kernel(
     q_ptr, k_ptr, gcum_ptr, h_ptr, vnew_ptr, o_ptr, cu_ptr, idx_ptr,
-    T, T_PAD, NT, HV, GROUP, scale,
+    T, T_PAD, NT, HV, GROUP, scale, GRID_BUCKET,           # GRID_BUCKET: the autotuner's key only (size_bucket)
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ob, stride_ot, stride_oh,
     K: tl.constexpr, V: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, L2NORM: tl.constexpr,
     DOT: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -498,11 +498,12 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
     if "state_stages" in config:
         state_launch["num_stages"] = config["state_stages"]
     qv, kv, vv, gv, bv = (kernel_view(x) for x in (q, k, v, g, beta))
+    grid_bucket = runtime.size_bucket(NT * BH)           # the per-chunk kernels' programs: tuned per size
     common = dict(K=K, IN_DTYPE=in_dtype, L2NORM=use_qk_l2norm, DOT=DOT, IS_VARLEN=packed, BT=BT, BLOCK_K=BLOCK_K,
                   **flags)
 
     CHUNK_WY.current()[(NT, BH)](
-        kv, vv, gv, bv, gcum, w, u, cu_t, chunks, T, T_PAD, HV, dims.group,
+        kv, vv, gv, bv, gcum, w, u, cu_t, chunks, T, T_PAD, HV, dims.group, grid_bucket,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         V=V, G_DTYPE=runtime.TORCH_TO_TL[g.dtype], BETA_DTYPE=runtime.TORCH_TO_TL[beta.dtype],
@@ -513,7 +514,7 @@ def launch_chunk(q, k, v, g, beta, dims: spec.Dims, scale: float, initial_state,
         V=V, HAS_INIT=h0 is not None, STORE_FINAL=final is not None, BLOCK_V=BLOCK_V_STATE,
         **state_launch, **common)                         # w, k [64, K] and the state tile in registers
     CHUNK_OUTPUT.current()[(NT, BH, runtime.cdiv(V, BLOCK_V_OUT))](
-        qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale,
+        qv, kv, gcum, h, v_new, kernel_view(o), cu_t, chunks, T, T_PAD, NT, HV, dims.group, scale, grid_bucket,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         V=V, OUT_DTYPE=runtime.TORCH_TO_TL[o.dtype], BLOCK_V=BLOCK_V_OUT, **common)
