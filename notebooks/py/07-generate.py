@@ -517,7 +517,7 @@ unroll = read_json(ROOT / "data/experiments/unroll-bits/bfb0a2b-h100.json")
 print(render_table([{"batch": c["batch"], "tokens a sequence (k + 1)": c["tokens"],
                      "unrolled logits = the decode steps'": c["logits_equal"]} for c in unroll["cases"]]))
 gpu = read_json(MTP_DIR / "verify-h100.json")
-print(f"\ndemo model on {unroll['provenance']['gpu']}, greedy, {gpu['prompts']} prompts: " + "; ".join(
+print(f"\ndemo model on {gpu['gpu']}, greedy, {gpu['prompts']} prompts: " + "; ".join(
     f"mtp={k}: {'the same' if gpu['runs'][f'mtp={k}']['same_as_mtp0'] else 'NOT the same'} "
     f"{gpu['runs'][f'mtp={k}']['new_tokens']} tokens as plain" for k in (1, 2, 3)))
 #
