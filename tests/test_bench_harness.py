@@ -375,6 +375,9 @@ def test_save_records_the_tree_state(repo, monkeypatch, tmp_path):
     ({"git_sha": "818909b701c3"}, "git 818909b701c3 (tree state not recorded)"),
     ({"git_sha": "818909b701c3", "git_sha_note": "filled in after the run"},
      "git 818909b701c3 (tree state not recorded; sha filled in by hand)"),
+    ({"git_sha": "a" * 40, "git_dirty": True, "git_source": "git", "git_dirty_paths": ["k.py"],
+      "git_sha_env": "b" * 40},
+     "git aaaaaaaaaaaa (dirty tree: uncommitted changes in k.py; LYNN_GIT_SHA said bbbbbbbbbbbb)"),
 ])
 def test_docs_tables_label_the_tree_state(prov, label):
     """report.py renders the provenance of each table: a figure from a dirty, unknown or hand-edited tree says so."""

@@ -22,7 +22,9 @@ def git_label(p: dict) -> str:
       ``git_dirty`` or, in files older than that field, a ``-dirty`` suffix;
     * ``(tree state unknown)``: no checkout and no ``LYNN_GIT_DIRTY``; ``(tree state not recorded)``: a file from
       before the harness recorded it; ``(sha from LYNN_GIT_SHA)``: given by the launcher, not read from git;
-      ``(sha filled in by hand)``: a file whose provenance says it was edited (``git_sha_note``).
+      ``(sha filled in by hand)``: a file whose provenance says it was edited (``git_sha_note``);
+      ``(LYNN_GIT_SHA said ...)``: the launcher named another commit than the checkout's HEAD (``git_sha_env``: a
+      copy of the tree whose ``.git`` is older than its files, as on a device machine).
     """
     sha = str(p.get("git_sha") or "unknown")
     recorded, dirty = "git_dirty" in p, p.get("git_dirty")
@@ -42,6 +44,9 @@ def git_label(p: dict) -> str:
         notes.append("sha from LYNN_GIT_SHA")
     if p.get("git_sha_note"):
         notes.append("sha filled in by hand")
+    env = str(p.get("git_sha_env") or "")
+    if env and p.get("git_source") == "git":
+        notes.append(f"LYNN_GIT_SHA said {env[:12]}")
     return f"git {short}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
