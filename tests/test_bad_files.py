@@ -239,6 +239,9 @@ CASES = [
          r"No such file or directory: '.*nonexistent\.json'"),
     Case("bench/result-not-a-result", ["bench", "--check-only", "{model}/config.json"], 1,
          r"config\.json: not a lynn bench result"),
+    Case("bench/result-from-a-card-without-a-baseline", ["bench", "--check-only", "{model}/r.json"], 1,
+         r"no perf baseline for the NVIDIA A0 at .*a0.perf_baseline\.json: make one",
+         write_file("r.json", '{"op": "decoder.x", "provenance": {"gpu": "NVIDIA A0"}, "results": []}')),
     # -- 6. configs: what the kernels divide by ------------------------------------------------------------------
     *(Case(f"generate/config-{key}={value!r}", GEN, 1, key, edit_config(**{key: value}))
       for key, value in (("rms_norm_eps", 0), ("rms_norm_eps", float("nan")), ("num_key_value_heads", 0),
