@@ -446,6 +446,8 @@ def test_perf_gate_compares_one_card_with_its_own_baseline(tmp_path):
     h100 = _bench_file(tmp_path / "h100", "decoder.x", rows, gpu="NVIDIA H100 80GB HBM3")
     with pytest.raises(ValueError, match="made on the NVIDIA H200, the results ran on the NVIDIA H100 80GB HBM3"):
         gate.check([h100], base)
+    with pytest.raises(ValueError, match="no result files"):
+        gate.check([], base)
     with pytest.raises(ValueError, match="results from several cards"):
         gate.check([_bench_file(tmp_path, "decoder.x", rows), h100], base)
     with pytest.raises(ValueError, match="no provenance.gpu"):

@@ -43,6 +43,8 @@ def card(result_files: list) -> str:
     if None in cards.values():
         raise ValueError(f"{[f for f, g in cards.items() if g is None]}: no provenance.gpu, so no card's baseline "
                          f"applies")
+    if not cards:
+        raise ValueError("no result files: a gate needs at least one")
     if len(set(cards.values())) != 1:
         raise ValueError(f"results from several cards ({cards}): a gate compares one card's timings")
     return next(iter(cards.values()))
